@@ -1,0 +1,14 @@
+"""The one exception type that reaches the user as a one-line message.
+
+Anything raised as :class:`StratumError` is bad input (config, flag, corpus, checkpoint, budget): the CLI prints
+``stratum: error: <message>`` and exits with code 2, without a traceback. Every other exception is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class StratumError(Exception):
+    """Bad input the user can fix; the message says what is wrong and what to do."""
+
+    exit_code = 2

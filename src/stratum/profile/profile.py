@@ -1,0 +1,164 @@
+"""The ``Profile`` IR: what each block of a ``BlockSeq`` costs on one device.
+
+Every planner and simulator reads this file format, so a prediction and a measurement can be put side by
+side. Times are seconds (median of several runs), sizes are bytes, all per micro-batch of
+``micro_batch`` sequences of ``seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stratum.atomic import atomic_write_json
+from stratum.errors import StratumError
+
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class BlockProfile:
+    """Measured costs of one block."""
+
+    index: int
+    """Position of the block in the BlockSeq."""
+    name: str
+    """Human-readable block name, e.g. ``embed``, ``layer.3``, ``head``."""
+    kind: str
+    """Class name of the block module."""
+    n_params: int
+    """Parameters owned by the block (a tied parameter counts in its first block only)."""
+    param_bytes: int
+    """Bytes of the block's parameters in their training dtype."""
+    grad_bytes: int
+    """Bytes of the gradients of those parameters."""
+    optim_bytes: int
+    """Bytes of optimizer state (AdamW: two fp32 moments per parameter)."""
+    act_saved_bytes: int
+    """Bytes the block saves for backward per micro-batch (parameters excluded, shared storages once)."""
+    out_bytes: int
+    """Bytes of the block's output tensor per micro-batch: what crosses a pipeline stage boundary."""
+    fwd_s: float
+    """Forward time, seconds (median)."""
+    bwd_s: float
+    """Full backward time (input and weight gradients), seconds (median)."""
+    bwd_input_s: float
+    """Backward time for the input gradient alone, seconds (median); 0 for the first block (no input grad)."""
+
+    @property
+    def bwd_weight_s(self) -> float:
+        """Weight-gradient share of the backward, seconds (full backward minus input-gradient backward)."""
+        return max(self.bwd_s - self.bwd_input_s, 0.0)
+
+
+@dataclass(kw_only=True)
+class Profile:
+    """Per-block costs of a model on one device, plus the facts needed to interpret them."""
+
+    model: str
+    """Model name (preset or source description)."""
+    device: str
+    """Device the measurements were taken on, e.g. ``cpu`` or ``cuda:0 (NVIDIA H100)``."""
+    dtype: str
+    """Parameter dtype, e.g. ``float32``."""
+    precision: str
+    """Compute precision: ``fp32`` or ``bf16`` (autocast)."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    seq_len: int
+    """Tokens per sequence."""
+    runs: int
+    """Timed runs per block (after warm-up); times are their medians."""
+    blocks: list[BlockProfile]
+    """One entry per block, in BlockSeq order."""
+    tied: list[list[str]] = field(default_factory=list)
+    """Groups of parameter names that are one tensor (e.g. embedding and head)."""
+    torch_version: str = ""
+    created: str = ""
+    format_version: int = FORMAT_VERSION
+
+    # ---- totals -------------------------------------------------------------------------------------------
+    @property
+    def n_params(self) -> int:
+        return sum(b.n_params for b in self.blocks)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)
+
+    @property
+    def train_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state, bytes."""
+        return sum(b.param_bytes + b.grad_bytes + b.optim_bytes for b in self.blocks)
+
+    @property
+    def act_saved_bytes(self) -> int:
+        return sum(b.act_saved_bytes for b in self.blocks)
+
+    @property
+    def step_s(self) -> float:
+        """Forward + backward seconds of one micro-batch through all blocks."""
+        return sum(b.fwd_s + b.bwd_s for b in self.blocks)
+
+    # ---- (de)serialisation --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        try:
+            if d.get("format_version") != FORMAT_VERSION:
+                raise StratumError(
+                    f"profile format version {d.get('format_version')!r} is not {FORMAT_VERSION}; "
+                    "re-run `stratum profile` with this version of Stratum"
+                )
+            blocks = [BlockProfile(**b) for b in d["blocks"]]
+            rest = {k: v for k, v in d.items() if k != "blocks"}
+            return cls(blocks=blocks, **rest)
+        except (KeyError, TypeError) as e:
+            raise StratumError(f"not a Stratum profile ({e}); re-run `stratum profile` to make one") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile as JSON, atomically."""
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        p = Path(path)
+        if not p.is_file():
+            raise StratumError(f"profile {p} does not exist; make one with `stratum profile --out {p}`")
+        try:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise StratumError(f"profile {p} is not valid JSON ({e}); re-run `stratum profile`") from None
+        if not isinstance(d, dict):
+            raise StratumError(f"profile {p} is not a Stratum profile; re-run `stratum profile`")
+        return cls.from_dict(d)
+
+    def table(self) -> str:
+        """The profile as a fixed-width text table, one row per block plus a total."""
+        head = f"{'#':>3} {'block':<12} {'params':>12} {'param B':>12} {'optim B':>12} {'act B':>12} " \
+               f"{'out B':>11} {'fwd ms':>9} {'bwd ms':>9} {'bwdI ms':>9}"
+        lines = [
+            f"profile of {self.model} on {self.device}: micro_batch={self.micro_batch} seq_len={self.seq_len} "
+            f"precision={self.precision} runs={self.runs}",
+            head,
+            "-" * len(head),
+        ]
+        for b in self.blocks:
+            lines.append(
+                f"{b.index:>3} {b.name:<12} {b.n_params:>12,} {b.param_bytes:>12,} {b.optim_bytes:>12,} "
+                f"{b.act_saved_bytes:>12,} {b.out_bytes:>11,} {b.fwd_s * 1e3:>9.3f} {b.bwd_s * 1e3:>9.3f} "
+                f"{b.bwd_input_s * 1e3:>9.3f}"
+            )
+        lines.append("-" * len(head))
+        lines.append(
+            f"{'':>3} {'total':<12} {self.n_params:>12,} {self.param_bytes:>12,} "
+            f"{sum(b.optim_bytes for b in self.blocks):>12,} {self.act_saved_bytes:>12,} {'':>11} "
+            f"{sum(b.fwd_s for b in self.blocks) * 1e3:>9.3f} {sum(b.bwd_s for b in self.blocks) * 1e3:>9.3f} "
+            f"{sum(b.bwd_input_s for b in self.blocks) * 1e3:>9.3f}"
+        )
+        return "\n".join(lines)
