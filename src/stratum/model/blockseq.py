@@ -1,0 +1,131 @@
+"""``BlockSeq``: the model IR every engine runs.
+
+A model is an ordered list of blocks; block ``i`` takes exactly one tensor (the output of block ``i-1``, or the
+token ids for block 0) and returns one tensor. A loss function turns the last block's output and the targets
+into a scalar. Parameters that are one tensor in several blocks (an embedding tied to the output head) are
+listed in ``tied`` so that engines which place blocks on different devices or chunks can place them once and
+sum their gradients. Keeping the IR this narrow is what lets the offload engine stream blocks, the pipeline
+engine cut them into stages and the profiler measure them one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+import torch.nn.functional as F
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def lm_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T); fp32 for stability."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One tensor that appears under several names; ``names[0]`` is its canonical (owning) name."""
+
+    names: tuple[str, ...]
+
+    @property
+    def owner(self) -> str:
+        return self.names[0]
+
+
+@dataclass(kw_only=True)
+class ModelInfo:
+    """Architecture facts engines and metrics need without inspecting modules."""
+
+    name: str
+    """Model name (preset, HF model type, or a description)."""
+    vocab_size: int = 0
+    """Size of the token vocabulary; 0 when the model does not consume token ids."""
+    max_seq_len: int = 0
+    """Longest sequence the model accepts; 0 for no limit."""
+    n_layer: int = 0
+    d_model: int = 0
+    extra: dict = field(default_factory=dict)
+    """Source-specific facts that identify the architecture (used in checkpoint fingerprints)."""
+
+
+class BlockSeq(nn.Module):
+    """An ordered sequence of single-tensor blocks plus a loss; tied parameters explicit.
+
+    Parameter names are ``blocks.<i>.<name in block>``. A parameter object that appears in several blocks is
+    detected by identity and recorded as a :class:`TiedGroup` (first occurrence owns it).
+    """
+
+    def __init__(self, blocks: list[nn.Module], loss_fn: LossFn, info: ModelInfo,
+                 block_names: list[str] | None = None):
+        super().__init__()
+        if not blocks:
+            raise ValueError("a BlockSeq needs at least one block")
+        self.blocks = nn.ModuleList(blocks)
+        self.loss_fn = loss_fn
+        self.info = info
+        self.block_names = list(block_names) if block_names else [f"block.{i}" for i in range(len(blocks))]
+        if len(self.block_names) != len(blocks):
+            raise ValueError("block_names must name every block")
+        self.tied = self._find_tied()
+
+    # ---- structure ----------------------------------------------------------------------------------------
+    def _find_tied(self) -> list[TiedGroup]:
+        seen: dict[int, list[str]] = {}
+        for i, block in enumerate(self.blocks):
+            for name, p in block.named_parameters(remove_duplicate=False):
+                seen.setdefault(id(p), []).append(f"blocks.{i}.{name}")
+        return [TiedGroup(tuple(names)) for names in seen.values() if len(names) > 1]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def block_param_names(self, i: int) -> list[str]:
+        """Canonical names of the parameters block ``i`` uses (tied ones under their owner's name)."""
+        alias = {n: g.owner for g in self.tied for n in g.names}
+        out = []
+        for name, _ in self.blocks[i].named_parameters(remove_duplicate=False):
+            full = f"blocks.{i}.{name}"
+            out.append(alias.get(full, full))
+        return out
+
+    def owned_parameters(self, i: int) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters whose canonical (owning) name lies in block ``i``: each tensor counted exactly once."""
+        non_owner = {n for g in self.tied for n in g.names[1:]}
+        for name, p in self.blocks[i].named_parameters(remove_duplicate=False):
+            full = f"blocks.{i}.{name}"
+            if full not in non_owner:
+                yield full, p
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- compute -------------------------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        """Scalar mean loss of inputs ``x`` against targets ``y``."""
+        return self.loss_fn(self(x), y)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6·N plus attention where the source knows it."""
+        attn = 0.0
+        if self.info.n_layer and self.info.d_model:
+            # causal self-attention: QK^T and AV, 2 matmuls × 2 FLOPs × T × d per token, ×3 for fwd+bwd
+            attn = 12.0 * self.info.n_layer * self.info.d_model * seq_len
+        return 6.0 * self.num_params() + attn
+
+    def fingerprint(self) -> dict:
+        """What identifies this architecture: info plus every canonical parameter's name and shape."""
+        return {
+            "name": self.info.name,
+            "vocab_size": self.info.vocab_size,
+            "extra": self.info.extra,
+            "params": {n: list(p.shape) for n, p in self.named_parameters()},
+        }

@@ -1,0 +1,160 @@
+"""Stratum's own GPT: a pre-LN causal transformer with a weight-tied head, as a ``BlockSeq``.
+
+Blocks: ``embed`` (token + position embedding), ``layer.0 … layer.{L-1}`` (attention + MLP), ``head`` (final
+LayerNorm + projection with the embedding's weight). Each block is initialised from its own generator seeded
+by (seed, block index), so any process can build any block by itself and get the same weights: the pipeline
+and offload engines rely on this to materialise only the blocks they hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTShape:
+    """Architecture of a GPT preset."""
+
+    n_layer: int
+    n_head: int
+    d_model: int
+    max_seq_len: int
+    vocab_size: int | None
+    """Preset vocabulary; None means "the tokenizer's"."""
+
+
+PRESETS: dict[str, GPTShape] = {
+    # test- and laptop-sized, vocabulary from the tokenizer
+    "tiny": GPTShape(n_layer=2, n_head=2, d_model=64, max_seq_len=256, vocab_size=None),
+    "mini": GPTShape(n_layer=4, n_head=4, d_model=128, max_seq_len=512, vocab_size=None),
+    "small": GPTShape(n_layer=6, n_head=6, d_model=384, max_seq_len=1024, vocab_size=None),
+    # the GPT-2 family (Radford et al. 2019), vocabulary 50257
+    "gpt2-124m": GPTShape(n_layer=12, n_head=12, d_model=768, max_seq_len=1024, vocab_size=50257),
+    "gpt2-355m": GPTShape(n_layer=24, n_head=16, d_model=1024, max_seq_len=1024, vocab_size=50257),
+    "gpt2-774m": GPTShape(n_layer=36, n_head=20, d_model=1280, max_seq_len=1024, vocab_size=50257),
+    "gpt2-1.5b": GPTShape(n_layer=48, n_head=25, d_model=1600, max_seq_len=1024, vocab_size=50257),
+    # GPT-3 paper shapes (Brown et al. 2020, table 2.1)
+    "gpt-2.7b": GPTShape(n_layer=32, n_head=32, d_model=2560, max_seq_len=2048, vocab_size=50257),
+    "gpt-6.7b": GPTShape(n_layer=32, n_head=32, d_model=4096, max_seq_len=2048, vocab_size=50257),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def gpt_param_count(shape: GPTShape, vocab_size: int) -> int:
+    """Exact parameter count of :func:`build_gpt` for a shape (the head is tied, so it adds only ln_f)."""
+    d, L = shape.d_model, shape.n_layer
+    embed = vocab_size * d + shape.max_seq_len * d
+    layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    head = 2 * d
+    return embed + L * layer + head
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab_size: int, max_seq_len: int, d_model: int, dropout: float):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.size(1)
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class Layer(nn.Module):
+    """Pre-LN transformer layer: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc_out = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output projection, sharing the token embedding's weight."""
+
+    def __init__(self, d_model: int, tied_weight: nn.Parameter):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(d_model)
+        self.weight = tied_weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.ln_f(x), self.weight)
+
+
+def init_gpt_block(seq: BlockSeq, i: int, seed: int) -> None:
+    """(Re)initialise block ``i`` of a GPT BlockSeq from (seed, i) alone (GPT-2 scheme: N(0, 0.02) weights,
+    residual projections scaled by 1/sqrt(2L), zero biases, LayerNorm (1, 0)). The head's tied weight is a
+    bare parameter, left to the embedding block that owns it."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    resid_std = 0.02 / math.sqrt(2 * seq.info.n_layer)
+    with torch.no_grad():
+        for name, m in seq.blocks[i].named_modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                std = resid_std if name in ("proj", "fc_out") else 0.02
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+
+
+def build_gpt(preset: str, *, vocab_size: int | None, seed: int, dropout: float = 0.0,
+              device: torch.device | str = "cpu", max_seq_len: int | None = None) -> BlockSeq:
+    """Build a GPT preset as a BlockSeq.
+
+    ``vocab_size`` None takes the preset's; a preset without one needs it given. On the ``meta`` device no
+    memory is allocated and no initialisation runs (the profiler and offload engine materialise blocks later).
+    """
+    if preset not in PRESETS:
+        raise StratumError(f"unknown GPT preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    shape = PRESETS[preset]
+    vocab = vocab_size or shape.vocab_size
+    if not vocab:
+        raise StratumError(f"preset {preset!r} takes its vocabulary from the tokenizer; give model.vocab_size")
+    if shape.d_model % shape.n_head:
+        raise AssertionError("preset with d_model not divisible by n_head")
+    ctx = max_seq_len or shape.max_seq_len
+    with torch.device(device):
+        embed = Embed(vocab, ctx, shape.d_model, dropout)
+        blocks: list[nn.Module] = [embed]
+        blocks += [Layer(shape.d_model, shape.n_head, dropout) for _ in range(shape.n_layer)]
+        blocks.append(Head(shape.d_model, embed.tok.weight))
+    names = ["embed"] + [f"layer.{i}" for i in range(shape.n_layer)] + ["head"]
+    info = ModelInfo(name=preset, vocab_size=vocab, max_seq_len=ctx, n_layer=shape.n_layer,
+                     d_model=shape.d_model,
+                     extra={"source": "gpt", "n_head": shape.n_head, "dropout": dropout})
+    seq = BlockSeq(blocks, lm_cross_entropy, info, names)
+    if torch.device(device).type != "meta":
+        for i in range(len(seq)):
+            init_gpt_block(seq, i, seed)
+    return seq
