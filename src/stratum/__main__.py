@@ -1,0 +1,5 @@
+import sys
+
+from stratum.cli import main
+
+sys.exit(main())

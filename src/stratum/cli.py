@@ -1,0 +1,115 @@
+"""``stratum``: the command line.
+
+Runbook
+-------
+One process, the built-in default (a small GPT on this Python's standard-library sources)::
+
+    stratum train                                   # prints progress, ends with a summary
+    stratum train --config configs/gpt2-124m.toml --set train.steps=500 --set optim.lr=6e-4
+    stratum train --dry-run                         # resolved config, derived values, model size; no training
+    stratum profile --set model.preset=gpt2-124m --out profile.json
+    stratum config                                  # every config key, its default and what it does
+
+A run writes ``<out_dir>/metrics.jsonl`` (a JSON object per step), ``summary.json``, ``config.toml`` and
+``checkpoints/``; running the same command again resumes from the last checkpoint (bit-exact).
+
+N processes and clusters: the engines of this version run in one process; the pipeline and data-parallel
+engines spawn their local processes themselves and work under ``torchrun`` with its rendezvous
+(``torchrun --nnodes M --nproc_per_node N -m stratum train ...``).
+
+Bad input (unknown key, wrong type, missing corpus, unwritable out_dir, incompatible checkpoint) prints
+``stratum: error: ...`` and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stratum.errors import StratumError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml", help="TOML config file (defaults apply to what it omits)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config field (repeatable), e.g. --set train.steps=100")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stratum", description="Train large models, and many of them, on the "
+                                     "devices you have.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model (default: a small GPT on the standard library's sources)")
+    _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and model, then exit")
+    p.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="stop after this many completed steps (with a checkpoint); resume later")
+
+    p = sub.add_parser("profile", help="measure each block's time and bytes; write a Profile JSON")
+    _add_config_args(p)
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per block; the median is kept (default: 5)")
+
+    sub.add_parser("config", help="list every config key with its default and description")
+
+    try:
+        from stratum.schedule.cli import add_parser as add_schedule
+    except ImportError:
+        pass
+    else:
+        add_schedule(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stratum.config import describe, load_config
+
+    if args.command == "config":
+        print(describe())
+        return 0
+    if args.command == "schedule":
+        from stratum.schedule.cli import run as run_schedule
+        return run_schedule(args)
+
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "train":
+        if args.stop_at is not None and args.stop_at < 1:
+            raise StratumError("--stop-at must be ≥ 1")
+        if args.dry_run:
+            from stratum.train.dryrun import dry_run
+            dry_run(cfg)
+            return 0
+        from stratum.train.trainer import train
+        train(cfg, stop_at=args.stop_at)
+        return 0
+    if args.command == "profile":
+        if args.runs < 1:
+            raise StratumError("--runs must be ≥ 1")
+        from stratum.profile.profiler import profile_from_config
+        prof = profile_from_config(cfg, runs=args.runs)
+        prof.save(args.out)
+        print(prof.table())
+        print(f"wrote {args.out}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["train", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return _run(args)
+    except StratumError as e:
+        print(f"stratum: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Typed run configuration: TOML file + ``--set section.key=value`` overrides, validated once at the edge.
+
+Every field is a keyword-only dataclass field with a docstring (``stratum config`` prints them all). Values
+derived from several fields (tokens per step, global batch) are computed in :class:`Config` only, and printed
+at start. Validation turns every mistake into a :class:`~stratum.errors.StratumError` that names the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratum.errors import StratumError
+
+SOURCES = ("gpt", "sequential", "hf")
+TOKENIZERS = ("byte", "bpe")
+PRECISIONS = ("fp32", "bf16")
+ENGINES = ("plain",)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    source: str = "gpt"
+    """Where the model comes from: gpt (Stratum's own), sequential (an nn.Sequential factory), hf (transformers)."""
+    preset: str = "mini"
+    """GPT preset (source = gpt): tiny, mini, small, gpt2-124m, gpt2-355m, gpt2-774m, gpt2-1.5b, gpt-2.7b, gpt-6.7b."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the preset's (GPT-2 family: 50257) or else the tokenizer's."""
+    dropout: float = 0.0
+    """Dropout probability in [0, 1) (gpt and hf sources)."""
+    factory: str = "stratum.model.sequential:example_lm"
+    """source = sequential: 'package.module:function' called as f(vocab_size=V, seq_len=T) -> nn.Sequential."""
+    hf_path: str = ""
+    """source = hf: a local config.json or model directory (weights loaded if present, else random init)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    corpus: str = "stdlib"
+    """A text file, a directory of text files, or 'stdlib' (this Python's standard-library sources)."""
+    tokenizer: str = "byte"
+    """byte (256 tokens, nothing to train) or bpe (byte-level BPE trained locally on the corpus)."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size of the BPE tokenizer (tokenizer = bpe)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    val_fraction: float = 0.05
+    """Share of the corpus (its end) held out for the eval loss, in [0, 0.5]."""
+    cache_dir: str = ""
+    """Where token caches and trained tokenizers live; empty = ~/.cache/stratum (or $XDG_CACHE_HOME/stratum)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 2e-3
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps of the whole run (the cosine schedule ends here)."""
+    micro_batch_size: int = 16
+    """Sequences per micro-batch (one forward/backward)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    seed: int = 1337
+    """Seeds weights, data order and dropout."""
+    precision: str = "fp32"
+    """fp32, or bf16 (autocast; weights and optimizer state stay fp32)."""
+    device: str = "auto"
+    """auto (cuda if present, else cpu), cpu, cuda, or cuda:N."""
+    engine: str = "plain"
+    """Execution engine: plain (the single-process reference)."""
+    eval_interval: int = 50
+    """Compute the eval loss every this many steps (and at the end); 0 = only at the end."""
+    eval_batches: int = 4
+    """Micro-batches per eval (the same ones every time)."""
+    log_interval: int = 10
+    """Print a progress line every this many steps when not on a terminal (metrics.jsonl gets every step)."""
+    ckpt_interval: int = 0
+    """Save a checkpoint every this many steps; 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """How many most recent checkpoints to keep (at least 1)."""
+    out_dir: str = "runs/default"
+    """Where metrics.jsonl, summary.json and checkpoints/ go."""
+    resume: bool = True
+    """Continue from the latest checkpoint in out_dir if there is one."""
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole run's configuration; build it with :func:`load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ---- derived values: computed here and nowhere else ---------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro_batch_size × grad_accum."""
+        return self.train.micro_batch_size * self.train.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.data.seq_len
+
+    @property
+    def cache_dir(self) -> Path:
+        if self.data.cache_dir:
+            return Path(self.data.cache_dir).expanduser()
+        import os
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "stratum"
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def derived_summary(self) -> str:
+        t = self.train
+        return (f"global batch = {t.micro_batch_size} (micro) × {t.grad_accum} (accum) = {self.global_batch} "
+                f"sequences; tokens/step = {self.global_batch} × {self.data.seq_len} = {self.tokens_per_step:,}; "
+                f"total tokens = {self.tokens_per_step * t.steps:,}")
+
+    # ---- validation ---------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        m, d, o, t = self.model, self.data, self.optim, self.train
+        _choice("model.source", m.source, SOURCES)
+        if m.source == "gpt":
+            from stratum.model.gpt import PRESETS
+            _choice("model.preset", m.preset, tuple(PRESETS))
+        if m.source == "hf" and not m.hf_path:
+            raise StratumError("model.source = 'hf' needs model.hf_path (a config.json or a model directory)")
+        _check("model.vocab_size", m.vocab_size >= 0, "must be ≥ 0 (0 = preset's or tokenizer's)")
+        _check("model.dropout", 0.0 <= m.dropout < 1.0, "must be in [0, 1)")
+        _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+        _check("data.bpe_vocab_size", 257 <= d.bpe_vocab_size <= 1_000_000, "must be in [257, 1000000]")
+        _check("data.seq_len", d.seq_len >= 1, "must be ≥ 1")
+        _check("data.val_fraction", 0.0 <= d.val_fraction <= 0.5, "must be in [0, 0.5]")
+        if t.eval_interval and d.val_fraction == 0:
+            raise StratumError("data.val_fraction = 0 leaves nothing to evaluate; "
+                               "set data.val_fraction > 0 or train.eval_interval = 0")
+        _check("optim.lr", o.lr > 0, "must be > 0")
+        _check("optim.min_lr", 0 <= o.min_lr <= o.lr, "must be in [0, optim.lr]")
+        _check("optim.warmup_steps", o.warmup_steps >= 0, "must be ≥ 0")
+        _check("optim.weight_decay", o.weight_decay >= 0, "must be ≥ 0")
+        _check("optim.beta1", 0 <= o.beta1 < 1, "must be in [0, 1)")
+        _check("optim.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)")
+        _check("optim.eps", o.eps > 0, "must be > 0")
+        _check("optim.grad_clip", o.grad_clip >= 0, "must be ≥ 0 (0 disables clipping)")
+        _check("train.steps", t.steps >= 1, "must be ≥ 1")
+        _check("train.micro_batch_size", t.micro_batch_size >= 1, "must be ≥ 1")
+        _check("train.grad_accum", t.grad_accum >= 1, "must be ≥ 1")
+        _check("train.seed", t.seed >= 0, "must be ≥ 0")
+        _choice("train.precision", t.precision, PRECISIONS)
+        if not (t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit())):
+            raise StratumError(f"train.device = {t.device!r} is not auto, cpu, cuda or cuda:N")
+        _choice("train.engine", t.engine, ENGINES)
+        for key in ("eval_interval", "ckpt_interval"):
+            _check(f"train.{key}", getattr(t, key) >= 0, "must be ≥ 0 (0 = only at the end)")
+        _check("train.eval_batches", t.eval_batches >= 1, "must be ≥ 1")
+        _check("train.log_interval", t.log_interval >= 1, "must be ≥ 1")
+        _check("train.keep_checkpoints", t.keep_checkpoints >= 1, "must be ≥ 1")
+        _check("train.out_dir", bool(t.out_dir.strip()), "must not be empty")
+
+
+def _check(key: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise StratumError(f"{key} {what}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise StratumError(f"{key} = {value!r} is not one of: {', '.join(choices)}")
+
+
+# ---- building a Config from TOML and --set --------------------------------------------------------------
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Check one value against its field type; ints are accepted for floats."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise StratumError(f"{key} must be true or false, got {value!r}")
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise StratumError(f"{key} must be an integer, got {value!r}")
+    if not isinstance(value, typ):
+        raise StratumError(f"{key} must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = {"str": str, "int": int, "float": float, "bool": bool}
+    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in dataclasses.fields(cls)}
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    if section not in SECTIONS:
+        raise StratumError(f"{where}: unknown section [{section}]{_suggest(section, SECTIONS)}; "
+                           f"sections are: {', '.join(SECTIONS)}")
+    types = _field_types(SECTIONS[section])
+    if key not in types:
+        raise StratumError(f"{where}: unknown key {section}.{key}{_suggest(key, types)}; "
+                           f"run `stratum config` to list every key")
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, types[key]))
+
+
+def parse_set(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` → (section, key, value); the value is read as TOML, else as a bare string."""
+    lhs, sep, raw = item.partition("=")
+    section, dot, key = lhs.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise StratumError(f"--set {item!r} must look like section.key=value, e.g. train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults ← TOML file ← ``--set`` overrides, then validation. Raises StratumError on any mistake."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise StratumError(f"config file {p} does not exist")
+        try:
+            doc = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise StratumError(f"config file {p} is not valid TOML: {e}") from None
+        for section, table in doc.items():
+            if not isinstance(table, dict):
+                raise StratumError(f"{p}: top-level key {section!r} must be a [section]; "
+                                   f"sections are: {', '.join(SECTIONS)}")
+            for key, value in table.items():
+                _apply(cfg, section, key, value, str(p))
+    for item in overrides:
+        section, key, value = parse_set(item)
+        if section in SECTIONS and _field_types(SECTIONS[section]).get(key) is str and not isinstance(value, str):
+            value = item.partition("=")[2].strip()  # --set data.corpus=123 means the string "123"
+        _apply(cfg, section, key, value, "--set")
+    cfg.validate()
+    return cfg
+
+
+def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with ``to_dict`` (checkpoints); unknown keys are errors."""
+    cfg = Config()
+    for section, table in d.items():
+        for key, value in table.items():
+            _apply(cfg, section, key, value, "checkpoint config")
+    return cfg
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (read from the source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def describe() -> str:
+    """Every key with its type, default and docstring, as TOML comments and values."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default
+            lines.append(f"# {docs.get(f.name, '')}")
+            lines.append(f"{f.name} = {_toml_value(default)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to out_dir/config.toml so a run can be repeated)."""
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,72 @@
+"""Tokenizers that need no download: bytes (vocabulary 256), or a byte-level BPE trained locally.
+
+The BPE is trained with the ``tokenizers`` package on the run's own corpus and stored beside the token cache,
+so a second run (or a resumed one) reuses the same merges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import numpy as np
+
+from stratum.atomic import atomic_write_text
+from stratum.errors import StratumError
+
+
+class Tokenizer(Protocol):
+    name: str
+    """Identifies the tokenizer and its vocabulary (part of the token-cache key)."""
+    vocab_size: int
+
+    def encode(self, data: bytes) -> np.ndarray: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Each byte is a token: lossless on any input, nothing to train."""
+
+    name = "byte"
+    vocab_size = 256
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """Byte-level BPE from the ``tokenizers`` package, trained on the corpus on first use."""
+
+    def __init__(self, tok, path: Path):
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.name = f"bpe-{self.vocab_size}-{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+
+    @classmethod
+    def train_or_load(cls, path: Path, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+        try:
+            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        except ImportError:
+            raise StratumError("data.tokenizer = 'bpe' needs the tokenizers package: "
+                               "pip install 'stratum[bpe]'") from None
+        if not path.exists():
+            tok = HFTokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+            tok.train_from_iterator(texts, trainer=trainer)
+            atomic_write_text(path, tok.to_str())
+        return cls(HFTokenizer.from_file(str(path)), path)
+
+    def encode(self, data: bytes) -> np.ndarray:
+        ids = self._tok.encode(data.decode("utf-8", errors="replace")).ids
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])

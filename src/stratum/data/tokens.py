@@ -1,0 +1,110 @@
+"""Token cache (a memory-mapped file per corpus × tokenizer) and the batch sampler.
+
+Batches are a pure function of (seed, step): the sequences of step ``s`` start at offsets drawn from a generator
+seeded with ``[seed, split, s]``, so a resumed run, or a run on another engine or another number of processes,
+sees exactly the batches the reference run saw. The last ``val_fraction`` of the tokens is the validation split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stratum.atomic import atomic_write_json
+from stratum.data.corpus import Corpus
+from stratum.data.tokenizer import Tokenizer
+from stratum.errors import StratumError
+
+TRAIN, VAL = 0, 1
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
+
+
+def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> np.memmap:
+    """Tokenize the corpus once into ``cache_dir`` and memory-map the result (read-only)."""
+    key = f"{tokenizer.name}-{corpus.fingerprint()}"
+    path = cache_dir / f"tokens-{key}.bin"
+    meta_path = path.with_suffix(".json")
+    dtype = _token_dtype(tokenizer.vocab_size)
+    if not (path.exists() and meta_path.exists()):
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            n = 0
+            with tmp.open("wb") as fh:
+                for data in corpus.iter_bytes():
+                    ids = tokenizer.encode(data + b"\n")
+                    fh.write(np.asarray(ids, dtype=dtype).tobytes())
+                    n += len(ids)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise StratumError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
+                               "set data.cache_dir to a writable directory") from None
+        atomic_write_json(meta_path, {"tokens": n, "dtype": dtype.name, "tokenizer": tokenizer.name,
+                                      "corpus": corpus.spec, "files": len(corpus.files)})
+    meta = json.loads(meta_path.read_text())
+    if meta["tokens"] == 0:
+        raise StratumError(f"data.corpus {corpus.spec!r} gave no tokens")
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
+
+
+@dataclass
+class Batch:
+    """One micro-batch: inputs ``x`` and next-token targets ``y``, both (B, T) int64 on the CPU."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.y.numel()
+
+
+class BatchSampler:
+    """Random windows of ``seq_len + 1`` tokens, addressed by (split, step, row)."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int, val_fraction: float):
+        n_val = int(len(tokens) * val_fraction)
+        self.splits = (tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:])
+        self.seq_len = seq_len
+        self.seed = seed
+        need = seq_len + 1
+        for name, split in zip(("training", "validation"), self.splits):
+            if name == "validation" and val_fraction == 0:
+                continue
+            if len(split) < need:
+                raise StratumError(
+                    f"the corpus' {name} split has {len(split)} tokens, fewer than one sequence "
+                    f"(data.seq_len + 1 = {need}); use a larger corpus, a shorter data.seq_len"
+                    + (", or a larger data.val_fraction" if name == "validation" else "")
+                )
+
+    def offsets(self, split: int, step: int, n: int) -> np.ndarray:
+        """Start offsets of the ``n`` sequences of ``step``: depends on (seed, split, step) only."""
+        rng = np.random.default_rng([self.seed, split, step])
+        return rng.integers(0, len(self.splits[split]) - self.seq_len, size=n)
+
+    def batch(self, split: int, step: int, n: int) -> Batch:
+        """All ``n`` sequences of ``step`` as one batch."""
+        data = self.splits[split]
+        rows = np.stack([np.asarray(data[o: o + self.seq_len + 1], dtype=np.int64)
+                         for o in self.offsets(split, step, n)])
+        t = torch.from_numpy(rows)
+        return Batch(x=t[:, :-1].contiguous(), y=t[:, 1:].contiguous())
+
+    def micro_batches(self, split: int, step: int, micro_batch: int, count: int) -> list[Batch]:
+        """The global batch of ``step`` (``micro_batch × count`` rows) cut into ``count`` micro-batches.
+
+        Row ``r`` is the same whatever the cut, so engines that split the global batch differently (more
+        accumulation steps, several data-parallel ranks) still see the same sequences.
+        """
+        full = self.batch(split, step, micro_batch * count)
+        return [Batch(x=full.x[i * micro_batch:(i + 1) * micro_batch],
+                      y=full.y[i * micro_batch:(i + 1) * micro_batch]) for i in range(count)]

@@ -1,0 +1,46 @@
+"""Build the ``BlockSeq`` a config asks for, from any of the three sources."""
+
+from __future__ import annotations
+
+import torch
+
+from stratum.config import ModelConfig
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+
+
+def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: int,
+                device: torch.device | str = "cpu") -> BlockSeq:
+    """The configured model, initialised from ``seed`` (``device='meta'`` allocates nothing).
+
+    The model's vocabulary must cover the tokenizer's, and its context the training sequence length.
+    """
+    if cfg.source == "gpt":
+        from stratum.model.gpt import PRESETS, build_gpt
+        vocab = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or tokenizer_vocab
+        _check_vocab(vocab, tokenizer_vocab)
+        if seq_len > PRESETS[cfg.preset].max_seq_len:
+            raise StratumError(f"data.seq_len = {seq_len} exceeds preset {cfg.preset!r}'s context of "
+                               f"{PRESETS[cfg.preset].max_seq_len}")
+        return build_gpt(cfg.preset, vocab_size=vocab, seed=seed, dropout=cfg.dropout, device=device)
+    if cfg.source == "sequential":
+        from stratum.model.sequential import build_sequential
+        vocab = cfg.vocab_size or tokenizer_vocab
+        _check_vocab(vocab, tokenizer_vocab)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return build_sequential(cfg.factory, vocab_size=vocab, seq_len=seq_len)
+    if cfg.source == "hf":
+        from stratum.model.hf import build_hf
+        seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout if cfg.dropout else None, device=device)
+        _check_vocab(seq.info.vocab_size, tokenizer_vocab)
+        if seq.info.max_seq_len and seq_len > seq.info.max_seq_len:
+            raise StratumError(f"data.seq_len = {seq_len} exceeds the model's context of {seq.info.max_seq_len}")
+        return seq
+    raise StratumError(f"model.source = {cfg.source!r} is not one of: gpt, sequential, hf")
+
+
+def _check_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
+    if model_vocab < tokenizer_vocab:
+        raise StratumError(f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's "
+                           f"({tokenizer_vocab}); raise model.vocab_size or use a smaller tokenizer")

@@ -1,0 +1,67 @@
+"""Device choice and memory readings that work the same with and without a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+
+import torch
+
+from stratum.errors import StratumError
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → cuda if present else cpu; an unavailable cuda is an error, not a silent fallback."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StratumError(f"train.device = {spec!r} but this machine has no usable CUDA GPU; "
+                               "use train.device = 'cpu' or 'auto'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise StratumError(f"train.device = {spec!r} but only {torch.cuda.device_count()} GPU(s) exist")
+    return dev
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on the device when asked; a no-op context for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now, bytes (Linux /proc; falls back to the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of the training device: CUDA allocator peak on a GPU, peak process RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock timings mean something on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"

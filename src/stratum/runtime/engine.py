@@ -1,0 +1,78 @@
+"""The engine seam: what the trainer asks of every way of executing a model.
+
+An engine owns the model's placement, the forward/backward of a whole optimizer step (all its micro-batches)
+and the optimizer update, because the engines that come after the plain one need exactly that freedom: the
+offload engine updates a chunk as soon as its gradients are complete, the pipeline engine interleaves
+micro-batches across ranks. The trainer only hands over micro-batches and a learning rate and gets a loss
+back, so the loop, metrics and checkpoints are the same for every engine.
+
+State crosses the seam in a placement-independent form (:class:`TrainState`: full fp32 tensors keyed by the
+BlockSeq's canonical parameter names), so a checkpoint written under one engine resumes under another.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from stratum.data.tokens import Batch
+
+
+@dataclass(kw_only=True)
+class OptimSpec:
+    """AdamW hyper-parameters except the learning rate, which the trainer passes every step."""
+
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    """Global gradient-norm clip; 0 disables."""
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    loss: float
+    """Mean loss over the step's micro-batches."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Everything an engine must save and restore, independent of where tensors live."""
+
+    params: dict[str, torch.Tensor]
+    """Canonical parameter name → tensor (CPU)."""
+    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Canonical parameter name → AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``) on the CPU."""
+
+
+class Engine(abc.ABC):
+    """Executes training steps of a BlockSeq; see the module docstring for the contract."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        """Forward and backward over all ``micro_batches`` (gradients averaged), clip, one AdamW update."""
+
+    @abc.abstractmethod
+    def eval_loss(self, batches: list[Batch]) -> float:
+        """Mean loss over ``batches`` without gradients, in eval mode."""
+
+    @abc.abstractmethod
+    def state(self) -> TrainState:
+        """The current parameters and optimizer state, on the CPU."""
+
+    @abc.abstractmethod
+    def load_state(self, state: TrainState) -> None:
+        """Restore what :meth:`state` returned (possibly from another engine)."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """Byte counters worth logging (e.g. ``peak_device_bytes``); empty if the engine has none."""
+        return {}
+
+    def close(self) -> None:
+        """Release threads, files and process groups."""

@@ -1,0 +1,295 @@
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, Hanayo wave, and zero-bubble (split backward) variants.
+
+Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < P) and returns a validated
+:class:`Schedule`. Two construction methods are used:
+
+- *Merge* (GPipe, 1F1B, interleaved): each rank has a forward order and a backward order; it runs ``warmup``
+  forwards, then alternates one forward and one backward, then drains the backwards. GPipe is warmup = all.
+  This reproduces the textbook (Megatron) schedules exactly, so their closed-form bubbles hold.
+- *List scheduling* (wave, ZB variants): an event simulation with unit costs (F=1, B=2, I=1, W=1, free
+  messages) where a rank that falls idle picks, among the actions whose inputs are ready, a backward first
+  (it unblocks the rank upstream and frees memory), else a forward if the rank holds fewer than its limit of
+  live activations, else a deferred weight-gradient W (bubble filler). The order in which the actions ran is
+  the schedule, so it is deadlock-free by construction, whatever the real costs turn out to be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from stratum.errors import StratumError
+from stratum.schedule.ir import Action, Schedule
+from stratum.schedule.validate import _deadlock, validate
+
+
+def _check_pm(ranks: int, microbatches: int) -> None:
+    if not isinstance(ranks, int) or ranks < 1:
+        raise StratumError(f"ranks must be an integer >= 1, got {ranks!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise StratumError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+
+
+def _merge(f_orders: Sequence[Sequence[Action]], b_orders: Sequence[Sequence[Action]],
+           warmups: Sequence[int]) -> list[list[Action]]:
+    """Per rank: ``warmup`` forwards, then (F, B) pairs while forwards remain, then the remaining backwards."""
+    out = []
+    for fs, bs, w in zip(f_orders, b_orders, warmups):
+        w = min(w, len(fs))
+        acts = list(fs[:w])
+        fi, bi = w, 0
+        while fi < len(fs):
+            acts.append(fs[fi])
+            fi += 1
+            acts.append(bs[bi])
+            bi += 1
+        acts.extend(bs[bi:])
+        out.append(acts)
+    return out
+
+
+def gpipe(ranks: int, microbatches: int) -> Schedule:
+    """GPipe: all forwards, then all backwards (latest micro-batch first). Rank r holds stage r."""
+    _check_pm(ranks, microbatches)
+    P, m = ranks, microbatches
+    fs = [[Action("F", r, k) for k in range(m)] for r in range(P)]
+    bs = [[Action("B", r, k) for k in reversed(range(m))] for r in range(P)]
+    s = Schedule(name="gpipe", stage_to_rank=tuple(range(P)), num_microbatches=m,
+                 actions=_merge(fs, bs, [m] * P))
+    validate(s)
+    return s
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): rank r runs P-r-1 warm-up forwards, then alternates F and B, then drains."""
+    _check_pm(ranks, microbatches)
+    P, m = ranks, microbatches
+    fs = [[Action("F", r, k) for k in range(m)] for r in range(P)]
+    bs = [[Action("B", r, k) for k in range(m)] for r in range(P)]
+    s = Schedule(name="1f1b", stage_to_rank=tuple(range(P)), num_microbatches=m,
+                 actions=_merge(fs, bs, [P - r - 1 for r in range(P)]))
+    validate(s)
+    return s
+
+
+def _virtual_order(m: int, v: int, group: int, reverse_chunks: bool) -> list[tuple[int, int]]:
+    """Megatron's (chunk, mb) order: micro-batches in groups of ``group``; each group runs through every
+    chunk before the next group starts. The last group may be smaller (m not a multiple of ``group``)."""
+    order = []
+    for g0 in range(0, m, group):
+        mbs = range(g0, min(g0 + group, m))
+        for c in range(v):
+            cc = v - 1 - c if reverse_chunks else c
+            order.extend((cc, k) for k in mbs)
+    return order
+
+
+def _smallest_safe_warmup(name: str, stage_to_rank: tuple[int, ...], m: int, f_orders, b_orders,
+                          warmups: list[int]) -> Schedule:
+    """Build the merged schedule, raising the warm-up of every rank by one until it cannot deadlock.
+
+    The textbook warm-ups are deadlock-free when m is a multiple of P; for other m a partial group can need a
+    longer warm-up. Warm-up = all forwards (GPipe-like) is always safe, so the loop ends.
+    """
+    n_f = [len(f) for f in f_orders]
+    while True:
+        s = Schedule(name=name, stage_to_rank=stage_to_rank, num_microbatches=m,
+                     actions=_merge(f_orders, b_orders, warmups))
+        try:
+            _deadlock(s)
+            validate(s)
+            return s
+        except StratumError:
+            if all(w >= n for w, n in zip(warmups, n_f)):
+                raise
+            warmups = [min(w + 1, n) for w, n in zip(warmups, n_f)]
+
+
+def interleaved(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron): ``virtual`` stages per rank, stage s on rank s % P.
+
+    Rank r warms up with 2(P-r-1) + (v-1)P forwards (Megatron's count), then alternates. Micro-batches go
+    through the chunks in groups of P; with m not a multiple of P the last group is smaller and the warm-up
+    grows just enough to stay deadlock-free (the closed-form bubble then no longer holds exactly).
+    """
+    _check_pm(ranks, microbatches)
+    if not isinstance(virtual, int) or virtual < 1:
+        raise StratumError(f"virtual (stages per rank) must be an integer >= 1, got {virtual!r}")
+    P, m, v = ranks, microbatches, virtual
+    stage_to_rank = tuple(s % P for s in range(P * v))
+    group = min(P, m)
+    fs = [[Action("F", c * P + r, k) for c, k in _virtual_order(m, v, group, False)] for r in range(P)]
+    bs = [[Action("B", c * P + r, k) for c, k in _virtual_order(m, v, group, True)] for r in range(P)]
+    warm = [2 * (P - r - 1) + (v - 1) * group for r in range(P)]
+    return _smallest_safe_warmup(f"interleaved-v{v}", stage_to_rank, m, fs, bs, warm)
+
+
+# ---- list scheduling ----------------------------------------------------------------------------------------
+UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _list_schedule(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limits: Sequence[int],
+                   f_key: Callable[[Action], tuple], cost: dict[str, float] | None = None,
+                   policy: str = "b-first") -> Schedule:
+    """Greedy list scheduling (see the module docstring).
+
+    ``limits[r]`` bounds the micro-batches rank r holds activations for: a micro-batch is admitted by its F
+    on the rank's first stage and released when its last B (or W) on the rank has been issued. Counting whole
+    micro-batches rather than stage activations keeps a rank from spending its budget on first-stage
+    forwards of new micro-batches while the later stages of admitted ones wait (which stalls the pipeline).
+    """
+    cost = cost or UNIT_COST
+    S, P = len(stage_to_rank), max(stage_to_rank) + 1
+    bk = "I" if split else "B"
+    pending_f = [sorted((Action("F", s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)),
+                        key=f_key) for r in range(P)]
+    pending_b: list[list[Action]] = [[] for _ in range(P)]   # backwards whose stage forward has been issued
+    pending_w: list[list[Action]] = [[] for _ in range(P)]   # weight grads whose I has been issued
+    done_at: dict[Action, float] = {}
+    first_stage = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
+    n_local = [sum(1 for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
+    live = [0] * P                      # admitted micro-batches per rank
+    released: dict[tuple[int, int], int] = {}   # (rank, mb) -> stages whose activation is freed
+    busy_until = [0.0] * P
+    order: list[list[Action]] = [[] for _ in range(P)]
+    total = S * m * (3 if split else 2)
+    n_issued, t = 0, 0.0
+
+    def ready(a: Action) -> bool:
+        s, k = a.stage, a.mb
+        if a.kind == "F":
+            return s == 0 or done_at.get(Action("F", s - 1, k), float("inf")) <= t
+        need = [Action("F", s, k)] + ([Action(bk, s + 1, k)] if s + 1 < S else [])
+        return all(done_at.get(d, float("inf")) <= t for d in need)
+
+    def issue(r: int, a: Action) -> None:
+        nonlocal n_issued
+        order[r].append(a)
+        done_at[a] = t + cost[a.kind]
+        busy_until[r] = t + cost[a.kind]
+        n_issued += 1
+        if a.kind == "F":
+            live[r] += a.stage == first_stage[r]
+            pending_b[r].append(Action(bk, a.stage, a.mb))
+        elif a.kind == "I":
+            pending_w[r].append(Action("W", a.stage, a.mb))
+        if a.kind in "BW":
+            n = released[(r, a.mb)] = released.get((r, a.mb), 0) + 1
+            live[r] -= n == n_local[r]
+
+    def pick(r: int, force: bool) -> Action | None:
+        # Backward first: smallest micro-batch, then the later stage (it is the one the pipeline waits on).
+        bs = [a for a in pending_b[r] if ready(a)]
+        if policy == "alternate" and order[r] and order[r][-1].kind != "F" or policy == "f-first":
+            for i, a in enumerate(pending_f[r]):
+                if ready(a) and (a.stage != first_stage[r] or live[r] < limits[r] or force):
+                    return pending_f[r].pop(i)
+        if bs:
+            a = min(bs, key=lambda a: (a.mb, -a.stage))
+            pending_b[r].remove(a)
+            return a
+        for i, a in enumerate(pending_f[r]):
+            if ready(a) and (a.stage != first_stage[r] or live[r] < limits[r] or force):
+                return pending_f[r].pop(i)
+        if pending_w[r]:
+            return pending_w[r].pop(0)
+        return None
+
+    while n_issued < total:
+        started = False
+        for r in range(P):
+            if busy_until[r] <= t:
+                a = pick(r, force=False)
+                if a is not None:
+                    issue(r, a)
+                    started = True
+        future = [b for b in busy_until if b > t]
+        if future:
+            t = min(future)
+        elif not started:
+            # Every rank idle and blocked only by its activation limit: let the first rank with a ready
+            # forward exceed it, so the generator always terminates (the schedule just uses more memory).
+            for r in range(P):
+                a = pick(r, force=True)
+                if a is not None:
+                    issue(r, a)
+                    break
+            else:  # pragma: no cover - impossible: some F or some backward is always ready
+                raise RuntimeError("list scheduler stuck")
+            t = min(b for b in busy_until if b > t)
+    s = Schedule(name=name, stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
+    validate(s)
+    return s
+
+
+def zb_1f1b(ranks: int, microbatches: int) -> Schedule:
+    """Zero-bubble 1F1B in the ZB-H1 style: 1F1B's activation bound (rank r holds at most P-r live
+    micro-batches, freed at W), backward split into I then W, W deferred to fill the bubbles."""
+    _check_pm(ranks, microbatches)
+    P, m = ranks, microbatches
+    return _list_schedule("zb-1f1b", tuple(range(P)), m, split=True, limits=[P - r for r in range(P)],
+                          f_key=lambda a: (a.mb,))
+
+
+def wave_stage_to_rank(ranks: int, waves: int) -> tuple[int, ...]:
+    """Hanayo's zig-zag placement of S = 2*W*P stages: rank i holds stages i, 2P-1-i, 2P+i, 4P-1-i, ..."""
+    P = ranks
+    return tuple(s % P if (s // P) % 2 == 0 else P - 1 - s % P for s in range(2 * waves * P))
+
+
+def _wave_limits(ranks: int, waves: int, microbatches: int) -> list[int]:
+    # Same live-activation budget, in stage units, as interleaved 1F1B with v = 2W on the same rank, so the
+    # wave schedule never needs more activation memory than the schedule it is compared with.
+    P, v = ranks, 2 * waves
+    group = min(P, microbatches)
+    return [2 * (P - r - 1) + (v - 1) * group + 1 for r in range(P)]
+
+
+def _wave_key(a: Action) -> tuple:
+    # Oldest micro-batch first, and within it the furthest stage: a micro-batch rides its wave down and back
+    # up the ranks without waiting behind younger ones, so its backward (and the memory it frees) comes early.
+    return (a.mb, -a.stage)
+
+
+def _check_waves(waves: int) -> None:
+    if not isinstance(waves, int) or waves < 1:
+        raise StratumError(f"waves must be an integer >= 1, got {waves!r}")
+
+
+def wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
+    """Hanayo wave schedule: S = 2*W*P stages zig-zagged over the ranks, forward waves down and up the ranks,
+    backward waves in reverse, 1F1B-like steady state under an activation bound equal to interleaved
+    1F1B's with v = 2W. The turn of each wave stays on one rank, so it costs no communication."""
+    _check_pm(ranks, microbatches)
+    _check_waves(waves)
+    return _list_schedule(f"wave-w{waves}", wave_stage_to_rank(ranks, waves), microbatches, split=False,
+                          limits=_wave_limits(ranks, waves, microbatches), f_key=_wave_key)
+
+
+def zb_wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
+    """The wave schedule with the backward split into I and W, W deferred to fill bubbles (same memory
+    bound as :func:`wave`, activations freed at W)."""
+    _check_pm(ranks, microbatches)
+    _check_waves(waves)
+    return _list_schedule(f"zb-wave-w{waves}", wave_stage_to_rank(ranks, waves), microbatches, split=True,
+                          limits=_wave_limits(ranks, waves, microbatches), f_key=_wave_key)
+
+
+KINDS = ("gpipe", "1f1b", "interleaved", "wave", "zb-1f1b", "zb-wave")
+"""Generator names accepted by :func:`generate` and the CLI's ``--kind``."""
+
+
+def generate(kind: str, *, ranks: int, microbatches: int, virtual: int = 2, waves: int = 1) -> Schedule:
+    """Build a schedule by name (one of :data:`KINDS`); ``virtual`` is for interleaved, ``waves`` for wave."""
+    if kind == "gpipe":
+        return gpipe(ranks, microbatches)
+    if kind == "1f1b":
+        return one_f_one_b(ranks, microbatches)
+    if kind == "interleaved":
+        return interleaved(ranks, microbatches, virtual)
+    if kind == "wave":
+        return wave(ranks, microbatches, waves)
+    if kind == "zb-1f1b":
+        return zb_1f1b(ranks, microbatches)
+    if kind == "zb-wave":
+        return zb_wave(ranks, microbatches, waves)
+    raise StratumError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")

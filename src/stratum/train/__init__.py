@@ -1,0 +1,1 @@
+"""The training loop, learning-rate schedule, metrics and checkpoints."""

@@ -1,0 +1,44 @@
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) and what the terminal shows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from stratum.atomic import atomic_write_text
+
+
+class MetricsLog:
+    """Appends one JSON line per step. On resume, records past the checkpoint (from a killed run) are dropped,
+    so the file always describes one consistent run."""
+
+    def __init__(self, path: Path, *, resume_step: int):
+        self.path = path
+        kept: list[str] = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a kill: everything before it stands
+            atomic_write_text(path, "".join(k + "\n" for k in kept))
+        self.records = [json.loads(k) for k in kept]
+        self._fh = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def median(records: list[dict], key: str, skip_first: int = 1) -> float | None:
+    """Median of ``key`` over records, leaving out the first ``skip_first`` (warm-up) when there are more."""
+    vals = [r[key] for r in records if key in r]
+    if len(vals) > skip_first:
+        vals = vals[skip_first:]
+    return statistics.median(vals) if vals else None

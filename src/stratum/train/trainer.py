@@ -1,0 +1,175 @@
+"""The training loop: the same for every engine.
+
+It owns data order, the learning-rate schedule, evaluation, metrics and checkpoints; the engine owns where
+tensors live and how a step's forward, backward and update run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from stratum.atomic import atomic_write_json, atomic_write_text
+from stratum.config import Config, to_toml
+from stratum.data.prepare import prepare_data
+from stratum.data.tokens import TRAIN, VAL
+from stratum.errors import StratumError
+from stratum.model.build import build_model
+from stratum.runtime import make_engine
+from stratum.runtime.device import describe, resolve_device, synchronize
+from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
+                                      save_checkpoint)
+from stratum.train.lr import lr_at
+from stratum.train.metrics import MetricsLog, median
+from stratum.train.progress import StepDisplay, make_console
+
+
+def prepare_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and prove it is writable before any work starts."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise StratumError(f"train.out_dir {str(out_dir)!r} is not writable ({e.strerror}); "
+                           "choose a directory you can write to") from None
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename an earlier run's file out of the way (never delete results)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    aside = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    os.replace(path, aside)
+    return aside
+
+
+def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = None) -> dict:
+    """Run (or resume) the configured training; returns the summary also written to ``summary.json``.
+
+    ``stop_at`` ends this invocation after that many completed steps, with a checkpoint, so the run can be
+    resumed later (time-sliced jobs, tests of resume).
+    """
+    console = console or make_console()
+    t = cfg.train
+    out_dir = Path(t.out_dir).expanduser()
+    device = resolve_device(t.device)
+    prepare_out_dir(out_dir)
+
+    ckpt_path = latest_checkpoint(out_dir)
+    if ckpt_path is not None and not t.resume:
+        raise StratumError(f"train.out_dir {str(out_dir)!r} already holds checkpoints; set train.resume = true "
+                           "to continue that run, or choose a new train.out_dir")
+
+    data = prepare_data(cfg)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=cfg.data.seq_len,
+                        seed=t.seed)
+    fingerprint = model.fingerprint()
+
+    start = 0
+    ckpt = None
+    if ckpt_path is not None:
+        ckpt = load_checkpoint(ckpt_path)
+        for change in check_compatible(ckpt, cfg, fingerprint):
+            console.print(f"note: resuming with changed setting {change}")
+        start = ckpt.step
+        if start >= t.steps:
+            raise StratumError(f"the run in {str(out_dir)!r} is already complete ({start}/{t.steps} steps); "
+                               "raise train.steps to continue it, or choose a new train.out_dir")
+    elif (out_dir / "metrics.jsonl").exists():
+        aside = _set_aside(out_dir / "metrics.jsonl")
+        console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
+
+    engine = make_engine(cfg, model, device)
+    if ckpt is not None:
+        engine.load_state(ckpt.state)
+        restore_rng(ckpt.rng)
+    end = min(t.steps, stop_at) if stop_at is not None else t.steps
+
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    n_params = model.num_params()
+    atomic_write_text(out_dir / "config.toml", to_toml(cfg))
+    console.print(f"model {model.info.name} ({cfg.model.source}): {n_params:,} parameters, {len(model)} blocks; "
+                  f"engine {engine.name} on {describe(device)}, {t.precision}")
+    console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
+                  f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
+    console.print(cfg.derived_summary())
+    console.print(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
+                  f"output in {out_dir}")
+
+    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start)
+    display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval)
+    eval_batches = [b for i in range(t.eval_batches)
+                    for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
+    run_start = time.perf_counter()
+    last_ckpt = None
+    try:
+        for step in range(start, end):
+            lr = lr_at(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
+                       total_steps=t.steps)
+            t0 = time.perf_counter()
+            batches = data.sampler.micro_batches(TRAIN, step, t.micro_batch_size, t.grad_accum)
+            res = engine.train_step(batches, lr)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            tokens = cfg.tokens_per_step
+            rec = {"step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens": tokens,
+                   "step_s": dt, "tokens_per_s": tokens / dt, "tflops": flops_per_token * tokens / dt / 1e12,
+                   **engine.memory_stats()}
+            done = step + 1
+            if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
+                if cfg.data.val_fraction > 0:
+                    rec["eval_loss"] = engine.eval_loss(eval_batches)
+            if res.loss != res.loss:  # NaN
+                raise StratumError(f"loss became NaN at step {done}; lower optim.lr or raise optim.warmup_steps "
+                                   f"(last good checkpoint: {latest_checkpoint(out_dir) or 'none'})")
+            log.write(rec)
+            display.step(rec)
+            if done == end or (t.ckpt_interval and done % t.ckpt_interval == 0):
+                last_ckpt = save_checkpoint(out_dir, step=done, state=engine.state(), cfg=cfg,
+                                            fingerprint=fingerprint, keep=t.keep_checkpoints)
+    finally:
+        display.close()
+        log.close()
+        engine.close()
+
+    wall = time.perf_counter() - run_start
+    recs = log.records
+    evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
+    summary = {
+        "model": model.info.name, "params": n_params, "engine": engine.name, "device": describe(device),
+        "steps_done": end, "steps_total": t.steps, "steps_this_run": end - start,
+        "first_loss": recs[0]["loss"] if recs else None, "final_loss": recs[-1]["loss"] if recs else None,
+        "final_eval_loss": evals[-1] if evals else None,
+        "median_tokens_per_s": median(recs, "tokens_per_s"), "median_tflops": median(recs, "tflops"),
+        "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
+        "wall_s": wall, "checkpoint": str(last_ckpt) if last_ckpt else None, "out_dir": str(out_dir),
+    }
+    atomic_write_json(out_dir / "summary.json", summary)
+    _print_summary(console, summary)
+    return summary
+
+
+def _print_summary(console: Console, s: dict) -> None:
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    console.print(
+        f"done: {s['steps_done']}/{s['steps_total']} steps ({s['steps_this_run']} this run) in {s['wall_s']:.1f} s; "
+        f"loss {fmt(s['first_loss'], '.4f')} → {fmt(s['final_loss'], '.4f')}, eval loss "
+        f"{fmt(s['final_eval_loss'], '.4f')}; median {fmt(s['median_tokens_per_s'], ',.0f')} tokens/s, "
+        f"{fmt(s['median_tflops'], '.3f')} TFLOP/s; peak memory {s['peak_device_bytes'] / 2**20:,.0f} MiB"
+    )
+    console.print(f"metrics: {s['out_dir']}/metrics.jsonl  checkpoint: {s['checkpoint']}")
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    """The metrics records of a run directory (for tests and tools)."""
+    p = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
