@@ -189,6 +189,9 @@ def _load_config(transformers, cfg_file: Path):
         raise StratumError(f"model.hf_path: {str(cfg_file)!r} has no 'model_type'; it must be a transformers "
                            "config.json (save one with config.save_pretrained(dir))")
     model_type = raw["model_type"]
+    if raw.get("add_cross_attention") or raw.get("is_encoder_decoder"):
+        raise StratumError(f"model.hf_path: {str(cfg_file)!r} has cross-attention (an encoder-decoder model); "
+                           "the hf source takes decoder-only causal LMs")
     if model_type not in SUPPORTED_TYPES:
         raise StratumError(f"model.hf_path: model_type {model_type!r} is not supported by the hf source; "
                            f"supported decoder-only causal LMs: {', '.join(SUPPORTED_TYPES)}")
@@ -262,9 +265,6 @@ def _make_model(transformers, config, weights_dir: Path | None, seed: int, devic
 # ---- flattening --------------------------------------------------------------------------------------------
 def _flatten_gpt2(model) -> tuple[list[nn.Module], list[str]]:
     tr = model.transformer
-    if getattr(model.config, "add_cross_attention", False):
-        raise StratumError("model.hf_path: GPT-2 with add_cross_attention is an encoder-decoder model; "
-                           "the hf source takes decoder-only causal LMs")
     blocks: list[nn.Module] = [GPT2Embed(tr.wte, tr.wpe, tr.drop)]
     blocks += [GPT2Layer(layer, model.config) for layer in tr.h]
     blocks.append(Head(tr.ln_f, model.lm_head, "ln_f"))

@@ -8,6 +8,7 @@ seq_len=T)`` and returns an ``nn.Sequential`` (or a ready ``BlockSeq``) mapping 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
 
 from torch import nn
@@ -79,7 +80,14 @@ def load_factory(spec: str) -> Callable[..., object]:
 
 def build_sequential(factory: str, *, vocab_size: int, seq_len: int) -> BlockSeq:
     """Call a factory and wrap what it returns."""
-    made = load_factory(factory)(vocab_size=vocab_size, seq_len=seq_len)
+    fn = load_factory(factory)
+    try:
+        inspect.signature(fn).bind(vocab_size=vocab_size, seq_len=seq_len)
+    except TypeError:
+        raise StratumError(f"model.factory {factory!r} must accept keyword arguments vocab_size and seq_len")
+    except ValueError:
+        pass  # builtins without a signature: let the call decide
+    made = fn(vocab_size=vocab_size, seq_len=seq_len)
     if isinstance(made, BlockSeq):
         return made
     if not isinstance(made, nn.Sequential):

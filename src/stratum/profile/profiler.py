@@ -1,8 +1,7 @@
 """Measure each block of a BlockSeq on the current device, one block at a time.
 
-Only the block being measured needs to be materialised: blocks built on the ``meta`` device are given real
-(random) storage for their measurement and released afterwards, so a model far larger than memory can be
-profiled on a small machine. The input of block ``i`` is the real output of block ``i-1``.
+Only the block being measured needs storage: a block built on the ``meta`` device is measured as a temporary
+copy with real (random) storage, so a model far larger than memory can be profiled on a small machine. The input of block ``i`` is the real output of block ``i-1``.
 
 Activation bytes are counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor the block's
 forward saves for backward, parameters excluded, each underlying storage once (views such as q/k/v splits of
@@ -11,6 +10,7 @@ one projection share a storage). The block's input counts in the block when the 
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from datetime import datetime, timezone
@@ -71,85 +71,91 @@ def _median_time(fn, device: torch.device, runs: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def _materialise(block: nn.Module, device: torch.device) -> bool:
-    """Give a meta block real storage on ``device`` (random values: only costs are measured)."""
-    if not any(p.is_meta for p in block.parameters()) and not any(b.is_meta for b in block.buffers()):
-        return False
-    block.to_empty(device=device)
+def _working_copy(block: nn.Module, device: torch.device) -> nn.Module:
+    """The block itself if it already lives on ``device``; otherwise a copy there (a meta block's copy gets
+    random values: only costs are measured). The model itself is never moved, so ties and placement stay."""
+    params = list(block.parameters()) + list(block.buffers())
+    if params and all(t.device == device for t in params):
+        return block
+    work = copy.deepcopy(block)
+    if any(t.is_meta for t in params):
+        work.to_empty(device=device)
+        with torch.no_grad():
+            for p in work.parameters():
+                p.normal_(0.0, 0.02)
+    else:
+        work.to(device)
+    return work
+
+
+def _time_backward(forward, inp: Tensor, params: list[nn.Parameter], device: torch.device, runs: int,
+                   input_only: bool) -> float:
+    """Median seconds of the backward alone (a fresh forward before each run is not timed)."""
+    times = []
+    for _ in range(runs + 1):
+        out = forward()
+        grad = None if out.ndim == 0 else torch.randn_like(out)
+        synchronize(device)
+        t0 = time.perf_counter()
+        if input_only:
+            torch.autograd.grad(out, [inp], grad)
+        else:
+            out.backward(grad)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+        for p in params:
+            p.grad = None
+    return statistics.median(times[1:])
+
+
+def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.device, precision: str,
+                   runs: int) -> tuple[BlockProfile, Tensor]:
+    """Profile block ``i`` on input ``x``; returns its profile and its (detached) output."""
+    block = _working_copy(seq.blocks[i], device)
+    last = i == len(seq) - 1
+    block.train()
+    params = list(block.parameters())
+    inp = x.detach().requires_grad_(x.is_floating_point())
+
+    def forward():
+        with autocast(device, precision):
+            out = block(inp)
+            return seq.loss_fn(out, y) if last else out
+
+    fwd_s = _median_time(forward, device, runs)
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params})
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = forward()
+    out_bytes = 0 if last else out.numel() * out.element_size()
+    del out
+    bwd_s = _time_backward(forward, inp, params, device, runs, input_only=False)
+    bwd_input_s = _time_backward(forward, inp, params, device, runs, input_only=True) if inp.requires_grad else 0.0
     with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.02)
-    return True
+        nxt = x if last else block(x)
+    prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
+                        act_saved_bytes=counter.bytes, out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
+                        bwd_input_s=bwd_input_s, **block_static_bytes(seq, i))
+    return prof, nxt.detach()
 
 
 def profile_blockseq(seq: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
                      precision: str = "fp32", runs: int = 5, seed: int = 0) -> Profile:
-    """Measure every block: fwd/bwd seconds (median of ``runs``), bytes of params/grads/optimizer/activations."""
+    """Measure every block: fwd/bwd seconds (median of ``runs``), bytes of params/grads/optimizer/activations.
+
+    A block not on ``device`` (or on ``meta``) is measured as a temporary copy on ``device``, one block at a
+    time, so only one block's storage exists at once.
+    """
     gen = torch.Generator().manual_seed(seed)
     vocab = max(seq.info.vocab_size, 1)
     x: Tensor = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
     y = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
-    out_blocks = []
-    last = len(seq) - 1
-    for i, block in enumerate(seq.blocks):
-        home = next((p.device for p in block.parameters()), device)
-        was_meta = _materialise(block, device)
-        if not was_meta:
-            block.to(device)
-        block.train()
-        params = list(block.parameters())
-        exclude = {p.untyped_storage().data_ptr() for p in params}
-        inp = x.detach().requires_grad_(x.is_floating_point())
-
-        def forward():
-            with autocast(device, precision):
-                out = block(inp)
-                return seq.loss_fn(out, y) if i == last else out
-
-        def fwd_bwd_parts():
-            out = forward()
-            grad = None if out.ndim == 0 else torch.randn_like(out)
-            return out, grad
-
-        fwd_s = _median_time(forward, device, runs)
-        counter = _SavedBytes(exclude)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            out = forward()
-        out_bytes = 0 if i == last else out.numel() * out.element_size()
-        del out
-
-        def timed_backward(input_only: bool):
-            times = []
-            for _ in range(runs + 1):
-                o, g = fwd_bwd_parts()
-                synchronize(device)
-                t0 = time.perf_counter()
-                if input_only:
-                    torch.autograd.grad(o, [inp], g)
-                else:
-                    o.backward(g)
-                synchronize(device)
-                times.append(time.perf_counter() - t0)
-                for p in params:
-                    p.grad = None
-            return statistics.median(times[1:])
-
-        bwd_s = timed_backward(False)
-        bwd_input_s = timed_backward(True) if inp.requires_grad else 0.0
-        with torch.no_grad():
-            nxt = block(x) if i != last else x
-        static = block_static_bytes(seq, i)
-        out_blocks.append(BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
-                                       act_saved_bytes=counter.bytes, out_bytes=out_bytes, fwd_s=fwd_s,
-                                       bwd_s=bwd_s, bwd_input_s=bwd_input_s, **static))
-        x = nxt.detach()
-        if was_meta:
-            block.to("meta")
-        elif home != device:
-            block.to(home)
+    blocks = []
+    for i in range(len(seq)):
+        prof, x = _measure_block(seq, i, x, y, device, precision, runs)
+        blocks.append(prof)
     dtype = next(iter(seq.parameters())).dtype
     return Profile(model=seq.info.name, device=describe(device), dtype=str(dtype).removeprefix("torch."),
-                   precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=runs, blocks=out_blocks,
+                   precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=runs, blocks=blocks,
                    tied=[list(g.names) for g in seq.tied], torch_version=torch.__version__,
                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 

@@ -6,11 +6,12 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
 - *Merge* (GPipe, 1F1B, interleaved): each rank has a forward order and a backward order; it runs ``warmup``
   forwards, then alternates one forward and one backward, then drains the backwards. GPipe is warmup = all.
   This reproduces the textbook (Megatron) schedules exactly, so their closed-form bubbles hold.
-- *List scheduling* (wave, ZB variants): an event simulation with unit costs (F=1, B=2, I=1, W=1, free
-  messages) where a rank that falls idle picks, among the actions whose inputs are ready, a backward first
-  (it unblocks the rank upstream and frees memory), else a forward if the rank holds fewer than its limit of
-  live activations, else a deferred weight-gradient W (bubble filler). The order in which the actions ran is
-  the schedule, so it is deadlock-free by construction, whatever the real costs turn out to be.
+- *List scheduling* (wave, ZB variants): an event simulation with unit costs (F=1, B=2, I=1, W=1 per stage,
+  free messages) where a rank that falls idle picks among the actions whose inputs are ready: a backward or a
+  forward (which one first is the policy; forwards only while the rank holds fewer micro-batches than its
+  activation limit), else a deferred weight-gradient W (bubble filler). The order in which the actions ran is
+  the schedule, so it is deadlock-free by construction, whatever the real costs turn out to be. A few
+  policies and limits are tried and the shortest unit-cost makespan within the memory bound is kept.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def interleaved(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
 
 # ---- list scheduling ----------------------------------------------------------------------------------------
 UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+POLICIES = ("b-first", "f-first", "alternate")
+"""When a rank is free: ``b-first`` runs a ready backward before a forward; ``f-first`` a forward (within the
+activation limit) before a backward; ``alternate`` switches kind after each backward. W always comes last."""
 
 
 def _list_schedule(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limits: Sequence[int],
@@ -176,20 +180,26 @@ def _list_schedule(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: 
             n = released[(r, a.mb)] = released.get((r, a.mb), 0) + 1
             live[r] -= n == n_local[r]
 
-    def pick(r: int, force: bool) -> Action | None:
-        # Backward first: smallest micro-batch, then the later stage (it is the one the pipeline waits on).
-        bs = [a for a in pending_b[r] if ready(a)]
-        if policy == "alternate" and order[r] and order[r][-1].kind != "F" or policy == "f-first":
-            for i, a in enumerate(pending_f[r]):
-                if ready(a) and (a.stage != first_stage[r] or live[r] < limits[r] or force):
-                    return pending_f[r].pop(i)
-        if bs:
-            a = min(bs, key=lambda a: (a.mb, -a.stage))
-            pending_b[r].remove(a)
-            return a
+    def next_f(r: int, force: bool) -> Action | None:
         for i, a in enumerate(pending_f[r]):
             if ready(a) and (a.stage != first_stage[r] or live[r] < limits[r] or force):
                 return pending_f[r].pop(i)
+        return None
+
+    def pick(r: int, force: bool) -> Action | None:
+        bs = [a for a in pending_b[r] if ready(a)]
+        if policy == "f-first" or (policy == "alternate" and order[r] and order[r][-1].kind != "F"):
+            f = next_f(r, force)
+            if f is not None:
+                return f
+        if bs:
+            # Smallest micro-batch, then the later stage: the one the ranks upstream are waiting on.
+            a = min(bs, key=lambda a: (a.mb, -a.stage))
+            pending_b[r].remove(a)
+            return a
+        f = next_f(r, force)
+        if f is not None:
+            return f
         if pending_w[r]:
             return pending_w[r].pop(0)
         return None
@@ -216,18 +226,59 @@ def _list_schedule(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: 
             else:  # pragma: no cover - impossible: some F or some backward is always ready
                 raise RuntimeError("list scheduler stuck")
             t = min(b for b in busy_until if b > t)
-    s = Schedule(name=name, stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
-    validate(s)
-    return s
+    return Schedule(name=name, stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
+
+
+def _fuse_backward(sched: Schedule, name: str) -> Schedule:
+    """Turn a split schedule into a full-backward one: B where I was, W dropped. Still deadlock-free (B has
+    exactly I's dependencies and nothing depends on W), and activations are freed earlier."""
+    acts = [[Action("B", a.stage, a.mb) if a.kind == "I" else a for a in acts if a.kind != "W"]
+            for acts in sched.actions]
+    return Schedule(name=name, stage_to_rank=sched.stage_to_rank, num_microbatches=sched.num_microbatches,
+                    actions=acts)
+
+
+def _unit_sim(sched: Schedule, stages_per_rank: int) -> tuple[float, float]:
+    """(makespan, max per-rank peak activation) under unit costs, activation 1 per rank-micro-batch."""
+    from stratum.sim.pipeline import Costs, simulate  # local: stratum.sim imports this package
+
+    res = simulate(sched, Costs.unit(sched.num_stages, stages_per_rank=stages_per_rank))
+    return res.makespan, max(res.peak_act)
+
+
+def _best_of(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limit_sets: list[list[int]],
+             f_key: Callable[[Action], tuple], mem_bound: float, stages_per_rank: int) -> Schedule:
+    """Try a few list-scheduling policies and activation limits; keep the shortest unit-cost makespan whose
+    peak activation stays within ``mem_bound`` (the one with the least memory if none does).
+
+    No single greedy rule is best everywhere: preferring backwards keeps memory low but can lock ranks into
+    GPipe-like bursts, preferring forwards keeps the waves moving; the unit-cost simulation arbitrates.
+    """
+    cands = []
+    for limits in limit_sets:
+        for policy in POLICIES:
+            s = _list_schedule(name, stage_to_rank, m, split=True, limits=limits, f_key=f_key, policy=policy)
+            if not split:
+                # Fusing a good split order often packs better than list-scheduling full backwards directly.
+                cands.append(_fuse_backward(s, name))
+                s = _list_schedule(name, stage_to_rank, m, split=False, limits=limits, f_key=f_key, policy=policy)
+            cands.append(s)
+    scored = []
+    for k, s in enumerate(cands):
+        mk, peak = _unit_sim(s, stages_per_rank)
+        scored.append((peak > mem_bound + 1e-9, mk if peak <= mem_bound + 1e-9 else peak, mk, k, s))
+    best = min(scored, key=lambda x: x[:4])[-1]
+    validate(best)
+    return best
 
 
 def zb_1f1b(ranks: int, microbatches: int) -> Schedule:
-    """Zero-bubble 1F1B in the ZB-H1 style: 1F1B's activation bound (rank r holds at most P-r live
-    micro-batches, freed at W), backward split into I then W, W deferred to fill the bubbles."""
+    """Zero-bubble 1F1B in the ZB-H1 style: backward split into I then W, W deferred to fill the bubbles, and
+    no more activation memory than 1F1B (rank r holds at most P-r micro-batches, freed at W)."""
     _check_pm(ranks, microbatches)
     P, m = ranks, microbatches
-    return _list_schedule("zb-1f1b", tuple(range(P)), m, split=True, limits=[P - r for r in range(P)],
-                          f_key=lambda a: (a.mb,))
+    return _best_of("zb-1f1b", tuple(range(P)), m, split=True, limit_sets=[[P - r for r in range(P)]],
+                    f_key=lambda a: (a.mb,), mem_bound=min(P, m), stages_per_rank=1)
 
 
 def wave_stage_to_rank(ranks: int, waves: int) -> tuple[int, ...]:
@@ -236,12 +287,9 @@ def wave_stage_to_rank(ranks: int, waves: int) -> tuple[int, ...]:
     return tuple(s % P if (s // P) % 2 == 0 else P - 1 - s % P for s in range(2 * waves * P))
 
 
-def _wave_limits(ranks: int, waves: int, microbatches: int) -> list[int]:
-    # Same live-activation budget, in stage units, as interleaved 1F1B with v = 2W on the same rank, so the
-    # wave schedule never needs more activation memory than the schedule it is compared with.
-    P, v = ranks, 2 * waves
-    group = min(P, microbatches)
-    return [2 * (P - r - 1) + (v - 1) * group + 1 for r in range(P)]
+def _interleaved_peak(ranks: int, microbatches: int, v: int) -> float:
+    """Peak activation (in full micro-batches per rank) of interleaved 1F1B with v stages per rank."""
+    return _unit_sim(interleaved(ranks, microbatches, v), v)[1]
 
 
 def _wave_key(a: Action) -> tuple:
@@ -255,23 +303,30 @@ def _check_waves(waves: int) -> None:
         raise StratumError(f"waves must be an integer >= 1, got {waves!r}")
 
 
-def wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
-    """Hanayo wave schedule: S = 2*W*P stages zig-zagged over the ranks, forward waves down and up the ranks,
-    backward waves in reverse, 1F1B-like steady state under an activation bound equal to interleaved
-    1F1B's with v = 2W. The turn of each wave stays on one rank, so it costs no communication."""
+def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
     _check_pm(ranks, microbatches)
     _check_waves(waves)
-    return _list_schedule(f"wave-w{waves}", wave_stage_to_rank(ranks, waves), microbatches, split=False,
-                          limits=_wave_limits(ranks, waves, microbatches), f_key=_wave_key)
+    P, m, v = ranks, microbatches, 2 * waves
+    bound = _interleaved_peak(P, m, v)
+    # Limits in whole micro-batches per rank: 1F1B's rank-0 depth P, and the most that fits the bound.
+    limit_sets = [[P] * P, [max(1, int(bound + 1e-9))] * P]
+    if limit_sets[1] == limit_sets[0]:
+        limit_sets.pop()
+    return _best_of(name, wave_stage_to_rank(P, waves), m, split=split, limit_sets=limit_sets, f_key=_wave_key,
+                    mem_bound=bound, stages_per_rank=v)
+
+
+def wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
+    """Hanayo wave schedule: S = 2*W*P stages zig-zagged over the ranks, forward waves down and up the ranks,
+    backward waves in reverse, a 1F1B-like steady state under an activation bound: never more peak
+    activation than interleaved 1F1B with v = 2W. The turn of each wave stays on one rank (no message)."""
+    return _wave(f"wave-w{waves}", ranks, microbatches, waves, split=False)
 
 
 def zb_wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
-    """The wave schedule with the backward split into I and W, W deferred to fill bubbles (same memory
+    """The wave schedule with the backward split into I and W, W deferred to fill bubbles (same activation
     bound as :func:`wave`, activations freed at W)."""
-    _check_pm(ranks, microbatches)
-    _check_waves(waves)
-    return _list_schedule(f"zb-wave-w{waves}", wave_stage_to_rank(ranks, waves), microbatches, split=True,
-                          limits=_wave_limits(ranks, waves, microbatches), f_key=_wave_key)
+    return _wave(f"zb-wave-w{waves}", ranks, microbatches, waves, split=True)
 
 
 KINDS = ("gpipe", "1f1b", "interleaved", "wave", "zb-1f1b", "zb-wave")

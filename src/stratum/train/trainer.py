@@ -80,8 +80,10 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
             console.print(f"note: resuming with changed setting {change}")
         start = ckpt.step
         if start >= t.steps:
-            raise StratumError(f"the run in {str(out_dir)!r} is already complete ({start}/{t.steps} steps); "
-                               "raise train.steps to continue it, or choose a new train.out_dir")
+            console.print(f"the run in {out_dir} is already complete ({start}/{t.steps} steps): nothing to do; "
+                          "raise train.steps to continue it, or choose a new train.out_dir")
+            summary_path = out_dir / "summary.json"
+            return json.loads(summary_path.read_text()) if summary_path.exists() else {"steps_done": start}
     elif (out_dir / "metrics.jsonl").exists():
         aside = _set_aside(out_dir / "metrics.jsonl")
         console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")

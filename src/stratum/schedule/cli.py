@@ -1,0 +1,97 @@
+"""``stratum schedule show|simulate``: print, validate and simulate pipeline schedules.
+
+The main CLI calls :func:`add_parser` on its subparsers and :func:`run` with the parsed namespace; bad input
+raises :class:`StratumError` (printed as a one-line error, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from stratum.errors import StratumError
+from stratum.schedule.generators import KINDS, generate
+from stratum.schedule.ir import Schedule
+from stratum.schedule.textio import load
+from stratum.schedule.validate import validate
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", choices=KINDS, default="1f1b", help="schedule generator (default 1f1b)")
+    p.add_argument("--ranks", type=int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step (default 8)")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank for --kind interleaved (default 2)")
+    p.add_argument("--waves", type=int, default=1, help="waves W for --kind wave/zb-wave (default 1)")
+    p.add_argument("--file", default=None, help="read the schedule from this text file instead of generating")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``schedule`` (with ``show`` and ``simulate``) to an argparse subparsers object."""
+    p = subparsers.add_parser("schedule", help="show, validate and simulate pipeline schedules")
+    sub = p.add_subparsers(dest="schedule_cmd", metavar="{show,simulate}")
+    sub.required = True
+    show = sub.add_parser("show", help="print a schedule as a rank x time-slot table (validates it)")
+    _common(show)
+    show.add_argument("--save", default=None, help="also write the schedule in the text format to this path")
+    sim = sub.add_parser("simulate", help="simulate a schedule: makespan, bubble, peak activations (SIMULATED)")
+    _common(sim)
+    sim.add_argument("--profile", default=None, help="Profile JSON (stratum profile); blocks are cut evenly "
+                     "into the schedule's stages. Without it: unit costs F=1 B=2 I=1 W=1 per rank")
+    sim.add_argument("--latency", type=float, default=0.0, help="point-to-point latency, seconds (default 0)")
+    sim.add_argument("--bandwidth", type=float, default=math.inf, help="point-to-point bandwidth, bytes/s "
+                     "(default infinite)")
+    sim.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
+    sim.add_argument("--png", default=None, help="write a PNG timeline here (needs matplotlib)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _schedule(args) -> Schedule:
+    if args.file:
+        return load(args.file)  # validates
+    s = generate(args.kind, ranks=args.ranks, microbatches=args.microbatches, virtual=args.virtual,
+                 waves=args.waves)
+    validate(s)
+    return s
+
+
+def run(args) -> int:
+    """Execute ``stratum schedule show|simulate``; returns the exit code."""
+    from stratum.sim.pipeline import Costs, even_partition, simulate
+
+    sched = _schedule(args)
+    if args.schedule_cmd == "show":
+        print(sched.describe())
+        print(sched.table())
+        print("valid: every action present once, dependencies hold, no deadlock")
+        if args.save:
+            from stratum.schedule.textio import save
+
+            save(sched, args.save)
+            print(f"wrote {args.save}")
+        return 0
+    if args.schedule_cmd != "simulate":
+        raise StratumError(f"unknown schedule command {args.schedule_cmd!r}; use show or simulate")
+    if args.latency < 0 or not args.bandwidth > 0:
+        raise StratumError("--latency must be >= 0 seconds and --bandwidth > 0 bytes/s")
+    S = sched.num_stages
+    if args.profile:
+        from stratum.profile import Profile
+
+        prof = Profile.load(args.profile)
+        if len(prof.blocks) < S:
+            raise StratumError(f"profile has {len(prof.blocks)} blocks, fewer than the schedule's {S} stages")
+        costs = Costs.from_profile(prof, even_partition(len(prof.blocks), S), latency=args.latency,
+                                   bandwidth=args.bandwidth)
+    else:
+        v = max(1, S // sched.num_ranks)
+        costs = Costs.unit(S, stages_per_rank=v, latency=args.latency, bandwidth=args.bandwidth)
+    res = simulate(sched, costs)
+    print(res.summary())
+    if args.trace:
+        res.write_trace(args.trace)
+        print(f"wrote {args.trace}")
+    if args.png:
+        res.write_png(args.png)
+        print(f"wrote {args.png}")
+    return 0

@@ -1,0 +1,103 @@
+"""Checkpoints: bit-exact resume, atomic writes, refusal of a checkpoint from another setup."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stratum.errors import StratumError
+from stratum.train.checkpoint import latest_checkpoint
+from stratum.train.trainer import read_metrics, train
+
+
+def _final_params(out):
+    return load_file(str(latest_checkpoint(out) / "state.safetensors"))
+
+
+@pytest.mark.parametrize("extra", [(), ("model.dropout=0.1", "train.grad_accum=2")])
+def test_resume_is_bit_exact(make_cfg, tmp_path, extra):
+    """N steps in one go == k steps, stop, resume, N−k steps: same losses and weights to the last bit."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(make_cfg("train.steps=10", "train.eval_interval=5", *extra, out=straight))
+    first = train(make_cfg("train.steps=10", "train.eval_interval=5", *extra, out=split), stop_at=4)
+    assert first["steps_done"] == 4 and latest_checkpoint(split).name == "step_00000004"
+    train(make_cfg("train.steps=10", "train.eval_interval=5", *extra, out=split))
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r.get("eval_loss") for r in a] == [r.get("eval_loss") for r in b]
+    pa, pb = _final_params(straight), _final_params(split)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_path):
+    out = tmp_path / "r"
+    train(make_cfg("train.steps=6", "train.ckpt_interval=3", "train.keep_checkpoints=5", out=out))
+    # pretend the run died after step 6's metrics but before its checkpoint
+    shutil.rmtree(out / "checkpoints" / "step_00000006")
+    (out / "checkpoints" / "latest").write_text("step_00000003\n")
+    train(make_cfg("train.steps=6", "train.ckpt_interval=3", out=out))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_completed_run_is_not_repeated(make_cfg, tmp_path, capsys):
+    out = tmp_path / "r"
+    s1 = train(make_cfg(out=out))
+    s2 = train(make_cfg(out=out))
+    assert "already complete" in capsys.readouterr().out
+    assert s2["final_loss"] == s1["final_loss"]
+    extended = train(make_cfg("train.steps=10", out=out))  # raising steps continues the run
+    assert extended["steps_done"] == 10 and len(read_metrics(out)) == 10
+
+
+@pytest.mark.parametrize("change, message", [
+    ("model.preset='mini'", "different model/data setup"),
+    ("train.seed=7", "train.seed"),
+    ("data.seq_len=16", "data.seq_len"),
+])
+def test_checkpoint_from_another_setup_is_refused(make_cfg, tmp_path, change, message):
+    out = tmp_path / "r"
+    train(make_cfg(out=out), stop_at=2)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(StratumError, match=message):
+        train(make_cfg(change, out=out))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing lost
+
+
+def test_resume_false_with_checkpoints_is_refused(make_cfg, tmp_path):
+    out = tmp_path / "r"
+    train(make_cfg(out=out), stop_at=2)
+    with pytest.raises(StratumError, match="already holds checkpoints"):
+        train(make_cfg("train.resume=false", out=out))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(make_cfg, tmp_path):
+    out = tmp_path / "r"
+    train(make_cfg(out=out), stop_at=2)
+    (latest_checkpoint(out) / "state.safetensors").write_bytes(b"garbage")
+    with pytest.raises(StratumError, match="unreadable"):
+        train(make_cfg(out=out))
+
+
+def test_keep_checkpoints_and_no_temp_leftovers(make_cfg, tmp_path):
+    out = tmp_path / "r"
+    train(make_cfg("train.steps=8", "train.ckpt_interval=2", "train.keep_checkpoints=2", out=out))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000006", "step_00000008"]
+
+
+def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    train(make_cfg("train.steps=4", out=out), stop_at=2)
+    import stratum.train.checkpoint as ck
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "atomic_replace_dir", boom)
+    with pytest.raises(StratumError, match="previous checkpoint is untouched"):
+        train(make_cfg("train.steps=4", out=out))
+    assert latest_checkpoint(out).name == "step_00000002"
+    assert not list((out / "checkpoints").glob(".tmp*"))

@@ -1,0 +1,104 @@
+"""The command line: every bad input is one line on stderr, exit code 2, no traceback, nothing lost."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stratum.cli import main
+from stratum.train.checkpoint import latest_checkpoint
+
+
+def _base(corpus_file, cache_dir, out):
+    return ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
+            "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=4",
+            "--set", "train.steps=4", "--set", "train.eval_interval=0", "--set", f"train.out_dir={str(out)!r}"]
+
+
+def test_train_profile_config_and_dry_run(corpus_file, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *_base(corpus_file, cache_dir, out)]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/step = 4 × 32 = 128" in text and "done: 4/4 steps" in text
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+    assert main(["profile", *_base(corpus_file, cache_dir, out), "--out", str(tmp_path / "p.json"),
+                 "--runs", "1"]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["blocks"][1]["name"] == "layer.0"
+
+    assert main(["config"]) == 0
+    assert "grad_accum = 1" in capsys.readouterr().out
+
+    assert main(["train", "--dry-run", "--set", "model.preset='gpt-6.7b'"]) == 0
+    text = capsys.readouterr().out
+    assert "6,658,404,352 parameters" in text and "tied: blocks.0.tok.weight = blocks.33.weight" in text
+
+
+def _bad_cases(tmp_path, corpus_file):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[train]\nsteps = ")
+    return {
+        "unknown key": (["--set", "train.stpes=3"], "unknown key train.stpes"),
+        "unknown key in file": (["--config", str(_toml(tmp_path, "[train]\nsped = 1\n"))], "unknown key train.sped"),
+        "wrong type": (["--set", "train.micro_batch_size='big'"], "must be an integer"),
+        "impossible value": (["--set", "train.grad_accum=0"], "train.grad_accum must be ≥ 1"),
+        "missing config": (["--config", str(tmp_path / "none.toml")], "does not exist"),
+        "bad toml": (["--config", str(bad_toml)], "not valid TOML"),
+        "missing corpus": (["--set", f"data.corpus={str(tmp_path / 'nope')!r}"], "does not exist"),
+        "empty corpus": (["--set", f"data.corpus={str(empty)!r}"], "holds no text"),
+        "unwritable out_dir": (["--set", f"train.out_dir={str(afile / 'sub')!r}"], "is not writable"),
+        "seq too long": (["--set", "data.seq_len=1000"], "exceeds preset 'tiny'"),
+        "vocab too small": (["--set", "model.vocab_size=100"], "smaller than the tokenizer"),
+        "no cuda": (["--set", "train.device='cuda'"], "no usable CUDA"),
+        "bad stop-at": (["--stop-at", "0"], "--stop-at must be ≥ 1"),
+    }
+
+
+def _toml(tmp_path, text):
+    p = tmp_path / "x.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("case", ["unknown key", "unknown key in file", "wrong type", "impossible value",
+                                  "missing config", "bad toml", "missing corpus", "empty corpus",
+                                  "unwritable out_dir", "seq too long", "vocab too small", "no cuda",
+                                  "bad stop-at"])
+def test_bad_input_is_one_line_exit_2(case, corpus_file, cache_dir, tmp_path, capsys):
+    args, message = _bad_cases(tmp_path, corpus_file)[case]
+    if case == "no cuda" and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = main(["train", *_base(corpus_file, cache_dir, tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("stratum: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_incompatible_checkpoint_is_refused_and_kept(corpus_file, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *_base(corpus_file, cache_dir, out), "--stop-at", "2"]) == 0
+    ckpt = latest_checkpoint(out)
+    before = (ckpt / "state.safetensors").read_bytes()
+    code = main(["train", *_base(corpus_file, cache_dir, out), "--set", "model.preset='mini'"])
+    err = capsys.readouterr().err
+    assert code == 2 and "different model/data setup" in err and err.count("\n") == 1
+    assert (ckpt / "state.safetensors").read_bytes() == before
+
+
+def test_subprocess_has_no_traceback(tmp_path):
+    """Through the real entry point: exit status 2 and a single line, whatever the failure."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "stratum", "train", "--set", "train.steps=-3"], capture_output=True,
+                       text=True, env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "stratum: error: train.steps must be ≥ 1"
+    r = subprocess.run([sys.executable, "-m", "stratum", "train", "--bogus"], capture_output=True, text=True,
+                       env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr

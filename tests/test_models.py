@@ -1,0 +1,117 @@
+"""Every model source builds a BlockSeq with explicit ties and trains with decreasing loss."""
+
+import pytest
+import torch
+from torch import nn
+
+from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
+from stratum.model.gpt import PRESETS, build_gpt, gpt_param_count, init_gpt_block
+from stratum.model.sequential import build_sequential, from_sequential
+from stratum.errors import StratumError
+
+
+def _train_losses(seq: BlockSeq, steps: int = 12, lr: float = 3e-3) -> list[float]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, seq.info.vocab_size, (4, 32), generator=gen)
+    y = torch.roll(x, -1, dims=1)
+    opt = torch.optim.AdamW(seq.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = seq.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_gpt_presets_have_the_analytic_parameter_count(preset):
+    seq = build_gpt(preset, vocab_size=None if PRESETS[preset].vocab_size else 256, seed=0, device="meta")
+    shape = PRESETS[preset]
+    assert seq.num_params() == gpt_param_count(shape, seq.info.vocab_size)
+    assert len(seq) == shape.n_layer + 2
+    assert [list(g.names) for g in seq.tied] == [["blocks.0.tok.weight", f"blocks.{len(seq) - 1}.weight"]]
+
+
+def test_gpt2_family_sizes_are_the_published_ones():
+    sizes = {p: gpt_param_count(PRESETS[p], 50257) / 1e6 for p in ("gpt2-124m", "gpt2-355m", "gpt2-774m",
+                                                                   "gpt2-1.5b", "gpt-2.7b", "gpt-6.7b")}
+    assert round(sizes["gpt2-124m"]) == 124 and round(sizes["gpt2-355m"]) == 355
+    assert round(sizes["gpt2-774m"]) == 774 and 1500 < sizes["gpt2-1.5b"] < 1600
+    assert 2600 < sizes["gpt-2.7b"] < 2800 and 6500 < sizes["gpt-6.7b"] < 6900
+
+
+def test_gpt_trains_and_tied_weight_gets_both_gradients():
+    seq = build_gpt("tiny", vocab_size=256, seed=1)
+    assert seq.blocks[0].tok.weight is seq.blocks[-1].weight
+    losses = _train_losses(seq)
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_gpt_blocks_initialise_from_seed_and_index_alone():
+    a = build_gpt("tiny", vocab_size=256, seed=5)
+    b = build_gpt("tiny", vocab_size=256, seed=5)
+    c = build_gpt("tiny", vocab_size=256, seed=6)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), n
+        if p.ndim == 2:
+            assert not torch.equal(p, r), n
+    # a block materialised on its own gets the same values as in the full build
+    meta = build_gpt("tiny", vocab_size=256, seed=5, device="meta")
+    meta.blocks[1].to_empty(device="cpu")
+    init_gpt_block(meta, 1, seed=5)
+    for (n, p), (_, q) in zip(meta.blocks[1].named_parameters(), a.blocks[1].named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_gpt_is_causal():
+    seq = build_gpt("tiny", vocab_size=256, seed=0).eval()
+    x = torch.randint(0, 256, (1, 16))
+    x2 = x.clone()
+    x2[0, 10] = (x2[0, 10] + 1) % 256
+    with torch.no_grad():
+        a, b = seq(x), seq(x2)
+    assert torch.equal(a[0, :10], b[0, :10]) and not torch.equal(a[0, 10:], b[0, 10:])
+
+
+def test_unknown_preset():
+    with pytest.raises(StratumError, match="unknown GPT preset"):
+        build_gpt("gpt-9", vocab_size=256, seed=0)
+
+
+def test_sequential_source_trains():
+    seq = build_sequential("stratum.model.sequential:example_lm", vocab_size=256, seq_len=32)
+    assert len(seq) == 7 and seq.info.extra["source"] == "sequential"
+    losses = _train_losses(seq)
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_sequential_shared_parameters_become_a_tied_group():
+    emb = nn.Embedding(64, 16)
+    head = nn.Linear(16, 64, bias=False)
+    head.weight = emb.weight
+    seq = from_sequential(nn.Sequential(emb, nn.Linear(16, 16), head), vocab_size=64)
+    assert [g.names for g in seq.tied] == [("blocks.0.weight", "blocks.2.weight")]
+    assert seq.block_param_names(2) == ["blocks.0.weight"]
+    assert [n for n, _ in seq.owned_parameters(2)] == []
+    assert seq.num_params() == 64 * 16 + 16 * 16 + 16
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_colon", "must look like"),
+    ("not_a_module_xyz:f", "cannot import"),
+    ("stratum.model.sequential:nope", "has no callable"),
+    ("stratum.model.gpt:preset_names", "must accept keyword arguments vocab_size and seq_len"),
+    ("builtins:dict", "returned dict"),
+])
+def test_bad_factories(spec, message):
+    with pytest.raises(StratumError, match=message):
+        build_sequential(spec, vocab_size=256, seq_len=32)
+
+
+def test_blockseq_rejects_empty_and_misnamed():
+    with pytest.raises(ValueError):
+        BlockSeq([], lm_cross_entropy, ModelInfo(name="x"))
+    with pytest.raises(ValueError):
+        BlockSeq([nn.Linear(2, 2)], lm_cross_entropy, ModelInfo(name="x"), ["a", "b"])

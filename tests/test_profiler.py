@@ -1,0 +1,94 @@
+"""The profiler's byte counts equal the analytic ones; times are measured; the Profile file round-trips."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from stratum.errors import StratumError
+from stratum.model.gpt import PRESETS, build_gpt
+from stratum.model.sequential import from_sequential
+from stratum.profile import Profile
+from stratum.profile.profiler import block_static_bytes, profile_blockseq, profile_from_config
+
+F32 = 4
+
+
+def _analytic_gpt_block_params(preset: str, vocab: int) -> list[int]:
+    s = PRESETS[preset]
+    d = s.d_model
+    layer = 12 * d * d + 13 * d
+    return [(vocab + s.max_seq_len) * d] + [layer] * s.n_layer + [2 * d]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_static_bytes_equal_analytic_for_every_gpt_preset(preset):
+    vocab = PRESETS[preset].vocab_size or 256
+    seq = build_gpt(preset, vocab_size=vocab, seed=0, device="meta")
+    expected = _analytic_gpt_block_params(preset, vocab)
+    for i, n in enumerate(expected):
+        b = block_static_bytes(seq, i)
+        assert b == {"n_params": n, "param_bytes": n * F32, "grad_bytes": n * F32, "optim_bytes": n * 8}, i
+
+
+def test_profile_of_tiny_gpt_measures_every_block():
+    seq = build_gpt("tiny", vocab_size=256, seed=0)
+    b, t, d = 2, 16, PRESETS["tiny"].d_model
+    prof = profile_blockseq(seq, micro_batch=b, seq_len=t, device=torch.device("cpu"), runs=2)
+    assert [x.name for x in prof.blocks] == ["embed", "layer.0", "layer.1", "head"]
+    assert [x.n_params for x in prof.blocks] == _analytic_gpt_block_params("tiny", 256)
+    assert prof.n_params == seq.num_params()
+    assert [x.out_bytes for x in prof.blocks] == [b * t * d * F32] * 3 + [0]
+    assert all(x.fwd_s > 0 and x.bwd_s > 0 and x.act_saved_bytes > 0 for x in prof.blocks)
+    assert prof.blocks[0].bwd_input_s == 0 and prof.blocks[1].bwd_input_s > 0
+    # a transformer layer saves at least its input, the attention inputs and the 4d-wide MLP activations
+    assert prof.blocks[1].act_saved_bytes >= b * t * d * F32 * (1 + 3 + 4)
+    assert prof.tied == [["blocks.0.tok.weight", "blocks.3.weight"]]
+
+
+def test_activation_bytes_are_exact_for_known_blocks():
+    v, d, h, b, t = 32, 8, 16, 3, 5
+    seq = from_sequential(nn.Sequential(nn.Embedding(v, d), nn.Linear(d, h), nn.ReLU(), nn.Linear(h, v)),
+                          vocab_size=v)
+    prof = profile_blockseq(seq, micro_batch=b, seq_len=t, device=torch.device("cpu"), runs=1)
+    acts = [x.act_saved_bytes for x in prof.blocks]
+    assert acts[0] == b * t * 8            # embedding saves its int64 indices
+    assert acts[1] == b * t * d * F32      # linear saves its input
+    assert acts[2] == b * t * h * F32      # relu saves its output
+    assert acts[3] >= b * t * h * F32 + b * t * v * F32  # linear input + log-softmax of the loss
+
+
+def test_meta_model_is_profiled_block_by_block_and_stays_meta():
+    seq = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    prof = profile_blockseq(seq, micro_batch=1, seq_len=8, device=torch.device("cpu"), runs=1)
+    assert prof.param_bytes == seq.num_params() * F32
+    assert all(p.is_meta for p in seq.parameters())
+
+
+def test_profile_json_round_trip_and_table(tmp_path):
+    seq = build_gpt("tiny", vocab_size=256, seed=0)
+    prof = profile_blockseq(seq, micro_batch=1, seq_len=8, device=torch.device("cpu"), runs=1)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    again = Profile.load(path)
+    assert again == prof
+    assert again.train_state_bytes == seq.num_params() * (4 + 4 + 8)
+    table = prof.table()
+    assert "layer.1" in table and "total" in table
+
+
+def test_bad_profile_files(tmp_path):
+    with pytest.raises(StratumError, match="does not exist"):
+        Profile.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(StratumError, match="not valid JSON"):
+        Profile.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format_version": 1, "hello": 1}))
+    with pytest.raises(StratumError, match="not a Stratum profile"):
+        Profile.load(tmp_path / "other.json")
+
+
+def test_profile_from_config(make_cfg):
+    prof = profile_from_config(make_cfg("train.micro_batch_size=2"), runs=1)
+    assert prof.micro_batch == 2 and prof.seq_len == 32 and len(prof.blocks) == 4
