@@ -86,3 +86,13 @@ def test_parse_set_values():
     assert parse_set("train.steps=5") == ("train", "steps", 5)
     assert parse_set("data.corpus=some/path.txt") == ("data", "corpus", "some/path.txt")
     assert parse_set("train.resume=false") == ("train", "resume", False)
+
+
+def test_shipped_configs_load_and_default_matches_builtin():
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert files
+    for f in files:
+        load_config(f)
+    assert load_config(root / "default.toml").to_dict() == load_config().to_dict()
