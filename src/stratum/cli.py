@@ -13,9 +13,9 @@ One process, the built-in default (a small GPT on this Python's standard-library
 A run writes ``<out_dir>/metrics.jsonl`` (a JSON object per step), ``summary.json``, ``config.toml`` and
 ``checkpoints/``; running the same command again resumes from the last checkpoint (bit-exact).
 
-N processes and clusters: the engines of this version run in one process; the pipeline and data-parallel
-engines spawn their local processes themselves and work under ``torchrun`` with its rendezvous
-(``torchrun --nnodes M --nproc_per_node N -m stratum train ...``).
+N processes and clusters: ``--set train.engine='pipeline' --set pipeline.ranks=4`` spawns 4 local processes
+itself (only rank 0 prints and writes); the same command works under ``torchrun`` and its rendezvous
+(``torchrun --nnodes M --nproc_per_node N -m stratum train ...``, pipeline.ranks = M·N). See docs/pipeline.md.
 
 Bad input (unknown key, wrong type, missing corpus, unwritable out_dir, incompatible checkpoint) prints
 ``stratum: error: ...`` and exits with code 2.
@@ -24,6 +24,7 @@ Bad input (unknown key, wrong type, missing corpus, unwritable out_dir, incompat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stratum.errors import StratumError
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_schedule(sub)
+    from stratum.offload.cli import add_parser as add_plan
+    add_plan(sub)
     return parser
 
 
@@ -71,6 +74,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "schedule":
         from stratum.schedule.cli import run as run_schedule
         return run_schedule(args)
+    if args.command == "plan":
+        from stratum.offload.cli import run as run_plan
+        return run_plan(args)
 
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
@@ -80,6 +86,10 @@ def _run(args: argparse.Namespace) -> int:
             from stratum.train.dryrun import dry_run
             dry_run(cfg)
             return 0
+        if cfg.train.engine == "pipeline":
+            from stratum.dist.launch import is_worker
+            if not is_worker():
+                return _spawn_pipeline(cfg, args)
         from stratum.train.trainer import train
         train(cfg, stop_at=args.stop_at)
         return 0
@@ -95,6 +105,27 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
+def _spawn_pipeline(cfg, args: argparse.Namespace) -> int:
+    """Check the pipeline config and prepare the data here, then run the same command in pipeline.ranks local
+    worker processes (each joins the process group from its environment)."""
+    from pathlib import Path
+
+    from stratum.data.prepare import prepare_data
+    from stratum.dist.launch import spawn_local
+    from stratum.runtime.pipeline import check_pipeline
+    from stratum.train.trainer import prepare_out_dir
+
+    check_pipeline(cfg)  # ranks / stages / blocks / backend: one-line errors before anything starts
+    prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
+    prepare_out_dir(Path(cfg.train.out_dir).expanduser())
+    argv = ["train"] + (["--config", args.config] if args.config else [])
+    for o in args.overrides:
+        argv += ["--set", o]
+    if args.stop_at is not None:
+        argv += ["--stop-at", str(args.stop_at)]
+    return spawn_local(argv, cfg.pipeline.ranks, grace_s=cfg.pipeline.timeout_s + 5)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except StratumError as e:
-        print(f"stratum: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"stratum: error: {e}\n")  # one write: lines of several ranks do not interleave
+        sys.stderr.flush()
+        from stratum.dist.launch import PeerError, is_worker
+        if isinstance(e, PeerError) and is_worker():
+            # a peer is gone: leave now rather than let process-group teardown wait on it
+            sys.stdout.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",

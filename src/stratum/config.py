@@ -22,7 +22,10 @@ from stratum.errors import StratumError
 SOURCES = ("gpt", "sequential", "hf")
 TOKENIZERS = ("byte", "bpe")
 PRECISIONS = ("fp32", "bf16")
-ENGINES = ("plain",)
+ENGINES = ("plain", "pipeline", "offload")
+OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
+PIPELINE_PARTITIONS = ("even", "balanced")
+PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(kw_only=True)
@@ -34,7 +37,7 @@ class ModelConfig:
     vocab_size: int = 0
     """Vocabulary size; 0 takes the preset's (GPT-2 family: 50257) or else the tokenizer's."""
     dropout: float = 0.0
-    """Dropout probability in [0, 1) (gpt and hf sources)."""
+    """Dropout probability in [0, 1) (gpt and hf sources; replaces a transformers config's own rates)."""
     factory: str = "stratum.model.sequential:example_lm"
     """source = sequential: 'package.module:function' called as f(vocab_size=V, seq_len=T) -> nn.Sequential."""
     hf_path: str = ""
@@ -92,7 +95,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, or cuda:N."""
     engine: str = "plain"
-    """Execution engine: plain (the single-process reference)."""
+    """Execution engine: plain (the single-process reference), pipeline (stages over processes, see [pipeline]),
+    offload (training state in chunks over device, host and disk under byte budgets, see [offload])."""
     eval_interval: int = 50
     """Compute the eval loss every this many steps (and at the end); 0 = only at the end."""
     eval_batches: int = 4
@@ -109,7 +113,48 @@ class TrainConfig:
     """Continue from the latest checkpoint in out_dir if there is one."""
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+@dataclass(kw_only=True)
+class PipelineConfig:
+    schedule: str = "1f1b"
+    """Schedule kind (gpipe, 1f1b, interleaved, wave, zb-1f1b, zb-wave) or a schedule text file (stratum schedule
+    show --save); a step's train.grad_accum micro-batches are the pipeline's micro-batches."""
+    ranks: int = 2
+    """Pipeline processes (spawned locally by `stratum train`, or the WORLD_SIZE under torchrun)."""
+    virtual: int = 2
+    """Stages per rank of the interleaved schedule."""
+    waves: int = 1
+    """Waves W of the wave schedules (2·W·ranks stages)."""
+    partition: str = "even"
+    """How blocks are cut into stages: even (equal block counts), balanced (by parameter count), or a Profile
+    JSON from `stratum profile` (profiled time balanced per rank by the DP partitioner of stratum.plan)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, or nccl."""
+    timeout_s: float = 30.0
+    """Longest wait for a peer (messages, collectives, start-up) before the run stops with an error."""
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    device_budget: str = ""
+    """train.engine = offload: bytes the device tier may hold (GPU memory; RAM on a CPU-only machine), e.g.
+    "2GB" or "512MiB"; "" = no limit."""
+    host_budget: str = ""
+    """Bytes of (pinned, with a GPU) host RAM the offload engine may use below the device; "" = no limit; what
+    fits in neither budget goes to files under offload.disk_dir."""
+    disk_dir: str = ""
+    """Directory for the disk tier's files (removed at exit); "" = the system temp directory."""
+    chunk_size: str = ""
+    """Expert override: bytes per parameter chunk (at least the largest parameter); "" = the planner's choice."""
+    resident_chunks: int = 0
+    """Expert override: device chunk slots for streamed chunks; 0 = the planner's choice."""
+    optimizer_tier: str = "auto"
+    """Expert override: where AdamW's state lives and its update runs: auto (planner), device, host or disk."""
+    prefetch_depth: int = -1
+    """Expert override: chunk accesses fetched ahead of use (0 = on demand); -1 = the planner's choice."""
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
+                             "pipeline": PipelineConfig, "offload": OffloadConfig}
 
 
 @dataclass(kw_only=True)
@@ -120,6 +165,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     # ---- derived values: computed here and nowhere else ---------------------------------------------------
     @property
@@ -188,6 +235,29 @@ class Config:
         _check("train.log_interval", t.log_interval >= 1, "must be ≥ 1")
         _check("train.keep_checkpoints", t.keep_checkpoints >= 1, "must be ≥ 1")
         _check("train.out_dir", bool(t.out_dir.strip()), "must not be empty")
+        pp = self.pipeline
+        _check("pipeline.ranks", pp.ranks >= 1, "must be ≥ 1")
+        _check("pipeline.virtual", pp.virtual >= 1, "must be ≥ 1")
+        _check("pipeline.waves", pp.waves >= 1, "must be ≥ 1")
+        if pp.partition not in PIPELINE_PARTITIONS and not pp.partition.endswith(".json"):
+            raise StratumError(f"pipeline.partition = {pp.partition!r} is not one of: "
+                               f"{', '.join(PIPELINE_PARTITIONS)}, or a profile .json file")
+        _choice("pipeline.backend", pp.backend, PIPELINE_BACKENDS)
+        _check("pipeline.timeout_s", 1.0 <= pp.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
+        _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        from stratum.offload.units import parse_budget, parse_bytes
+        o = self.offload
+        parse_budget(o.device_budget, "offload.device_budget")
+        parse_budget(o.host_budget, "offload.host_budget")
+        if o.chunk_size.strip():
+            _check("offload.chunk_size", parse_bytes(o.chunk_size, "offload.chunk_size") >= 4,
+                   "must be at least 4 bytes (one fp32 element), or \"\" for the planner's choice")
+        _check("offload.resident_chunks", o.resident_chunks >= 0, "must be ≥ 0 (0 = the planner's choice)")
+        _choice("offload.optimizer_tier", o.optimizer_tier, OFFLOAD_OPTIMIZER_TIERS)
+        _check("offload.prefetch_depth", o.prefetch_depth >= -1, "must be ≥ 0, or -1 for the planner's choice")
 
 
 def _check(key: str, ok: bool, what: str) -> None:

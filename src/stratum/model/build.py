@@ -32,7 +32,7 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
             return build_sequential(cfg.factory, vocab_size=vocab, seq_len=seq_len)
     if cfg.source == "hf":
         from stratum.model.hf import build_hf
-        seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout if cfg.dropout else None, device=device,
+        seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout, device=device,
                        vocab_size=cfg.vocab_size or None)
         _check_vocab(seq.info.vocab_size, tokenizer_vocab)
         if seq.info.max_seq_len and seq_len > seq.info.max_seq_len:

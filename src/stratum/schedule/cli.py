@@ -35,8 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     show.add_argument("--save", default=None, help="also write the schedule in the text format to this path")
     sim = sub.add_parser("simulate", help="simulate a schedule: makespan, bubble, peak activations (SIMULATED)")
     _common(sim)
-    sim.add_argument("--profile", default=None, help="Profile JSON (stratum profile); blocks are cut evenly "
-                     "into the schedule's stages. Without it: unit costs F=1 B=2 I=1 W=1 per rank")
+    sim.add_argument("--profile", default=None, help="Profile JSON (stratum profile); blocks are cut into the "
+                     "schedule's stages by --partition. Without it: unit costs F=1 B=2 I=1 W=1 per rank")
+    sim.add_argument("--partition", choices=("even", "balanced"), default="even", help="with --profile: 'even' "
+                     "cuts equal block counts, 'balanced' balances profiled time per rank (stratum.plan; "
+                     "default even)")
     sim.add_argument("--latency", type=float, default=0.0, help="point-to-point latency, seconds (default 0)")
     sim.add_argument("--bandwidth", type=float, default=math.inf, help="point-to-point bandwidth, bytes/s "
                      "(default infinite)")
@@ -81,8 +84,15 @@ def run(args) -> int:
         prof = Profile.load(args.profile)
         if len(prof.blocks) < S:
             raise StratumError(f"profile has {len(prof.blocks)} blocks, fewer than the schedule's {S} stages")
-        costs = Costs.from_profile(prof, even_partition(len(prof.blocks), S), latency=args.latency,
-                                   bandwidth=args.bandwidth)
+        if getattr(args, "partition", "even") == "balanced":
+            from stratum.plan import inflight_from_schedule, partition, stage_costs
+
+            part = partition(prof, sched.stage_to_rank, inflight=inflight_from_schedule(sched))
+            print(part.table())
+            costs = stage_costs(prof, part, latency=args.latency, bandwidth=args.bandwidth)
+        else:
+            costs = Costs.from_profile(prof, even_partition(len(prof.blocks), S), latency=args.latency,
+                                       bandwidth=args.bandwidth)
     else:
         v = max(1, S // sched.num_ranks)
         costs = Costs.unit(S, stages_per_rank=v, latency=args.latency, bandwidth=args.bandwidth)

@@ -1,21 +1,28 @@
 """Schedule generators: GPipe, 1F1B, interleaved 1F1B, Hanayo wave, and zero-bubble (split backward) variants.
 
 Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < P) and returns a validated
-:class:`Schedule`. Two construction methods are used:
+:class:`Schedule`. Three construction methods are used:
 
 - *Merge* (GPipe, 1F1B, interleaved): each rank has a forward order and a backward order; it runs ``warmup``
   forwards, then alternates one forward and one backward, then drains the backwards. GPipe is warmup = all.
   This reproduces the textbook (Megatron) schedules exactly, so their closed-form bubbles hold.
-- *List scheduling* (wave, ZB variants): an event simulation with unit costs (F=1, B=2, I=1, W=1 per stage,
-  free messages) where a rank that falls idle picks among the actions whose inputs are ready: a backward or a
-  forward (which one first is the policy; forwards only while the rank holds fewer micro-batches than its
-  activation limit), else a deferred weight-gradient W (bubble filler). The order in which the actions ran is
-  the schedule, so it is deadlock-free by construction, whatever the real costs turn out to be. A few
-  policies and limits are tried and the shortest unit-cost makespan within the memory bound is kept.
+- *List scheduling* (zb-1f1b, and inside the wave generators): an event simulation with unit costs (F=1, B=2,
+  I=1, W=1 per stage) in which a rank that falls idle picks among the actions whose inputs are ready. The order
+  in which the actions ran is the schedule, so it is deadlock-free by construction, whatever the real costs.
+- *Wave* (wave, zb-wave; see :func:`_capped_list_schedule`): Hanayo's zig-zag placement driven by the wave
+  rule: a free rank runs the ready action of its **deepest stage** (forward or backward), under a cap on the
+  stage activations it holds. Each micro-batch rides its wave down, through the local turn and back up before
+  new ones enter, and the backward wave drains the same way; that gives the warm-up (forwards until the cap),
+  the steady state (forwards and backwards interleaved, in-flight bounded by the cap) and the cool-down.
+  A small grid of caps, admission reserves, tie rules and message slack is generated and the order with the
+  least regret over free messages and messages costing ``NOMINAL_MSG`` of a rank's forward, within the
+  activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P), is kept.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Sequence
 
 from stratum.errors import StratumError
@@ -303,29 +310,156 @@ def _check_waves(waves: int) -> None:
         raise StratumError(f"waves must be an integer >= 1, got {waves!r}")
 
 
+NOMINAL_MSG = 0.2
+"""Message cost, in units of one rank's forward time per micro-batch, that the wave generators also score their
+candidates with (besides free messages), so the order they keep tolerates a real link."""
+
+
+def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool, cap: int, reserve: int,
+                          msg: float, rule: str = "deepest", f_ties: bool = False) -> Schedule | None:
+    """The wave's order: an event simulation of the zig-zag pipeline under a per-rank activation cap.
+
+    Unit costs per stage action (F=1, B=2, I=W=1) and a message delay ``msg`` between stages on different ranks
+    (0 = free; > 0 leaves the slack a real link needs). When a rank is free it starts one of its ready actions:
+
+    - ``rule="deepest"`` (the wave rule): the action of the **deepest stage** first, forward or backward
+      (``f_ties``: a forward wins a tie with a backward of the same stage), then the oldest micro-batch. A
+      micro-batch that has entered the rank rides its wave on (down, through the local turn, back up) before
+      a new one is let in, and the backward wave is drained in the same order, so the in-flight set stays
+      small and every rank keeps both its stream directions busy;
+    - ``rule="b-first"``: any ready backward (deepest first), else the deepest ready forward.
+
+    A forward needs the rank to hold fewer than ``cap`` stage activations (``cap - reserve`` for a new
+    micro-batch entering the rank's first stage, which keeps room for the ones already inside); with nothing
+    else to do a rank runs a deferred weight gradient W. The order in which actions ran is the schedule
+    (deadlock-free whatever the real costs). Returns None if the cap starves the pipeline.
+    """
+    S, P = len(stage_to_rank), max(stage_to_rank) + 1
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    bk = "I" if split else "B"
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * P
+    order: list[list[Action]] = [[] for _ in range(P)]
+    pend_f = [[(s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)] for r in range(P)]
+    pend_b: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+    pend_w: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
+    first = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
+    live = [0] * P
+    t, n, total = 0.0, 0, S * m * (3 if split else 2)
+    eps = 1e-9
+    events: list[float] = []
+
+    def arrived(src: tuple[str, int, int], dst_stage: int) -> bool:
+        x = done.get(src)
+        if x is None:
+            return False
+        return x + (msg if stage_to_rank[src[1]] != stage_to_rank[dst_stage] else 0.0) <= t + eps
+
+    while n < total:
+        for r in range(P):
+            if free[r] > t + eps:
+                continue
+            a = None
+            # (-stage, tie rank, micro-batch, kind): the smallest is the deepest stage, then the tie rule
+            ready = [(-s, 1 if f_ties else 0, k, bk) for s, k in pend_b[r]
+                     if s == S - 1 or arrived((bk, s + 1, k), s)]
+            if not ready or rule == "deepest":
+                ready += [(-s, 0 if f_ties else 1, k, "F") for s, k in pend_f[r]
+                          if live[r] < cap - (reserve if s == first[r] else 0)
+                          and (s == 0 or arrived(("F", s - 1, k), s))]
+            if ready:
+                neg_s, _, k, kind = min(ready)
+                (pend_f if kind == "F" else pend_b)[r].remove((-neg_s, k))
+                a = (kind, -neg_s, k)
+            elif pend_w[r]:
+                a = pend_w[r].pop(0)
+            if a is None:
+                continue
+            kind, s, k = a
+            done[a] = t + cost[kind]
+            free[r] = t + cost[kind]
+            heapq.heappush(events, t + cost[kind])          # the rank is free again / a result is there
+            if msg > 0:
+                heapq.heappush(events, t + cost[kind] + msg)  # the result has reached the other rank
+            n += 1
+            order[r].append(Action(kind, s, k))
+            if kind == "F":
+                live[r] += 1
+                pend_b[r].append((s, k))
+            elif kind == "I":
+                pend_w[r].append(("W", s, k))
+            if kind in "BW":
+                live[r] -= 1
+        while events and events[0] <= t + eps:
+            heapq.heappop(events)
+        if not events:
+            return None
+        t = heapq.heappop(events)
+    return Schedule(name="w", stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
+
+
 def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
+    """Candidates from the capped list scheduler (several caps, reserves, backward orders, with and without
+    message slack) and from the older list scheduler; keep, among those within the activation bound
+    (interleaved v=2W's peak), the smallest unit-cost makespan with free messages plus with messages costing
+    ``NOMINAL_MSG`` of a rank's forward (deadlock-free by construction, validated)."""
+    from stratum.sim.pipeline import Costs, simulate  # local: stratum.sim imports this package
+
     _check_pm(ranks, microbatches)
     _check_waves(waves)
     P, m, v = ranks, microbatches, 2 * waves
-    bound = _interleaved_peak(P, m, v)
-    # Limits in whole micro-batches per rank: 1F1B's rank-0 depth P, and the most that fits the bound.
+    s2r = wave_stage_to_rank(P, waves)
+    S = len(s2r)
+    bound = min(_interleaved_peak(P, m, v), float(P)) if split else _interleaved_peak(P, m, v)
+    cands: list[Schedule] = []
+    top = max(1, int(bound * v + 1e-9))               # stage activations of 1/v micro-batch each
+    variants = [("deepest", False, r) for r in (0, 1, 2)] + [("deepest", True, r) for r in (0, 1, 2)] + \
+        [("b-first", False, 0)]
+    for cap in range(max(1, top - v), top + 1):
+        for rule, f_ties, reserve in variants:
+            for msg in (0.0, NOMINAL_MSG * v):
+                sc = _capped_list_schedule(s2r, m, split=split, cap=cap, reserve=reserve, msg=msg, rule=rule,
+                                           f_ties=f_ties)
+                if sc is not None:
+                    cands.append(sc)
     limit_sets = [[P] * P, [max(1, int(bound + 1e-9))] * P]
-    if limit_sets[1] == limit_sets[0]:
-        limit_sets.pop()
-    return _best_of(name, wave_stage_to_rank(P, waves), m, split=split, limit_sets=limit_sets, f_key=_wave_key,
-                    mem_bound=bound, stages_per_rank=v)
+    for limits in limit_sets:
+        for policy in POLICIES:
+            sc = _list_schedule(name, s2r, m, split=True, limits=limits, f_key=_wave_key, policy=policy)
+            cands.append(sc if split else _fuse_backward(sc, name))
+    free_costs = Costs.unit(S, stages_per_rank=v)
+    link_costs = Costs.unit(S, stages_per_rank=v, out_bytes=1.0, latency=NOMINAL_MSG, bandwidth=math.inf)
+    runs = []
+    for sc in cands:
+        r0 = simulate(sc, free_costs)
+        runs.append((r0.makespan, simulate(sc, link_costs).makespan, max(r0.peak_act)))
+    fits = [k for k, x in enumerate(runs) if x[2] <= bound + 1e-9]
+    if fits:
+        # least regret over the two link models: the worst of (makespan / best makespan) with free messages
+        # and with NOMINAL_MSG messages, then the plain sum, then memory
+        b0 = min(runs[k][0] for k in fits)
+        b1 = min(runs[k][1] for k in fits)
+        pick = min(fits, key=lambda k: (round(max(runs[k][0] / b0, runs[k][1] / b1), 9), runs[k][0] + runs[k][1],
+                                        runs[k][2], k))
+    else:
+        pick = min(range(len(cands)), key=lambda k: (runs[k][2], runs[k][0], k))
+    best = cands[pick]
+    best = Schedule(name=name, stage_to_rank=s2r, num_microbatches=m, actions=best.actions)
+    validate(best)
+    return best
 
 
 def wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
     """Hanayo wave schedule: S = 2*W*P stages zig-zagged over the ranks, forward waves down and up the ranks,
-    backward waves in reverse, a 1F1B-like steady state under an activation bound: never more peak
-    activation than interleaved 1F1B with v = 2W. The turn of each wave stays on one rank (no message)."""
+    backward waves in reverse, driven by the deepest-stage-first wave rule under an activation cap: never more
+    peak activation than interleaved 1F1B with v = 2W. The turn of each wave stays on one rank (no message)."""
     return _wave(f"wave-w{waves}", ranks, microbatches, waves, split=False)
 
 
 def zb_wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
-    """The wave schedule with the backward split into I and W, W deferred to fill bubbles (same activation
-    bound as :func:`wave`, activations freed at W)."""
+    """The wave schedule with the backward split into I and W (ZB-style): I takes B's place in the wave rule, W
+    is deferred and runs only when the rank has no ready F or I (it fills the bubbles); activations are freed at
+    W and peak activation stays within 1F1B's (P micro-batches) and interleaved v=2W's."""
     return _wave(f"zb-wave-w{waves}", ranks, microbatches, waves, split=True)
 
 

@@ -32,4 +32,7 @@ def dry_run(cfg: Config) -> dict:
         print(f"  {i:>3} {name:<16} {type(model.blocks[i]).__name__:<16} {owned:>14,} params")
     for g in model.tied:
         print(f"  tied: {' = '.join(g.names)}")
+    if cfg.train.engine == "offload":
+        from stratum.offload.setup import plan_for
+        print(plan_for(cfg, model, device, always_profile=True).describe())
     return {"params": n, "train_state_bytes": state}

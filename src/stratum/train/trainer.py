@@ -49,27 +49,75 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
+class _Quiet:
+    """Metrics log and display of a non-main rank: records nothing, prints nothing."""
+
+    records: list = []
+
+    def write(self, rec: dict) -> None:
+        pass
+
+    def step(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = None) -> dict:
     """Run (or resume) the configured training; returns the summary also written to ``summary.json``.
 
     ``stop_at`` ends this invocation after that many completed steps, with a checkpoint, so the run can be
     resumed later (time-sliced jobs, tests of resume).
+
+    Multi-process engines (``train.engine = "pipeline"``): every rank runs this same loop on the same batches
+    (the process group is joined here, from the launcher's environment); only rank 0 prints and writes
+    metrics, summary and checkpoints, and every rank reads the checkpoint it resumes from.
     """
+    t = cfg.train
+    if t.engine != "pipeline":
+        return _train(cfg, stop_at=stop_at, console=console, device=resolve_device(t.device), main=True)
+    from stratum.dist import launch
+    device = launch.local_device(resolve_device(t.device))
+    created = launch.init_process_group(world=cfg.pipeline.ranks, backend=cfg.pipeline.backend, device=device,
+                                        timeout_s=cfg.pipeline.timeout_s)
+    main = launch.is_main()
+    if not main:
+        console = Console(file=open(os.devnull, "w"), highlight=False)
+    summary = _train(cfg, stop_at=stop_at, console=console, device=device, main=main)
+    if created:  # after a failure the group is left alone: tearing it down could wait on a dead peer
+        launch.destroy_process_group()
+    return summary
+
+
+def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device: torch.device,
+           main: bool) -> dict:
     console = console or make_console()
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
-    device = resolve_device(t.device)
-    prepare_out_dir(out_dir)
+    multi = t.engine == "pipeline"
+    if main:
+        prepare_out_dir(out_dir)
 
     ckpt_path = latest_checkpoint(out_dir)
     if ckpt_path is not None and not t.resume:
         raise StratumError(f"train.out_dir {str(out_dir)!r} already holds checkpoints; set train.resume = true "
                            "to continue that run, or choose a new train.out_dir")
 
+    # every rank prepares its data (caches are written atomically, so ranks sharing a cache directory are safe;
+    # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=cfg.data.seq_len,
-                        seed=t.seed)
+    if multi:
+        from stratum.dist.launch import rank
+        from stratum.runtime.pipeline import build_local_model
+        model, _ = build_local_model(cfg, rank=rank(), tokenizer_vocab=data.tokenizer.vocab_size,
+                                     seq_len=cfg.data.seq_len, seed=t.seed, device=device)
+    else:
+        # the offload engine materialises a GPT block by block from the meta device (models larger than RAM)
+        meta = t.engine == "offload" and cfg.model.source == "gpt"
+        model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=cfg.data.seq_len,
+                            seed=t.seed, device="meta" if meta else "cpu")
     fingerprint = model.fingerprint()
 
     start = 0
@@ -84,7 +132,7 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
                           "raise train.steps to continue it, or choose a new train.out_dir")
             summary_path = out_dir / "summary.json"
             return json.loads(summary_path.read_text()) if summary_path.exists() else {"steps_done": start}
-    elif (out_dir / "metrics.jsonl").exists():
+    elif main and (out_dir / "metrics.jsonl").exists():
         aside = _set_aside(out_dir / "metrics.jsonl")
         console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
@@ -96,7 +144,8 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
 
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     n_params = model.num_params()
-    atomic_write_text(out_dir / "config.toml", to_toml(cfg))
+    if main:
+        atomic_write_text(out_dir / "config.toml", to_toml(cfg))
     console.print(f"model {model.info.name} ({cfg.model.source}): {n_params:,} parameters, {len(model)} blocks; "
                   f"engine {engine.name} on {describe(device)}, {t.precision}")
     console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
@@ -105,8 +154,8 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
     console.print(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
                   f"output in {out_dir}")
 
-    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start)
-    display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval)
+    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start) if main else _Quiet()
+    display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
     eval_batches = [b for i in range(t.eval_batches)
                     for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
     run_start = time.perf_counter()
@@ -134,8 +183,10 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
             log.write(rec)
             display.step(rec)
             if done == end or (t.ckpt_interval and done % t.ckpt_interval == 0):
-                last_ckpt = save_checkpoint(out_dir, step=done, state=engine.state(), cfg=cfg,
-                                            fingerprint=fingerprint, keep=t.keep_checkpoints)
+                state = engine.state()  # collective under a multi-process engine; full state on rank 0
+                if main:
+                    last_ckpt = save_checkpoint(out_dir, step=done, state=state, cfg=cfg,
+                                                fingerprint=fingerprint, keep=t.keep_checkpoints)
     finally:
         display.close()
         log.close()
@@ -153,8 +204,9 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
         "wall_s": wall, "checkpoint": str(last_ckpt) if last_ckpt else None, "out_dir": str(out_dir),
     }
-    atomic_write_json(out_dir / "summary.json", summary)
-    _print_summary(console, summary)
+    if main:
+        atomic_write_json(out_dir / "summary.json", summary)
+        _print_summary(console, summary)
     return summary
 
 

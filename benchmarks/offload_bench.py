@@ -1,0 +1,229 @@
+"""Benchmark: the offload engine side by side with the plain engine (one run, same model and batches).
+
+Runbook::
+
+    python benchmarks/offload_bench.py overhead      # budget ≥ training state: everything stays on the device
+    python benchmarks/offload_bench.py offload       # device budget = 25% of the training state
+    python benchmarks/offload_bench.py beyond-ram    # GPT-2 774M, RAM budgets adding up to 2 GB, rest on disk
+    python benchmarks/offload_bench.py capacity      # largest preset each engine trains for 3 steps
+
+``overhead`` and ``offload`` run both engines in one process and alternate their steps (same batches), so both
+see the same machine load; the median step time after warm-up gives tokens/s. ``beyond-ram`` and ``capacity``
+run every engine in its own process (peak RSS is that run's alone). Results go to
+``benchmarks/results/offload_<mode>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def _cfg(preset: str, micro: int, seq: int, extra=()):
+    from stratum.config import load_config
+    return load_config(None, [f"model.preset={preset!r}", f"data.seq_len={seq}", f"train.micro_batch_size={micro}",
+                              *extra])
+
+
+def _batches(cfg, steps):
+    from stratum.data.prepare import prepare_data
+    from stratum.data.tokens import TRAIN
+    data = prepare_data(cfg)
+    return [data.sampler.micro_batches(TRAIN, s, cfg.train.micro_batch_size, cfg.train.grad_accum)
+            for s in range(steps)], data.tokenizer.vocab_size
+
+
+def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmup: int) -> dict:
+    import torch
+
+    from stratum.model.build import build_model
+    from stratum.offload.engine import OffloadEngine
+    from stratum.offload.setup import plan_for
+    from stratum.runtime import optim_spec
+    from stratum.runtime.plain import PlainEngine
+
+    cfg = _cfg(preset, micro, seq)
+    batches, vocab = _batches(cfg, steps + warmup)
+    dev = torch.device("cpu")
+    model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=seq, seed=0)
+    state = 16 * model.num_params()
+    budget = "" if mode == "overhead" else str(state // 4)
+    ocfg = _cfg(preset, micro, seq, [f"offload.device_budget={budget!r}"])
+    t0 = time.perf_counter()
+    plan = plan_for(ocfg, model, dev)
+    plan_s = time.perf_counter() - t0
+    print(plan.describe(), flush=True)
+    plain = PlainEngine(copy.deepcopy(model), optim=optim_spec(cfg), device=dev)
+    off = OffloadEngine(model, optim=optim_spec(cfg), device=dev, plan=plan, check_every_step=True)
+    times = {"plain": [], "offload": []}
+    losses = {"plain": [], "offload": []}
+    for s, b in enumerate(batches):
+        order = [("plain", plain), ("offload", off)] if s % 2 == 0 else [("offload", off), ("plain", plain)]
+        for name, eng in order:
+            t = time.perf_counter()
+            r = eng.train_step(b, 1e-4)
+            dt = time.perf_counter() - t
+            losses[name].append(r.loss)
+            if s >= warmup:
+                times[name].append(dt)
+        print(f"step {s}: plain {times['plain'][-1] if s >= warmup else 0:.3f}s offload "
+              f"{times['offload'][-1] if s >= warmup else 0:.3f}s", flush=True)
+    tokens = cfg.tokens_per_step
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "mode": mode, "preset": preset, "params": model.num_params(), "train_state_bytes": state,
+        "device_budget_bytes": plan.device_budget, "tokens_per_step": tokens, "steps_timed": steps,
+        "warmup_steps": warmup, "threads": torch.get_num_threads(),
+        "median_step_s": med, "tokens_per_s": {k: tokens / v for k, v in med.items()},
+        "ratio_offload_over_plain": med["plain"] / med["offload"],
+        "losses_equal": losses["plain"] == losses["offload"],
+        "plan": plan.to_dict(), "plan_s": plan_s,
+        "measured_peak_bytes": off.measured_peaks(), "fetches": off.n_fetches,
+        "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h,
+        "load_average": os.getloadavg(),
+    }
+    off.close()
+    return out
+
+
+def _worker(args) -> dict:
+    """One engine, one process: ``steps`` steps of ``preset``; prints a JSON line."""
+    import torch
+
+    from stratum.model.build import build_model
+    from stratum.runtime import make_engine
+    from stratum.runtime.device import peak_rss_bytes
+
+    extra = [f"train.engine={args.engine!r}"]
+    if args.engine == "offload":
+        extra += [f"offload.device_budget={args.device_budget!r}", f"offload.host_budget={args.host_budget!r}",
+                  f"offload.disk_dir={args.disk_dir!r}"]
+    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + ["train.seed=0"])
+    batches, vocab = _batches(cfg, args.steps)
+    t0 = time.perf_counter()
+    meta = args.engine == "offload"  # the offload engine builds the GPT block by block (as the trainer does)
+    model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=args.seq_len, seed=0,
+                        device="meta" if meta else "cpu")
+    engine = make_engine(cfg, model, torch.device("cpu"))
+    del model
+    setup_s = time.perf_counter() - t0
+    times, losses = [], []
+    for b in batches:
+        t = time.perf_counter()
+        losses.append(engine.train_step(b, 1e-4).loss)
+        times.append(time.perf_counter() - t)
+        print(f"step {len(times)}: {times[-1]:.1f}s loss {losses[-1]:.4f} rss peak {peak_rss_bytes() / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
+    res = {"engine": args.engine, "preset": args.preset, "step_s": times, "losses": losses, "setup_s": setup_s,
+           "peak_rss_bytes": peak_rss_bytes(), "tokens_per_step": cfg.tokens_per_step}
+    if args.engine == "offload":
+        res.update(plan=engine.plan.to_dict(), measured_peak_bytes=engine.measured_peaks(),
+                   bytes_h2d=engine.bytes_h2d, bytes_d2h=engine.bytes_d2h)
+        from stratum.offload.tiers import measure_bandwidths
+        res["bandwidths"] = measure_bandwidths(torch.device("cpu"), args.disk_dir or "/tmp").to_dict()
+    engine.close()
+    print("RESULT " + json.dumps(res), flush=True)
+    return res
+
+
+def _spawn(argv: list[str], timeout: float) -> dict | None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", *argv]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"timeout after {timeout:.0f}s"}
+    sys.stderr.write(p.stderr[-3000:])
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {"ok": True, **json.loads(line[7:])}
+    return {"ok": False, "why": f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:300]}"}
+
+
+def beyond_ram(args) -> dict:
+    common = ["--preset", "gpt2-774m", "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
+              "--seq-len", str(args.seq_len)]
+    off = _spawn(common + ["--engine", "offload", "--device-budget", args.device_budget, "--host-budget",
+                           args.host_budget, "--disk-dir", args.disk_dir], args.timeout)
+    plain = _spawn(common + ["--engine", "plain"], args.timeout)
+    out = {"mode": "beyond-ram", "offload": off, "plain": plain}
+    if off and off.get("ok") and plain and plain.get("ok"):
+        mo, mp = statistics.median(off["step_s"][1:]), statistics.median(plain["step_s"][1:])
+        tr = off["plan"]["predicted_traffic"]
+        bw = off["bandwidths"]
+        out.update(median_step_s={"offload": mo, "plain": mp}, ratio_offload_over_plain=mp / mo,
+                   disk_bytes_per_step=tr["disk_read"] + tr["disk_write"],
+                   disk_bound_s=tr["disk_read"] / bw["disk_read"] + tr["disk_write"] / bw["disk_write"],
+                   losses_equal=off["losses"] == plain["losses"])
+    return out
+
+
+def capacity(args) -> dict:
+    presets = args.presets.split(",")
+    out = {"mode": "capacity", "runs": {}, "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    for engine in args.engines.split(","):
+        for preset in presets:
+            if engine == "plain":
+                from stratum.model.gpt import PRESETS, gpt_param_count
+                state = 16 * gpt_param_count(PRESETS[preset], PRESETS[preset].vocab_size or 256)
+                if state > 0.9 * out["ram_bytes"]:  # would only end in the OOM killer (and hit other processes)
+                    out["runs"][f"{engine}:{preset}"] = {"ok": False, "why": f"not attempted: training state "
+                                                         f"{state / 2**30:.1f} GiB > 90% of RAM"}
+                    print(engine, preset, "not attempted", flush=True)
+                    break
+            argv = ["--preset", preset, "--steps", "3", "--micro-batch", "1", "--seq-len", "64", "--engine", engine,
+                    "--device-budget", args.device_budget, "--host-budget", args.host_budget, "--disk-dir",
+                    args.disk_dir]
+            r = _spawn(argv, args.timeout)
+            out["runs"][f"{engine}:{preset}"] = r
+            print(engine, preset, r.get("ok"), r.get("why", ""), flush=True)
+            if not r.get("ok"):
+                break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["overhead", "offload", "beyond-ram", "capacity", "worker"])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--engine", default="plain")
+    ap.add_argument("--device-budget", default="1GB")
+    ap.add_argument("--host-budget", default="1GB")
+    ap.add_argument("--disk-dir", default="")
+    ap.add_argument("--presets", default="gpt2-355m,gpt2-774m,gpt2-1.5b,gpt-2.7b")
+    ap.add_argument("--engines", default="plain,offload")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.mode == "worker":
+        _worker(args)
+        return
+    if args.mode in ("overhead", "offload"):
+        res = side_by_side(args.mode, args.preset, args.micro_batch, args.seq_len, args.steps, args.warmup)
+    elif args.mode == "beyond-ram":
+        res = beyond_ram(args)
+    else:
+        res = capacity(args)
+    res["command"] = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) if args.out else RESULTS / f"offload_{args.mode.replace('-', '_')}.json"
+    path.write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("plan", "runs", "offload", "plain")}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Benchmark: real multi-process pipeline steps against the plain engine and the simulator's prediction.
+
+Runbook::
+
+    python benchmarks/pipeline_real.py                         # GPT 'small', P = 2 and 4, every schedule
+    python benchmarks/pipeline_real.py --ranks 2 --steps 4 --preset mini
+
+What it does, all on the same model, batches and AdamW:
+
+- **plain**: the plain engine in this process, 1 thread and all cores' threads (tokens/s);
+- **profile**: ``profile_from_config`` (what ``stratum profile`` runs) with 1 thread, the threads a pipeline rank
+  gets; a ping-pong between two gloo processes measures the time of one stage-boundary message;
+- **simulated**: :func:`stratum.sim.pipeline.simulate` of each schedule with ``Costs.from_profile`` and that
+  message time as latency; the prediction is the makespan plus the measured AdamW step time of the slowest rank's
+  share (the simulator models forward/backward only);
+- **measured**: P local gloo processes (1 thread each) run each schedule for real: median step time over
+  ``--steps`` timed steps after a warm-up, tokens/s.
+
+Writes ``benchmarks/results/pipeline_real.json``. Labels in the output say which figures are measured and which
+are simulated. On a machine with fewer cores than P the ranks share cores, which the simulator does not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "pipeline_real.json"
+KINDS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual": 2}), ("wave", {"waves": 1}),
+         ("zb-1f1b", {}), ("zb-wave", {"waves": 1})]
+
+
+def make_cfg(a):
+    from stratum.config import load_config
+    return load_config(None, [f"model.preset={a['preset']!r}", f"data.seq_len={a['seq_len']}",
+                              f"train.micro_batch_size={a['micro_batch']}", f"train.grad_accum={a['m']}",
+                              f"data.cache_dir={a['cache_dir']!r}", "train.device='cpu'"])
+
+
+def batches_for(cfg, steps):
+    from stratum.data.prepare import prepare_data
+    from stratum.data.tokens import TRAIN
+    data = prepare_data(cfg)
+    return [data.sampler.micro_batches(TRAIN, s, cfg.train.micro_batch_size, cfg.train.grad_accum)
+            for s in range(steps)]
+
+
+def worker(job_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stratum.dist.launch import init_process_group
+    from stratum.model.build import build_model
+    from stratum.runtime import optim_spec
+    from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
+    from stratum.schedule import generate
+    from stratum.sim.pipeline import even_partition
+
+    torch.set_num_threads(1)
+    job = json.loads(Path(job_path).read_text())
+    cfg = make_cfg(job)
+    world = int(os.environ["WORLD_SIZE"])
+    init_process_group(world=world, backend="gloo", device=torch.device("cpu"), timeout_s=120)
+    rank = dist.get_rank()
+    steps = job["warmup"] + job["steps"]
+    all_batches = batches_for(cfg, steps)
+    out = {"ranks": world, "schedules": {}}
+    # one stage-boundary message, timed by ping-pong between ranks 0 and 1
+    x = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, job["d_model"])
+    dist.barrier()
+    if rank in (0, 1):
+        n = 30
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        out["message_s"] = (time.perf_counter() - t0) / (2 * n)
+    dist.barrier()
+    for kind, kw in KINDS:
+        sched = generate(kind, ranks=world, microbatches=cfg.train.grad_accum, **kw)
+        model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
+        plan = PipelinePlan(schedule=sched, stages=even_partition(len(model), sched.num_stages))
+        eng = PipelineEngine(model, plan=plan, optim=optim_spec(cfg), device=torch.device("cpu"), timeout_s=120)
+        times, losses = [], []
+        for s in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(eng.train_step(all_batches[s], 1e-4).loss)
+            dist.barrier()
+            if s >= job["warmup"]:
+                times.append(time.perf_counter() - t0)
+        # AdamW share of one step on this rank (the simulator leaves it out)
+        for p in (p for _, p in eng.named):
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        eng.opt.step()
+        opt_s = time.perf_counter() - t0
+        eng.opt.zero_grad(set_to_none=True)
+        got = [None] * world if rank == 0 else None
+        dist.gather_object({"opt_s": opt_s, "stats": dict(eng.runtime.stats)}, got, dst=0)
+        if rank == 0:
+            out["schedules"][sched.name] = {
+                "kind": kind, "stages": sched.num_stages, "step_s": statistics.median(times), "times": times,
+                "losses": losses, "opt_s_max": max(g["opt_s"] for g in got),
+                "wait_s_per_rank": [g["stats"]["wait_s"] for g in got],
+                "compute_s_per_rank": [g["stats"]["compute_s"] for g in got],
+            }
+    if rank == 0:
+        Path(job["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def spawn(job: dict, world: int, tmp: Path) -> dict:
+    from stratum.dist.launch import free_port
+    job = dict(job, out=str(tmp / f"out_{world}.json"))
+    path = tmp / f"job_{world}.json"
+    path.write_text(json.dumps(job))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(path)],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(world)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"pipeline workers failed: exit codes {codes}")
+    return json.loads(Path(job["out"]).read_text())
+
+
+def plain_side(job: dict, threads: int) -> dict:
+    import torch
+
+    from stratum.model.build import build_model
+    from stratum.runtime import make_engine
+
+    torch.set_num_threads(threads)
+    cfg = make_cfg(job)
+    steps = job["warmup"] + job["steps"]
+    bs = batches_for(cfg, steps)
+    model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
+    eng = make_engine(cfg, model, torch.device("cpu"))
+    times, losses = [], []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        losses.append(eng.train_step(bs[s], 1e-4).loss)
+        if s >= job["warmup"]:
+            times.append(time.perf_counter() - t0)
+    return {"threads": threads, "step_s": statistics.median(times), "losses": losses}
+
+
+def simulate_side(job: dict, profile, world: int, message_s: float) -> dict:
+    from stratum.schedule import generate
+    from stratum.sim.pipeline import Costs, even_partition, simulate
+
+    out = {}
+    for kind, kw in KINDS:
+        sched = generate(kind, ranks=world, microbatches=job["m"], **kw)
+        stages = even_partition(len(profile.blocks), sched.num_stages)
+        costs = Costs.from_profile(profile, stages, latency=message_s)
+        out[sched.name] = simulate(sched, costs).makespan
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--m", type=int, default=8, help="micro-batches per step (train.grad_accum)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.worker)
+        return
+
+    import tempfile
+
+    import torch
+
+    from stratum.model.gpt import PRESETS
+    from stratum.profile.profiler import profile_from_config
+
+    load_before = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="pipebench-"))
+    job = {"preset": a.preset, "seq_len": a.seq_len, "micro_batch": a.micro_batch, "m": a.m,
+           "cache_dir": str(tmp / "cache"), "warmup": a.warmup, "steps": a.steps,
+           "d_model": PRESETS[a.preset].d_model}
+    cfg = make_cfg(job)
+    batches_for(cfg, 1)  # token cache once, before the workers start
+    tokens_per_step = a.micro_batch * a.m * a.seq_len
+
+    torch.set_num_threads(1)
+    profile = profile_from_config(cfg, runs=5)
+    profile.save(str(tmp / "profile.json"))
+    plain = [plain_side(job, 1), plain_side(job, os.cpu_count() or 1)]
+    result = {"config": {k: v for k, v in job.items() if k != "cache_dir"}, "tokens_per_step": tokens_per_step,
+              "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "measured_plain": [dict(p, tokens_per_s=tokens_per_step / p["step_s"]) for p in plain],
+              "profile_step_s_per_microbatch": profile.step_s, "pipelines": {}}
+    best_plain = min(p["step_s"] for p in plain)
+    for world in a.ranks:
+        real = spawn(job, world, tmp)
+        sim = simulate_side(job, profile, world, real.get("message_s", 0.0))
+        rows = {}
+        for name, r in real["schedules"].items():
+            predicted = sim[name] + r["opt_s_max"]
+            rows[name] = {
+                "measured_step_s": r["step_s"], "measured_tokens_per_s": tokens_per_step / r["step_s"],
+                "simulated_step_s": predicted, "simulated_makespan_s": sim[name],
+                "measured_over_simulated": r["step_s"] / predicted,
+                "speedup_vs_best_plain": best_plain / r["step_s"],
+                "losses_match_plain": max(abs(x - y) / abs(y) for x, y in zip(r["losses"], plain[0]["losses"])),
+                "wait_s_per_rank": r["wait_s_per_rank"], "compute_s_per_rank": r["compute_s_per_rank"],
+            }
+        result["pipelines"][str(world)] = {"message_s": real.get("message_s"), "schedules": rows}
+    # the machine's load average (1 min) before and after: other jobs on the cores make every figure noisier
+    result["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+
+    print(f"model {a.preset}, seq {a.seq_len}, micro-batch {a.micro_batch}, m = {a.m}: {tokens_per_step} tokens/step; "
+          f"{os.cpu_count()} CPU cores")
+    for p in result["measured_plain"]:
+        print(f"  measured plain engine, {p['threads']} thread(s): {p['step_s'] * 1e3:8.1f} ms/step  "
+              f"{p['tokens_per_s']:8.0f} tokens/s")
+    for world, blk in result["pipelines"].items():
+        print(f"  P = {world} (one-way message {blk['message_s'] * 1e3:.2f} ms measured):")
+        for name, r in blk["schedules"].items():
+            print(f"    {name:14s} measured {r['measured_step_s'] * 1e3:8.1f} ms "
+                  f"({r['measured_tokens_per_s']:7.0f} tok/s, ×{r['speedup_vs_best_plain']:.2f} vs best plain)  "
+                  f"simulated {r['simulated_step_s'] * 1e3:8.1f} ms  "
+                  f"measured/simulated {r['measured_over_simulated']:.2f}  "
+                  f"loss rel diff {r['losses_match_plain']:.1e}")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

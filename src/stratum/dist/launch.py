@@ -1,0 +1,227 @@
+"""Processes for multi-process engines: spawn local workers, or join a ``torchrun`` job; one process group.
+
+Three ways a pipeline run gets its processes:
+
+- ``stratum train`` with ``train.engine = "pipeline"`` on a plain shell: the CLI checks the config, prepares the
+  data once, then :func:`spawn_local` starts ``pipeline.ranks`` copies of the same command as workers
+  (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` on a free local port, plus
+  ``STRATUM_WORKER=1``) and waits for them;
+- ``torchrun --nproc_per_node N -m stratum train ...`` (also multi-node, with torchrun's rendezvous): torchrun
+  sets the same variables, the CLI sees them and runs as a worker directly;
+- in-process with ``pipeline.ranks = 1``: a one-process group on a local store (tests, debugging).
+
+Every wait has a limit: the process group is created with ``pipeline.timeout_s`` (collectives and start-up), and
+the pipeline runtime waits on its point-to-point messages with the same limit. A peer that dies or hangs
+surfaces as :class:`PeerError` (exit code 3), a one-line message naming the rank and what it waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from stratum.errors import StratumError
+
+WORKER_ENV = "STRATUM_WORKER"
+"""Set (to 1) in processes started by :func:`spawn_local`."""
+
+
+class PeerError(StratumError):
+    """Another rank died, hung or failed; this rank stops. Exit code 3 (2 stays 'bad input')."""
+
+    exit_code = 3
+
+
+def under_torchrun() -> bool:
+    """True when ``RANK`` and ``WORLD_SIZE`` are set (torchrun, our own spawn, or another launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def is_worker() -> bool:
+    """True in a process that must run its share of a multi-process job itself (not spawn one)."""
+    return under_torchrun() or os.environ.get(WORKER_ENV) == "1"
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the environment; (0, 1, 0) outside a launched job."""
+    if not under_torchrun():
+        return 0, 1, 0
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise StratumError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
+    return rank, world, local
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when there is none)."""
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0 (or no process group): the process that prints and writes."""
+    return rank() == 0
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise StratumError("pipeline.backend = 'nccl' needs CUDA devices (train.device = cuda); "
+                           "use pipeline.backend = 'gloo' on the CPU")
+    return backend
+
+
+def local_device(device: torch.device) -> torch.device:
+    """The device of this process: ``cuda:LOCAL_RANK`` for a CUDA run, the given device otherwise."""
+    if device.type != "cuda":
+        return device
+    _, _, local = env_rank()
+    n = torch.cuda.device_count()
+    if local >= n:
+        raise StratumError(f"local rank {local} has no GPU (this machine has {n}); start at most {n} processes "
+                           "per machine")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_process_group(*, world: int, backend: str, device: torch.device, timeout_s: float) -> bool:
+    """Create the default process group for this process unless one exists; True when this call created it.
+
+    Under a launcher the group comes from ``env://``; without one only ``world = 1`` is possible (a private
+    in-memory store). ``world`` must equal the launcher's WORLD_SIZE.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise StratumError(f"pipeline.ranks = {world} but the process group has {dist.get_world_size()} "
+                               "processes")
+        return False
+    backend = resolve_backend(backend, device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rk, ws, _ = env_rank()
+    if not under_torchrun():
+        if world != 1:
+            raise StratumError(f"pipeline.ranks = {world} needs {world} processes: run it with `stratum train` "
+                               f"(which spawns them) or `torchrun --nproc_per_node {world} -m stratum train ...`")
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return True
+    if ws != world:
+        raise StratumError(f"pipeline.ranks = {world} but the launcher started WORLD_SIZE = {ws} processes; "
+                           f"set --set pipeline.ranks={ws} or start {world} processes")
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=rk, world_size=ws, timeout=timeout, **kwargs)
+    except (RuntimeError, ValueError) as e:  # rendezvous failures (a peer never came, port in use, ...)
+        raise PeerError(f"rank {rk}: cannot join the process group within {timeout_s:g} s: "
+                        f"{_first_line(e)}") from None
+    return True
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def short_reason(e: BaseException) -> str:
+    """The gist of a torch.distributed error: first sentence, without gloo's ``[file.cc:123]`` prefix."""
+    import re
+    text = _first_line(e)
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0][:160]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the worker gets SIGTERM when the launcher dies, so no orphan keeps waiting on its peers."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None) -> int:
+    """Run ``python -m stratum <argv>`` as ``nprocs`` local worker processes and wait for all of them.
+
+    Returns 0 when every worker succeeded, else the exit code of the first worker that failed. When one fails,
+    the others get ``grace_s`` seconds to notice (they stop with their own one-line error), then are killed.
+    """
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    base = dict(os.environ, **(env or {}))
+    for r in range(nprocs):
+        e = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{WORKER_ENV: "1"})
+        # CPU workers share the cores: keep torch's intra-op pool from oversubscribing them
+        if "OMP_NUM_THREADS" not in base:
+            e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        procs.append(subprocess.Popen([sys.executable, "-m", "stratum", *argv], env=e, preexec_fn=preexec))
+    first_fail: tuple[int, int] | None = None
+    deadline = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            for r, c in enumerate(codes):
+                if c not in (None, 0) and first_fail is None:
+                    first_fail = (r, c)
+                    deadline = time.monotonic() + grace_s
+            if all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    if first_fail is None:
+        return 0
+    r, c = first_fail
+    if c < 0:
+        name = signal.Signals(-c).name if -c in signal.Signals._value2member_map_ else str(-c)
+        print(f"stratum: error: pipeline rank {r} was killed by {name}; the other ranks stopped",
+              file=sys.stderr)
+        return 3
+    return c

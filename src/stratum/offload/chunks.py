@@ -1,0 +1,130 @@
+"""Packing parameters into fixed-size flat chunks, in first-use order.
+
+Parameters are visited block by block (``BlockSeq.block_param_names``) and appended to the current chunk until
+the next one would not fit; then a new chunk starts. Within a chunk the weight-decayed parameters come first, so
+the chunk's AdamW runs as two calls over two contiguous ranges (decay, no decay). Tied parameters (one tensor in
+several blocks) go to a private chunk of their own, which stays on the device for the whole run. Gradients,
+optimizer moments and (with a host optimizer) fp32 master copies follow the chunk: they are flat tensors of
+the same length, addressed with the same offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+from stratum.runtime.optim import decays
+
+
+@dataclass
+class Entry:
+    name: str
+    """Canonical parameter name."""
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ChunkSpec:
+    index: int
+    capacity: int
+    """Elements of the chunk's flat buffers (the chunk size; the tied chunk is exactly as large as its content)."""
+    entries: list[Entry] = field(default_factory=list)
+    n_decay: int = 0
+    """Elements of the leading weight-decayed range."""
+    used: int = 0
+    tied: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * 4
+
+
+@dataclass
+class Layout:
+    chunks: list[ChunkSpec]
+    block_chunks: list[list[int]]
+    """Per block, the chunks its parameters live in, in first-use order."""
+    ready_block: dict[int, int]
+    """Chunk → the earliest block that uses it: its gradients are complete after that block's backward."""
+    chunk_elems: int
+
+    @property
+    def streamable(self) -> list[int]:
+        return [c.index for c in self.chunks if not c.tied]
+
+    def max_chunks_per_block(self) -> int:
+        tied = {c.index for c in self.chunks if c.tied}
+        return max((len([c for c in cs if c not in tied]) for cs in self.block_chunks), default=0)
+
+
+def param_order(seq: BlockSeq) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters under canonical names, in first-use order (each once)."""
+    params = dict(seq.named_parameters())
+    seen, out = set(), []
+    for i in range(len(seq)):
+        for name in seq.block_param_names(i):
+            if name not in seen and params[name].requires_grad:
+                seen.add(name)
+                out.append((name, params[name]))
+    return out
+
+
+def _finish(spec: ChunkSpec, items: list[tuple[str, nn.Parameter]]) -> ChunkSpec:
+    ordered = [it for it in items if decays(*it)] + [it for it in items if not decays(*it)]
+    off = 0
+    for name, p in ordered:
+        spec.entries.append(Entry(name, p, off, p.numel(), tuple(p.shape)))
+        off += p.numel()
+        if decays(name, p):
+            spec.n_decay = off
+    spec.used = off
+    return spec
+
+
+def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
+    """The chunk layout of ``seq`` with chunks of ``chunk_elems`` fp32 elements (works on meta models)."""
+    tied_names = {g.owner for g in seq.tied}
+    order = param_order(seq)
+    biggest = max((p.numel() for n, p in order if n not in tied_names), default=0)
+    if chunk_elems < biggest:
+        raise StratumError(f"offload.chunk_size of {chunk_elems * 4:,} bytes is smaller than the largest parameter "
+                           f"({biggest * 4:,} bytes); use at least that")
+    chunks: list[ChunkSpec] = []
+    where: dict[str, int] = {}
+    tied_items = [(n, p) for n, p in order if n in tied_names]
+    if tied_items:
+        spec = _finish(ChunkSpec(0, sum(p.numel() for _, p in tied_items), tied=True), tied_items)
+        chunks.append(spec)
+        for n, _ in tied_items:
+            where[n] = 0
+    cur: list[tuple[str, nn.Parameter]] = []
+    fill = 0
+    for n, p in order:
+        if n in tied_names:
+            continue
+        if cur and fill + p.numel() > chunk_elems:
+            chunks.append(_finish(ChunkSpec(len(chunks), chunk_elems), cur))
+            cur, fill = [], 0
+        cur.append((n, p))
+        where[n] = len(chunks)
+        fill += p.numel()
+    if cur:
+        chunks.append(_finish(ChunkSpec(len(chunks), chunk_elems), cur))
+    block_chunks = []
+    for i in range(len(seq)):
+        cs: list[int] = []
+        for n in seq.block_param_names(i):
+            if n in where and where[n] not in cs:
+                cs.append(where[n])
+        block_chunks.append(cs)
+    ready: dict[int, int] = {}
+    for i, cs in enumerate(block_chunks):
+        for c in cs:
+            ready.setdefault(c, i)
+    return Layout(chunks=chunks, block_chunks=block_chunks, ready_block=ready, chunk_elems=chunk_elems)

@@ -1,0 +1,751 @@
+"""``OffloadEngine``: trains a BlockSeq whose training state is spread over device, host and disk tiers.
+
+Execution is explicit and block by block. Forward: for every block, the chunks holding its parameters are made
+resident on the device (fetched from their home tier, evicting by OPT on the recorded access sequence), the block
+runs on a detached copy of its input, and its output is kept. Backward: blocks in reverse, the chunks fetched
+again if evicted, ``torch.autograd.backward(out, grad)`` with the gradient of the next block's input. Tensors
+that a block saves for backward and that live in a chunk (weights and their views) are saved as (chunk, offset,
+shape, stride) by a saved-tensor hook and rebuilt from wherever the chunk is resident at backward time, so a
+chunk can be evicted between a block's forward and its backward without keeping its memory alive. Every
+other saved tensor is an activation: counted, and charged against the device budget.
+
+Optimizer: a chunk's gradients are complete after the backward of the earliest block that uses it (in the last
+micro-batch). Without gradient clipping its AdamW update runs right then — on the device if its state lives
+there, otherwise on the optimizer thread on host/disk, overlapped with the rest of the backward. With clipping
+(``optim.grad_clip > 0``) the global norm needs every gradient first: per-parameter norms are taken as each
+chunk completes, gradients stay with their chunk (spilled to its home tier when it is evicted), and the updates
+run after the backward. That costs gradient traffic but is exact: the same norm, coefficient and update as
+``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from stratum.data.tokens import Batch
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+from stratum.offload.belady import NextUse, choose_victim
+from stratum.offload.chunks import ChunkSpec, Layout, pack
+from stratum.offload.cpu_adam import adamw_chunk, adamw_flat
+from stratum.offload.planner import Plan
+from stratum.offload.prefetch import Transfers
+from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, resolve_disk_dir
+from stratum.offload.trace import AccessTrace
+from stratum.runtime.device import autocast
+from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
+
+F32 = 4
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """glibc raises its mmap threshold after large frees (up to 32 MiB), after which chunk-sized buffers come from
+    the heap and freed ones stay in the process: RSS then exceeds what the tiers hold. A fixed 1 MiB threshold
+    keeps every large buffer mmapped, so a freed one is returned at once (measured: −20 % peak RSS)."""
+    import ctypes
+    import ctypes.util
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(eq=False)
+class _Chunk:
+    spec: ChunkSpec
+    pinned: bool
+    home: str
+    """Tier of the authoritative parameter copy while the chunk is not on the device (device = pinned there)."""
+    slot: Tensor | None = None
+    """Device buffer of 2 × capacity: parameters then gradients."""
+    slot_id: int | None = None
+    fut: Future | None = None
+    hp: Tensor | None = None
+    """Host parameters (home = host, or the fp32 master of a pinned chunk with a host/disk optimizer)."""
+    hg: Tensor | None = None
+    grad: str | None = None
+    """Where this step's gradient is: None (none yet), 'dev' (slot), 'home' (host tensor / disk file)."""
+    dirty: bool = False
+    """The device copy is newer than the home copy (updated on the device)."""
+    m: Tensor | None = None
+    v: Tensor | None = None
+    step: Tensor | None = None
+    opt_fut: Future | None = None
+    stale_home: bool = False
+    """Gradients handed to the host/disk optimizer whose update is not submitted yet: the home copy is about to
+    change, so the chunk must not be (pre)fetched until then."""
+    last_use: int = 0
+
+    @property
+    def i(self) -> int:
+        return self.spec.index
+
+    @property
+    def cap(self) -> int:
+        return self.spec.capacity
+
+    def p(self) -> Tensor:
+        return self.slot[: self.cap]
+
+    def g(self) -> Tensor:
+        return self.slot[self.cap:]
+
+
+class OffloadEngine(Engine):
+    name = "offload"
+
+    def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, plan: Plan,
+                 precision: str = "fp32", disk_dir: str = "", check_every_step: bool = True,
+                 materialize=None):
+        self.model = model
+        self.spec = optim
+        self.device = device
+        self.precision = precision
+        self.plan = plan
+        self.check_every_step = check_every_step
+        self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        _return_freed_memory_to_the_os()
+        self._materialize = materialize
+        self._materialized: set[int] = set()
+        if any(p.is_meta for p in model.parameters()) and materialize is None:
+            raise StratumError("the offload engine got a model on the meta device but no way to initialise its "
+                               "blocks (supported for model.source = 'gpt')")
+        if any(b.is_meta for b in model.buffers()):
+            raise StratumError("the offload engine cannot materialise a meta model with buffers")
+        for b in model.buffers():
+            b.data = b.data.to(device)
+        self.layout: Layout = pack(model, plan.chunk_elems)
+        self.names = [n for n, _ in model.named_parameters()]
+        self.tiers = {DEVICE: Tier(DEVICE, plan.device_budget), HOST: Tier(HOST, plan.host_budget),
+                      DISK: Tier(DISK, None)}
+        self.disk: DiskStore | None = None
+        if plan.uses_disk:
+            self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
+        self.xfer = Transfers(device)
+        self.opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stratum-cpu-adam")
+        self.trace = AccessTrace()
+        self._nxt: NextUse | None = None
+        self._clock = 0
+        self._act = 0
+        self._act_seen: set[int] = set()
+        self._ptr2chunk: dict[int, _Chunk] = {}
+        self.n_fetches = 0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.peak_act = 0
+        self._build()
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+    def _alloc(self, tier: str, n: int, what: str) -> Tensor:
+        self.tiers[tier].charge(n * F32, what)
+        dev = self.device if tier == DEVICE else torch.device("cpu")
+        pin = tier == HOST and self.device.type == "cuda"
+        return torch.zeros(n, dtype=torch.float32, device=dev, pin_memory=pin)
+
+    def _build(self) -> None:
+        plan = self.plan
+        n_stream = len(self.layout.streamable)
+        all_resident = plan.param_tier == DEVICE
+        self.chunks: list[_Chunk] = [None] * len(self.layout.chunks)
+        # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
+        # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
+        for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
+            pinned = spec.tied or all_resident
+            home = DEVICE if pinned else plan.param_tier
+            c = _Chunk(spec=spec, pinned=pinned, home=home)
+            def fill(flat: Tensor) -> Tensor:
+                self._ensure_materialized(spec)
+                with torch.no_grad():
+                    for e in spec.entries:
+                        flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+                return flat
+            if pinned:
+                c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
+                fill(c.p())
+                if plan.optimizer_tier != DEVICE:
+                    c.hp = self._alloc(HOST, spec.capacity, "master params")
+                    c.hp.copy_(c.p())
+                    c.hg = self._alloc(HOST, spec.capacity, "host grads")
+                self._bind(c)  # the parameters now view the slot; their original storage is released
+            elif home == HOST:
+                c.hp = fill(self._alloc(HOST, spec.capacity, "host params"))
+                c.hg = self._alloc(HOST, spec.capacity, "host grads")
+            else:
+                flat = fill(torch.zeros(spec.capacity, dtype=torch.float32))
+                self.disk.create(f"p{spec.index}", flat)
+                flat.zero_()
+                self.disk.create(f"g{spec.index}", flat)
+                del flat
+            if not pinned:
+                for e in spec.entries:
+                    e.param.data = self._placeholder(e.shape)
+                    e.param.grad = None
+            ot = plan.optimizer_tier
+            if ot == DISK:
+                self.disk.create(f"m{spec.index}", torch.zeros(spec.capacity))
+                self.disk.create(f"v{spec.index}", torch.zeros(spec.capacity))
+            else:
+                c.m = self._alloc(ot, spec.capacity, "exp_avg")
+                c.v = self._alloc(ot, spec.capacity, "exp_avg_sq")
+            c.step = torch.zeros((), dtype=torch.float32, device=self.device if ot == DEVICE else "cpu")
+            self.chunks[spec.index] = c
+        cmax = max(c.cap for c in self.chunks)
+        self.staging: list[Tensor | None] = [None] * 4
+        if plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream:
+            self.staging[0] = self._alloc(HOST, plan.chunk_elems, "staging: params")
+            self.staging[1] = self._alloc(HOST, plan.chunk_elems, "staging: grads")
+        if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
+            self.staging[2] = self._alloc(HOST, plan.chunk_elems, "staging: exp_avg")
+            self.staging[3] = self._alloc(HOST, plan.chunk_elems, "staging: exp_avg_sq")
+        R = 0 if all_resident else min(plan.resident_chunks, n_stream)
+        cap = self.layout.chunk_elems
+        self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
+        self.free_slots = list(range(R))[::-1]
+        self.resident: set[int] = set()
+        self.opt_chunks_order = [c.i for c in self.chunks]
+        # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
+        self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
+
+    def _ensure_materialized(self, spec: ChunkSpec) -> None:
+        """Give the blocks owning ``spec``'s parameters real (initialised) storage if they are on meta: a model
+        larger than RAM is built one block at a time, each block's memory released as its chunks are packed."""
+        if self._materialize is None:
+            return
+        for e in spec.entries:
+            if not e.param.is_meta:
+                continue
+            i = int(e.name.split(".")[1])
+            if i in self._materialized:
+                continue
+            self._materialized.add(i)
+            for _, p in self.model.blocks[i].named_parameters():
+                if p.is_meta:
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                                   requires_grad=p.requires_grad))
+            self._materialize(i)
+
+    def _bind(self, c: _Chunk) -> None:
+        """Point the chunk's parameters (and their .grad) at its device slot."""
+        p, g = c.p(), c.g()
+        for e in c.spec.entries:
+            e.param.data = p[e.offset:e.offset + e.numel].view(e.shape)
+            e.param.grad = g[e.offset:e.offset + e.numel].view(e.shape)
+        self._ptr2chunk[c.slot.untyped_storage().data_ptr()] = c
+
+    def _placeholder(self, shape) -> Tensor:
+        """What an evicted parameter points at: its shape (so numel and flop counts stay right), no memory."""
+        if not hasattr(self, "_zero"):
+            self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return self._zero.expand(shape)
+
+    def _unbind(self, c: _Chunk) -> None:
+        self._ptr2chunk.pop(c.slot.untyped_storage().data_ptr(), None)
+        for e in c.spec.entries:
+            e.param.data = self._placeholder(e.shape)
+            e.param.grad = None
+
+    # ---- moving chunks ------------------------------------------------------------------------------------------
+    def _read_home(self, c: _Chunk, what: str, into: Tensor) -> None:
+        """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
+        if c.home == HOST:
+            into.copy_(c.hp if what == "p" else c.hg, non_blocking=True)
+        elif self.device.type == "cpu":
+            self.disk.read(f"{what}{c.i}", into)
+        else:
+            st = self.staging_fetch(into.numel())
+            self.disk.read(f"{what}{c.i}", st)
+            into.copy_(st, non_blocking=True)
+            torch.cuda.current_stream(into.device).synchronize()  # the staging buffer is reused next
+
+    def staging_fetch(self, n: int) -> Tensor:
+        if not hasattr(self, "_fetch_staging"):
+            self._fetch_staging = torch.empty(self.layout.chunk_elems, dtype=torch.float32, pin_memory=True)
+        return self._fetch_staging[:n]
+
+    def _write_home(self, c: _Chunk, what: str, src: Tensor) -> None:
+        if c.home == HOST:
+            (c.hp if what == "p" else c.hg).copy_(src, non_blocking=True)
+            if src.device.type == "cuda":
+                torch.cuda.current_stream(src.device).synchronize()
+        else:
+            self.disk.write(f"{what}{c.i}", src)
+
+    def _fetch(self, c: _Chunk, slot_id: int) -> None:
+        c.slot_id = slot_id
+        c.slot = self.slots[slot_id]
+        self.resident.add(c.i)
+        self._bind(c)
+        load_grad = c.grad == "home"
+        if load_grad:
+            c.grad = "dev"
+        opt_fut = c.opt_fut
+        self.n_fetches += 1
+        self.bytes_h2d += c.cap * F32 * (2 if load_grad else 1)
+
+        def task(slot=c.slot, cap=c.cap):
+            if opt_fut is not None:
+                opt_fut.result()
+            self._read_home(c, "p", slot[:cap])
+            if load_grad:
+                self._read_home(c, "g", slot[cap:])
+        c.fut = self.xfer.submit(task)
+
+    def _evict(self, c: _Chunk) -> int:
+        """Release ``c``'s slot (writing back dirty params and live gradients first); returns the slot id."""
+        assert not c.pinned
+        slot, sid = c.slot, c.slot_id
+        write_p, write_g = c.dirty, c.grad == "dev"
+        self._unbind(c)
+        if write_g:
+            c.grad = "home"
+        c.dirty = False
+        c.slot, c.slot_id, c.fut = None, None, None
+        self.resident.discard(c.i)
+        if write_p or write_g:
+            self.bytes_d2h += c.cap * F32 * (int(write_p) + int(write_g))
+
+            def task(cap=c.cap):
+                if write_p:
+                    self._write_home(c, "p", slot[:cap])
+                if write_g:
+                    self._write_home(c, "g", slot[cap:])
+            self.xfer.submit(task)
+        return sid
+
+    def _victim(self, protect: set[int], t: int | None) -> _Chunk | None:
+        cands = [i for i in self.resident if i not in protect]
+        if not cands:
+            return None
+        if t is not None and self._nxt is not None:
+            return self.chunks[choose_victim(cands, t, self._nxt)]
+        return self.chunks[min(cands, key=lambda i: self.chunks[i].last_use)]
+
+    def _make_resident(self, c: _Chunk, protect: set[int], t: int | None) -> None:
+        if c.pinned or c.i in self.resident:
+            return
+        assert not c.stale_home, f"chunk {c.i} fetched before its update was submitted"
+        if self.free_slots:
+            sid = self.free_slots.pop()
+        else:
+            v = self._victim(protect, t)
+            if v is None:
+                raise StratumError(f"offload: {len(self.slots)} device chunk slot(s) cannot hold one block's chunks; "
+                                   "raise offload.resident_chunks or offload.device_budget")
+            sid = self._evict(v)
+        self._fetch(c, sid)
+
+    def _access(self, chunk_ids: tuple[int, ...], record: bool = True) -> None:
+        """Make ``chunk_ids`` usable on the device now; then prefetch ahead."""
+        t = None
+        if record:
+            self.trace.access(chunk_ids)
+            if self.trace.active:
+                t = self.trace.pos - 1
+        protect = set(chunk_ids)
+        for i in chunk_ids:
+            self._make_resident(self.chunks[i], protect, t)
+        self._clock += 1
+        for i in chunk_ids:
+            c = self.chunks[i]
+            c.last_use = self._clock
+            self.xfer.wait(c.fut)
+            c.fut = None
+            if c.pinned and c.opt_fut is not None:
+                c.opt_fut.result()
+                c.opt_fut = None
+        if t is not None and self.plan.prefetch_depth > 0:
+            self._prefetch(t, protect)
+
+    def _prefetch(self, t: int, protect: set[int]) -> None:
+        seq = self.trace.recorded
+        n = len(seq)
+        ahead: list[int] = []
+        for d in range(1, self.plan.prefetch_depth + 1):
+            for i in seq[(t + d) % n]:
+                if i not in ahead:
+                    ahead.append(i)
+        keep = protect | set(ahead)
+        for i in ahead:
+            c = self.chunks[i]
+            if c.pinned or i in self.resident or c.stale_home:
+                continue
+            if self.free_slots:
+                self._fetch(c, self.free_slots.pop())
+                continue
+            cands = [r for r in self.resident if r not in keep]
+            if not cands:
+                return
+            v = choose_victim(cands, t, self._nxt)
+            if self._nxt.after(v, t) <= self._nxt.after(i, t):
+                return
+            self._fetch(c, self._evict(self.chunks[v]))
+
+    # ---- saved tensors: weights by reference, activations counted ------------------------------------------------
+    def _pack(self, x: Tensor):
+        try:
+            ptr = x.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return x
+        c = self._ptr2chunk.get(ptr)
+        if c is not None and ptr != 0:
+            return ("chunk", c.i, x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+        if ptr not in self._act_seen and ptr != 0:
+            self._act_seen.add(ptr)
+            self._act += x.untyped_storage().nbytes()
+            self.peak_act = max(self.peak_act, self._act)
+            self.tiers[DEVICE].note_transient(self._act)
+        return x
+
+    def _unpack(self, obj):
+        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "chunk":
+            _, i, off, shape, stride, dtype = obj
+            c = self.chunks[i]
+            if c.slot is None:  # not expected (blocks fetch before backward), but never wrong
+                self._access((i,), record=False)
+            self.xfer.wait(c.fut)
+            return c.slot.as_strided(shape, stride, off)
+        return obj
+
+    # ---- optimizer ------------------------------------------------------------------------------------------
+    def _norms(self, c: _Chunk) -> None:
+        g = c.g()
+        views = [g[e.offset:e.offset + e.numel].view(e.shape) for e in c.spec.entries]
+        for e, nrm in zip(c.spec.entries, torch._foreach_norm(views, 2.0)):
+            self._grad_norms[e.name] = nrm
+
+    def _grad_complete(self, c: _Chunk) -> None:
+        """All of this step's gradient of ``c`` is in its slot."""
+        self._norms(c)
+        if self.plan.optimizer_tier == DEVICE:
+            if not self._deferred:
+                self._update_device(c, None)
+            return
+        # host/disk optimizer: hand the gradient to the host side now, free the slot of a streamed chunk
+        slot = c.slot
+        self.bytes_d2h += c.cap * F32
+        if c.pinned:
+            fut = self.xfer.submit(lambda: c.hg.copy_(slot[c.cap:], non_blocking=False))
+        else:
+            fut = self.xfer.submit(self._write_home, c, "g", slot[c.cap:])
+            c.grad = None  # the slot's gradient is consumed: the eviction must not write it again
+            self.free_slots.append(self._evict(c))
+        c.grad = "home"
+        c.stale_home = True
+        self._spill_futs[c.i] = fut
+        if not self._deferred:
+            self._submit_host_update(c, None)
+
+    def _update_device(self, c: _Chunk, coef: Tensor | None) -> None:
+        g = c.g()
+        if coef is not None:
+            g.mul_(coef)
+        adamw_chunk(c.p(), g, c.m, c.v, c.step, c.spec.n_decay, c.spec.used, lr=self._lr, betas=self.spec.betas,
+                    eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        c.grad = None
+        if not c.pinned:
+            c.dirty = True
+
+    def _submit_host_update(self, c: _Chunk, coef: Tensor | None) -> None:
+        spill = self._spill_futs.pop(c.i, None)
+        lr = self._lr
+        prev = c.opt_fut
+        c.grad = None
+        c.stale_home = False
+
+        def task():
+            if spill is not None:
+                spill.result()
+            if prev is not None:
+                prev.result()
+            self._host_update(c, coef, lr)
+        c.opt_fut = self.opt_pool.submit(task)
+        self._opt_futs.append(c.opt_fut)
+
+    def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float) -> None:
+        n = c.cap
+        st = self.staging
+        on_disk = c.hp is None
+        if on_disk:
+            p, g = st[0][:n], st[1][:n]
+            futs = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
+            for f in futs:
+                f.result()
+        else:
+            p, g = c.hp, c.hg
+        if coef is not None:
+            g.mul_(coef.to(g.device))
+        kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        if self.plan.optimizer_tier != DISK:
+            adamw_chunk(p, g, c.m, c.v, c.step, c.spec.n_decay, c.spec.used, **kw)
+        else:
+            # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging);
+            # AdamW is elementwise, so piecewise equals whole
+            c.step.add_(1)
+            piece = self.plan.chunk_elems
+            for lo0, hi0, wd in ((0, c.spec.n_decay, self.spec.weight_decay), (c.spec.n_decay, c.spec.used, 0.0)):
+                for lo in range(lo0, hi0, piece):
+                    hi = min(hi0, lo + piece)
+                    m, v = st[2][:hi - lo], st[3][:hi - lo]
+                    fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
+                    self.disk.read_range(f"v{c.i}", lo, v)
+                    fm.result()
+                    adamw_flat(p[lo:hi], g[lo:hi], m, v, c.step, lr=lr, betas=self.spec.betas, eps=self.spec.eps,
+                               weight_decay=wd)
+                    fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
+                    self.disk.write_range(f"v{c.i}", lo, v)
+                    fm.result()
+        if on_disk:
+            self.disk.write(f"p{c.i}", p)
+        if c.pinned:
+            c.slot[:n].copy_(p)
+
+    def _drain(self) -> None:
+        for f in getattr(self, "_opt_futs", []):
+            f.result()
+        self._opt_futs = []
+        for c in self.chunks:
+            c.opt_fut = None
+        self.xfer.submit(lambda: None).result()
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def _block_chunks(self, i: int) -> tuple[int, ...]:
+        return tuple(self.layout.block_chunks[i])
+
+    def _forward_block(self, i: int, x: Tensor, y: Tensor, last: bool, n: int):
+        block = self.model.blocks[i]
+        with autocast(self.device, self.precision):
+            out = block(x)
+            if last:
+                out = self.model.loss_fn(out, y)
+        return out
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        self.model.train()
+        self._lr = lr
+        self._deferred = self.spec.grad_clip > 0
+        self._grad_norms: dict[str, Tensor] = {}
+        self._spill_futs: dict[int, Future] = {}
+        self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
+        for c in self.chunks:
+            c.grad = None
+        first = self.trace.recorded is None
+        self.trace.begin_step()
+        L = len(self.model)
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for j, b in enumerate(micro_batches):
+            last_mb = j == n - 1
+            x = b.x.to(self.device, non_blocking=True)
+            y = b.y.to(self.device, non_blocking=True)
+            self._act, self._act_seen = 0, set()
+            ins, outs, rng = [], [], []
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                for i in range(L):
+                    self._access(self._block_chunks(i))
+                    xi = x.detach().requires_grad_(x.is_floating_point())
+                    ins.append(xi)
+                    if self.plan.recompute:
+                        rng.append(torch.get_rng_state())
+                        with torch.no_grad():
+                            out = self._forward_block(i, xi, y, i == L - 1, n)
+                        outs.append(None)
+                    else:
+                        out = self._forward_block(i, xi, y, i == L - 1, n)
+                        outs.append(out)
+                    x = out
+                loss = x
+                total += loss.detach().float()
+                if self.plan.recompute:  # live: the kept block inputs, plus one block's saved tensors at a time
+                    kept = [t.untyped_storage().nbytes() if t.is_floating_point() else 0 for t in ins]
+                    self._act, self._act_seen = sum(kept), set()
+                tied_tmp = self._tied_grads_begin() if j > 0 else []
+                for i in reversed(range(L)):
+                    self._access(self._block_chunks(i))
+                    for ci in self._block_chunks(i):
+                        c = self.chunks[ci]
+                        if c.grad is None:
+                            c.g().zero_()
+                            c.grad = "dev"
+                    out = outs[i]
+                    if out is None:  # recompute this block's forward with the RNG state of its first run
+                        keep = torch.get_rng_state()
+                        torch.set_rng_state(rng[i])
+                        out = self._forward_block(i, ins[i], y, i == L - 1, n)
+                        torch.set_rng_state(keep)
+                    if i == L - 1:
+                        (out / n).backward()
+                    else:
+                        torch.autograd.backward(out, ins[i + 1].grad)
+                    outs[i] = None
+                    if i + 1 < L:
+                        ins[i + 1] = None
+                    if self.plan.recompute:
+                        self._check()
+                        kept[i] = 0
+                        self._act, self._act_seen = sum(kept[:i]), set()
+                    if last_mb:
+                        for ci in self._block_chunks(i):
+                            if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
+                                self._grad_complete(self.chunks[ci])
+                    self._check()
+                self._tied_grads_end(tied_tmp)
+                if last_mb:
+                    for c, _ in tied_tmp:
+                        self._grad_complete(c)
+            self._act, self._act_seen = 0, set()
+        order = [self.where[nm][1] for nm in self.names if nm in self.where]
+        norms = [self._grad_norms[e.name] for e in order]
+        total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = None
+        if self._deferred:
+            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+            for c in self.chunks:
+                if self.plan.optimizer_tier == DEVICE:
+                    self._access((c.i,))
+                    self._update_device(c, coef)
+                else:
+                    self._submit_host_update(c, coef)
+        self.trace.end_step()
+        if first:
+            self._nxt = NextUse(self.trace.recorded)
+        self._check()
+        return StepResult(loss=total.item() / n, grad_norm=float(total_norm))
+
+    def _tied_grads_begin(self) -> list:
+        """A tied tensor's gradient gets contributions from several blocks. The plain engine sums one
+        micro-batch's contributions first and then adds that sum to the accumulated gradient; to round the same
+        way, later micro-batches accumulate a tied chunk's gradient in a temporary buffer first."""
+        out = []
+        for c in self.chunks:
+            if c.spec.tied:
+                tmp = self._alloc(DEVICE, c.cap, "tied gradient of one micro-batch")
+                for e in c.spec.entries:
+                    e.param.grad = tmp[e.offset:e.offset + e.numel].view(e.shape)
+                out.append((c, tmp))
+        return out
+
+    def _tied_grads_end(self, tmps: list) -> None:
+        for c, tmp in tmps:
+            c.g().add_(tmp)
+            self._bind(c)
+            self.tiers[DEVICE].release(c.cap * F32)
+
+    def _check(self) -> None:
+        if not self.check_every_step:
+            return
+        self.tiers[DEVICE].check(self._act)
+        self.tiers[HOST].check()
+        if self.device.type == "cuda" and self.plan.device_budget is not None:
+            held = torch.cuda.memory_allocated(self.device) - self._cuda_base
+            assert held <= self.plan.device_budget * 1.05 + (64 << 20), (
+                f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.plan.device_budget}")
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> float:
+        self._drain()
+        self.model.eval()
+        total = 0.0
+        for b in batches:
+            x = b.x.to(self.device)
+            y = b.y.to(self.device)
+            for i in range(len(self.model)):
+                self._access(self._block_chunks(i), record=False)
+                x = self._forward_block(i, x, y, i == len(self.model) - 1, 1)
+            total += float(x)
+        return total / len(batches)
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def _master_params(self, c: _Chunk) -> Tensor:
+        """The chunk's current parameters as a CPU tensor, from wherever the authoritative copy is."""
+        if c.pinned:
+            src = c.p() if self.plan.optimizer_tier == DEVICE else c.hp
+            return src.detach().cpu().clone()
+        if c.slot is not None and c.dirty:
+            self.xfer.wait(c.fut)
+            return c.p().detach().cpu().clone()
+        if c.hp is not None:
+            return c.hp.detach().cpu().clone()
+        return self.disk.read(f"p{c.i}", torch.empty(c.cap))
+
+    def _moments(self, c: _Chunk) -> tuple[Tensor, Tensor]:
+        if self.plan.optimizer_tier == DISK:
+            return (self.disk.read(f"m{c.i}", torch.empty(c.cap)), self.disk.read(f"v{c.i}", torch.empty(c.cap)))
+        return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
+
+    def state(self) -> TrainState:
+        self._drain()
+        params, optim = {}, {}
+        for c in self.chunks:
+            flat = self._master_params(c)
+            m, v = self._moments(c)
+            stepv = float(c.step)
+            for e in c.spec.entries:
+                sl = slice(e.offset, e.offset + e.numel)
+                params[e.name] = flat[sl].view(e.shape).clone()
+                if stepv > 0:
+                    optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
+                                     "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
+        # parameters the engine does not manage (frozen) are read from the model
+        for n, p in self.model.named_parameters():
+            params.setdefault(n, p.detach().cpu().clone())
+        return TrainState(params=params, optim=optim)
+
+    def load_state(self, state: TrainState) -> None:
+        self._drain()
+        for c in self.chunks:
+            flat = torch.zeros(c.cap)
+            m, v = torch.zeros(c.cap), torch.zeros(c.cap)
+            stepv = 0.0
+            for e in c.spec.entries:
+                sl = slice(e.offset, e.offset + e.numel)
+                flat[sl] = state.params[e.name].reshape(-1)
+                st = state.optim.get(e.name)
+                if st:
+                    m[sl] = st["exp_avg"].reshape(-1)
+                    v[sl] = st["exp_avg_sq"].reshape(-1)
+                    stepv = float(st["step"])
+            if c.slot is not None:
+                c.p().copy_(flat)
+            if c.hp is not None:
+                c.hp.copy_(flat)
+            elif not c.pinned:
+                self.disk.write(f"p{c.i}", flat)
+            c.dirty = False
+            if self.plan.optimizer_tier == DISK:
+                self.disk.write(f"m{c.i}", m)
+                self.disk.write(f"v{c.i}", v)
+            else:
+                c.m.copy_(m)
+                c.v.copy_(v)
+            c.step.fill_(stepv)
+
+    # ---- reporting ----------------------------------------------------------------------------------------------
+    def measured_peaks(self) -> dict[str, int]:
+        return {name: t.peak for name, t in self.tiers.items()}
+
+    def memory_stats(self) -> dict[str, int]:
+        from stratum.runtime.device import peak_memory_bytes
+        return {"peak_device_bytes": peak_memory_bytes(self.device),
+                "offload_device_peak_bytes": self.tiers[DEVICE].peak,
+                "offload_host_peak_bytes": self.tiers[HOST].peak,
+                "offload_disk_bytes": self.tiers[DISK].used,
+                "offload_activation_peak_bytes": self.peak_act}
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self.xfer.close()
+            self.opt_pool.shutdown(wait=True)
+            if self.disk is not None:
+                self.disk.close()

@@ -1,0 +1,283 @@
+"""The offload planner: chunk size × device-resident chunks × optimizer placement × prefetch depth.
+
+A bounded, exhaustive search over a small candidate grid (at most a few thousand cheap evaluations, never a
+loop that can fail to end): for every candidate the device/host/disk peak bytes are computed exactly as the
+engine allocates them, the transfers per step follow from simulating OPT eviction on the step's access
+sequence, and the step time from the profile's block times and the bandwidths measured at start-up. The
+fastest candidate that fits all budgets wins (ties: fewer device bytes). If none fits, the error names the
+smallest budget that would work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+from stratum.offload.belady import simulate
+from stratum.offload.chunks import Layout, pack, param_order
+from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths
+from stratum.offload.units import fmt_bytes
+
+F32 = 4
+PREFETCH_DEPTHS = (0, 1, 2, 4)
+SEARCH_SECONDS = 5.0
+
+
+@dataclass(kw_only=True)
+class Plan:
+    chunk_elems: int
+    """fp32 elements per chunk."""
+    resident_chunks: int
+    """Device chunk slots for streamed chunks (ignored when param_tier = device: all chunks stay there)."""
+    optimizer_tier: str
+    """Where AdamW's moments live and the update runs: device, host or disk."""
+    param_tier: str
+    """Home of parameters (and spilled gradients) not on the device: device (all resident), host or disk."""
+    prefetch_depth: int
+    """Accesses fetched ahead of use (0 = on demand)."""
+    recompute: bool = False
+    """Recompute each block's forward in the backward (activations of one block at a time)."""
+    device_budget: int | None = None
+    host_budget: int | None = None
+    n_chunks: int = 0
+    act_bytes: int = 0
+    predicted_peak: dict = field(default_factory=dict)
+    """Tier → predicted peak bytes (device includes activations)."""
+    predicted_traffic: dict = field(default_factory=dict)
+    """Link → bytes per step: h2d, d2h, disk_read, disk_write."""
+    predicted_step_s: float = 0.0
+    compute_s: float = 0.0
+    candidates: int = 0
+
+    @property
+    def uses_disk(self) -> bool:
+        return self.param_tier == DISK or self.optimizer_tier == DISK
+
+    @property
+    def needs_staging(self) -> bool:
+        return self.optimizer_tier == DISK or (self.param_tier == DISK and self.optimizer_tier != DEVICE)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        tr = self.predicted_traffic
+        res = "all" if self.param_tier == DEVICE else str(self.resident_chunks)
+        lines = [
+            f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
+            f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
+            f"{self.prefetch_depth}; recompute {'on' if self.recompute else 'off'} ({self.candidates} candidates)",
+            f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
+        ]
+        budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
+        for t in TIERS:
+            lines.append(f"  {t:<7} {fmt_bytes(budgets[t]):>12} {fmt_bytes(self.predicted_peak.get(t, 0)):>15}")
+        lines.append(f"  traffic per step: host→device {fmt_bytes(tr.get('h2d', 0))}, device→host "
+                     f"{fmt_bytes(tr.get('d2h', 0))}, disk read {fmt_bytes(tr.get('disk_read', 0))}, disk write "
+                     f"{fmt_bytes(tr.get('disk_write', 0))}")
+        lines.append(f"  predicted step time {self.predicted_step_s:.3f} s (compute {self.compute_s:.3f} s; "
+                     f"activations {fmt_bytes(self.act_bytes)} per micro-batch)")
+        return "\n".join(lines)
+
+
+@dataclass(kw_only=True)
+class Costs:
+    """What the planner knows about the model's compute (from a Profile, or zeros)."""
+
+    fwd_s: list[float]
+    bwd_s: list[float]
+    act_bytes: list[int]
+    out_bytes: list[int]
+
+    @classmethod
+    def from_profile(cls, profile, n_blocks: int) -> "Costs":
+        if profile is None:
+            z = [0] * n_blocks
+            return cls(fwd_s=[0.0] * n_blocks, bwd_s=[0.0] * n_blocks, act_bytes=z, out_bytes=z)
+        b = profile.blocks
+        return cls(fwd_s=[x.fwd_s for x in b], bwd_s=[x.bwd_s for x in b], act_bytes=[x.act_saved_bytes for x in b],
+                   out_bytes=[x.out_bytes for x in b])
+
+
+def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier: str) -> list[tuple[int, ...]]:
+    """The chunk accesses of one step, as the engine performs them (streamed chunks only matter)."""
+    L = len(layout.block_chunks)
+    seq = []
+    for _ in range(n_micro):
+        seq += [tuple(layout.block_chunks[i]) for i in range(L)]
+        seq += [tuple(layout.block_chunks[i]) for i in reversed(range(L))]
+    if deferred and optimizer_tier == DEVICE:
+        seq += [(c.index,) for c in layout.chunks]
+    return seq
+
+
+def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, recompute: bool, costs: Costs,
+            bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
+    """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes)."""
+    chunks = layout.chunks
+    C = layout.chunk_elems
+    stream = [c for c in chunks if not c.tied and ptier != DEVICE]
+    pinned = [c for c in chunks if c.tied or ptier == DEVICE]
+    n_stream = len(stream)
+    slots = min(R, n_stream)
+    act = (max(costs.act_bytes, default=0) + sum(costs.out_bytes)) if recompute else sum(costs.act_bytes)
+    dev = sum(8 * c.capacity for c in pinned) + slots * 8 * C + act
+    if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
+        dev += sum(4 * c.capacity for c in chunks if c.tied)
+    host = 0
+    disk = 0
+    if opt != DEVICE:
+        host += sum(8 * c.capacity for c in pinned)
+    if ptier == HOST:
+        host += sum(8 * c.capacity for c in stream)
+    elif ptier == DISK:
+        disk += sum(8 * c.capacity for c in stream)
+    if opt == DEVICE:
+        dev += sum(8 * c.capacity for c in chunks)
+    elif opt == HOST:
+        host += sum(8 * c.capacity for c in chunks)
+    else:
+        disk += sum(8 * c.capacity for c in chunks)
+    if opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
+        host += 2 * C * F32
+    if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
+        host += 2 * C * F32
+    tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
+    if n_stream and slots > 0:
+        seq = access_sequence(layout, n_micro, deferred, opt)
+        tied = {c.index for c in chunks if c.tied}
+        seq = [tuple(c for c in cs if c not in tied) for cs in seq]
+        fetches = simulate(seq, slots)
+        if opt != DEVICE:  # a host/disk update invalidates the device copy: every chunk comes back next step
+            fetches = max(fetches, n_stream)
+        tr["h2d"] += fetches * C * F32
+        if opt == DEVICE:
+            tr["d2h"] += n_stream * C * F32  # each updated chunk is written back once
+        if ptier == DISK:
+            tr["disk_read"] += fetches * C * F32
+            if opt == DEVICE:
+                tr["disk_write"] += n_stream * C * F32
+    if opt != DEVICE:
+        tr["d2h"] += sum(c.capacity for c in chunks) * F32  # gradients to the host
+        tr["h2d"] += sum(c.capacity for c in pinned) * F32  # refreshed master copies
+        if ptier == DISK:
+            tr["disk_write"] += 2 * n_stream * C * F32  # gradients out, parameters back
+            tr["disk_read"] += 2 * n_stream * C * F32  # parameters and gradients for the update
+    if opt == DISK:
+        tr["disk_read"] += sum(8 * c.capacity for c in chunks)
+        tr["disk_write"] += sum(8 * c.capacity for c in chunks)
+    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + (sum(costs.fwd_s) if recompute else 0.0))
+    if bw is None:
+        return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
+    adam = n_params / max(bw.adam_params_per_s, 1.0)
+    xfer = tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
+    io = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
+    if n_stream and slots <= layout.max_chunks_per_block():
+        k = 0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
+    if k == 0:
+        step = compute + adam + xfer + io
+    else:
+        # prefetch overlaps transfers with compute; deeper prefetch hides more of the per-access latency
+        hidden = min(1.0, 0.5 + 0.25 * k)
+        moved = xfer + io
+        step = max(compute, moved) + (1 - hidden) * min(compute, moved) + adam
+    return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
+
+
+def _chunk_candidates(seq: BlockSeq) -> list[int]:
+    tied = {g.owner for g in seq.tied}
+    params = [p.numel() for n, p in param_order(seq) if n not in tied]
+    if not params:
+        return [1]
+    biggest = max(params)
+    total = sum(params)
+    cands = {biggest}
+    for n in (2, 4, 8, 16, 32, 64, 128):
+        cands.add(max(biggest, -(-total // n)))
+    return sorted(cands)
+
+
+def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
+              bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
+              chunk_elems: int | None = None, resident_chunks: int | None = None,
+              optimizer_tier: str | None = None, prefetch_depth: int | None = None,
+              recompute: bool | None = None) -> Plan:
+    """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose."""
+    t0 = time.perf_counter()
+    costs = Costs.from_profile(profile, len(seq))
+    n_params = sum(p.numel() for _, p in param_order(seq))
+    deferred = grad_clip > 0
+    sizes = [chunk_elems] if chunk_elems else _chunk_candidates(seq)
+    opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
+    depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
+    recs = [recompute] if recompute is not None else [False, True]
+    best = None
+    tried = 0
+    smallest = {DEVICE: None, HOST: None}
+    for C in sizes:
+        layout = pack(seq, C)
+        n_stream = len(layout.streamable)
+        need = max(layout.max_chunks_per_block(), 1)
+        for opt in opts:
+            for ptier in (DEVICE, HOST, DISK):
+                if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
+                    continue
+                for rc in recs:
+                    if ptier == DEVICE:
+                        r_options = [n_stream]
+                    elif resident_chunks is not None:
+                        r_options = [resident_chunks]
+                    else:
+                        # the most slots the device budget allows (more slots never cost time), else the fewest
+                        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, recompute=rc, costs=costs,
+                                                   bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params)
+                        per = 8 * C
+                        rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
+                        r_options = sorted({need, max(need, min(rmax, n_stream))})
+                    for R in r_options:
+                        if R < need and ptier != DEVICE:
+                            continue
+                        for k in depths:
+                            if time.perf_counter() - t0 > SEARCH_SECONDS:
+                                break
+                            tried += 1
+                            peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, recompute=rc,
+                                                                costs=costs, bw=bandwidths, n_micro=n_micro,
+                                                                deferred=deferred, n_params=n_params)
+                            host_ok = host_budget is None or peak[HOST] <= host_budget
+                            dev_ok = device_budget is None or peak[DEVICE] <= device_budget
+                            disk_ok = disk_free is None or peak[DISK] <= disk_free
+                            if host_ok and disk_ok and (smallest[DEVICE] is None or peak[DEVICE] < smallest[DEVICE]):
+                                smallest[DEVICE] = peak[DEVICE]
+                            if dev_ok and disk_ok and (smallest[HOST] is None or peak[HOST] < smallest[HOST]):
+                                smallest[HOST] = peak[HOST]
+                            if not (host_ok and dev_ok and disk_ok):
+                                continue
+                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt), peak[DISK], peak[HOST],
+                                   peak[DEVICE], -C)
+                            if best is None or key < best[0]:
+                                best = (key, Plan(chunk_elems=C, resident_chunks=R if ptier != DEVICE else n_stream,
+                                                  optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
+                                                  recompute=rc, device_budget=device_budget,
+                                                  host_budget=host_budget, n_chunks=len(layout.chunks),
+                                                  act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
+                                                  predicted_step_s=step, compute_s=comp))
+    if best is None:
+        parts = []
+        if smallest[DEVICE] is not None:
+            parts.append(f"the smallest offload.device_budget that works with this host budget is "
+                         f"{fmt_bytes(smallest[DEVICE])} ({smallest[DEVICE]:,} bytes)")
+        if smallest[HOST] is not None and (smallest[DEVICE] is None or host_budget is not None):
+            parts.append(f"the smallest offload.host_budget that works with this device budget is "
+                         f"{fmt_bytes(smallest[HOST])} ({smallest[HOST]:,} bytes)")
+        if not parts:
+            parts.append("no placement fits even with the largest chunks on disk; raise both budgets "
+                         "or free disk space under offload.disk_dir")
+        raise StratumError(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
+                           f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); "
+                           + "; ".join(parts))
+    plan = best[1]
+    plan.candidates = tried
+    return plan

@@ -1,0 +1,96 @@
+"""From a Config to a Plan and an OffloadEngine: budgets parsed, bandwidths measured, the model profiled."""
+
+from __future__ import annotations
+
+import torch
+
+from stratum.config import Config
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+from stratum.offload.planner import Plan, make_plan
+from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
+from stratum.offload.units import parse_budget, parse_bytes
+
+
+def overrides(cfg: Config) -> dict:
+    """The expert overrides of ``[offload]`` as make_plan keyword arguments (``None`` = planner's choice)."""
+    o = cfg.offload
+    chunk = None
+    if o.chunk_size.strip():
+        n = parse_bytes(o.chunk_size, "offload.chunk_size")
+        if n < 4:
+            raise StratumError(f"offload.chunk_size = {o.chunk_size!r} must be at least 4 bytes")
+        chunk = n // 4
+    return dict(chunk_elems=chunk, resident_chunks=o.resident_chunks or None,
+                optimizer_tier=None if o.optimizer_tier == "auto" else o.optimizer_tier,
+                prefetch_depth=None if o.prefetch_depth < 0 else o.prefetch_depth)
+
+
+def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
+                  precision: str = "fp32", seed: int = 0):
+    """A Profile measuring each *distinct* block once (same class and parameter shapes = same costs).
+
+    A 36-layer GPT is measured as embedding + one layer + head: the planner gets per-block activation bytes
+    and times at a small fraction of a full ``stratum profile`` (which it accepts too, via ``--profile``).
+    """
+    import dataclasses
+
+    from stratum.profile.profile import Profile
+    from stratum.profile.profiler import _measure_block, block_static_bytes
+    from stratum.runtime.device import describe
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        gen = torch.Generator().manual_seed(seed)
+        vocab = max(model.info.vocab_size, 1)
+        x = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
+        y = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
+        cache: dict = {}
+        blocks = []
+        for i in range(len(model)):
+            blk = model.blocks[i]
+            sig = (type(blk).__name__, i == len(model) - 1, x.dtype, tuple(x.shape),
+                   tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
+            if sig not in cache:
+                cache[sig] = _measure_block(model, i, x, y, device, precision, 1)
+            prof, out = cache[sig]
+            blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **block_static_bytes(model, i)))
+            x = out
+        for p in model.parameters():
+            p.grad = None
+    dtype = next(iter(model.parameters())).dtype
+    return Profile(model=model.info.name, device=describe(device), dtype=str(dtype).removeprefix("torch."),
+                   precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=1, blocks=blocks,
+                   tied=[list(g.names) for g in model.tied], torch_version=torch.__version__)
+
+
+def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Plan:
+    """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given."""
+    from stratum.offload.engine import _return_freed_memory_to_the_os
+    _return_freed_memory_to_the_os()  # before the profile allocates anything
+    o = cfg.offload
+    dev_b = parse_budget(o.device_budget, "offload.device_budget")
+    host_b = parse_budget(o.host_budget, "offload.host_budget")
+    kw = overrides(cfg)
+    disk = resolve_disk_dir(o.disk_dir)
+    bw = measure_bandwidths(device, str(disk))
+    if profile is None and (always_profile or dev_b is not None or host_b is not None):
+        profile = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+                                device=device, precision=cfg.train.precision, seed=cfg.train.seed)
+    return make_plan(model, device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk),
+                     bandwidths=bw, profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip,
+                     **kw)
+
+
+def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
+    from stratum.offload.engine import OffloadEngine
+    from stratum.runtime import optim_spec
+    plan = plan_for(cfg, model, device)
+    print(plan.describe())
+    materialize = None
+    if any(p.is_meta for p in model.parameters()) and cfg.model.source == "gpt":
+        from stratum.model.gpt import init_gpt_block
+
+        def materialize(i: int) -> None:  # the same values build_gpt gives, one block at a time
+            init_gpt_block(model, i, cfg.train.seed)
+    return OffloadEngine(model, optim=optim_spec(cfg), device=device, plan=plan, precision=cfg.train.precision,
+                         disk_dir=cfg.offload.disk_dir, materialize=materialize)

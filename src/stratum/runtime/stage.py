@@ -1,0 +1,332 @@
+"""The per-rank pipeline runtime: execute this rank's action list of a :class:`~stratum.schedule.ir.Schedule`.
+
+For each action in order the runtime takes the inputs the schedule's :func:`~stratum.schedule.validate.comm_plan`
+says it receives (a local hand-off when the producing stage is on this rank, else a point-to-point message),
+runs it, and hands on what it produces:
+
+- ``F(s, mb)``: the stage's blocks on the input (token ids for stage 0, else a received activation made a leaf
+  that requires grad); the last stage also computes ``loss_fn(out, y) / m`` for the backward.
+- ``B(s, mb)``: ``autograd.backward`` from the stage output with the received output gradient (the scaled loss
+  on the last stage): weight gradients accumulate into ``.grad``, the input gradient goes to stage ``s-1``.
+- ``I(s, mb)``: input gradient only (``autograd.grad`` w.r.t. the stage input, graph retained); ``W(s, mb)``:
+  weight gradients from the retained graph (``autograd.grad`` w.r.t. the stage's parameters), accumulated into
+  ``.grad``. I + W give exactly B's gradients. (W walks the retained graph from the output again, so a split
+  backward costs more compute than B here; the schedule's order is honoured, the FLOP saving of a true
+  zero-bubble runtime is not.)
+
+Messages: every remote receive is posted ahead (the next ``lookahead`` actions' receives go out in the same
+``batch_isend_irecv`` as the current action's sends), so transfers overlap compute; gloo runs them on its own
+threads, NCCL on its stream. Messages carry a tag unique within a step (kind, boundary, micro-batch), so they
+pair up whatever order the ranks post them in. Shapes: before the first step with a new input shape, one
+forward pass of a single micro-batch (no grad, RNG untouched) sends each boundary's shape and dtype to the next
+rank, so every later receive is pre-allocated. Every wait has a deadline (``timeout_s``); a peer that died or
+hung becomes a :class:`~stratum.dist.launch.PeerError` naming the rank and the message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from stratum.data.tokens import Batch
+from stratum.dist.launch import PeerError, short_reason
+from stratum.runtime.device import autocast
+from stratum.schedule.ir import Action, Schedule
+from stratum.schedule.validate import ActionComm, Transfer, comm_plan
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8)
+_HDR_LEN = 10  # dtype code, ndim, up to 8 dims
+_HDR_TAG = 1 << 30
+FAULT_ENV = "STRATUM_TEST_FAULT"
+"""Test hook: ``RANK:STEP:ACTION`` makes that rank SIGKILL itself before that action (index in its list) of that
+(0-based) training step; ``RANK:STEP:ACTION:stop`` makes it SIGSTOP itself (a hung rank). The time of the fault
+is written to the file ``$STRATUM_TEST_FAULT_FILE`` names, if set."""
+
+
+@dataclass
+class _Saved:
+    inp: Tensor | None
+    out: Tensor
+    grad_out: Tensor | None = None
+
+
+def _tag(t: Transfer, num_stages: int) -> int:
+    boundary = t.src_stage if t.tensor == "act" else t.dst_stage
+    return ((t.mb * num_stages + boundary) * 2 + (t.tensor == "grad")) + 1
+
+
+def _key(t: Transfer) -> tuple[str, int, int]:
+    return (t.tensor, t.src_stage if t.tensor == "act" else t.dst_stage, t.mb)
+
+
+class StageRuntime:
+    """Runs one rank's share of pipeline steps: its stages' blocks, its actions, its messages."""
+
+    def __init__(self, *, blocks: list[nn.Module], stages: list[range], stage_to_rank: tuple[int, ...],
+                 loss_fn, rank: int, device: torch.device, precision: str, timeout_s: float, backend: str,
+                 lookahead: int = 2):
+        self.rank = rank
+        self.device = device
+        self.precision = precision
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.lookahead = lookahead
+        self.loss_fn = loss_fn
+        self.stage_to_rank = tuple(stage_to_rank)
+        self.S = len(stage_to_rank)
+        self.my_stages = [s for s, r in enumerate(stage_to_rank) if r == rank]
+        self.blocks = {s: [blocks[i] for i in stages[s]] for s in self.my_stages}
+        self.stage_params: dict[int, list[nn.Parameter]] = {}
+        for s in self.my_stages:
+            seen: dict[int, nn.Parameter] = {}
+            for b in self.blocks[s]:
+                for p in b.parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
+            self.stage_params[s] = list(seen.values())
+        self._shapes: dict[tuple, dict[int, tuple[torch.Size, torch.dtype]]] = {}
+        self._plans: dict[Schedule, list[ActionComm]] = {}
+        self.step_index = 0
+        self.stats = {"compute_s": 0.0, "wait_s": 0.0}
+        self._fault = self._parse_fault()
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _parse_fault(self):
+        spec = os.environ.get(FAULT_ENV, "")
+        if not spec:
+            return None
+        parts = spec.split(":")
+        r, st, k = (int(v) for v in parts[:3])
+        self._fault_signal = "SIGSTOP" if parts[3:] == ["stop"] else "SIGKILL"
+        return (st, k) if r == self.rank else None
+
+    def _run_stage(self, s: int, x: Tensor) -> Tensor:
+        for b in self.blocks[s]:
+            x = b(x)
+        return x
+
+    def _wait(self, work, what: str, deadline: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.backend == "nccl":
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(5e-5)
+                work.wait()
+            else:
+                left = max(0.001, deadline - time.monotonic())
+                work.wait(timeout=datetime.timedelta(seconds=left))
+        except TimeoutError:
+            raise PeerError(f"rank {self.rank}: no {what} within {self.timeout_s:g} s (pipeline.timeout_s); "
+                            "that rank died or hung — stopping") from None
+        except RuntimeError as e:
+            msg = short_reason(e)
+            kind = "timed out" if "imed out" in msg else "lost its peer"
+            raise PeerError(f"rank {self.rank}: {kind} waiting for {what} ({msg}); "
+                            "a pipeline rank died or hung — stopping") from None
+        finally:
+            self.stats["wait_s"] += time.perf_counter() - t0
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def plan_of(self, sched: Schedule) -> list[ActionComm]:
+        plan = self._plans.get(sched)
+        if plan is None:
+            plan = comm_plan(sched)[self.rank]
+            self._plans[sched] = plan
+        return plan
+
+    # ---- shapes -------------------------------------------------------------------------------------------
+    def _ensure_shapes(self, x: Tensor, training: bool) -> dict[int, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every stage boundary next to this rank for inputs shaped like ``x``."""
+        key = (tuple(x.shape), x.dtype, training)
+        got = self._shapes.get(key)
+        if got is not None:
+            return got
+        shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        where = self.stage_to_rank
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for s in self.my_stages:
+                if s == 0:
+                    inp = x.to(self.device)
+                else:
+                    if where[s - 1] != self.rank:
+                        hdr = torch.zeros(_HDR_LEN, dtype=torch.int64, device=self.device)
+                        w = dist.irecv(hdr, where[s - 1], tag=_HDR_TAG + s - 1)
+                        self._wait(w, f"the shape of stage {s - 1}'s output from rank {where[s - 1]}",
+                                   self._deadline())
+                        h = hdr.tolist()
+                        shapes[s - 1] = (torch.Size(h[2:2 + h[1]]), _DTYPES[h[0]])
+                    shp, dt = shapes[s - 1]
+                    inp = torch.zeros(shp, dtype=dt, device=self.device)
+                if s == self.S - 1:
+                    continue
+                with autocast(self.device, self.precision):
+                    out = self._run_stage(s, inp)
+                shapes[s] = (out.shape, out.dtype)
+                if where[s + 1] != self.rank:
+                    if out.dim() > _HDR_LEN - 2 or out.dtype not in _DTYPES:
+                        raise PeerError(f"stage {s} outputs a {out.dim()}-d {out.dtype} tensor; the pipeline "
+                                        "carries up to 8-d tensors of common dtypes")
+                    h = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
+                    hdr = torch.tensor(h + [0] * (_HDR_LEN - len(h)), dtype=torch.int64, device=self.device)
+                    w = dist.isend(hdr, where[s + 1], tag=_HDR_TAG + s)
+                    self._wait(w, f"rank {where[s + 1]} to take the shape of stage {s}'s output",
+                               self._deadline())
+        self._shapes[key] = shapes
+        return shapes
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def run(self, sched: Schedule, batches: list[Batch], *, training: bool, scale: float) -> Tensor:
+        """Run this rank's actions of ``sched`` over ``batches``; the summed (unscaled) loss of the micro-batches
+        whose last stage is here (zero elsewhere), as a float64 tensor on the device."""
+        plan = self.plan_of(sched)
+        S, where, dev = self.S, self.stage_to_rank, self.device
+        shapes = self._ensure_shapes(batches[0].x, training)
+        shapes_of = {mb: self._ensure_shapes(b.x, training) for mb, b in enumerate(batches)} \
+            if len({tuple(b.x.shape) for b in batches}) > 1 else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        saved: dict[tuple[int, int], _Saved] = {}
+        local: dict[tuple[str, int, int], Tensor] = {}
+        posted: dict[tuple[str, int, int], tuple[object, Tensor, Transfer]] = {}
+        sends: list[tuple[object, Tensor, Transfer]] = []
+        next_post = 0  # index of the first action whose receives are not posted yet
+
+        def recv_ops(upto: int) -> list:
+            nonlocal next_post
+            ops = []
+            while next_post < min(upto, len(plan)):
+                for t in plan[next_post].recv:
+                    if t.local:
+                        continue
+                    shp, dt = (shapes_of[t.mb] if shapes_of else shapes)[
+                        t.src_stage if t.tensor == "act" else t.dst_stage]
+                    buf = torch.empty(shp, dtype=dt, device=dev)
+                    ops.append((dist.P2POp(dist.irecv, buf, t.src_rank, tag=_tag(t, S)), buf, t, True))
+                next_post += 1
+            return ops
+
+        def launch(ops: list) -> None:
+            if not ops:
+                return
+            works = dist.batch_isend_irecv([o for o, _, _, _ in ops])
+            for w, (_, buf, t, is_recv) in zip(works, ops):
+                if is_recv:
+                    posted[_key(t)] = (w, buf, t)
+                else:
+                    sends.append((w, buf, t))  # the tensor stays referenced until its send completes
+
+        def take(t: Transfer) -> Tensor:
+            if t.local:
+                return local.pop(_key(t))
+            if _key(t) not in posted:
+                launch(recv_ops(len(plan)))  # not reached with a lookahead >= 0; kept for safety
+            w, buf, _ = posted.pop(_key(t))
+            name = "activation" if t.tensor == "act" else "gradient"
+            self._wait(w, f"the {name} of stage {t.src_stage} micro-batch {t.mb} from rank {t.src_rank}",
+                       self._deadline())
+            return buf
+
+        launch(recv_ops(1 + self.lookahead))
+        for k, ac in enumerate(plan):
+            if self._fault is not None and self._fault == (self.step_index, k):
+                import signal
+                if os.environ.get(FAULT_ENV + "_FILE"):  # when it happened, for the test's stopwatch
+                    with open(os.environ[FAULT_ENV + "_FILE"], "w") as fh:
+                        fh.write(repr(time.time()))
+                os.kill(os.getpid(), getattr(signal, self._fault_signal))
+            inputs = [take(t) for t in ac.recv]
+            t0 = time.perf_counter()
+            out_msgs = self._execute(ac.action, inputs, batches, saved, training=training, scale=scale,
+                                     loss_sum=loss_sum)
+            self.stats["compute_s"] += time.perf_counter() - t0
+            ops = []
+            for t, tensor in zip(ac.send, out_msgs):
+                if t.local:
+                    local[_key(t)] = tensor
+                else:
+                    tensor = tensor.contiguous()
+                    ops.append((dist.P2POp(dist.isend, tensor, t.dst_rank, tag=_tag(t, S)), tensor, t, False))
+            # this action's sends and the receives of the actions ahead go out in one batch
+            launch(ops + recv_ops(k + 2 + self.lookahead))
+            if len(sends) > 8:  # drop finished sends, so their tensors can be freed before the step ends
+                sends[:] = [x for x in sends if not x[0].is_completed()]
+        for w, _, t in sends:
+            name = "activation" if t.tensor == "act" else "gradient"
+            self._wait(w, f"rank {t.dst_rank} to take the {name} of stage {t.src_stage} micro-batch {t.mb}",
+                       self._deadline())
+        if posted or local or saved:  # a valid schedule consumes everything it produces
+            raise RuntimeError(f"rank {self.rank}: schedule {sched.name} left work behind: "
+                               f"{sorted(posted)[:3]} {sorted(local)[:3]} {sorted(saved)[:3]}")
+        if training:
+            self.step_index += 1
+        return loss_sum
+
+    def _execute(self, a: Action, inputs: list[Tensor], batches: list[Batch], saved: dict, *, training: bool,
+                 scale: float, loss_sum: Tensor) -> list[Tensor]:
+        s, mb, last = a.stage, a.mb, a.stage == self.S - 1
+        if a.kind == "F":
+            if s == 0:
+                inp = batches[mb].x.to(self.device, non_blocking=True)
+            else:
+                inp = inputs[0]
+                if training and inp.is_floating_point():
+                    inp = inp.detach().requires_grad_(True)
+            with torch.set_grad_enabled(training), autocast(self.device, self.precision):
+                out = self._run_stage(s, inp)
+                if last:
+                    y = batches[mb].y.to(self.device, non_blocking=True)
+                    loss = self.loss_fn(out, y)
+            if last:
+                loss_sum += loss.detach().double()
+                if training:
+                    saved[(s, mb)] = _Saved(inp=inp if s > 0 else None, out=loss * scale)
+                return []
+            if training:
+                saved[(s, mb)] = _Saved(inp=inp if s > 0 else None, out=out)
+            return [out.detach()]
+        if a.kind == "B":
+            sv = saved.pop((s, mb))
+            grad = None if last else inputs[0]
+            if sv.out.requires_grad:
+                torch.autograd.backward(sv.out, grad)
+            return [self._input_grad(sv)] if s > 0 else []
+        if a.kind == "I":
+            sv = saved[(s, mb)]
+            sv.grad_out = None if last else inputs[0]
+            if s == 0:
+                return []
+            if sv.inp is not None and sv.inp.requires_grad and sv.out.requires_grad:
+                (g,) = torch.autograd.grad(sv.out, [sv.inp], sv.grad_out, retain_graph=True, allow_unused=True)
+            else:
+                g = None
+            return [g if g is not None else torch.zeros_like(sv.inp)]
+        if a.kind == "W":
+            sv = saved.pop((s, mb))
+            params = self.stage_params[s]
+            if params and sv.out.requires_grad:
+                grads = torch.autograd.grad(sv.out, params, sv.grad_out, allow_unused=True)
+                for p, g in zip(params, grads):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+            return []
+        raise AssertionError(a)
+
+    @staticmethod
+    def _input_grad(sv: _Saved) -> Tensor:
+        g = sv.inp.grad if sv.inp is not None else None
+        return g if g is not None else torch.zeros_like(sv.inp)

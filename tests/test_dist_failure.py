@@ -1,0 +1,113 @@
+"""Multi-process runs end to end through ``stratum train``: parity with the plain engine through the trainer,
+checkpoints across engines, and a dead or hung rank stopping the others with a clear error within 60 s."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stratum.train.checkpoint import load_checkpoint, latest_checkpoint
+from stratum.train.trainer import read_metrics, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """In-process reference runs of tiny models: one thread is fastest and does not fight the workers."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _args(cfg, *extra: str) -> list[str]:
+    """``stratum train`` arguments reproducing the fixture config ``cfg`` plus ``extra`` overrides."""
+    d, t = cfg.data, cfg.train
+    base = [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
+            f"model.preset={cfg.model.preset!r}", f"train.micro_batch_size={t.micro_batch_size}",
+            f"train.steps={t.steps}", f"train.eval_interval={t.eval_interval}",
+            f"train.eval_batches={t.eval_batches}", f"optim.warmup_steps={cfg.optim.warmup_steps}",
+            f"optim.lr={cfg.optim.lr}", f"train.grad_accum={t.grad_accum}", f"train.out_dir={t.out_dir!r}"]
+    out = ["train"]
+    for o in base + list(extra):
+        out += ["--set", o]
+    return out
+
+
+def _stratum(args: list[str], *, env: dict | None = None, timeout: float = 150) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "stratum", *args], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, **(env or {})))
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_pipeline_run_matches_plain_and_resumes_across_engines(make_cfg, tmp_path):
+    """`stratum train` spawns 2 ranks itself; losses equal the plain engine's; a plain checkpoint resumes
+    under the pipeline engine and continues exactly like an uninterrupted plain run."""
+    steps = ["train.steps=6", "train.grad_accum=4", "train.eval_interval=3"]
+    plain = make_cfg(*steps, out=tmp_path / "plain")
+    train(plain)
+    want = read_metrics(tmp_path / "plain")
+
+    pipe = make_cfg(*steps, out=tmp_path / "pipe")
+    code, out, err, _ = _stratum(_args(pipe, "train.engine='pipeline'", "pipeline.ranks=2",
+                                       "pipeline.schedule='zb-1f1b'"))
+    assert code == 0, err
+    got = read_metrics(tmp_path / "pipe")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        if "eval_loss" in w:
+            assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-5)
+    assert out.count("done:") == 1  # only rank 0 prints
+    # the pipeline checkpoint holds the full, placement-independent state
+    ck = load_checkpoint(latest_checkpoint(tmp_path / "pipe"))
+    ref = load_checkpoint(latest_checkpoint(tmp_path / "plain"))
+    assert ck.state.params.keys() == ref.state.params.keys()
+    assert ck.state.optim.keys() == ref.state.optim.keys()
+
+    # plain for 3 steps, then the pipeline (wave: 4 stages on 2 ranks) resumes to 6
+    mixed = make_cfg(*steps, out=tmp_path / "mixed")
+    train(mixed, stop_at=3)
+    code, _, err, _ = _stratum(_args(mixed, "train.engine='pipeline'", "pipeline.ranks=2",
+                                     "pipeline.schedule='wave'"))
+    assert code == 0, err
+    resumed = read_metrics(tmp_path / "mixed")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for g, w in zip(resumed, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_dead_or_hung_rank_stops_the_others_with_a_clear_error(make_cfg, tmp_path, mode):
+    cfg = make_cfg("train.steps=50", "train.grad_accum=3", out=tmp_path / "run")
+    # kill: rank 1 of 3 dies (SIGKILL) before its 4th action of step 2; hang: rank 1 of 2 stops (SIGSTOP) there
+    fault = "1:2:3" + (":stop" if mode == "hang" else "")
+    ranks = 3 if mode == "kill" else 2
+    mark = tmp_path / "fault_time"
+    code, out, err, wall = _stratum(_args(cfg, "train.engine='pipeline'", f"pipeline.ranks={ranks}",
+                                          "pipeline.timeout_s=4"),
+                                    env={"STRATUM_TEST_FAULT": fault, "STRATUM_TEST_FAULT_FILE": str(mark)},
+                                    timeout=150)
+    ended = time.time()
+    assert code != 0
+    assert mark.exists(), err
+    after = ended - float(mark.read_text())
+    assert after < 60, f"the other ranks took {after:.0f} s to stop after the fault"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err, err
+    assert any(ln.startswith("stratum: error: rank 0:") and ("died or hung" in ln) for ln in lines), err
+    if mode == "kill":
+        assert "stratum: error: pipeline rank 1 was killed by SIGKILL" in err
+        assert code == 3
+    else:
+        assert code == 3
+    assert all(ln.startswith("stratum: error:") for ln in lines), err

@@ -1,0 +1,134 @@
+"""The planner: budgets respected, overrides honoured, infeasible budgets refused naming the smallest that works;
+config and CLI errors are one line; `stratum plan` and the dry run print the plan; the trainer runs it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from offload_helpers import build, plan, profile, state_bytes
+from stratum.cli import main
+from stratum.errors import StratumError
+from stratum.offload.tiers import DEVICE, DISK, HOST
+from stratum.train.trainer import read_metrics, train
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planner")
+    m = build("gpt", tmp)
+    return m, profile(m)
+
+
+def test_infeasible_budget_names_the_smallest_that_works(gpt):
+    m, prof = gpt
+    with pytest.raises(StratumError) as e:
+        plan(m, prof, device_budget=10_000)
+    msg = str(e.value)
+    assert "\n" not in msg and "smallest offload.device_budget" in msg
+    smallest = int(re.search(r"\(([\d,]+) bytes\)", msg).group(1).replace(",", ""))
+    p = plan(m, prof, device_budget=smallest)
+    assert p.predicted_peak[DEVICE] <= smallest
+    with pytest.raises(StratumError):
+        plan(m, prof, device_budget=smallest - 1)
+
+
+def test_infeasible_host_budget_names_the_smallest_host_budget(gpt):
+    from stratum.offload.planner import make_plan
+    m, prof = gpt
+    with pytest.raises(StratumError, match="smallest offload.host_budget"):
+        make_plan(m, device_budget=state_bytes(m) // 4, host_budget=1000, disk_free=0, bandwidths=None,
+                  profile=prof)
+
+
+def test_budgets_are_respected_and_more_budget_is_never_slower(gpt):
+    m, prof = gpt
+    S = state_bytes(m)
+    last = None
+    for frac in (0.1, 0.25, 0.5, 2.0):
+        p = plan(m, prof, device_budget=int(S * frac))
+        assert p.predicted_peak[DEVICE] <= S * frac
+        traffic = sum(p.predicted_traffic.values())
+        if last is not None:
+            assert traffic <= last
+        last = traffic
+    assert plan(m, prof).param_tier == DEVICE and plan(m, prof).optimizer_tier == DEVICE
+
+
+def test_overrides_are_honoured(gpt):
+    m, prof = gpt
+    S = state_bytes(m)
+    p = plan(m, prof, device_budget=S // 2, chunk_elems=60_000, resident_chunks=3, optimizer_tier=DISK,
+             prefetch_depth=2)
+    assert (p.chunk_elems, p.resident_chunks, p.optimizer_tier, p.prefetch_depth) == (60_000, 3, DISK, 2)
+    assert p.param_tier in (HOST, DISK)
+
+
+def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
+    m, prof = gpt
+    text = plan(m, prof, device_budget=state_bytes(m) // 4).describe()
+    for word in ("device", "host", "disk", "predicted peak", "traffic per step", "predicted step time"):
+        assert word in text
+
+
+@pytest.mark.parametrize("setting,match", [
+    ("offload.device_budget='lots'", "offload.device_budget = 'lots' is not a size"),
+    ("offload.host_budget='-3GB'", "offload.host_budget"),
+    ("offload.optimizer_tier='gpu'", "offload.optimizer_tier"),
+    ("offload.chunk_size='1'", "offload.chunk_size"),
+    ("offload.prefetch_depth=-2", "offload.prefetch_depth"),
+    ("offload.resident_chunks=-1", "offload.resident_chunks"),
+])
+def test_bad_offload_config_is_one_line_error(make_cfg, setting, match):
+    with pytest.raises(StratumError, match=match) as e:
+        make_cfg("train.engine='offload'", setting)
+    assert "\n" not in str(e.value)
+
+
+def _cli(make_cfg, *sets):
+    cfg = make_cfg()
+    base = [f"data.corpus={cfg.data.corpus!r}", f"data.cache_dir={cfg.data.cache_dir!r}", "data.seq_len=32",
+            "model.preset='tiny'", "train.micro_batch_size=4", "train.engine='offload'"]
+    out = []
+    for s in base + list(sets):
+        out += ["--set", s]
+    return out
+
+
+def test_stratum_plan_prints_the_plan(make_cfg, capsys):
+    assert main(["plan", *_cli(make_cfg, "offload.device_budget='2MB'")]) == 0
+    out = capsys.readouterr().out
+    assert "offload plan:" in out and "predicted step time" in out and "device" in out
+
+
+def test_stratum_plan_refuses_an_impossible_budget(make_cfg, capsys):
+    assert main(["plan", *_cli(make_cfg, "offload.device_budget='20kB'")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "smallest offload.device_budget" in err
+
+
+def test_unwritable_disk_dir_is_refused_before_training(make_cfg, tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert main(["plan", *_cli(make_cfg, f"offload.disk_dir={str(f / 'sub')!r}")]) == 2
+    assert "offload.disk_dir" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_plan(make_cfg, capsys):
+    assert main(["train", "--dry-run", *_cli(make_cfg, "offload.device_budget='2MB'")]) == 0
+    assert "offload plan:" in capsys.readouterr().out
+
+
+def test_trainer_with_offload_matches_plain_and_resumes_under_plain(make_cfg, tmp_path):
+    common = ("train.steps=6", "train.grad_accum=2")
+    ref = train(make_cfg(*common, out=tmp_path / "plain"))
+    off = make_cfg(*common, "train.engine='offload'", "offload.device_budget='2.5MB'", out=tmp_path / "off")
+    train(off, stop_at=3)
+    resumed = make_cfg(*common, out=tmp_path / "off")  # the same run continues on the plain engine
+    summary = train(resumed)
+    a = [r["loss"] for r in read_metrics(tmp_path / "plain")]
+    b = [r["loss"] for r in read_metrics(tmp_path / "off")]
+    assert a == b
+    assert summary["final_loss"] == ref["final_loss"]
+    assert "offload_device_peak_bytes" in read_metrics(tmp_path / "off")[0]

@@ -1,0 +1,96 @@
+"""Sizes in human units; chunk packing (first-use order, decay ranges, tied chunk); Belady's OPT."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from stratum.errors import StratumError
+from stratum.model.gpt import build_gpt
+from stratum.offload.belady import NextUse, simulate
+from stratum.offload.chunks import pack
+from stratum.offload.units import fmt_bytes, parse_budget, parse_bytes
+
+
+@pytest.mark.parametrize("text,n", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 G", 1_500_000_000),
+                                    ("100", 100), ("4kb", 4000), ("3KiB", 3072), (".5MB", 500_000)])
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "two GB", "2XB", "-1GB", "1e9", "GB"])
+def test_parse_bytes_refuses_with_one_line(bad):
+    with pytest.raises(StratumError, match="offload.x = .* is not a size") as e:
+        parse_bytes(bad, "offload.x")
+    assert "\n" not in str(e.value)
+
+
+def test_budgets():
+    assert parse_budget("", "k") is None and parse_budget("auto", "k") is None
+    with pytest.raises(StratumError, match="positive"):
+        parse_budget("0", "offload.device_budget")
+    assert fmt_bytes(3 * 2**30) == "3.00 GiB" and fmt_bytes(None) == "unlimited"
+
+
+def test_pack_first_use_order_decay_first_and_tied_private_chunk():
+    seq = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    biggest = max(p.numel() for n, p in seq.named_parameters() if n != seq.tied[0].owner)
+    lay = pack(seq, biggest * 2)
+    tied = lay.chunks[0]
+    assert tied.tied and [e.name for e in tied.entries] == [seq.tied[0].owner]
+    assert 0 in lay.block_chunks[0] and 0 in lay.block_chunks[-1]  # embedding and head share it
+    order = [e.name for c in lay.chunks[1:] for e in c.entries]
+    names = [n for n, _ in seq.named_parameters() if n != seq.tied[0].owner]
+    assert sorted(order) == sorted(names)
+    for c in lay.chunks:
+        assert c.used <= c.capacity
+        decay = [e for e in c.entries if e.offset < c.n_decay]
+        assert all(e.param.ndim >= 2 for e in decay) and all(e.param.ndim < 2 for e in c.entries[len(decay):])
+    # first-use order: the chunks a block uses never go back to an earlier chunk than a previous block's first
+    firsts = [min(c for c in cs if c != 0) for cs in lay.block_chunks if [c for c in cs if c != 0]]
+    assert firsts == sorted(firsts)
+    assert lay.ready_block[0] == 0
+
+
+def test_chunk_smaller_than_a_parameter_is_refused():
+    seq = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    with pytest.raises(StratumError, match="smaller than the largest parameter"):
+        pack(seq, 100)
+
+
+def _brute_force_min_fetches(seq, slots):
+    """Fewest fetches of one pass over ``seq`` from a cold cache, by exhaustive choice of victims."""
+    best = [10**9]
+
+    def go(t, resident, fetched):
+        if fetched >= best[0]:
+            return
+        if t == len(seq):
+            best[0] = fetched
+            return
+        need = set(seq[t])
+        missing = [c for c in seq[t] if c not in resident]
+        if not missing:
+            return go(t + 1, resident, fetched)
+        c = missing[0]
+        if len(resident) < slots:
+            return go(t, resident | {c}, fetched + 1)
+        for v in resident - need:
+            go(t, (resident - {v}) | {c}, fetched + 1)
+    go(0, frozenset(), 0)
+    return best[0]
+
+
+def test_belady_is_optimal_on_small_sequences():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        seq = [(int(x),) for x in torch.randint(0, 5, (10,), generator=g)]
+        for slots in (1, 2, 3):
+            assert simulate(seq, slots, steps=1) == _brute_force_min_fetches(seq, slots)
+
+
+def test_next_use_wraps_to_the_next_step():
+    nu = NextUse([(0,), (1,), (2,), (1,)])
+    assert nu.after(1, 1) == 3 and nu.after(0, 0) == 4 and nu.after(2, 3) == 6 and nu.after(7, 0) == float("inf")
