@@ -4,6 +4,8 @@ Runbook::
 
     python benchmarks/pipeline_real.py                         # GPT 'small', P = 2 and 4, every schedule
     python benchmarks/pipeline_real.py --ranks 2 --steps 4 --preset mini
+    python benchmarks/pipeline_real.py --ranks 2 --kinds zb-1f1b zb-wave --rewalk   # the former W, for comparison
+    python benchmarks/pipeline_real.py --split-backward     # B vs I + W on one stage, in this process (no ranks)
 
 What it does, all on the same model, batches and AdamW:
 
@@ -15,6 +17,12 @@ What it does, all on the same model, batches and AdamW:
   share (the simulator models forward/backward only);
 - **measured**: P local gloo processes (1 thread each) run each schedule for real: median step time over
   ``--steps`` timed steps after a warm-up, tokens/s.
+
+``--rewalk`` makes the workers' W walk the retained graph from the stage output again (the runtime before the
+zero-bubble split: I's work done twice), so the split's effect can be measured under the same conditions.
+``--split-backward`` instead times, in this process with 1 thread, one middle and the last stage of the P = 2
+zb-wave partition: F, B, and I / W with the split and with the re-walk (medians of ``--steps`` interleaved
+repetitions), plus the FLOPs of each (``FlopCounterMode``); it writes ``benchmarks/results/split_backward.json``.
 
 Writes ``benchmarks/results/pipeline_real.json``. Labels in the output say which figures are measured and which
 are simulated. On a machine with fewer cores than P the ranks share cores, which the simulator does not model.
@@ -33,6 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "pipeline_real.json"
+SPLIT_OUT = HERE / "results" / "split_backward.json"
 KINDS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual": 2}), ("wave", {"waves": 1}),
          ("zb-1f1b", {}), ("zb-wave", {"waves": 1})]
 
@@ -52,6 +61,107 @@ def batches_for(cfg, steps):
             for s in range(steps)]
 
 
+def kinds_of(job: dict) -> list[tuple[str, dict]]:
+    return [(k, kw) for k, kw in KINDS if not job.get("kinds") or k in job["kinds"]]
+
+
+def _input_grad_only(out, grad_out, inp, params):
+    """The former I: the input gradient from the retained graph and no intermediates, so W walks from the output
+    again (the runtime before the zero-bubble split)."""
+    import torch
+    (g,) = torch.autograd.grad(out, [inp], grad_out, retain_graph=True, allow_unused=True)
+    return g, None
+
+
+def use_rewalk() -> None:
+    """The former W in this process (``--rewalk``)."""
+    from stratum.runtime import stage
+    stage._backward_input = _input_grad_only
+
+
+def split_backward_side(a) -> dict:
+    """F, B, I, W times (s, median of interleaved repetitions, 1 thread) and FLOPs of a middle and the last stage
+    of the P = 2 zb-wave partition, with the zero-bubble split and with the former re-walking W."""
+    import tempfile
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from stratum.model.build import build_model
+    from stratum.runtime import stage
+    from stratum.runtime.stage import StageRuntime
+    from stratum.schedule.ir import Action
+    from stratum.sim.pipeline import even_partition
+
+    torch.set_num_threads(1)
+    split_input = stage._backward_input
+    job = {"preset": a.preset, "seq_len": a.seq_len, "micro_batch": a.micro_batch, "m": 1,
+           "cache_dir": str(Path(tempfile.mkdtemp(prefix="splitbench-")) / "cache")}
+    cfg = make_cfg(job)
+    batch = batches_for(cfg, 1)[0][0]
+    model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
+    blocks = list(model.blocks)
+    stages = even_partition(len(blocks), 4)  # zb-wave, P = 2, W = 1: 4 stages
+    rt = StageRuntime(blocks=blocks, stages=stages, stage_to_rank=(0,) * 4, loss_fn=model.loss_fn, rank=0,
+                      device=torch.device("cpu"), precision="fp32", timeout_s=60, backend="gloo")
+    out: dict = {"preset": a.preset, "seq_len": a.seq_len, "micro_batch": a.micro_batch, "threads": 1,
+                 "repeats": a.steps, "stages": [[r.start, r.stop] for r in stages], "torch": torch.__version__,
+                 "cpu_count": os.cpu_count(), "load_average_before": os.getloadavg()[0], "stage": {}}
+    for s, label in ((1, "middle"), (3, "last")):
+        with torch.no_grad():
+            x = batch.x
+            for i in range(stages[s].start):
+                x = blocks[i](x)
+        gen = torch.Generator().manual_seed(0)
+        last = s == 3
+        g_out = None if last else torch.randn(x.shape, generator=gen)
+
+        def act(kind, saved):
+            inputs = {"F": [x], "B": [] if last else [g_out], "I": [] if last else [g_out], "W": []}[kind]
+            t0 = time.perf_counter()
+            rt._execute(Action(kind, s, 0), inputs, [batch], saved, training=True, scale=1.0,
+                        loss_sum=torch.zeros((), dtype=torch.float64))
+            return time.perf_counter() - t0
+
+        def full():
+            saved = {}
+            return {"F": act("F", saved), "B": act("B", saved)}
+
+        def split(rewalk: bool):
+            stage._backward_input = _input_grad_only if rewalk else split_input
+            try:
+                saved = {}
+                return {"F": act("F", saved), "I": act("I", saved), "W": act("W", saved)}
+            finally:
+                stage._backward_input = split_input
+
+        runs = {"full": [], "split": [], "rewalk": []}
+        for _ in range(2):  # warm-up
+            full(), split(False), split(True)
+        for _ in range(a.steps):
+            runs["full"].append(full())
+            runs["split"].append(split(False))
+            runs["rewalk"].append(split(True))
+        med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+        flops = {}
+        for mode in ("full", "split", "rewalk"):
+            stage._backward_input = _input_grad_only if mode == "rewalk" else split_input
+            saved: dict = {}
+            act("F", saved)
+            flops[mode] = {}
+            for kind in (("B",) if mode == "full" else ("I", "W")):
+                with FlopCounterMode(display=False) as fc:
+                    act(kind, saved)
+                flops[mode][kind] = fc.get_total_flops()
+        stage._backward_input = split_input
+        out["stage"][label] = {"index": s, "blocks": [stages[s].start, stages[s].stop], "median_s": med,
+                               "flops": flops, "all_s": runs}
+    out["load_average_after"] = os.getloadavg()[0]
+    for p in blocks:
+        p.grad = None
+    return out
+
+
 def worker(job_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -65,6 +175,8 @@ def worker(job_path: str) -> None:
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
+    if job.get("rewalk"):
+        use_rewalk()
     cfg = make_cfg(job)
     world = int(os.environ["WORLD_SIZE"])
     init_process_group(world=world, backend="gloo", device=torch.device("cpu"), timeout_s=120)
@@ -87,7 +199,7 @@ def worker(job_path: str) -> None:
                 dist.send(x, 0)
         out["message_s"] = (time.perf_counter() - t0) / (2 * n)
     dist.barrier()
-    for kind, kw in KINDS:
+    for kind, kw in kinds_of(job):
         sched = generate(kind, ranks=world, microbatches=cfg.train.grad_accum, **kw)
         model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
         plan = PipelinePlan(schedule=sched, stages=even_partition(len(model), sched.num_stages))
@@ -163,7 +275,7 @@ def simulate_side(job: dict, profile, world: int, message_s: float) -> dict:
     from stratum.sim.pipeline import Costs, even_partition, simulate
 
     out = {}
-    for kind, kw in KINDS:
+    for kind, kw in kinds_of(job):
         sched = generate(kind, ranks=world, microbatches=job["m"], **kw)
         stages = even_partition(len(profile.blocks), sched.num_stages)
         costs = Costs.from_profile(profile, stages, latency=message_s)
@@ -181,11 +293,32 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, help=f"default {DEFAULT_OUT} ({SPLIT_OUT} with --split-backward)")
+    ap.add_argument("--kinds", nargs="+", choices=[k for k, _ in KINDS], help="only these schedule kinds")
+    ap.add_argument("--rewalk", action="store_true", help="the former W that re-walks the graph from the output")
+    ap.add_argument("--split-backward", action="store_true", help="B vs I + W on one stage, in this process")
     a = ap.parse_args()
     if a.worker:
         worker(a.worker)
         return
+    if a.split_backward:
+        res = split_backward_side(a)
+        path = Path(a.out or SPLIT_OUT)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2))
+        print(f"model {a.preset}, seq {a.seq_len}, micro-batch {a.micro_batch}, 1 thread, "
+              f"median of {a.steps}; stages {res['stages']}")
+        for label, r in res["stage"].items():
+            m, f = r["median_s"], r["flops"]
+            print(f"  {label} stage {r['index']} (blocks {r['blocks'][0]}..{r['blocks'][1] - 1}):  "
+                  f"F {m['full']['F'] * 1e3:.1f} ms  B {m['full']['B'] * 1e3:.1f} ms")
+            for mode in ("split", "rewalk"):
+                print(f"    {mode:7s} I {m[mode]['I'] * 1e3:7.1f} ms  W {m[mode]['W'] * 1e3:7.1f} ms  "
+                      f"I+W {(m[mode]['I'] + m[mode]['W']) * 1e3:7.1f} ms   "
+                      f"GFLOP I {f[mode]['I'] / 1e9:.3f} W {f[mode]['W'] / 1e9:.3f} (B {f['full']['B'] / 1e9:.3f})")
+        print(f"wrote {path}")
+        return
+    a.out = a.out or str(DEFAULT_OUT)
 
     import tempfile
 
@@ -198,7 +331,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pipebench-"))
     job = {"preset": a.preset, "seq_len": a.seq_len, "micro_batch": a.micro_batch, "m": a.m,
            "cache_dir": str(tmp / "cache"), "warmup": a.warmup, "steps": a.steps,
-           "d_model": PRESETS[a.preset].d_model}
+           "d_model": PRESETS[a.preset].d_model, "kinds": a.kinds, "rewalk": a.rewalk}
     cfg = make_cfg(job)
     batches_for(cfg, 1)  # token cache once, before the workers start
     tokens_per_step = a.micro_batch * a.m * a.seq_len

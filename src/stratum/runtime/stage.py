@@ -8,11 +8,13 @@ runs it, and hands on what it produces:
   that requires grad); the last stage also computes ``loss_fn(out, y) / m`` for the backward.
 - ``B(s, mb)``: ``autograd.backward`` from the stage output with the received output gradient (the scaled loss
   on the last stage): weight gradients accumulate into ``.grad``, the input gradient goes to stage ``s-1``.
-- ``I(s, mb)``: input gradient only (``autograd.grad`` w.r.t. the stage input, graph retained); ``W(s, mb)``:
-  weight gradients from the retained graph (``autograd.grad`` w.r.t. the stage's parameters), accumulated into
-  ``.grad``. I + W give exactly B's gradients. (W walks the retained graph from the output again, so a split
-  backward costs more compute than B here; the schedule's order is honoured, the FLOP saving of a true
-  zero-bubble runtime is not.)
+- ``I(s, mb)``: input gradient only; ``W(s, mb)``: weight gradients only, accumulated into ``.grad``. I + W
+  give B's gradients and, together, do B's work once (zero-bubble split): I finds the autograd nodes where the
+  parameters' gradient paths leave the input-gradient path ("intermediates"), runs ``autograd.grad`` w.r.t. the
+  stage input only (graph retained) and keeps, through node pre-hooks, the gradients that flowed into those
+  nodes; W then runs ``autograd.grad`` from the intermediates to the parameters, which touches only the
+  weight-gradient branches (see :func:`_backward_input` / :func:`_backward_weight`). Stage 0 (no input gradient)
+  does nothing at I and the whole backward at W.
 
 Messages: every remote receive is posted ahead (the next ``lookahead`` actions' receives go out in the same
 ``batch_isend_irecv`` as the current action's sends), so transfers overlap compute; gloo runs them on its own
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from stratum.data.tokens import Batch
 from stratum.dist.launch import PeerError, short_reason
@@ -53,8 +56,144 @@ is written to the file ``$STRATUM_TEST_FAULT_FILE`` names, if set."""
 @dataclass
 class _Saved:
     inp: Tensor | None
-    out: Tensor
+    out: Tensor | None
     grad_out: Tensor | None = None
+    groups: list[_WeightGroup] | None = None
+    """Set by a split ``I``: what ``W`` needs (then ``out`` and ``grad_out`` are dropped)."""
+
+
+# ---- split backward (I / W) ----------------------------------------------------------------------------------
+# The same scheme as torch.distributed.pipelining's stage_backward_input / stage_backward_weight (private module
+# torch/distributed/pipelining/_backward.py), written out here rather than called because those functions do not
+# fit this runtime cleanly: they detach the stage output in place (a RuntimeError when a block returns a view),
+# they silently give no weight gradients when the output does not depend on the input (nothing intersects the
+# input path), their W calls autograd.grad without allow_unused, they accumulate into the input's .grad as a side
+# effect, and being private they may change between torch releases. What is kept from them: the grouping of
+# parameters by shared intermediates and the "pin each intermediate to its I gradient" pre-hook of a group with
+# several intermediates, so nothing is counted twice.
+
+@dataclass
+class _WeightGroup:
+    """Parameters (indices into the stage's parameter list) whose gradient paths leave the input-gradient path
+    at ``nodes``; ``grads[k]`` is what flowed into ``nodes[k]`` during I (its ``grad_outputs``)."""
+
+    params: list[int]
+    nodes: list[Node]
+    grads: list[tuple | None]
+
+
+def _split_graph(root: Node, inp_node: Node, param_index: dict[Node, int]) -> list[_WeightGroup] | None:
+    """Group the parameters below ``root`` by the input-path nodes their gradients branch off from.
+
+    A node is on the input path when the stage input's gradient accumulator is reachable from it. An
+    intermediate is an input-path node with an edge to a node off the path that reaches a parameter; everything
+    below such an edge is off the path (weight-gradient work only). Intermediates that reach a common parameter
+    share a group, so one ``autograd.grad`` per group gets each parameter's whole gradient. None when ``root``
+    is not on the input path (the output does not depend on the input): then no intermediate covers the
+    parameters and W must walk from the output.
+    """
+    on_path: dict[Node, bool] = {}
+    below: dict[Node, frozenset[int]] = {}  # parameters reachable from a node off the input path
+    inter: list[tuple[Node, frozenset[int]]] = []
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:  # iterative post-order walk (graphs are deep: no recursion)
+        node, expanded = stack.pop()
+        if node in on_path:
+            continue
+        if node is inp_node:  # the input is a leaf here; nothing below it belongs to this stage
+            on_path[node] = True
+            continue
+        kids = [c for c, _ in node.next_functions if c is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids if c not in on_path)
+            continue
+        if any(on_path[c] for c in kids):
+            on_path[node] = True
+            ps = frozenset().union(*(below[c] for c in kids if not on_path[c]))
+            if ps:
+                inter.append((node, ps))
+        else:
+            on_path[node] = False
+            i = param_index.get(node)
+            below[node] = frozenset().union(*(below[c] for c in kids), () if i is None else (i,))
+    if not on_path.get(root):
+        return None
+    owner: dict[int, _WeightGroup] = {}  # parameter -> its group (groups merge when they share a parameter)
+    for node, ps in inter:
+        g = _WeightGroup(params=sorted(ps), nodes=[node], grads=[])
+        for h in {id(o): o for o in (owner.get(p) for p in ps) if o is not None}.values():
+            g.params = sorted(set(g.params) | set(h.params))
+            g.nodes = h.nodes + g.nodes
+        for p in g.params:
+            owner[p] = g
+    groups = list({id(g): g for g in owner.values()}.values())
+    for g in groups:
+        g.grads = [None] * len(g.nodes)
+    return groups
+
+
+def _capture(grads: list, k: int):
+    def hook(grad_outputs):  # references only the list, never a node: no hook -> node cycle to leak the graph
+        grads[k] = grad_outputs
+    return hook
+
+
+def _backward_input(out: Tensor, grad_out: Tensor | None, inp: Tensor,
+                    params: list[nn.Parameter]) -> tuple[Tensor | None, list[_WeightGroup] | None]:
+    """The I half: gradient of ``out`` w.r.t. ``inp`` (a leaf), plus what W needs (None: W walks from ``out``).
+
+    ``autograd.grad(..., inputs=[inp])`` executes only the input-path nodes and computes only their input-side
+    gradients; the pre-hooks on the intermediates record the gradients reaching them on the way."""
+    root = out.grad_fn
+    groups = None
+    if root is not None and params:
+        param_index = {get_gradient_edge(p).node: i for i, p in enumerate(params)}
+        groups = _split_graph(root, get_gradient_edge(inp).node, param_index)
+    handles = []
+    try:
+        for g in groups or ():
+            handles += [node.register_prehook(_capture(g.grads, k)) for k, node in enumerate(g.nodes)]
+        (dinp,) = torch.autograd.grad(out, [inp], grad_out, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return dinp, groups
+
+
+def _backward_weight(groups: list[_WeightGroup], params: list[nn.Parameter]) -> None:
+    """The W half: from each group's intermediates (seeded with their I gradients) to its parameters; only the
+    branches towards the parameters run. Gradients are accumulated into ``.grad``."""
+    for g in groups:
+        edges: list[GradientEdge] = []
+        seeds: list[Tensor] = []
+        for node, got in zip(g.nodes, g.grads):
+            for i, t in enumerate(got or ()):
+                if t is not None:
+                    edges.append(GradientEdge(node, i))
+                    seeds.append(t)
+        if not edges:
+            continue
+        handles = []
+        try:
+            if len(g.nodes) > 1:
+                # a parameter used at several depths: one intermediate's flow can reach another along the input
+                # path; pin every intermediate to the gradient it had in I so nothing is counted twice
+                for node, got in zip(g.nodes, g.grads):
+                    handles.append(node.register_prehook(
+                        lambda gin, got=got: got if got is not None else tuple(None for _ in gin)))
+            ps = [params[i] for i in g.params]
+            dws = torch.autograd.grad(edges, ps, seeds, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for p, dw in zip(ps, dws):
+            if dw is None:
+                continue
+            if p.grad is None:
+                p.grad = dw
+            else:
+                p.grad.add_(dw)
 
 
 def _tag(t: Transfer, num_stages: int) -> int:
@@ -307,14 +446,18 @@ class StageRuntime:
             if s == 0:
                 return []
             if sv.inp is not None and sv.inp.requires_grad and sv.out.requires_grad:
-                (g,) = torch.autograd.grad(sv.out, [sv.inp], sv.grad_out, retain_graph=True, allow_unused=True)
+                g, sv.groups = _backward_input(sv.out, sv.grad_out, sv.inp, self.stage_params[s])
+                if sv.groups is not None:  # W starts from the intermediates: the graph above them can go
+                    sv.out = sv.grad_out = None
             else:
                 g = None
             return [g if g is not None else torch.zeros_like(sv.inp)]
         if a.kind == "W":
             sv = saved.pop((s, mb))
             params = self.stage_params[s]
-            if params and sv.out.requires_grad:
+            if sv.groups is not None:
+                _backward_weight(sv.groups, params)
+            elif params and sv.out.requires_grad:  # stage 0, or an output that does not depend on the input
                 grads = torch.autograd.grad(sv.out, params, sv.grad_out, allow_unused=True)
                 for p, g in zip(params, grads):
                     if g is None:
