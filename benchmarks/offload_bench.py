@@ -60,7 +60,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     budget = "" if mode == "overhead" else str(state // 4)
     ocfg = _cfg(preset, micro, seq, [f"offload.device_budget={budget!r}"])
     t0 = time.perf_counter()
-    plan = plan_for(ocfg, model, dev)
+    plan = plan_for(ocfg, model, dev, always_profile=True)
     plan_s = time.perf_counter() - t0
     print(plan.describe(), flush=True)
     plain = PlainEngine(copy.deepcopy(model), optim=optim_spec(cfg), device=dev)

@@ -196,6 +196,8 @@ def _chunk_candidates(seq: BlockSeq) -> list[int]:
     cands = {biggest}
     for n in (2, 4, 8, 16, 32, 64, 128):
         cands.add(max(biggest, -(-total // n)))
+    for f in (1.02, 1.1, 1.5, 2.0, 3.0):  # a little slack lets small params (norms, biases) share a big one's chunk
+        cands.add(int(biggest * f))
     return sorted(cands)
 
 

@@ -84,7 +84,7 @@ def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
     from stratum.offload.engine import OffloadEngine
     from stratum.runtime import optim_spec
-    plan = plan_for(cfg, model, device)
+    plan = plan_for(cfg, model, device, always_profile=True)
     print(plan.describe())
     materialize = None
     if any(p.is_meta for p in model.parameters()) and cfg.model.source == "gpt":
