@@ -9,6 +9,8 @@ One process, the built-in default (a small GPT on this Python's standard-library
     stratum train --dry-run                         # resolved config, derived values, model size; no training
     stratum profile --set model.preset=gpt2-124m --out profile.json
     stratum config                                  # every config key, its default and what it does
+    stratum plan --set offload.device_budget=1GB    # the offload engine's placement plan, per tier; no training
+    stratum schedule show --kind wave --ranks 4 --microbatches 8   # pipeline schedules as tables
 
 A run writes ``<out_dir>/metrics.jsonl`` (a JSON object per step), ``summary.json``, ``config.toml`` and
 ``checkpoints/``; running the same command again resumes from the last checkpoint (bit-exact).
