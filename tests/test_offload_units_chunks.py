@@ -94,3 +94,31 @@ def test_belady_is_optimal_on_small_sequences():
 def test_next_use_wraps_to_the_next_step():
     nu = NextUse([(0,), (1,), (2,), (1,)])
     assert nu.after(1, 1) == 3 and nu.after(0, 0) == 4 and nu.after(2, 3) == 6 and nu.after(7, 0) == float("inf")
+
+
+def test_full_disk_is_a_clear_error_and_files_are_removed(tmp_path, monkeypatch):
+    """ENOSPC while writing a chunk file is a one-line StratumError, not a corrupt run; close() removes the files."""
+    import builtins
+    import errno
+
+    from stratum.offload.tiers import DiskStore, Tier
+
+    store = DiskStore(tmp_path, Tier("disk", None))
+    store.create("ok", torch.ones(8))
+    assert torch.equal(store.read("ok", torch.empty(8)), torch.ones(8))
+    real_open = builtins.open
+
+    def full_open(path, mode="r", *a, **k):
+        if "w" in mode or "+" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", full_open)
+    with pytest.raises(StratumError, match="is full; free space"):
+        store.create("big", torch.ones(8))
+    with pytest.raises(StratumError, match="is full"):
+        store.write_range("ok", 0, torch.zeros(2))
+    monkeypatch.setattr(builtins, "open", real_open)
+    d = store.dir
+    store.close()
+    assert not d.exists()

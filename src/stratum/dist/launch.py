@@ -157,6 +157,22 @@ def short_reason(e: BaseException) -> str:
     return text.split(". ")[0][:160]
 
 
+def wait_until(work, *, backend: str, deadline: float) -> None:
+    """Wait for a ``torch.distributed`` work handle until ``deadline`` (``time.monotonic()`` seconds).
+
+    Raises ``TimeoutError`` at the deadline; a failed peer surfaces as the backend's ``RuntimeError``. gloo's
+    ``wait`` takes a timeout; NCCL work is polled, since its ``wait`` only orders the CUDA stream.
+    """
+    if backend == "nccl":
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(5e-5)
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -214,16 +214,19 @@ class DiskStore:
         self.sizes[key] = nbytes
         self.write(key, t)
 
+    def _write_error(self, key: str, e: OSError) -> StratumError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StratumError(f"the disk under offload.disk_dir ({self.dir.parent}) is full; free space or "
+                                "point offload.disk_dir at a larger disk")
+        return StratumError(f"cannot write offload file {self._path(key)} ({e.strerror})")
+
     def write(self, key: str, t: torch.Tensor) -> None:
         data = t.detach().contiguous().cpu()
         try:
             with open(self._path(key), "wb", buffering=0) as f:
                 f.write(memoryview(data.numpy()).cast("B"))
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StratumError(f"the disk under offload.disk_dir ({self.dir.parent}) is full; free space or "
-                                   "point offload.disk_dir at a larger disk") from None
-            raise StratumError(f"cannot write offload file {self._path(key)} ({e.strerror})") from None
+            raise self._write_error(key, e) from None
 
     def read(self, key: str, into: torch.Tensor) -> torch.Tensor:
         """Fill the CPU tensor ``into`` from ``key``'s file."""
@@ -249,10 +252,7 @@ class DiskStore:
                 f.seek(offset * 4)
                 f.write(memoryview(data.numpy()).cast("B"))
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StratumError(f"the disk under offload.disk_dir ({self.dir.parent}) is full; free space or "
-                                   "point offload.disk_dir at a larger disk") from None
-            raise StratumError(f"cannot write offload file {self._path(key)} ({e.strerror})") from None
+            raise self._write_error(key, e) from None
 
     def write_async(self, key: str, t: torch.Tensor) -> Future:
         return self.pool.submit(self.write, key, t)

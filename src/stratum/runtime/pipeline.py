@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +34,7 @@ from torch import nn
 
 from stratum.config import Config, PipelineConfig
 from stratum.data.tokens import Batch
-from stratum.dist.launch import PeerError, resolve_backend, short_reason
+from stratum.dist.launch import PeerError, resolve_backend, short_reason, wait_until
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.runtime.device import peak_memory_bytes
@@ -302,16 +303,7 @@ class PipelineEngine(Engine):
     # ---- collectives with deadlines -------------------------------------------------------------------
     def _collective(self, work, what: str) -> None:
         try:
-            if self.backend == "nccl":
-                import time
-                deadline = time.monotonic() + self.timeout_s
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(5e-5)
-                work.wait()
-            else:
-                work.wait(timeout=self.timeout)
+            wait_until(work, backend=self.backend, deadline=time.monotonic() + self.timeout_s)
         except (TimeoutError, RuntimeError) as e:
             msg = short_reason(e) if str(e).strip() else "timed out"
             raise PeerError(f"rank {self.rank}: {what} failed ({msg}); a pipeline rank died or hung — "

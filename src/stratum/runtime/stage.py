@@ -27,7 +27,6 @@ hung becomes a :class:`~stratum.dist.launch.PeerError` naming the rank and the m
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from stratum.data.tokens import Batch
-from stratum.dist.launch import PeerError, short_reason
+from stratum.dist.launch import PeerError, short_reason, wait_until
 from stratum.runtime.device import autocast
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.validate import ActionComm, Transfer, comm_plan
@@ -254,15 +253,7 @@ class StageRuntime:
     def _wait(self, work, what: str, deadline: float) -> None:
         t0 = time.perf_counter()
         try:
-            if self.backend == "nccl":
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(5e-5)
-                work.wait()
-            else:
-                left = max(0.001, deadline - time.monotonic())
-                work.wait(timeout=datetime.timedelta(seconds=left))
+            wait_until(work, backend=self.backend, deadline=deadline)
         except TimeoutError:
             raise PeerError(f"rank {self.rank}: no {what} within {self.timeout_s:g} s (pipeline.timeout_s); "
                             "that rank died or hung — stopping") from None
