@@ -10,13 +10,28 @@ Runbook::
 What it does, all on the same model, batches and AdamW:
 
 - **plain**: the plain engine in this process, 1 thread and all cores' threads (tokens/s);
-- **profile**: ``profile_from_config`` (what ``stratum profile`` runs) with 1 thread, the threads a pipeline rank
-  gets; a ping-pong between two gloo processes measures the time of one stage-boundary message;
-- **simulated**: :func:`stratum.sim.pipeline.simulate` of each schedule with ``Costs.from_profile`` and that
-  message time as latency; the prediction is the makespan plus the measured AdamW step time of the slowest rank's
-  share (the simulator models forward/backward only);
-- **measured**: P local gloo processes (1 thread each) run each schedule for real: median step time over
-  ``--steps`` timed steps after a warm-up, tokens/s.
+- **profile**: ``profile_from_config`` (what ``stratum profile`` runs) with the intra-op thread count a pipeline
+  rank uses, ``max(1, cores // P)`` (what ``stratum.dist.launch`` sets as OMP_NUM_THREADS; one profile per distinct
+  thread count); a ping-pong between two gloo processes measures the time of one stage-boundary message;
+- **simulated** (the prediction of the step time), three terms, each measured or derived, none fitted:
+
+  1. the makespan of the schedule's forward/backward actions with per-stage costs from the profile
+     (:func:`stratum.plan.evaluate` of the even partition the workers run + :func:`stratum.plan.stage_costs`) and
+     the measured one-way message time as latency;
+  2. **core sharing**: when the P ranks' threads exceed the cores (P x threads > cores), the ranks that are
+     computing at the same moment share the cores. :func:`simulate_shared` is the simulator's event model with
+     processor sharing: while n ranks compute, each progresses at ``min(1, cores / (n x threads))`` of its
+     profiled speed; a rank waiting for a message uses no core (gloo's receive blocks, it does not spin). With
+     enough cores it equals :func:`stratum.sim.pipeline.simulate` exactly (checked at run time). For comparison the
+     JSON also holds the two bounds: one device per rank (plain ``simulate``, speed 1) and every rank always at
+     ``cores / (P x threads)`` (``speeds`` of the partition: right only if no rank ever idles);
+  3. **fixed per-step costs** the simulator leaves out, measured in the same run: ``post`` = from the moment the
+     last rank finishes its schedule to the moment the last rank returns from ``train_step`` (tied-gradient and
+     gradient-norm/loss all-reduces, clipping, AdamW step, zero_grad), and ``pre`` = from the step's start to the
+     last rank entering its schedule; medians over the timed steps. The AdamW step alone is also timed per rank
+     (``opt_s_per_rank``, all ranks at once, so with core sharing) to show what ``post`` is made of.
+- **measured**: P local gloo processes (``max(1, cores // P)`` threads each) run each schedule for real: median
+  step time over ``--steps`` timed steps after a warm-up, tokens/s.
 
 ``--rewalk`` makes the workers' W walk the retained graph from the stage output again (the runtime before the
 zero-bubble split: I's work done twice), so the split's effect can be measured under the same conditions.
@@ -25,13 +40,14 @@ zb-wave partition: F, B, and I / W with the split and with the re-walk (medians 
 repetitions), plus the FLOPs of each (``FlopCounterMode``); it writes ``benchmarks/results/split_backward.json``.
 
 Writes ``benchmarks/results/pipeline_real.json``. Labels in the output say which figures are measured and which
-are simulated. On a machine with fewer cores than P the ranks share cores, which the simulator does not model.
+are simulated. On a machine with fewer cores than P the ranks share cores: term 2 above models that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -173,8 +189,8 @@ def worker(job_path: str) -> None:
     from stratum.schedule import generate
     from stratum.sim.pipeline import even_partition
 
-    torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if job.get("rewalk"):
         use_rewalk()
     cfg = make_cfg(job)
@@ -204,14 +220,28 @@ def worker(job_path: str) -> None:
         model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
         plan = PipelinePlan(schedule=sched, stages=even_partition(len(model), sched.num_stages))
         eng = PipelineEngine(model, plan=plan, optim=optim_spec(cfg), device=torch.device("cpu"), timeout_s=120)
-        times, losses = [], []
+        marks: dict = {}
+        run_schedule = eng.runtime.run
+
+        def timed_run(*args, _run=run_schedule, _marks=marks, **kw):
+            _marks["run_start"] = time.time()
+            try:
+                return _run(*args, **kw)
+            finally:
+                _marks["run_end"] = time.time()
+
+        eng.runtime.run = timed_run
+        times, losses, stamps = [], [], []
         for s in range(steps):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), time.time()
             losses.append(eng.train_step(all_batches[s], 1e-4).loss)
+            w1 = time.time()
             dist.barrier()
             if s >= job["warmup"]:
                 times.append(time.perf_counter() - t0)
+                # wall-clock stamps (one clock for all local processes): step start, schedule start/end, step end
+                stamps.append((w0, marks["run_start"], marks["run_end"], w1))
         # AdamW share of one step on this rank (the simulator leaves it out)
         for p in (p for _, p in eng.named):
             p.grad = torch.zeros_like(p)
@@ -220,17 +250,31 @@ def worker(job_path: str) -> None:
         opt_s = time.perf_counter() - t0
         eng.opt.zero_grad(set_to_none=True)
         got = [None] * world if rank == 0 else None
-        dist.gather_object({"opt_s": opt_s, "stats": dict(eng.runtime.stats)}, got, dst=0)
+        dist.gather_object({"opt_s": opt_s, "stats": dict(eng.runtime.stats), "stamps": stamps}, got, dst=0)
         if rank == 0:
+            n_t = len(stamps)
+            # per timed step: pre = last rank entering its schedule - that rank's step start (max over ranks);
+            # post = last train_step return - last schedule end; schedule = last schedule end - first start
+            pre = [max(g["stamps"][k][1] - g["stamps"][k][0] for g in got) for k in range(n_t)]
+            post = [max(g["stamps"][k][3] for g in got) - max(g["stamps"][k][2] for g in got) for k in range(n_t)]
+            span = [max(g["stamps"][k][2] for g in got) - min(g["stamps"][k][1] for g in got) for k in range(n_t)]
             out["schedules"][sched.name] = {
                 "kind": kind, "stages": sched.num_stages, "step_s": statistics.median(times), "times": times,
                 "losses": losses, "opt_s_max": max(g["opt_s"] for g in got),
+                "opt_s_per_rank": [g["opt_s"] for g in got],
+                "pre_s": statistics.median(pre), "post_s": statistics.median(post),
+                "schedule_span_s": statistics.median(span),
                 "wait_s_per_rank": [g["stats"]["wait_s"] for g in got],
                 "compute_s_per_rank": [g["stats"]["compute_s"] for g in got],
             }
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def rank_threads(world: int) -> int:
+    """Intra-op threads of each of ``world`` local ranks: what ``stratum.dist.launch.spawn_local`` sets."""
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 def spawn(job: dict, world: int, tmp: Path) -> dict:
@@ -241,7 +285,8 @@ def spawn(job: dict, world: int, tmp: Path) -> dict:
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(path)],
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       OMP_NUM_THREADS=str(rank_threads(world))))
              for r in range(world)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -270,16 +315,85 @@ def plain_side(job: dict, threads: int) -> dict:
     return {"threads": threads, "step_s": statistics.median(times), "losses": losses}
 
 
-def simulate_side(job: dict, profile, world: int, message_s: float) -> dict:
-    from stratum.schedule import generate
-    from stratum.sim.pipeline import Costs, even_partition, simulate
+def simulate_shared(schedule, costs, slots: float) -> float:
+    """Makespan of ``schedule`` under ``costs`` when the ranks share ``slots`` cores' worth of compute
+    (``slots`` = cores / threads per rank): the event model of :func:`stratum.sim.pipeline.simulate` (each rank
+    runs its actions in order, an action starts when the rank is free and its inputs have arrived, messages
+    cost ``latency + bytes / bandwidth`` and use no core), with processor sharing: while n ranks are inside an
+    action each progresses at ``min(1, slots / n)`` seconds of profiled work per second. With slots >= P it is
+    ``simulate``'s makespan."""
+    S, P = schedule.num_stages, schedule.num_ranks
+    where = schedule.stage_to_rank
+    end: dict = {}
+    ptr = [0] * P
+    free = [0.0] * P
+    running: list = [None] * P   # [action, remaining work (s)]
+    total = sum(len(a) for a in schedule.actions)
+    done, t = 0, 0.0
+    eps = 1e-12
 
+    def arrival(a, d):
+        if where[d.stage] == where[a.stage]:
+            return end[d]
+        nbytes = costs.out_bytes[d.stage] if d.kind == "F" else costs.out_bytes[a.stage]
+        return end[d] + costs.message_s(nbytes)
+
+    while done < total:
+        next_ready = math.inf
+        for r, acts in enumerate(schedule.actions):
+            if running[r] is not None or ptr[r] >= len(acts):
+                continue
+            a = acts[ptr[r]]
+            ds = schedule.deps(a)
+            if any(d not in end for d in ds):
+                continue
+            ready = max([free[r]] + [arrival(a, d) for d in ds])
+            if ready <= t + eps:
+                running[r] = [a, costs.compute(a)]
+            else:
+                next_ready = min(next_ready, ready)
+        n = sum(x is not None for x in running)
+        rate = min(1.0, slots / n) if n else 0.0
+        next_done = min((x[1] / rate for x in running if x is not None), default=math.inf)
+        dt = min(next_ready - t, next_done)
+        if math.isinf(dt):
+            raise RuntimeError(f"schedule {schedule.name} cannot run to the end")
+        t += dt
+        for r, x in enumerate(running):
+            if x is None:
+                continue
+            x[1] -= rate * dt
+            if x[1] <= eps:
+                end[x[0]] = t
+                free[r] = t
+                running[r] = None
+                ptr[r] += 1
+                done += 1
+    return t
+
+
+def simulate_side(job: dict, profile, world: int, threads: int, message_s: float) -> dict:
+    """Per schedule: the makespan with core sharing (the prediction's term 2), and the two bounds."""
+    from stratum.plan import evaluate, stage_costs
+    from stratum.schedule import generate
+    from stratum.sim.pipeline import even_partition, simulate
+
+    cores = os.cpu_count() or 1
+    slots = cores / threads
     out = {}
     for kind, kw in kinds_of(job):
         sched = generate(kind, ranks=world, microbatches=job["m"], **kw)
         stages = even_partition(len(profile.blocks), sched.num_stages)
-        costs = Costs.from_profile(profile, stages, latency=message_s)
-        out[sched.name] = simulate(sched, costs).makespan
+        own = stage_costs(profile, evaluate(profile, stages, sched.stage_to_rank), latency=message_s)
+        flat = min(1.0, slots / world)
+        slow = stage_costs(profile, evaluate(profile, stages, sched.stage_to_rank, speeds=[flat] * world),
+                           latency=message_s)
+        own_s = simulate(sched, own).makespan
+        shared_s = simulate_shared(sched, own, slots)
+        if slots >= world and abs(shared_s - own_s) > 1e-9 * max(1.0, own_s):
+            raise SystemExit(f"simulate_shared disagrees with simulate for {sched.name}: {shared_s} vs {own_s}")
+        out[sched.name] = {"shared_makespan_s": shared_s, "own_device_makespan_s": own_s,
+                           "uniform_speed": flat, "uniform_speed_makespan_s": simulate(sched, slow).makespan}
     return out
 
 
@@ -336,30 +450,44 @@ def main() -> None:
     batches_for(cfg, 1)  # token cache once, before the workers start
     tokens_per_step = a.micro_batch * a.m * a.seq_len
 
-    torch.set_num_threads(1)
-    profile = profile_from_config(cfg, runs=5)
-    profile.save(str(tmp / "profile.json"))
+    profiles = {}
+    for th in sorted({rank_threads(w) for w in a.ranks}):
+        torch.set_num_threads(th)   # the intra-op threads each rank of that P uses
+        profiles[th] = profile_from_config(cfg, runs=5)
+        profiles[th].save(str(tmp / f"profile_t{th}.json"))
     plain = [plain_side(job, 1), plain_side(job, os.cpu_count() or 1)]
     result = {"config": {k: v for k, v in job.items() if k != "cache_dir"}, "tokens_per_step": tokens_per_step,
               "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "measured_plain": [dict(p, tokens_per_s=tokens_per_step / p["step_s"]) for p in plain],
-              "profile_step_s_per_microbatch": profile.step_s, "pipelines": {}}
+              "profile_step_s_per_microbatch": {str(th): pr.step_s for th, pr in profiles.items()},
+              "pipelines": {}}
     best_plain = min(p["step_s"] for p in plain)
     for world in a.ranks:
+        th = rank_threads(world)
         real = spawn(job, world, tmp)
-        sim = simulate_side(job, profile, world, real.get("message_s", 0.0))
+        sim = simulate_side(job, profiles[th], world, th, real.get("message_s", 0.0))
         rows = {}
         for name, r in real["schedules"].items():
-            predicted = sim[name] + r["opt_s_max"]
+            sm = sim[name]
+            fixed = r["pre_s"] + r["post_s"]
+            predicted = sm["shared_makespan_s"] + fixed
             rows[name] = {
                 "measured_step_s": r["step_s"], "measured_tokens_per_s": tokens_per_step / r["step_s"],
-                "simulated_step_s": predicted, "simulated_makespan_s": sim[name],
+                "simulated_step_s": predicted, "simulated_makespan_s": sm["shared_makespan_s"],
+                "measured_fixed_pre_s": r["pre_s"], "measured_fixed_post_s": r["post_s"],
+                "measured_schedule_span_s": r["schedule_span_s"],
+                "measured_opt_s_per_rank": r["opt_s_per_rank"],
+                "simulated_own_device_makespan_s": sm["own_device_makespan_s"],
+                "simulated_uniform_speed": sm["uniform_speed"],
+                "simulated_uniform_speed_makespan_s": sm["uniform_speed_makespan_s"],
                 "measured_over_simulated": r["step_s"] / predicted,
+                "measured_span_over_simulated_makespan": r["schedule_span_s"] / sm["shared_makespan_s"],
                 "speedup_vs_best_plain": best_plain / r["step_s"],
                 "losses_match_plain": max(abs(x - y) / abs(y) for x, y in zip(r["losses"], plain[0]["losses"])),
                 "wait_s_per_rank": r["wait_s_per_rank"], "compute_s_per_rank": r["compute_s_per_rank"],
             }
-        result["pipelines"][str(world)] = {"message_s": real.get("message_s"), "schedules": rows}
+        result["pipelines"][str(world)] = {"message_s": real.get("message_s"), "threads_per_rank": th,
+                                           "schedules": rows}
     # the machine's load average (1 min) before and after: other jobs on the cores make every figure noisier
     result["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -371,13 +499,17 @@ def main() -> None:
         print(f"  measured plain engine, {p['threads']} thread(s): {p['step_s'] * 1e3:8.1f} ms/step  "
               f"{p['tokens_per_s']:8.0f} tokens/s")
     for world, blk in result["pipelines"].items():
-        print(f"  P = {world} (one-way message {blk['message_s'] * 1e3:.2f} ms measured):")
+        print(f"  P = {world}, {blk['threads_per_rank']} thread(s) per rank "
+              f"(one-way message {blk['message_s'] * 1e3:.2f} ms measured):")
         for name, r in blk["schedules"].items():
             print(f"    {name:14s} measured {r['measured_step_s'] * 1e3:8.1f} ms "
                   f"({r['measured_tokens_per_s']:7.0f} tok/s, ×{r['speedup_vs_best_plain']:.2f} vs best plain)  "
-                  f"simulated {r['simulated_step_s'] * 1e3:8.1f} ms  "
+                  f"simulated {r['simulated_step_s'] * 1e3:8.1f} ms = makespan {r['simulated_makespan_s'] * 1e3:.1f}"
+                  f" + measured fixed {(r['measured_fixed_pre_s'] + r['measured_fixed_post_s']) * 1e3:.1f}  "
                   f"measured/simulated {r['measured_over_simulated']:.2f}  "
-                  f"loss rel diff {r['losses_match_plain']:.1e}")
+                  f"(own-device makespan {r['simulated_own_device_makespan_s'] * 1e3:.1f}, uniform-speed "
+                  f"{r['simulated_uniform_speed_makespan_s'] * 1e3:.1f}; measured schedule span "
+                  f"{r['measured_schedule_span_s'] * 1e3:.1f})  loss rel diff {r['losses_match_plain']:.1e}")
     print(f"wrote {a.out}")
 
 
