@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stratum.runtime.engine import OptimSpec
+from stratum.errors import StratumError
+from stratum.runtime.engine import OptimSpec, TrainState
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -45,3 +46,16 @@ def import_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter
         if name in state:
             st = state[name]
             opt.state[p] = {k: st[k].to(p.device, copy=True) for k in _STATE_KEYS if k in st}
+
+
+def load_train_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], state: TrainState) -> None:
+    """Copy ``state``'s parameters into ``named`` (by canonical name) and its AdamW state into ``opt``.
+
+    ``state`` may hold more parameters than ``named`` (a pipeline rank keeps its own part of a full state)."""
+    missing = [n for n, _ in named if n not in state.params]
+    if missing:
+        raise StratumError(f"the training state lacks parameter(s) {missing[:3]}; it is from another model")
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(state.params[n])
+    import_state(opt, named, state.optim)

@@ -39,7 +39,7 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
-from stratum.runtime.optim import export_state, import_state, make_adamw
+from stratum.runtime.optim import export_state, load_train_state, make_adamw
 from stratum.runtime.stage import StageRuntime
 from stratum.schedule.ir import Action, Schedule
 
@@ -384,13 +384,7 @@ class PipelineEngine(Engine):
         return full
 
     def load_state(self, state: TrainState) -> None:
-        missing = [n for n, _ in self.named if n not in state.params]
-        if missing:
-            raise StratumError(f"the training state lacks parameter(s) {missing[:3]}")
-        with torch.no_grad():
-            for n, p in self.named:
-                p.copy_(state.params[n])
-        import_state(self.opt, self.named, state.optim)
+        load_train_state(self.opt, self.named, state)
 
     def memory_stats(self) -> dict[str, int]:
         return {"peak_device_bytes": peak_memory_bytes(self.device)}

@@ -11,7 +11,7 @@ from stratum.data.tokens import Batch
 from stratum.model.blockseq import BlockSeq
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
-from stratum.runtime.optim import export_state, import_state, make_adamw
+from stratum.runtime.optim import export_state, load_train_state, make_adamw
 
 
 class PlainEngine(Engine):
@@ -59,10 +59,7 @@ class PlainEngine(Engine):
                           optim=export_state(self.opt, self.named))
 
     def load_state(self, state: TrainState) -> None:
-        with torch.no_grad():
-            for n, p in self.named:
-                p.copy_(state.params[n])
-        import_state(self.opt, self.named, state.optim)
+        load_train_state(self.opt, self.named, state)
 
     def memory_stats(self) -> dict[str, int]:
         return {"peak_device_bytes": peak_memory_bytes(self.device)}
