@@ -186,13 +186,18 @@ def _backward_weight(groups: list[_WeightGroup], params: list[nn.Parameter]) -> 
         finally:
             for h in handles:
                 h.remove()
-        for p, dw in zip(ps, dws):
-            if dw is None:
-                continue
-            if p.grad is None:
-                p.grad = dw
-            else:
-                p.grad.add_(dw)
+        _accumulate(ps, dws)
+
+
+def _accumulate(params, grads) -> None:
+    """Add ``grads`` into ``.grad`` the way autograd accumulates (``None``: the parameter got no gradient)."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 def _tag(t: Transfer, num_stages: int) -> int:
@@ -449,14 +454,7 @@ class StageRuntime:
             if sv.groups is not None:
                 _backward_weight(sv.groups, params)
             elif params and sv.out.requires_grad:  # stage 0, or an output that does not depend on the input
-                grads = torch.autograd.grad(sv.out, params, sv.grad_out, allow_unused=True)
-                for p, g in zip(params, grads):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+                _accumulate(params, torch.autograd.grad(sv.out, params, sv.grad_out, allow_unused=True))
             return []
         raise AssertionError(a)
 
