@@ -212,7 +212,7 @@ class DiskStore:
         nbytes = t.numel() * t.element_size()
         self.tier.charge(nbytes, f"file {key}")
         self.sizes[key] = nbytes
-        self.write(key, t)
+        self._write(key, t, "wb")
 
     def _write_error(self, key: str, e: OSError) -> StratumError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -221,9 +221,14 @@ class DiskStore:
         return StratumError(f"cannot write offload file {self._path(key)} ({e.strerror})")
 
     def write(self, key: str, t: torch.Tensor) -> None:
+        """Overwrite ``key``'s file in place: never truncated, so its size (the tier's charge) stays exact while
+        a background write is in flight."""
+        self._write(key, t, "r+b")
+
+    def _write(self, key: str, t: torch.Tensor, mode: str) -> None:
         data = t.detach().contiguous().cpu()
         try:
-            with open(self._path(key), "wb", buffering=0) as f:
+            with open(self._path(key), mode, buffering=0) as f:
                 f.write(memoryview(data.numpy()).cast("B"))
         except OSError as e:
             raise self._write_error(key, e) from None
