@@ -127,17 +127,32 @@ def test_without_clipping_updates_run_during_backward_and_match(optimizer_tier, 
     eng.close()
 
 
-def test_recompute_matches_and_holds_fewer_activations(shared_tmp):
-    prof, ref = _reference("gpt", shared_tmp)
-    m = build("gpt", shared_tmp)
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+@pytest.mark.parametrize("source", _sources())
+def test_thin_activations_match_and_hold_fewer_activations(mode, source, shared_tmp):
+    """Recompute and host-spilled activations give the kept-activations losses bit for bit, hold less on the
+    device, stay within the budget every block, and the spill's host bytes come back after every step."""
+    prof, ref = _reference(source, shared_tmp)
+    m = build(source, shared_tmp)
     S = state_bytes(m)
-    p_keep = plan(m, prof, device_budget=S // 4, recompute=False)
-    p_re = plan(m, prof, device_budget=S // 4, recompute=True)
-    eng = _engine(m, p_re)
-    got = run(eng, 5)
-    assert [r.loss for r in got] == [r.loss for r in ref[:5]]
-    assert eng.peak_act < p_keep.act_bytes
-    eng.close()
+    p_keep = plan(m, prof, device_budget=S // 4, activations="keep")
+    p = plan(m, prof, device_budget=S // 4, activations=mode)
+    assert p.activations == mode and p.act_bytes < p_keep.act_bytes
+    eng = _engine(m, p)
+    try:
+        got = run(eng, 5)
+        assert [r.loss for r in got] == [r.loss for r in ref[:5]]
+        assert [r.grad_norm for r in got] == [r.grad_norm for r in ref[:5]]
+        assert eng.peak_act < p_keep.act_bytes
+        measured = eng.measured_peaks()
+        assert measured[DEVICE] <= p.device_budget
+        for tier in (DEVICE, HOST):
+            assert abs(measured[tier] - p.predicted_peak[tier]) <= 0.10 * p.predicted_peak[tier], tier
+        if mode == "offload":
+            assert eng.spill.bytes_d2h > 0 and eng.spill.bytes_h2d == eng.spill.bytes_d2h
+            assert not eng.spill.blocks and eng.spill.device_bytes == 0  # all released after the step
+    finally:
+        eng.close()
 
 
 def test_divergent_access_sequence_warns_once_and_stays_exact(shared_tmp):

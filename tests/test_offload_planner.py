@@ -60,8 +60,9 @@ def test_overrides_are_honoured(gpt):
     m, prof = gpt
     S = state_bytes(m)
     p = plan(m, prof, device_budget=S // 2, chunk_elems=60_000, resident_chunks=3, optimizer_tier=DISK,
-             prefetch_depth=2)
+             prefetch_depth=2, activations="recompute")
     assert (p.chunk_elems, p.resident_chunks, p.optimizer_tier, p.prefetch_depth) == (60_000, 3, DISK, 2)
+    assert p.activations == "recompute"
     assert p.param_tier in (HOST, DISK)
 
 
@@ -76,6 +77,7 @@ def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
     ("offload.device_budget='lots'", "offload.device_budget = 'lots' is not a size"),
     ("offload.host_budget='-3GB'", "offload.host_budget"),
     ("offload.optimizer_tier='gpu'", "offload.optimizer_tier"),
+    ("offload.activations='swap'", "offload.activations"),
     ("offload.chunk_size='1'", "offload.chunk_size"),
     ("offload.prefetch_depth=-2", "offload.prefetch_depth"),
     ("offload.resident_chunks=-1", "offload.resident_chunks"),

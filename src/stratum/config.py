@@ -24,6 +24,7 @@ TOKENIZERS = ("byte", "bpe")
 PRECISIONS = ("fp32", "bf16")
 ENGINES = ("plain", "pipeline", "offload")
 OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
+OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
 
@@ -151,6 +152,9 @@ class OffloadConfig:
     """Expert override: where AdamW's state lives and its update runs: auto (planner), device, host or disk."""
     prefetch_depth: int = -1
     """Expert override: chunk accesses fetched ahead of use (0 = on demand); -1 = the planner's choice."""
+    activations: str = "auto"
+    """Expert override: a block's saved activations between its forward and backward: auto (planner), keep (on
+    the device), offload (copied to the host tier and back) or recompute (the block's forward is re-run)."""
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
@@ -257,6 +261,7 @@ class Config:
                    "must be at least 4 bytes (one fp32 element), or \"\" for the planner's choice")
         _check("offload.resident_chunks", o.resident_chunks >= 0, "must be ≥ 0 (0 = the planner's choice)")
         _choice("offload.optimizer_tier", o.optimizer_tier, OFFLOAD_OPTIMIZER_TIERS)
+        _choice("offload.activations", o.activations, OFFLOAD_ACTIVATIONS)
         _check("offload.prefetch_depth", o.prefetch_depth >= -1, "must be ≥ 0, or -1 for the planner's choice")
 
 

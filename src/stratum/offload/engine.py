@@ -7,7 +7,8 @@ again if evicted, ``torch.autograd.backward(out, grad)`` with the gradient of th
 that a block saves for backward and that live in a chunk (weights and their views) are saved as (chunk, offset,
 shape, stride) by a saved-tensor hook and rebuilt from wherever the chunk is resident at backward time, so a
 chunk can be evicted between a block's forward and its backward without keeping its memory alive. Every
-other saved tensor is an activation: counted, and charged against the device budget.
+other saved tensor is an activation: counted and charged against the device budget, and, as the plan says, kept,
+spilled to the host tier until the block's backward (activations.py), or dropped and recomputed.
 
 Optimizer: a chunk's gradients are complete after the backward of the earliest block that uses it (in the last
 micro-batch). Without gradient clipping its AdamW update runs right then — on the device if its state lives
@@ -31,10 +32,11 @@ from torch import Tensor
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk, adamw_flat
-from stratum.offload.planner import Plan
+from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
@@ -139,6 +141,9 @@ class OffloadEngine(Engine):
         self._act = 0
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, _Chunk] = {}
+        self.spill = ActivationSpill(device, self.tiers[HOST]) if plan.activations == SPILL else None
+        self._boundary: set[int] = set()
+        """Storages of the kept block inputs: a saved tensor in one of them is kept by reference, never spilled."""
         self.n_fetches = 0
         self.bytes_h2d = 0
         self.bytes_d2h = 0
@@ -396,17 +401,25 @@ class OffloadEngine(Engine):
             ptr = x.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return x
+        if ptr == 0:
+            return x
         c = self._ptr2chunk.get(ptr)
-        if c is not None and ptr != 0:
+        if c is not None:
             return ("chunk", c.i, x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
-        if ptr not in self._act_seen and ptr != 0:
+        if ptr in self._boundary:
+            return x
+        if ptr not in self._act_seen:
             self._act_seen.add(ptr)
             self._act += x.untyped_storage().nbytes()
             self.peak_act = max(self.peak_act, self._act)
             self.tiers[DEVICE].note_transient(self._act)
+        if self.spill is not None and x.device == self.device:
+            return self.spill.pack(x)
         return x
 
     def _unpack(self, obj):
+        if isinstance(obj, Spilled):
+            return self.spill.unpack(obj)
         if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "chunk":
             _, i, off, shape, stride, dtype = obj
             c = self.chunks[i]
@@ -543,17 +556,26 @@ class OffloadEngine(Engine):
         L = len(self.model)
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
+        spill = self.spill
+        thin = self.plan.activations != KEEP  # only block inputs stay on the device between forward and backward
         for j, b in enumerate(micro_batches):
             last_mb = j == n - 1
             x = b.x.to(self.device, non_blocking=True)
             y = b.y.to(self.device, non_blocking=True)
             self._act, self._act_seen = 0, set()
             ins, outs, rng = [], [], []
+            self._boundary = set()
+            if spill is not None:
+                spill.begin_microbatch()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 for i in range(L):
                     self._access(self._block_chunks(i))
                     xi = x.detach().requires_grad_(x.is_floating_point())
                     ins.append(xi)
+                    if spill is not None:
+                        spill.begin_block(i)
+                        self._boundary.add(xi.untyped_storage().data_ptr())
+                        self._act_seen = set()
                     if self.plan.recompute:
                         rng.append(torch.get_rng_state())
                         with torch.no_grad():
@@ -562,10 +584,14 @@ class OffloadEngine(Engine):
                     else:
                         out = self._forward_block(i, xi, y, i == L - 1, n)
                         outs.append(out)
+                    if spill is not None:  # this block's activations are still on the device here
+                        self._check()
+                        spill.end_block()
+                        self._act = sum(t.untyped_storage().nbytes() for t in ins if t.is_floating_point())
                     x = out
                 loss = x
                 total += loss.detach().float()
-                if self.plan.recompute:  # live: the kept block inputs, plus one block's saved tensors at a time
+                if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
                     kept = [t.untyped_storage().nbytes() if t.is_floating_point() else 0 for t in ins]
                     self._act, self._act_seen = sum(kept), set()
                 tied_tmp = self._tied_grads_begin() if j > 0 else []
@@ -576,6 +602,11 @@ class OffloadEngine(Engine):
                         if c.grad is None:
                             c.g().zero_()
                             c.grad = "dev"
+                    if spill is not None:
+                        spill.restore(i)
+                        if spill.cuda and i > 0:  # the next block's copy-back runs beside this backward
+                            spill.restore(i - 1)
+                        self._act = sum(kept[:i + 1]) + spill.device_bytes
                     out = outs[i]
                     if out is None:  # recompute this block's forward with the RNG state of its first run
                         keep = torch.get_rng_state()
@@ -589,8 +620,10 @@ class OffloadEngine(Engine):
                     outs[i] = None
                     if i + 1 < L:
                         ins[i + 1] = None
-                    if self.plan.recompute:
+                    if thin:
                         self._check()
+                        if spill is not None:
+                            spill.release(i)
                         kept[i] = 0
                         self._act, self._act_seen = sum(kept[:i]), set()
                     if last_mb:
@@ -747,5 +780,7 @@ class OffloadEngine(Engine):
         finally:
             self.xfer.close()
             self.opt_pool.shutdown(wait=True)
+            if self.spill is not None:
+                self.spill.close()
             if self.disk is not None:
                 self.disk.close()

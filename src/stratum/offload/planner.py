@@ -1,4 +1,4 @@
-"""The offload planner: chunk size × device-resident chunks × optimizer placement × prefetch depth.
+"""The offload planner: chunk size × device-resident chunks × optimizer placement × prefetch depth × activations.
 
 A bounded, exhaustive search over a small candidate grid (at most a few thousand cheap evaluations, never a
 loop that can fail to end): for every candidate the device/host/disk peak bytes are computed exactly as the
@@ -22,6 +22,10 @@ from stratum.offload.units import fmt_bytes
 
 F32 = 4
 PREFETCH_DEPTHS = (0, 1, 2, 4)
+KEEP, SPILL, RECOMPUTE = "keep", "offload", "recompute"
+ACTIVATIONS = (KEEP, SPILL, RECOMPUTE)
+"""What happens to a block's saved activations between its forward and backward: kept on the device, spilled to
+the host tier and copied back (activations.py), or dropped and recomputed from the block's input."""
 SEARCH_SECONDS = 5.0
 
 
@@ -37,8 +41,8 @@ class Plan:
     """Home of parameters (and spilled gradients) not on the device: device (all resident), host or disk."""
     prefetch_depth: int
     """Accesses fetched ahead of use (0 = on demand)."""
-    recompute: bool = False
-    """Recompute each block's forward in the backward (activations of one block at a time)."""
+    activations: str = KEEP
+    """keep | offload | recompute (see ACTIVATIONS)."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -50,6 +54,10 @@ class Plan:
     predicted_step_s: float = 0.0
     compute_s: float = 0.0
     candidates: int = 0
+
+    @property
+    def recompute(self) -> bool:
+        return self.activations == RECOMPUTE
 
     @property
     def uses_disk(self) -> bool:
@@ -68,7 +76,7 @@ class Plan:
         lines = [
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
-            f"{self.prefetch_depth}; recompute {'on' if self.recompute else 'off'} ({self.candidates} candidates)",
+            f"{self.prefetch_depth}; activations: {self.activations} ({self.candidates} candidates)",
             f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
         ]
         budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
@@ -113,7 +121,7 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
     return seq
 
 
-def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, recompute: bool, costs: Costs,
+def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes)."""
     chunks = layout.chunks
@@ -122,7 +130,14 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, recompute: 
     pinned = [c for c in chunks if c.tied or ptier == DEVICE]
     n_stream = len(stream)
     slots = min(R, n_stream)
-    act = (max(costs.act_bytes, default=0) + sum(costs.out_bytes)) if recompute else sum(costs.act_bytes)
+    one_block = max(costs.act_bytes, default=0)
+    async_copies = bw is not None and bw.async_copies
+    if acts == KEEP:
+        act = sum(costs.act_bytes)
+    elif acts == RECOMPUTE:  # the kept block inputs + one block's saved tensors at a time
+        act = one_block + sum(costs.out_bytes)
+    else:  # the kept block boundaries + the block being run (+ the next one's copy-back on a GPU)
+        act = (2 if async_copies else 1) * one_block + sum(costs.out_bytes)
     dev = sum(8 * c.capacity for c in pinned) + slots * 8 * C + act
     if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
         dev += sum(4 * c.capacity for c in chunks if c.tied)
@@ -140,6 +155,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, recompute: 
         host += sum(8 * c.capacity for c in chunks)
     else:
         disk += sum(8 * c.capacity for c in chunks)
+    if acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
+        host += sum(costs.act_bytes)
     if opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
         host += 2 * C * F32
     if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
@@ -168,11 +185,18 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, recompute: 
     if opt == DISK:
         tr["disk_read"] += sum(8 * c.capacity for c in chunks)
         tr["disk_write"] += sum(8 * c.capacity for c in chunks)
-    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + (sum(costs.fwd_s) if recompute else 0.0))
+    spilled = n_micro * sum(costs.act_bytes) if acts == SPILL else 0
+    tr["h2d"] += spilled
+    tr["d2h"] += spilled
+    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + (sum(costs.fwd_s) if acts == RECOMPUTE else 0.0))
     if bw is None:
         return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
     adam = n_params / max(bw.adam_params_per_s, 1.0)
     xfer = tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
+    if not async_copies:  # a CPU spill is a memcpy on the training thread: not overlapped with anything
+        spill_s = spilled / max(bw.h2d, 1.0) + spilled / max(bw.d2h, 1.0)
+        xfer -= spill_s
+        compute += spill_s
     io = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
     if n_stream and slots <= layout.max_chunks_per_block():
         k = 0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
@@ -205,7 +229,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
               bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
               chunk_elems: int | None = None, resident_chunks: int | None = None,
               optimizer_tier: str | None = None, prefetch_depth: int | None = None,
-              recompute: bool | None = None) -> Plan:
+              activations: str | None = None) -> Plan:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose."""
     t0 = time.perf_counter()
     costs = Costs.from_profile(profile, len(seq))
@@ -214,7 +238,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     sizes = [chunk_elems] if chunk_elems else _chunk_candidates(seq)
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
-    recs = [recompute] if recompute is not None else [False, True]
+    recs = [activations] if activations is not None else list(ACTIVATIONS)
     best = None
     tried = 0
     smallest = {DEVICE: None, HOST: None}
@@ -233,7 +257,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                         r_options = [resident_chunks]
                     else:
                         # the most slots the device budget allows (more slots never cost time), else the fewest
-                        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, recompute=rc, costs=costs,
+                        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
                                                    bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params)
                         per = 8 * C
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
@@ -245,7 +269,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             if time.perf_counter() - t0 > SEARCH_SECONDS:
                                 break
                             tried += 1
-                            peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, recompute=rc,
+                            peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
                                                                 costs=costs, bw=bandwidths, n_micro=n_micro,
                                                                 deferred=deferred, n_params=n_params)
                             host_ok = host_budget is None or peak[HOST] <= host_budget
@@ -262,7 +286,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             if best is None or key < best[0]:
                                 best = (key, Plan(chunk_elems=C, resident_chunks=R if ptier != DEVICE else n_stream,
                                                   optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
-                                                  recompute=rc, device_budget=device_budget,
+                                                  activations=rc, device_budget=device_budget,
                                                   host_budget=host_budget, n_chunks=len(layout.chunks),
                                                   act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
                                                   predicted_step_s=step, compute_s=comp))

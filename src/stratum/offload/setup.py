@@ -23,7 +23,8 @@ def overrides(cfg: Config) -> dict:
         chunk = n // 4
     return dict(chunk_elems=chunk, resident_chunks=o.resident_chunks or None,
                 optimizer_tier=None if o.optimizer_tier == "auto" else o.optimizer_tier,
-                prefetch_depth=None if o.prefetch_depth < 0 else o.prefetch_depth)
+                prefetch_depth=None if o.prefetch_depth < 0 else o.prefetch_depth,
+                activations=None if o.activations == "auto" else o.activations)
 
 
 def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,

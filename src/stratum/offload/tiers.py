@@ -78,10 +78,12 @@ class Bandwidths:
     disk_write: float
     adam_params_per_s: float
     """Parameters per second of torch's fused AdamW on the CPU."""
+    async_copies: bool = False
+    """Host↔device copies run beside compute (a GPU's side stream); on a CPU they are memcpys on the cores."""
 
     def to_dict(self) -> dict:
         return dict(h2d=self.h2d, d2h=self.d2h, disk_read=self.disk_read, disk_write=self.disk_write,
-                    adam_params_per_s=self.adam_params_per_s)
+                    adam_params_per_s=self.adam_params_per_s, async_copies=self.async_copies)
 
 
 def _best_rate(fn, nbytes: int, repeats: int = 3) -> float:
@@ -167,7 +169,7 @@ def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: 
     h2d, d2h = _measure_copy(str(device), probe_bytes)
     read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
     return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
-                      adam_params_per_s=_measure_adam(1 << 20))
+                      adam_params_per_s=_measure_adam(1 << 20), async_copies=device.type == "cuda")
 
 
 def resolve_disk_dir(disk_dir: str) -> Path:

@@ -1,0 +1,186 @@
+"""Activations spilled to the host tier between a block's forward and its backward, instead of recomputed.
+
+A tensor a block saves for backward that is neither a chunk's weight nor a kept block boundary is copied to host
+memory as the forward saves it and copied back just before the block's backward. With a GPU the copies run on a
+side stream into pinned memory, overlapped with compute, and block i−1's copy-back is issued while block i's
+backward runs; on a CPU the "device" is RAM under the device budget, so a spill is a memcpy from device-budget
+memory to host-budget memory (milliseconds per block, against a whole extra forward for recompute).
+
+Both sides copy into arenas allocated once, not into fresh tensors: a fresh buffer costs its page faults (CPU)
+or a pinned allocation (GPU) on every copy, which measured 5–8× slower than copying into memory already mapped.
+The host arena holds one micro-batch's spills (micro-batches run one after another); the device arena holds one
+block's restored activations (two with a GPU: one in use, one being filled) and exists only during a backward.
+
+torch's ``autograd.graph.save_on_cpu`` copies a whole graph's saved tensors into fresh host tensors; the engine
+needs per-block restore and release, arenas and tier accounting, hence this module. Copies are exact: results are
+bit-identical to keeping the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from stratum.offload.tiers import Tier
+
+ALIGN = 64
+"""Byte alignment of every tensor placed in an arena (enough for any dtype and for vectorised copies)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Spilled:
+    """One saved tensor while it lives on the host (``host``) and, around its block's backward, on the device."""
+
+    __slots__ = ("host", "dev", "ready", "nbytes", "own")
+
+    def __init__(self, host: Tensor, nbytes: int, own: bool):
+        self.host = host
+        self.dev: Tensor | None = None
+        self.ready = None
+        """CUDA event after which ``dev`` holds the data (None on a CPU: copies are synchronous)."""
+        self.nbytes = nbytes
+        self.own = own
+        """``host`` is its own allocation (the arena was too small this time), charged separately."""
+
+
+class ActivationSpill:
+    """Per-block spill and restore of saved activations; host bytes charged to the host tier, and the device
+    bytes of restored activations reported in ``device_bytes`` for the engine's device accounting."""
+
+    def __init__(self, device: torch.device, host_tier: Tier):
+        self.device = device
+        self.host_tier = host_tier
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.blocks: dict[int, list[Spilled]] = {}
+        self._block_bytes: dict[int, int] = {}
+        self._current: int | None = None
+        self._cache: dict[tuple, tuple[Tensor, Spilled]] = {}
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._host_used = 0
+        self._host_need = 0
+        self._dev: Tensor | None = None
+        self._dev_regions = 2 if self.cuda else 1
+        self.device_bytes = 0
+        """Bytes of the device arena while a backward holds it (else 0)."""
+        self.bytes_d2h = 0
+        self.bytes_h2d = 0
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def begin_microbatch(self) -> None:
+        """Every earlier spill is released; grow the host arena to what the last micro-batch needed."""
+        self.clear()
+        if self._host_need > self._host.numel():
+            self.host_tier.release(self._host.numel())
+            self._host = torch.empty(0, dtype=torch.uint8)
+            self.host_tier.charge(self._host_need, "spilled activations")
+            self._host = torch.empty(self._host_need, dtype=torch.uint8, pin_memory=self.cuda)
+        self._host_used = 0
+        self._host_need = 0
+
+    def begin_block(self, i: int) -> None:
+        self._current = i
+        self.blocks.setdefault(i, [])
+        self._block_bytes.setdefault(i, 0)
+        self._cache = {}
+
+    def end_block(self) -> None:
+        # The cache holds the device originals so that a freed one's address cannot be mistaken for a new
+        # tensor's within the block; after the block nothing more is saved into it.
+        self._cache = {}
+        self._current = None
+
+    def pack(self, x: Tensor) -> Spilled:
+        """Copy ``x`` (a device tensor the current block saves) to the host; the same view saved twice is copied
+        once."""
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit[1]
+        nbytes = x.numel() * x.element_size()
+        span = _aligned(nbytes)
+        self._host_need += span
+        if self._host_used + span <= self._host.numel():
+            host = self._view(self._host, self._host_used, x)
+            self._host_used += span
+            own = False
+        else:  # the first step sizes the arena; until then each spill is its own allocation
+            self.host_tier.charge(nbytes, "spilled activations")
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+            own = True
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(x, non_blocking=True)
+            x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
+        else:
+            host.copy_(x)
+        s = Spilled(host, nbytes, own)
+        self.bytes_d2h += nbytes
+        self._cache[key] = (x, s)
+        self.blocks[self._current].append(s)
+        self._block_bytes[self._current] += span
+        return s
+
+    @staticmethod
+    def _view(arena: Tensor, offset: int, like: Tensor) -> Tensor:
+        nbytes = like.numel() * like.element_size()
+        return arena[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+    # ---- backward --------------------------------------------------------------------------------------------
+    def restore(self, i: int) -> None:
+        """Bring block ``i``'s activations back to the device (asynchronously with a GPU)."""
+        todo = [s for s in self.blocks.get(i, ()) if s.dev is None]
+        if not todo:
+            return
+        if self._dev is None:  # sized for the largest block still to come back
+            region = max(self._block_bytes.values(), default=0)
+            self._dev = torch.empty(self._dev_regions * region, dtype=torch.uint8, device=self.device)
+            self._region = region
+            self.device_bytes = self._dev.numel()
+        off = (i % self._dev_regions) * self._region
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for s in todo:
+            s.dev = self._view(self._dev, off, s.host)
+            off += _aligned(s.nbytes)
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    s.dev.copy_(s.host, non_blocking=True)
+                    s.ready = torch.cuda.Event()
+                    s.ready.record(self.stream)
+            else:
+                s.dev.copy_(s.host)
+            self.bytes_h2d += s.nbytes
+
+    def unpack(self, s: Spilled) -> Tensor:
+        if s.dev is None:  # not expected: the engine restores a block before its backward
+            raise RuntimeError("offload: a spilled activation was used before its block was restored")
+        if s.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(s.ready)
+        return s.dev
+
+    def release(self, i: int) -> None:
+        """Block ``i``'s backward is done: free its activations on both tiers (the device arena with the last)."""
+        for s in self.blocks.pop(i, ()):
+            if s.own:
+                self.host_tier.release(s.nbytes)
+            s.host = s.dev = s.ready = None
+        self._block_bytes.pop(i, None)
+        if not self.blocks and self._dev is not None:
+            if self.cuda:  # the copies into it are ordered before anything that reuses its memory
+                self._dev.record_stream(self.stream)
+            self._dev = None
+            self.device_bytes = 0
+
+    def clear(self) -> None:
+        for i in list(self.blocks):
+            self.release(i)
+
+    def close(self) -> None:
+        self.clear()
+        self.host_tier.release(self._host.numel())
+        self._host = torch.empty(0, dtype=torch.uint8)
