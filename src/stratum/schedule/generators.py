@@ -315,138 +315,235 @@ NOMINAL_MSG = 0.2
 candidates with (besides free messages), so the order they keep tolerates a real link."""
 
 
-def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool, cap: int, reserve: int,
-                          msg: float, rule: str = "deepest", f_ties: bool = False) -> Schedule | None:
+def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool, cap: int, reserve: int = 0,
+                          msg: float = 0.0, rule: str = "deepest", f_ties: bool = False, pace: float = 0.0,
+                          b_off: float = 0.0) -> list[list[Action]] | None:
     """The wave's order: an event simulation of the zig-zag pipeline under a per-rank activation cap.
 
     Unit costs per stage action (F=1, B=2, I=W=1) and a message delay ``msg`` between stages on different ranks
-    (0 = free; > 0 leaves the slack a real link needs). When a rank is free it starts one of its ready actions:
+    (0 = free; > 0 leaves the slack a real link needs). When a rank is free it starts the ready action that
+    comes first under ``rule``:
 
-    - ``rule="deepest"`` (the wave rule): the action of the **deepest stage** first, forward or backward
-      (``f_ties``: a forward wins a tie with a backward of the same stage), then the oldest micro-batch. A
-      micro-batch that has entered the rank rides its wave on (down, through the local turn, back up) before
-      a new one is let in, and the backward wave is drained in the same order, so the in-flight set stays
-      small and every rank keeps both its stream directions busy;
-    - ``rule="b-first"``: any ready backward (deepest first), else the deepest ready forward.
+    - ``"paced"`` (the wave rule): each action has a target time on an ideal timeline in which micro-batch k
+      enters at ``pace * k`` and rides straight through the forward waves and back (F of stage s at s, its
+      backward ``b_off`` after the last forward, one backward cost per stage on the way back); the earliest
+      target runs first, a backward winning a tie unless ``f_ties``. With pace = v (a rank's forward work per
+      micro-batch) the warm-up fills each rank with forwards up to the cap, which is what lets the rank holding
+      the middle turn (the one with no slack at the lower bound) stay busy until its first backward comes
+      back; afterwards the targets interleave forwards and backwards so that each backward wave keeps moving;
+    - ``"deepest"``: the action of the deepest stage first, forward or backward, then the oldest micro-batch;
+    - ``"b-first"``: any ready backward (deepest first), else the deepest ready forward.
 
     A forward needs the rank to hold fewer than ``cap`` stage activations (``cap - reserve`` for a new
     micro-batch entering the rank's first stage, which keeps room for the ones already inside); with nothing
-    else to do a rank runs a deferred weight gradient W. The order in which actions ran is the schedule
-    (deadlock-free whatever the real costs). Returns None if the cap starves the pipeline.
+    else to do a rank runs a deferred weight gradient W (oldest first). The order in which actions ran is the
+    schedule (deadlock-free whatever the real costs). Returns per-rank action lists, or None if the cap starves
+    the pipeline. Heaps of ready actions keep this O(n log n): a few ms for P=8, m=32.
     """
     S, P = len(stage_to_rank), max(stage_to_rank) + 1
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     bk = "I" if split else "B"
-    done: dict[tuple[str, int, int], float] = {}
+    cost = {"F": 1.0, bk: 1.0 if split else 2.0, "W": 1.0}
+    eps = 1e-9
+    first = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
+    bc = cost[bk]
+
+    def prio(kind: str, s: int, k: int) -> tuple:
+        is_f = kind == "F"
+        if rule == "paced":
+            target = (s if is_f else S + b_off + bc * (S - 1 - s)) + pace * k
+            return (target, is_f != f_ties, -s, k)
+        if rule == "b-first":
+            return (is_f, -s, k)
+        return (-s, is_f != f_ties, k)
+
+    # ready[r]: [backwards, forwards into a later stage, forwards into the rank's first stage]
+    ready: list[list[list[tuple]]] = [[[], [], []] for _ in range(P)]
+    need: dict[tuple[int, int], int] = {}   # backward of (stage, mb): inputs still missing
+    pend_w: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+    live = [0] * P
     free = [0.0] * P
     order: list[list[Action]] = [[] for _ in range(P)]
-    pend_f = [[(s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)] for r in range(P)]
-    pend_b: list[list[tuple[int, int]]] = [[] for _ in range(P)]
-    pend_w: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
-    first = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
-    live = [0] * P
-    t, n, total = 0.0, 0, S * m * (3 if split else 2)
-    eps = 1e-9
-    events: list[float] = []
+    events: list[tuple[float, int, str, int, int]] = []   # (time, seq, what became ready, stage, mb)
+    seq = 0
+    for k in range(m):
+        heapq.heappush(ready[stage_to_rank[0]][2], (prio("F", 0, k), "F", 0, k))
 
-    def arrived(src: tuple[str, int, int], dst_stage: int) -> bool:
-        x = done.get(src)
-        if x is None:
-            return False
-        return x + (msg if stage_to_rank[src[1]] != stage_to_rank[dst_stage] else 0.0) <= t + eps
+    def make_ready(kind: str, s: int, k: int) -> None:
+        r = stage_to_rank[s]
+        if kind == "F":
+            heapq.heappush(ready[r][2 if s == first[r] else 1], (prio("F", s, k), "F", s, k))
+            return
+        n = need.get((s, k), 1 if s == S - 1 else 2) - 1
+        need[(s, k)] = n
+        if n == 0:
+            heapq.heappush(ready[r][0], (prio(bk, s, k), bk, s, k))
 
-    while n < total:
+    t, n_done, total = 0.0, 0, S * m * (3 if split else 2)
+    while n_done < total:
         for r in range(P):
             if free[r] > t + eps:
                 continue
-            a = None
-            # (-stage, tie rank, micro-batch, kind): the smallest is the deepest stage, then the tie rule
-            ready = [(-s, 1 if f_ties else 0, k, bk) for s, k in pend_b[r]
-                     if s == S - 1 or arrived((bk, s + 1, k), s)]
-            if not ready or rule == "deepest":
-                ready += [(-s, 0 if f_ties else 1, k, "F") for s, k in pend_f[r]
-                          if live[r] < cap - (reserve if s == first[r] else 0)
-                          and (s == 0 or arrived(("F", s - 1, k), s))]
-            if ready:
-                neg_s, _, k, kind = min(ready)
-                (pend_f if kind == "F" else pend_b)[r].remove((-neg_s, k))
-                a = (kind, -neg_s, k)
+            rb, rf, rf0 = ready[r]
+            best, src = None, None
+            if rb:
+                best, src = rb[0], rb
+            if rf and live[r] < cap and (best is None or rf[0] < best):
+                best, src = rf[0], rf
+            if rf0 and live[r] < cap - reserve and (best is None or rf0[0] < best):
+                best, src = rf0[0], rf0
+            if best is not None:
+                heapq.heappop(src)
+                _, kind, s, k = best
             elif pend_w[r]:
-                a = pend_w[r].pop(0)
-            if a is None:
+                kind, (s, k) = "W", pend_w[r].pop(0)
+            else:
                 continue
-            kind, s, k = a
-            done[a] = t + cost[kind]
-            free[r] = t + cost[kind]
-            heapq.heappush(events, t + cost[kind])          # the rank is free again / a result is there
-            if msg > 0:
-                heapq.heappush(events, t + cost[kind] + msg)  # the result has reached the other rank
-            n += 1
+            end = t + cost[kind]
+            free[r] = end
+            n_done += 1
             order[r].append(Action(kind, s, k))
+            seq += 1
+            heapq.heappush(events, (end, seq, "", r, 0))   # the rank is free again
             if kind == "F":
                 live[r] += 1
-                pend_b[r].append((s, k))
-            elif kind == "I":
-                pend_w[r].append(("W", s, k))
-            if kind in "BW":
+                seq += 1
+                heapq.heappush(events, (end, seq, bk, s, k))          # its own backward has its activation
+                if s + 1 < S:
+                    d = msg if stage_to_rank[s + 1] != r else 0.0
+                    seq += 1
+                    heapq.heappush(events, (end + d, seq, "F", s + 1, k))
+            elif kind == bk:
+                if split:
+                    pend_w[r].append((s, k))
+                else:
+                    live[r] -= 1
+                if s > 0:
+                    d = msg if stage_to_rank[s - 1] != r else 0.0
+                    seq += 1
+                    heapq.heappush(events, (end + d, seq, bk, s - 1, k))
+            else:
                 live[r] -= 1
-        while events and events[0] <= t + eps:
-            heapq.heappop(events)
         if not events:
             return None
-        t = heapq.heappop(events)
-    return Schedule(name="w", stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
+        t = max(t, events[0][0])
+        while events and events[0][0] <= t + eps:
+            _, _, kind, s, k = heapq.heappop(events)
+            if kind:
+                make_ready(kind, s, k)
+    return order
+
+
+def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg: float) -> tuple[float, int]:
+    """(makespan, max per-rank peak stage activations) of per-rank orders under the unit costs and a message
+    delay ``msg``, with the simulator's semantics (an action starts when its rank is free and its inputs are
+    there). The same numbers as :func:`stratum.sim.simulate` with ``Costs.unit`` (times v), much faster."""
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    S = len(stage_to_rank)
+    end: dict[tuple[str, int, int], float] = {}
+    ptr = [0] * len(order)
+    free = [0.0] * len(order)
+    total = sum(len(o) for o in order)
+    split = any(a.kind == "I" for o in order for a in o)
+    bk = "I" if split else "B"
+    n = 0
+    while n < total:
+        progressed = False
+        for r, acts in enumerate(order):
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                kind, s, k = a.kind, a.stage, a.mb
+                if kind == "F":
+                    deps = [("F", s - 1, k)] if s > 0 else []
+                elif kind == "W":
+                    deps = [("I", s, k)]
+                else:
+                    deps = [("F", s, k)] + ([(bk, s + 1, k)] if s + 1 < S else [])
+                if any(d not in end for d in deps):
+                    break
+                start = free[r]
+                for d in deps:
+                    x = end[d] + (msg if stage_to_rank[d[1]] != r else 0.0)
+                    if x > start:
+                        start = x
+                free[r] = end[(kind, s, k)] = start + cost[kind]
+                ptr[r] += 1
+                n += 1
+                progressed = True
+        if not progressed:
+            raise StratumError("wave generator produced an order that cannot run")  # pragma: no cover
+    peak = 0
+    for acts in order:
+        cur = 0
+        for a in acts:
+            cur += 1 if a.kind == "F" else (-1 if a.kind in ("W" if split else "B") else 0)
+            peak = max(peak, cur)
+    return max(free), peak
+
+
+# Rule parameters the wave generators try: (pace / v, b_off / (v/2), f_ties) for the paced rule, and
+# (rule, top - cap, reserve, f_ties, message slack?) for the older rules. Chosen by a greedy cover over
+# P in 2..8, m in 1..4P, W in 1..2 (unit costs, free and realistic messages): this short list gives the same
+# schedules as the full grid (3 paces x 5 offsets x 2 tie rules x 2 caps + 7 older rules x 5 caps x 2
+# slacks) there, at a tenth of the cost.
+_WAVE_PACED = ((1.0, -1.0, True), (1.0, 0.0, True), (1.5, 0.0, True), (1.0, 2.0, False), (1.0, 2.0, True),
+               (1.0, 0.0, False), (1.25, -2.0, False), (1.0, -1.0, False))
+_ZB_PACED = ((1.0, 2.0, True, 0), (1.25, -1.0, False, 0), (1.25, 4.0, False, 0), (1.25, -2.0, False, 1),
+             (1.25, 0.0, False, 0), (1.5, 0.0, True, 1), (1.0, 2.0, False, 1), (1.25, 2.0, True, 0),
+             (1.0, 0.0, False, 0))
+_ZB_OLDER = (("deepest", 0, 1, True, 1), ("deepest", 0, 2, False, 1), ("b-first", 0, 0, False, 1),
+             ("deepest", 0, 0, True, 0))
+
+
+def _wave_grid(v: int, top: int, split: bool) -> list[dict]:
+    """The candidate rule parameters of :func:`_wave` (see :func:`_capped_list_schedule`)."""
+    if not split:
+        return [dict(rule="paced", cap=top, pace=p * v, b_off=o * v / 2, f_ties=ft) for p, o, ft in _WAVE_PACED]
+    out = [dict(rule="paced", cap=max(1, top - j), pace=p * v, b_off=o * v / 2, f_ties=ft)
+           for p, o, ft, j in _ZB_PACED]
+    out += [dict(rule=rule, cap=max(1, top - j), reserve=res, f_ties=ft, msg=NOMINAL_MSG * v * slack)
+            for rule, j, res, ft, slack in _ZB_OLDER]
+    return out
 
 
 def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
-    """Candidates from the capped list scheduler (several caps, reserves, backward orders, with and without
-    message slack) and from the older list scheduler; keep, among those within the activation bound
-    (interleaved v=2W's peak), the smallest unit-cost makespan with free messages plus with messages costing
-    ``NOMINAL_MSG`` of a rank's forward (deadlock-free by construction, validated)."""
-    from stratum.sim.pipeline import Costs, simulate  # local: stratum.sim imports this package
-
+    """Orders from :func:`_capped_list_schedule` over a small grid of rule parameters; keep, among those within
+    the activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P micro-batches), the smallest
+    unit-cost makespan with free messages, then with messages costing ``NOMINAL_MSG`` of a rank's forward
+    (deadlock-free by construction, validated)."""
     _check_pm(ranks, microbatches)
     _check_waves(waves)
     P, m, v = ranks, microbatches, 2 * waves
     s2r = wave_stage_to_rank(P, waves)
-    S = len(s2r)
     bound = min(_interleaved_peak(P, m, v), float(P)) if split else _interleaved_peak(P, m, v)
-    cands: list[Schedule] = []
     top = max(1, int(bound * v + 1e-9))               # stage activations of 1/v micro-batch each
-    variants = [("deepest", False, r) for r in (0, 1, 2)] + [("deepest", True, r) for r in (0, 1, 2)] + \
-        [("b-first", False, 0)]
-    for cap in range(max(1, top - v), top + 1):
-        for rule, f_ties, reserve in variants:
-            for msg in (0.0, NOMINAL_MSG * v):
-                sc = _capped_list_schedule(s2r, m, split=split, cap=cap, reserve=reserve, msg=msg, rule=rule,
-                                           f_ties=f_ties)
-                if sc is not None:
-                    cands.append(sc)
-    limit_sets = [[P] * P, [max(1, int(bound + 1e-9))] * P]
-    for limits in limit_sets:
-        for policy in POLICIES:
-            sc = _list_schedule(name, s2r, m, split=True, limits=limits, f_key=_wave_key, policy=policy)
-            cands.append(sc if split else _fuse_backward(sc, name))
-    free_costs = Costs.unit(S, stages_per_rank=v)
-    link_costs = Costs.unit(S, stages_per_rank=v, out_bytes=1.0, latency=NOMINAL_MSG, bandwidth=math.inf)
-    runs = []
-    for sc in cands:
-        r0 = simulate(sc, free_costs)
-        runs.append((r0.makespan, simulate(sc, link_costs).makespan, max(r0.peak_act)))
-    fits = [k for k, x in enumerate(runs) if x[2] <= bound + 1e-9]
-    if fits:
-        # least regret over the two link models: the worst of (makespan / best makespan) with free messages
-        # and with NOMINAL_MSG messages, then the plain sum, then memory
-        b0 = min(runs[k][0] for k in fits)
-        b1 = min(runs[k][1] for k in fits)
-        pick = min(fits, key=lambda k: (round(max(runs[k][0] / b0, runs[k][1] / b1), 9), runs[k][0] + runs[k][1],
-                                        runs[k][2], k))
+    scored = []
+    for idx, kw in enumerate(_wave_grid(v, top, split)):
+        order = _capped_list_schedule(s2r, m, split=split, **kw)
+        if order is None:
+            continue
+        mk0, peak = _order_times(s2r, order, 0.0)
+        mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
+        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, idx, order))
+    if not split:
+        # With few micro-batches (m close to P) the whole step is warm-up and cool-down, and admitting whole
+        # micro-batches oldest-first, scheduled with split backwards and fused, packs it one slot tighter
+        # than the paced rule (it reaches the m = P lower bound of docs/schedules.md).
+        sc = _fuse_backward(_list_schedule(name, s2r, m, split=True, limits=[P] * P, f_key=_wave_key,
+                                           policy="b-first"), name)
+        order = [list(a) for a in sc.actions]
+        mk0, peak = _order_times(s2r, order, 0.0)
+        mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
+        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, len(scored), order))
+    fits = [x for x in scored if not x[0]] or scored
+    if split:
+        # zb-wave: least regret over the two link models (its W fillers trade free-message packing for slack)
+        b0, b1 = min(x[1] for x in fits), min(x[2] for x in fits)
+        best = min(fits, key=lambda x: (round(max(x[1] / b0, x[2] / b1), 9), x[1] + x[2], x[3], x[4]))[-1]
     else:
-        pick = min(range(len(cands)), key=lambda k: (runs[k][2], runs[k][0], k))
-    best = cands[pick]
-    best = Schedule(name=name, stage_to_rank=s2r, num_microbatches=m, actions=best.actions)
-    validate(best)
-    return best
+        best = min(fits, key=lambda x: x[:5])[-1]
+    s = Schedule(name=name, stage_to_rank=s2r, num_microbatches=m, actions=best)
+    validate(s)
+    return s
 
 
 def wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
