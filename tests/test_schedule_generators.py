@@ -125,6 +125,36 @@ def test_hand_derived_wave_reaches_the_lower_bound_at_p2_m4():
     mk, peak, bubble = _mk(s)
     assert mk == pytest.approx(13.5) and bubble == pytest.approx(1 / 9) and peak == pytest.approx(2.5)
     assert (mk, peak) == pytest.approx(_mk(generate("interleaved", ranks=2, microbatches=4, virtual=2))[:2])
-    for W in (1, 2):   # the generator reaches the bound here (not in general: see docs/schedules.md)
+    for W in (1, 2):   # the generator reaches the bound here (and for m >= 2P in general, next test)
         g = _mk(generate("wave", ranks=2, microbatches=4, waves=W))
         assert g[2] == pytest.approx(1 / (2 * W * 4 + 1))
+
+
+def _zig_zag_bound(P, m, W):
+    """Least makespan of any zig-zag schedule with free messages, in units of a rank's forward per micro-batch
+    (docs/schedules.md): interleaved's bound, plus the idle of rank P-1 when its 2Wm forward slots cannot fill
+    the (2W+1)P-1 slots before its first backward can arrive."""
+    v = 2 * W
+    return (3 * v * m + 3 * (P - 1) + max(0, (v + 1) * P - 1 - v * m)) / v
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("W", [1, 2])
+def test_wave_reaches_the_zig_zag_bound_and_ties_interleaved_from_m_2p(P, W):
+    for m in (P, 2 * P, 4 * P):
+        w = _mk(generate("wave", ranks=P, microbatches=m, waves=W))
+        i = _mk(generate("interleaved", ranks=P, microbatches=m, virtual=2 * W))
+        assert w[0] == pytest.approx(_zig_zag_bound(P, m, W)), (m, w)
+        assert w[1] <= i[1] + 1e-9
+        if m >= 2 * P:   # the bound is interleaved's (P-1)/(vm+P-1); below, the zig-zag is provably worse
+            assert w[2] <= i[2] + 1e-9, (m, w, i)
+        else:
+            assert w[2] > i[2]
+
+
+@pytest.mark.parametrize("P, m", [(2, 8), (4, 8), (4, 16)])
+def test_wave_w1_beats_interleaved_with_costly_messages(P, m):
+    # 0.17 of a rank's forward per message ~ the benchmark's "realistic" link; the wave's turn is local
+    w = _mk(generate("wave", ranks=P, microbatches=m, waves=1), latency=0.17)
+    i = _mk(generate("interleaved", ranks=P, microbatches=m, virtual=2), latency=0.17)
+    assert w[0] < i[0] and w[1] <= i[1] + 1e-9

@@ -9,20 +9,22 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
 - *List scheduling* (zb-1f1b, and inside the wave generators): an event simulation with unit costs (F=1, B=2,
   I=1, W=1 per stage) in which a rank that falls idle picks among the actions whose inputs are ready. The order
   in which the actions ran is the schedule, so it is deadlock-free by construction, whatever the real costs.
-- *Wave* (wave, zb-wave; see :func:`_capped_list_schedule`): Hanayo's zig-zag placement driven by the wave
-  rule: a free rank runs the ready action of its **deepest stage** (forward or backward), under a cap on the
-  stage activations it holds. Each micro-batch rides its wave down, through the local turn and back up before
-  new ones enter, and the backward wave drains the same way; that gives the warm-up (forwards until the cap),
-  the steady state (forwards and backwards interleaved, in-flight bounded by the cap) and the cool-down.
-  A small grid of caps, admission reserves, tie rules and message slack is generated and the order with the
-  least regret over free messages and messages costing ``NOMINAL_MSG`` of a rank's forward, within the
-  activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P), is kept.
+- *Wave* (wave, zb-wave; see :func:`_capped_list_schedule`): Hanayo's zig-zag placement, ordered by the same
+  kind of event simulation under a cap on the stage activations a rank holds (interleaved v=2W's peak). The
+  rule for the full-backward wave is *paced*: every action has a target time on an ideal timeline where
+  micro-batch k enters at ``pace * k`` and rides its waves down, through the local turns and back; a free rank
+  runs its ready action with the earliest target. With free messages this reaches the zig-zag's lower bound
+  (docs/schedules.md; the same as interleaved's (P-1)/(vm+P-1) once m >= 2P) at every m <= 4P, P <= 8 for
+  W=1, and at most of them for W=2 (all m in {P, 2P, 4P} with P in {2, 4, 8}). A few pace / offset / tie
+  parameters are tried and the order with the least makespan with free messages, then with messages costing
+  ``NOMINAL_MSG`` of a rank's forward, is kept.
+  zb-wave runs I in B's place, defers W to fill bubbles and keeps the candidate with the least regret over
+  the two link models, within 1F1B's P micro-batches too.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Sequence
 
 from stratum.errors import StratumError
@@ -506,10 +508,11 @@ def _wave_grid(v: int, top: int, split: bool) -> list[dict]:
 
 
 def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
-    """Orders from :func:`_capped_list_schedule` over a small grid of rule parameters; keep, among those within
-    the activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P micro-batches), the smallest
-    unit-cost makespan with free messages, then with messages costing ``NOMINAL_MSG`` of a rank's forward
-    (deadlock-free by construction, validated)."""
+    """Orders from :func:`_capped_list_schedule` over a short list of rule parameters; keep, among those within
+    the activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P micro-batches), for the wave the
+    smallest unit-cost makespan with free messages, then with messages costing ``NOMINAL_MSG`` of a rank's
+    forward; for zb-wave the least regret over those two link models (deadlock-free by construction,
+    validated)."""
     _check_pm(ranks, microbatches)
     _check_waves(waves)
     P, m, v = ranks, microbatches, 2 * waves
@@ -517,7 +520,8 @@ def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> 
     bound = min(_interleaved_peak(P, m, v), float(P)) if split else _interleaved_peak(P, m, v)
     top = max(1, int(bound * v + 1e-9))               # stage activations of 1/v micro-batch each
     scored = []
-    for idx, kw in enumerate(_wave_grid(v, top, split)):
+    grid = _wave_grid(v, top, split)
+    for idx, kw in enumerate(grid):
         order = _capped_list_schedule(s2r, m, split=split, **kw)
         if order is None:
             continue
@@ -525,15 +529,15 @@ def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> 
         mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
         scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, idx, order))
     if not split:
-        # With few micro-batches (m close to P) the whole step is warm-up and cool-down, and admitting whole
-        # micro-batches oldest-first, scheduled with split backwards and fused, packs it one slot tighter
-        # than the paced rule (it reaches the m = P lower bound of docs/schedules.md).
+        # With m close to P the step is all warm-up and cool-down; there, admitting whole micro-batches
+        # oldest-first (scheduled with split backwards, then fused) packs tighter than the paced rule at W=2
+        # (it reaches the m = P bound of docs/schedules.md, the paced rule ends a quarter forward later).
         sc = _fuse_backward(_list_schedule(name, s2r, m, split=True, limits=[P] * P, f_key=_wave_key,
                                            policy="b-first"), name)
         order = [list(a) for a in sc.actions]
         mk0, peak = _order_times(s2r, order, 0.0)
         mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
-        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, len(scored), order))
+        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, len(grid), order))
     fits = [x for x in scored if not x[0]] or scored
     if split:
         # zb-wave: least regret over the two link models (its W fillers trade free-message packing for slack)
