@@ -108,7 +108,7 @@ def _worker(args) -> dict:
     if args.engine == "offload":
         extra += [f"offload.device_budget={args.device_budget!r}", f"offload.host_budget={args.host_budget!r}",
                   f"offload.disk_dir={args.disk_dir!r}"]
-    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + ["train.seed=0"])
+    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + ["train.seed=0", f"optim.grad_clip={args.grad_clip}"])
     batches, vocab = _batches(cfg, args.steps)
     t0 = time.perf_counter()
     meta = args.engine == "offload"  # the offload engine builds the GPT block by block (as the trainer does)
@@ -117,14 +117,17 @@ def _worker(args) -> dict:
     engine = make_engine(cfg, model, torch.device("cpu"))
     del model
     setup_s = time.perf_counter() - t0
-    times, losses = [], []
+    times, losses, stalls = [], [], []
     for b in batches:
         t = time.perf_counter()
+        s0 = getattr(engine, "stall_s", 0.0)
         losses.append(engine.train_step(b, 1e-4).loss)
         times.append(time.perf_counter() - t)
-        print(f"step {len(times)}: {times[-1]:.1f}s loss {losses[-1]:.4f} rss peak {peak_rss_bytes() / 2**30:.2f} GiB",
-              file=sys.stderr, flush=True)
-    res = {"engine": args.engine, "preset": args.preset, "step_s": times, "losses": losses, "setup_s": setup_s,
+        stalls.append(getattr(engine, "stall_s", 0.0) - s0)
+        print(f"step {len(times)}: {times[-1]:.1f}s (waiting for chunks {stalls[-1]:.1f}s) loss {losses[-1]:.4f} "
+              f"rss peak {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    res = {"engine": args.engine, "preset": args.preset, "step_s": times, "stall_s": stalls, "losses": losses,
+           "setup_s": setup_s,
            "peak_rss_bytes": peak_rss_bytes(), "tokens_per_step": cfg.tokens_per_step}
     if args.engine == "offload":
         res.update(plan=engine.plan.to_dict(), measured_peak_bytes=engine.measured_peaks(),
@@ -136,10 +139,17 @@ def _worker(args) -> dict:
     return res
 
 
-def _spawn(argv: list[str], timeout: float) -> dict | None:
+def _spawn(argv: list[str], timeout: float, mem_limit: int | None = None) -> dict | None:
+    """Run one worker; ``mem_limit`` (bytes of address space) makes running out of RAM a clean allocation
+    failure in that process instead of the kernel's OOM killer picking a victim on the machine."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker", *argv]
+
+    def limit() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           preexec_fn=limit if mem_limit else None)
     except subprocess.TimeoutExpired:
         return {"ok": False, "why": f"timeout after {timeout:.0f}s"}
     sys.stderr.write(p.stderr[-3000:])
@@ -151,7 +161,7 @@ def _spawn(argv: list[str], timeout: float) -> dict | None:
 
 def beyond_ram(args) -> dict:
     common = ["--preset", "gpt2-774m", "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
-              "--seq-len", str(args.seq_len)]
+              "--seq-len", str(args.seq_len), "--grad-clip", str(args.grad_clip)]
     off = _spawn(common + ["--engine", "offload", "--device-budget", args.device_budget, "--host-budget",
                            args.host_budget, "--disk-dir", args.disk_dir], args.timeout)
     plain = _spawn(common + ["--engine", "plain"], args.timeout)
@@ -169,21 +179,16 @@ def beyond_ram(args) -> dict:
 
 def capacity(args) -> dict:
     presets = args.presets.split(",")
-    out = {"mode": "capacity", "runs": {}, "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # every run may use 90% of RAM as address space: a model that does not fit fails to allocate, measured
+    mem_limit = int(0.9 * ram)
+    out = {"mode": "capacity", "runs": {}, "ram_bytes": ram, "address_space_limit_bytes": mem_limit}
     for engine in args.engines.split(","):
         for preset in presets:
-            if engine == "plain":
-                from stratum.model.gpt import PRESETS, gpt_param_count
-                state = 16 * gpt_param_count(PRESETS[preset], PRESETS[preset].vocab_size or 256)
-                if state > 0.9 * out["ram_bytes"]:  # would only end in the OOM killer (and hit other processes)
-                    out["runs"][f"{engine}:{preset}"] = {"ok": False, "why": f"not attempted: training state "
-                                                         f"{state / 2**30:.1f} GiB > 90% of RAM"}
-                    print(engine, preset, "not attempted", flush=True)
-                    break
             argv = ["--preset", preset, "--steps", "3", "--micro-batch", "1", "--seq-len", "64", "--engine", engine,
                     "--device-budget", args.device_budget, "--host-budget", args.host_budget, "--disk-dir",
                     args.disk_dir]
-            r = _spawn(argv, args.timeout)
+            r = _spawn(argv, args.timeout, mem_limit)
             out["runs"][f"{engine}:{preset}"] = r
             print(engine, preset, r.get("ok"), r.get("why", ""), flush=True)
             if not r.get("ok"):
@@ -206,6 +211,8 @@ def main() -> None:
     ap.add_argument("--presets", default="gpt2-355m,gpt2-774m,gpt2-1.5b,gpt-2.7b")
     ap.add_argument("--engines", default="plain,offload")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--grad-clip", type=float, default=1.0,
+                    help="optim.grad_clip of both engines (0 lets the offload engine update during the backward)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.mode == "worker":

@@ -22,6 +22,7 @@ run after the backward. That costs gradient traffic but is exact: the same norm,
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -148,6 +149,8 @@ class OffloadEngine(Engine):
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.peak_act = 0
+        self.stall_s = 0.0
+        """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
         self._build()
 
     # ---- set-up ---------------------------------------------------------------------------------------------
@@ -217,6 +220,8 @@ class OffloadEngine(Engine):
         self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
         self.free_slots = list(range(R))[::-1]
         self.resident: set[int] = set()
+        self._slot_busy: dict[int, Future] = {}
+        """Slot → the in-place update still reading/writing it: the next fetch into the slot waits for it."""
         self.opt_chunks_order = [c.i for c in self.chunks]
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
@@ -294,10 +299,13 @@ class OffloadEngine(Engine):
         if load_grad:
             c.grad = "dev"
         opt_fut = c.opt_fut
+        busy = self._slot_busy.pop(slot_id, None)
         self.n_fetches += 1
         self.bytes_h2d += c.cap * F32 * (2 if load_grad else 1)
 
         def task(slot=c.slot, cap=c.cap):
+            if busy is not None:  # the slot's previous chunk is still being updated in place
+                busy.result()
             if opt_fut is not None:
                 opt_fut.result()
             self._read_home(c, "p", slot[:cap])
@@ -316,6 +324,8 @@ class OffloadEngine(Engine):
         c.dirty = False
         c.slot, c.slot_id, c.fut = None, None, None
         self.resident.discard(c.i)
+        if c.opt_fut is not None and not c.opt_fut.done():
+            self._slot_busy[sid] = c.opt_fut
         if write_p or write_g:
             self.bytes_d2h += c.cap * F32 * (int(write_p) + int(write_g))
 
@@ -360,14 +370,16 @@ class OffloadEngine(Engine):
         for i in chunk_ids:
             self._make_resident(self.chunks[i], protect, t)
         self._clock += 1
+        t0 = time.perf_counter()
         for i in chunk_ids:
             c = self.chunks[i]
             c.last_use = self._clock
             self.xfer.wait(c.fut)
             c.fut = None
-            if c.pinned and c.opt_fut is not None:
+            if c.opt_fut is not None:  # an update in flight writes the chunk's parameters (home or slot)
                 c.opt_fut.result()
                 c.opt_fut = None
+        self.stall_s += time.perf_counter() - t0
         if t is not None and self.plan.prefetch_depth > 0:
             self._prefetch(t, protect)
 
@@ -443,6 +455,11 @@ class OffloadEngine(Engine):
             if not self._deferred:
                 self._update_device(c, None)
             return
+        if not self._deferred and not c.pinned and self.device.type == "cpu":
+            # On a CPU the slot is host memory: update the parameters where they are, with the gradient where it
+            # is, and write only the new parameters home (saves a gradient round trip and a parameter read).
+            self._submit_host_update(c, None, src=c.slot)
+            return
         # host/disk optimizer: hand the gradient to the host side now, free the slot of a streamed chunk
         slot = c.slot
         self.bytes_d2h += c.cap * F32
@@ -468,7 +485,9 @@ class OffloadEngine(Engine):
         if not c.pinned:
             c.dirty = True
 
-    def _submit_host_update(self, c: _Chunk, coef: Tensor | None) -> None:
+    def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
+        """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
+        update in place instead of the home copies."""
         spill = self._spill_futs.pop(c.i, None)
         lr = self._lr
         prev = c.opt_fut
@@ -480,15 +499,17 @@ class OffloadEngine(Engine):
                 spill.result()
             if prev is not None:
                 prev.result()
-            self._host_update(c, coef, lr)
+            self._host_update(c, coef, lr, src)
         c.opt_fut = self.opt_pool.submit(task)
         self._opt_futs.append(c.opt_fut)
 
-    def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float) -> None:
+    def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
         n = c.cap
         st = self.staging
         on_disk = c.hp is None
-        if on_disk:
+        if src is not None:
+            p, g = src[:n], src[n:]
+        elif on_disk:
             p, g = st[0][:n], st[1][:n]
             futs = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
             for f in futs:
@@ -519,6 +540,8 @@ class OffloadEngine(Engine):
                     fm.result()
         if on_disk:
             self.disk.write(f"p{c.i}", p)
+        elif src is not None:
+            c.hp.copy_(p)
         if c.pinned:
             c.slot[:n].copy_(p)
 

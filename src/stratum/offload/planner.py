@@ -162,12 +162,15 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
         host += 2 * C * F32
     tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
+    # A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its slot
+    # as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete).
+    in_slot = opt != DEVICE and not deferred and not async_copies
     if n_stream and slots > 0:
         seq = access_sequence(layout, n_micro, deferred, opt)
         tied = {c.index for c in chunks if c.tied}
         seq = [tuple(c for c in cs if c not in tied) for cs in seq]
         fetches = simulate(seq, slots)
-        if opt != DEVICE:  # a host/disk update invalidates the device copy: every chunk comes back next step
+        if opt != DEVICE and not in_slot:  # a host/disk update makes the device copy stale: all come back
             fetches = max(fetches, n_stream)
         tr["h2d"] += fetches * C * F32
         if opt == DEVICE:
@@ -177,11 +180,15 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             if opt == DEVICE:
                 tr["disk_write"] += n_stream * C * F32
     if opt != DEVICE:
-        tr["d2h"] += sum(c.capacity for c in chunks) * F32  # gradients to the host
+        tr["d2h"] += sum(c.capacity for c in pinned) * F32  # their gradients to the host
         tr["h2d"] += sum(c.capacity for c in pinned) * F32  # refreshed master copies
-        if ptier == DISK:
-            tr["disk_write"] += 2 * n_stream * C * F32  # gradients out, parameters back
-            tr["disk_read"] += 2 * n_stream * C * F32  # parameters and gradients for the update
+        if in_slot:  # the updated parameters go home
+            tr["d2h" if ptier == HOST else "disk_write"] += n_stream * C * F32
+        else:
+            tr["d2h"] += n_stream * C * F32  # gradients to the host
+            if ptier == DISK:
+                tr["disk_write"] += 2 * n_stream * C * F32  # gradients out, parameters back
+                tr["disk_read"] += 2 * n_stream * C * F32  # parameters and gradients for the update
     if opt == DISK:
         tr["disk_read"] += sum(8 * c.capacity for c in chunks)
         tr["disk_write"] += sum(8 * c.capacity for c in chunks)
