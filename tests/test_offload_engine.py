@@ -112,13 +112,21 @@ def test_checkpoint_moves_between_placements_and_plain(shared_tmp):
         x.close()
 
 
+@pytest.mark.parametrize("fewest_slots", [False, True])
 @pytest.mark.parametrize("optimizer_tier", [DEVICE, HOST, DISK])
-def test_without_clipping_updates_run_during_backward_and_match(optimizer_tier, shared_tmp):
+def test_without_clipping_updates_run_during_backward_and_match(optimizer_tier, fewest_slots, shared_tmp):
+    """Updates run as each chunk's gradient completes; on a CPU a host/disk update runs in place on the chunk's
+    slot, so with the fewest slots the next fetch into that slot must wait for it (else: wrong losses)."""
     prof, _ = _reference("gpt", shared_tmp)
     m = build("gpt", shared_tmp)
     S = state_bytes(m)
     budget = S * 7 // 10 if optimizer_tier == DEVICE else S // 4  # moments on the device are half the state
-    p = plan(m, prof, clip=0.0, device_budget=budget, optimizer_tier=optimizer_tier)
+    kw = {}
+    if fewest_slots:
+        from stratum.offload.chunks import pack
+        C = plan(m, prof, clip=0.0, device_budget=budget).chunk_elems
+        kw = dict(chunk_elems=C, resident_chunks=pack(m, C).max_chunks_per_block())
+    p = plan(m, prof, clip=0.0, device_budget=budget, optimizer_tier=optimizer_tier, **kw)
     assert p.param_tier != DEVICE
     eng = _engine(m, p, clip=0.0)
     ref = run(plain(build("gpt", shared_tmp), clip=0.0), 6)
