@@ -1,6 +1,6 @@
 """SIMULATED pipeline schedule table (issue 4): bubble ratio, makespan and peak activation per rank.
 
-Run:  python benchmarks/schedules_sim.py     (writes benchmarks/results/schedules_sim.json, prints the table; ~30 s)
+Run:  python benchmarks/schedules_sim.py     (writes benchmarks/results/schedules_sim.json, prints the table; ~2 s)
 
 Nothing here runs a model: every number comes from ``stratum.sim.simulate`` (event simulation).
 Cost model, per rank and micro-batch (split evenly over the rank's stages, so every schedule does the same work):

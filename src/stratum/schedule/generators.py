@@ -15,8 +15,9 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
   micro-batch k enters at ``pace * k`` and rides its waves down, through the local turns and back; a free rank
   runs its ready action with the earliest target. With free messages this reaches the zig-zag's lower bound
   (docs/schedules.md; the same as interleaved's (P-1)/(vm+P-1) once m >= 2P) at every m <= 4P, P <= 8 for
-  W=1, and at most of them for W=2 (all m in {P, 2P, 4P} with P in {2, 4, 8}). A few pace / offset / tie
-  parameters are tried and the order with the least makespan with free messages, then with messages costing
+  W=1, and for W=2 at m = P and every m >= 3P/2 there. A few pace / offset / tie
+  parameters are tried (for W=2 also three with per-half-wave offsets and an admission rule that leave slack
+  for messages) and the order with the least makespan with free messages, then with messages costing
   ``NOMINAL_MSG`` of a rank's forward, is kept.
   zb-wave runs I in B's place, defers W to fill bubbles and keeps the candidate with the least regret over
   the two link models, within 1F1B's P micro-batches too.
@@ -25,6 +26,7 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 
 from stratum.errors import StratumError
@@ -319,7 +321,8 @@ candidates with (besides free messages), so the order they keep tolerates a real
 
 def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool, cap: int, reserve: int = 0,
                           msg: float = 0.0, rule: str = "deepest", f_ties: bool = False, pace: float = 0.0,
-                          b_off: float = 0.0) -> list[list[Action]] | None:
+                          b_off: float = 0.0, wave_f: Sequence[float] = (), wave_b: Sequence[float] = (),
+                          owed_slack: int | None = None) -> list[list[Action]] | None:
     """The wave's order: an event simulation of the zig-zag pipeline under a per-rank activation cap.
 
     Unit costs per stage action (F=1, B=2, I=W=1) and a message delay ``msg`` between stages on different ranks
@@ -332,12 +335,16 @@ def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool
       target runs first, a backward winning a tie unless ``f_ties``. With pace = v (a rank's forward work per
       micro-batch) the warm-up fills each rank with forwards up to the cap, which is what lets the rank holding
       the middle turn (the one with no slack at the lower bound) stay busy until its first backward comes
-      back; afterwards the targets interleave forwards and backwards so that each backward wave keeps moving;
+      back; afterwards the targets interleave forwards and backwards so that each backward wave keeps moving.
+      ``wave_f`` / ``wave_b`` shift the targets of the forwards / backwards on each half-wave (stages
+      [jP, (j+1)P)), which moves slack onto the hops between ranks;
     - ``"deepest"``: the action of the deepest stage first, forward or backward, then the oldest micro-batch;
     - ``"b-first"``: any ready backward (deepest first), else the deepest ready forward.
 
     A forward needs the rank to hold fewer than ``cap`` stage activations (``cap - reserve`` for a new
-    micro-batch entering the rank's first stage, which keeps room for the ones already inside); with nothing
+    micro-batch entering the rank's first stage, which keeps room for the ones already inside; with
+    ``owed_slack`` also only while live activations plus the forwards the rank still owes its admitted
+    micro-batches stay below ``cap + owed_slack``, so that their later waves are not locked out); with nothing
     else to do a rank runs a deferred weight gradient W (oldest first). The order in which actions ran is the
     schedule (deadlock-free whatever the real costs). Returns per-rank action lists, or None if the cap starves
     the pipeline. Heaps of ready actions keep this O(n log n): a few ms for P=8, m=32.
@@ -348,11 +355,16 @@ def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool
     eps = 1e-9
     first = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
     bc = cost[bk]
+    n_local = [sum(1 for x in stage_to_rank if x == r) for r in range(P)]
+    owed = [0] * P      # forwards this rank still has to run for the micro-batches it has admitted
+    admit_room = math.inf if owed_slack is None else owed_slack
 
     def prio(kind: str, s: int, k: int) -> tuple:
         is_f = kind == "F"
         if rule == "paced":
-            target = (s if is_f else S + b_off + bc * (S - 1 - s)) + pace * k
+            w = s // P   # which half-wave (down, up, down, ...) the stage is on
+            target = (s + (wave_f[w] if wave_f else 0.0) if is_f else
+                      S + b_off + bc * (S - 1 - s) + (wave_b[w] if wave_b else 0.0)) + pace * k
             return (target, is_f != f_ties, -s, k)
         if rule == "b-first":
             return (is_f, -s, k)
@@ -391,7 +403,8 @@ def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool
                 best, src = rb[0], rb
             if rf and live[r] < cap and (best is None or rf[0] < best):
                 best, src = rf[0], rf
-            if rf0 and live[r] < cap - reserve and (best is None or rf0[0] < best):
+            if rf0 and live[r] < cap - reserve and live[r] + owed[r] < cap + admit_room and \
+                    (best is None or rf0[0] < best):
                 best, src = rf0[0], rf0
             if best is not None:
                 heapq.heappop(src)
@@ -408,6 +421,7 @@ def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool
             heapq.heappush(events, (end, seq, "", r, 0))   # the rank is free again
             if kind == "F":
                 live[r] += 1
+                owed[r] += n_local[r] - 1 if s == first[r] else -1
                 seq += 1
                 heapq.heappush(events, (end, seq, bk, s, k))          # its own backward has its activation
                 if s + 1 < S:
@@ -489,6 +503,15 @@ def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg:
 # slacks) there, at a tenth of the cost.
 _WAVE_PACED = ((1.0, -1.0, True), (1.0, 0.0, True), (1.5, 0.0, True), (1.0, 2.0, False), (1.0, 2.0, True),
                (1.0, 0.0, False), (1.25, -2.0, False), (1.0, -1.0, False))
+# W=2 only (v=4), in slots of one stage forward: (forward offset per half-wave, backward offset per
+# half-wave, b_off, owed_slack, f_ties). The paced rule alone packs the four half-waves with no slack, so a
+# 17%-of-a-forward message on any hop delays the whole steady state (realistic makespans 3-7% above
+# interleaved v=4's); pulling the up-going half-waves' forwards earlier and admitting a new micro-batch only
+# while the rank can still run the forwards it owes keeps the free-message makespan at the bound and leaves
+# slack on the hops. Found by a seeded random search over these five knobs (P in {2,3,4,6,8}, m in {2P,4P});
+# it helps at P <= 4, none of the 7000 settings tried helped at P >= 6.
+_WAVE2_LAGGED = (((2, -2, 2, -3), (-3, 2, -2, -3), 2, 6, True), ((0, -2, 0, -2), (0, -1, 1, 0), 0, None, True),
+                 ((2, 0, 2, 1), (2, 3, -1, 3), 2, None, False))
 _ZB_PACED = ((1.0, 2.0, True, 0), (1.25, -1.0, False, 0), (1.25, 4.0, False, 0), (1.25, -2.0, False, 1),
              (1.25, 0.0, False, 0), (1.5, 0.0, True, 1), (1.0, 2.0, False, 1), (1.25, 2.0, True, 0),
              (1.0, 0.0, False, 0))
@@ -499,7 +522,11 @@ _ZB_OLDER = (("deepest", 0, 1, True, 1), ("deepest", 0, 2, False, 1), ("b-first"
 def _wave_grid(v: int, top: int, split: bool) -> list[dict]:
     """The candidate rule parameters of :func:`_wave` (see :func:`_capped_list_schedule`)."""
     if not split:
-        return [dict(rule="paced", cap=top, pace=p * v, b_off=o * v / 2, f_ties=ft) for p, o, ft in _WAVE_PACED]
+        out = [dict(rule="paced", cap=top, pace=p * v, b_off=o * v / 2, f_ties=ft) for p, o, ft in _WAVE_PACED]
+        if v == 4:
+            out += [dict(rule="paced", cap=top, pace=v, wave_f=wf, wave_b=wb, b_off=o, owed_slack=sl, f_ties=ft)
+                    for wf, wb, o, sl, ft in _WAVE2_LAGGED]
+        return out
     out = [dict(rule="paced", cap=max(1, top - j), pace=p * v, b_off=o * v / 2, f_ties=ft)
            for p, o, ft, j in _ZB_PACED]
     out += [dict(rule=rule, cap=max(1, top - j), reserve=res, f_ties=ft, msg=NOMINAL_MSG * v * slack)
