@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -186,6 +187,33 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+class _ErrorDedup:
+    """Forwards the workers' stderr line by line; an error line every rank prints alike is shown once."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, stream) -> None:
+        def pump():
+            for line in stream:
+                with self.lock:
+                    if line.startswith("stratum: error:"):
+                        if line in self.seen:
+                            continue
+                        self.seen.add(line)
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+
+
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None) -> int:
     """Run ``python -m stratum <argv>`` as ``nprocs`` local worker processes and wait for all of them.
 
@@ -194,6 +222,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     """
     port = free_port()
     procs: list[subprocess.Popen] = []
+    errors = _ErrorDedup()
     base = dict(os.environ, **(env or {}))
     for r in range(nprocs):
         e = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
@@ -202,7 +231,9 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         if "OMP_NUM_THREADS" not in base:
             e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        procs.append(subprocess.Popen([sys.executable, "-m", "stratum", *argv], env=e, preexec_fn=preexec))
+        procs.append(subprocess.Popen([sys.executable, "-m", "stratum", *argv], env=e, preexec_fn=preexec,
+                                      stderr=subprocess.PIPE, text=True, bufsize=1))
+        errors.follow(procs[-1].stderr)
     first_fail: tuple[int, int] | None = None
     deadline = None
     try:
@@ -232,6 +263,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
             except subprocess.TimeoutExpired:
                 p.kill()
         raise
+    errors.join()
     if first_fail is None:
         return 0
     r, c = first_fail
