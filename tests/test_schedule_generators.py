@@ -153,7 +153,7 @@ def test_wave_reaches_the_zig_zag_bound_and_ties_interleaved_from_m_2p(P, W):
 
 
 @pytest.mark.parametrize("P, m, W", [(2, 8, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2), (4, 8, 2), (4, 16, 2),
-                                     (8, 32, 2)])
+                                     (8, 16, 2), (8, 32, 2)])
 def test_wave_beats_interleaved_with_costly_messages(P, m, W):
     # 0.17 of a rank's forward per message ~ the benchmark's "realistic" link; the wave's turns are local
     w = _mk(generate("wave", ranks=P, microbatches=m, waves=W), latency=0.17)
