@@ -502,11 +502,11 @@ def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg:
     return max(free), peak
 
 
-# Rule parameters the wave generators try: (pace / v, b_off / (v/2), f_ties) for the paced rule, and
-# (rule, top - cap, reserve, f_ties, message slack?) for the older rules. Chosen by a greedy cover over
-# P in 2..8, m in 1..4P, W in 1..2 (unit costs, free and realistic messages): this short list gives the same
-# schedules as the full grid (3 paces x 5 offsets x 2 tie rules x 2 caps + 7 older rules x 5 caps x 2
-# slacks) there, at a tenth of the cost.
+# Rule parameters the wave generators try: (pace / v, b_off / (v/2), f_ties[, top - cap for zb-wave]) for
+# the paced rule, and (rule, top - cap, reserve, f_ties, message slack?) for the older rules. Chosen by a
+# greedy cover over P in 2..8, m in 1..4P, W in 1..2 (unit costs, free and realistic messages): this short
+# list gives the same schedules as the full grid (3 paces x 5 offsets x 2 tie rules x 2 caps + 7 older rules
+# x 5 caps x 2 slacks) there, at a tenth of the cost.
 _WAVE_PACED = ((1.0, -1.0, True), (1.0, 0.0, True), (1.5, 0.0, True), (1.0, 2.0, False), (1.0, 2.0, True),
                (1.0, 0.0, False), (1.25, -2.0, False), (1.0, -1.0, False))
 # W=2 only (v=4), in slots of one stage forward: (forward offset per half-wave, backward offset per
