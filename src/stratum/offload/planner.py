@@ -53,6 +53,10 @@ class Plan:
     """Link → bytes per step: h2d, d2h, disk_read, disk_write."""
     predicted_step_s: float = 0.0
     compute_s: float = 0.0
+    disk_s: float = 0.0
+    """Seconds of this step's disk traffic at the measured bandwidths (the physical bound of a disk plan)."""
+    copy_s: float = 0.0
+    """Seconds of this step's host↔device copies at the measured bandwidths."""
     candidates: int = 0
 
     @property
@@ -85,7 +89,8 @@ class Plan:
         lines.append(f"  traffic per step: host→device {fmt_bytes(tr.get('h2d', 0))}, device→host "
                      f"{fmt_bytes(tr.get('d2h', 0))}, disk read {fmt_bytes(tr.get('disk_read', 0))}, disk write "
                      f"{fmt_bytes(tr.get('disk_write', 0))}")
-        lines.append(f"  predicted step time {self.predicted_step_s:.3f} s (compute {self.compute_s:.3f} s; "
+        lines.append(f"  predicted step time {self.predicted_step_s:.3f} s (compute {self.compute_s:.3f} s; disk "
+                     f"{self.disk_s:.3f} s and host↔device copies {self.copy_s:.3f} s at the measured bandwidths; "
                      f"activations {fmt_bytes(self.act_bytes)} per micro-batch)")
         return "\n".join(lines)
 
@@ -313,4 +318,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                            + "; ".join(parts))
     plan = best[1]
     plan.candidates = tried
+    if bandwidths is not None:
+        tr, bw = plan.predicted_traffic, bandwidths
+        plan.disk_s = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
+        plan.copy_s = tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
     return plan

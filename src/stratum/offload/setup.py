@@ -52,7 +52,8 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
             sig = (type(blk).__name__, i == len(model) - 1, x.dtype, tuple(x.shape),
                    tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
             if sig not in cache:
-                cache[sig] = _measure_block(model, i, x, y, device, precision, 1)
+                # the median of 3 runs: a single run is at the mercy of whatever else shares the cores
+                cache[sig] = _measure_block(model, i, x, y, device, precision, 3)
             prof, out = cache[sig]
             blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **block_static_bytes(model, i)))
             x = out
@@ -60,7 +61,7 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
             p.grad = None
     dtype = next(iter(model.parameters())).dtype
     return Profile(model=model.info.name, device=describe(device), dtype=str(dtype).removeprefix("torch."),
-                   precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=1, blocks=blocks,
+                   precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=3, blocks=blocks,
                    tied=[list(g.names) for g in model.tied], torch_version=torch.__version__)
 
 
