@@ -111,9 +111,9 @@ def _worker(args) -> dict:
     cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + ["train.seed=0", f"optim.grad_clip={args.grad_clip}"])
     batches, vocab = _batches(cfg, args.steps)
     t0 = time.perf_counter()
-    meta = args.engine == "offload"  # the offload engine builds the GPT block by block (as the trainer does)
+    # the offload engine builds the model block by block, as the trainer does
     model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=args.seq_len, seed=0,
-                        device="meta" if meta else "cpu")
+                        lazy=args.engine == "offload")
     engine = make_engine(cfg, model, torch.device("cpu"))
     del model
     setup_s = time.perf_counter() - t0

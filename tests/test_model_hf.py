@@ -206,3 +206,59 @@ def test_missing_transformers_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
     with pytest.raises(StratumError, match=r"pip install 'stratum\[hf\]'"):
         build_hf(str(tmp_path), seed=0)
+
+
+def _saved_model(tmp_path, family, **kw):
+    cfg_dir = save_config(tmp_path, CONFIGS[family](**kw))
+    model = reference(cfg_dir, 123)
+    with torch.no_grad():
+        for p in model.parameters():  # weights no seed would produce
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lazy_build_loads_safetensors_block_by_block_with_the_eager_values(tmp_path, family, tied):
+    """Models larger than RAM: parameters stay on meta (buffers real) until materialize(i) reads block i's
+    tensors from the files; every block then equals the eager from_pretrained build, and a deep copy loads into
+    itself."""
+    import copy
+    d = _saved_model(tmp_path, family, **({"tie_word_embeddings": tied} if family == "llama" else {}))
+    eager = build_hf(str(d), seed=0)
+    lazy = build_hf(str(d), seed=0, lazy=True)
+    assert all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
+    assert len(lazy.tied) == len(eager.tied)
+    twin = copy.deepcopy(lazy)
+    for seq in (lazy, twin):
+        for blk in seq.blocks:
+            for name, p in list(blk.named_parameters()):
+                if p.is_meta:
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape)))
+        for i in range(len(seq)):
+            seq.materialize(i)
+    want = dict(eager.named_parameters())
+    for seq in (lazy, twin):
+        got = dict(seq.named_parameters())
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+    x, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(lazy.eval()(x), eager.eval()(x), atol=0, rtol=0)
+
+
+def test_lazy_build_refuses_weights_missing_a_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _saved_model(tmp_path, "llama")
+    tensors = load_file(str(d / "model.safetensors"))
+    gone = next(k for k in tensors if "layers.1.mlp" in k)
+    del tensors[gone]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(StratumError, match="no tensor for"):
+        build_hf(str(d), seed=0, lazy=True)
+
+
+def test_config_only_is_built_eagerly_even_when_lazy(tmp_path, family):
+    seq = build_hf(str(save_config(tmp_path, CONFIGS[family]())), seed=0, lazy=True)
+    assert seq.block_init is None and not any(p.is_meta for p in seq.parameters())

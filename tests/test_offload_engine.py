@@ -243,3 +243,25 @@ def test_a_meta_gpt_is_built_block_by_block_with_the_same_values():
     ref = plain(build_gpt("tiny", vocab_size=256, seed=5))
     assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(ref, 3)]
     eng.close()
+
+
+def test_transformers_weights_are_loaded_block_by_block_and_match_plain(tmp_path):
+    """A transformers model directory with safetensors weights, built lazily (parameters on meta), is
+    materialised by the engine one block at a time and trains exactly like the eager build under plain."""
+    transformers = pytest.importorskip("transformers")
+    from stratum.model.hf import build_hf
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    lazy = build_hf(str(tmp_path / "llama"), seed=0, lazy=True)
+    assert lazy.block_init is not None and all(p.is_meta for p in lazy.parameters())
+    eager = build_hf(str(tmp_path / "llama"), seed=0)
+    p = plan(lazy, profile(eager), device_budget=state_bytes(eager) // 4)
+    assert p.param_tier != DEVICE
+    eng = _engine(lazy, p)
+    try:
+        assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(plain(eager), 3)]
+    finally:
+        eng.close()

@@ -71,6 +71,10 @@ class BlockSeq(nn.Module):
         if len(self.block_names) != len(blocks):
             raise ValueError("block_names must name every block")
         self.tied = self._find_tied()
+        self.block_init: Callable[[BlockSeq, int], None] | None = None
+        """Set by a lazy build (parameters on the meta device): ``block_init(seq, i)`` gives block i's parameters
+        their values once an engine has given them storage — how a model larger than RAM is built one block at a
+        time. It takes the BlockSeq as an argument so that a deep copy initialises itself, not the original."""
 
     # ---- structure ----------------------------------------------------------------------------------------
     def _find_tied(self) -> list[TiedGroup]:
@@ -79,6 +83,12 @@ class BlockSeq(nn.Module):
             for name, p in block.named_parameters(remove_duplicate=False):
                 seen.setdefault(id(p), []).append(f"blocks.{i}.{name}")
         return [TiedGroup(tuple(names)) for names in seen.values() if len(names) > 1]
+
+    def materialize(self, i: int) -> None:
+        """Initialise block ``i``'s (allocated, uninitialised) parameters; see ``block_init``."""
+        if self.block_init is None:
+            raise RuntimeError("this BlockSeq was not built lazily: it has no block initialiser")
+        self.block_init(self, i)
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from stratum.config import ModelConfig
@@ -10,8 +12,12 @@ from stratum.model.blockseq import BlockSeq
 
 
 def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: int,
-                device: torch.device | str = "cpu") -> BlockSeq:
+                device: torch.device | str = "cpu", lazy: bool = False) -> BlockSeq:
     """The configured model, initialised from ``seed`` (``device='meta'`` allocates nothing).
+
+    ``lazy``: where the source can, parameters stay on the meta device and ``seq.materialize(i)`` gives block i
+    the values an eager build would (own GPT: always; transformers: weights in safetensors files). Engines that
+    build block by block (offload) use it for models larger than RAM; other sources are built eagerly.
 
     The model's vocabulary must cover the tokenizer's, and its context the training sequence length.
     """
@@ -22,6 +28,11 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
         if seq_len > PRESETS[cfg.preset].max_seq_len:
             raise StratumError(f"data.seq_len = {seq_len} exceeds preset {cfg.preset!r}'s context of "
                                f"{PRESETS[cfg.preset].max_seq_len}")
+        if lazy:
+            from stratum.model.gpt import init_gpt_block
+            seq = build_gpt(cfg.preset, vocab_size=vocab, seed=seed, dropout=cfg.dropout, device="meta")
+            seq.block_init = functools.partial(init_gpt_block, seed=seed)
+            return seq
         return build_gpt(cfg.preset, vocab_size=vocab, seed=seed, dropout=cfg.dropout, device=device)
     if cfg.source == "sequential":
         from stratum.model.sequential import build_sequential
@@ -33,7 +44,7 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
     if cfg.source == "hf":
         from stratum.model.hf import build_hf
         seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout, device=device,
-                       vocab_size=cfg.vocab_size or None)
+                       vocab_size=cfg.vocab_size or None, lazy=lazy)
         _check_vocab(seq.info.vocab_size, tokenizer_vocab)
         if seq.info.max_seq_len and seq_len > seq.info.max_seq_len:
             raise StratumError(f"data.seq_len = {seq_len} exceeds the model's context of {seq.info.max_seq_len}")

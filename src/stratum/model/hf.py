@@ -20,6 +20,7 @@ Nothing touches the network: paths must be local and every load runs with ``loca
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -231,12 +232,83 @@ def _config_dict(config) -> dict:
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 
 
-def _make_model(transformers, config, weights_dir: Path | None, seed: int, device: torch.device):
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device and keep real buffers (rotary tables and
+    the like, which cannot be recomputed generically): only one parameter ever exists in memory at a time."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _safetensors_keys(weights_dir: Path) -> dict[str, Path] | None:
+    """Checkpoint key → safetensors file, or None when the weights are not in safetensors files."""
+    single = weights_dir / "model.safetensors"
+    index = weights_dir / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            from safetensors import safe_open
+            with safe_open(str(single), "pt") as f:
+                return {k: single for k in f.keys()}
+        if index.is_file():
+            return {k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    except Exception as e:  # a corrupt header or index surfaces as several exception types
+        raise StratumError(f"model.hf_path: cannot read the weights in {str(weights_dir)!r}: "
+                           f"{_first_line(e)}") from None
+    return None
+
+
+def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, keys: dict[str, Path]):
+    """``block_init(seq, i)``: fill block i's (allocated) parameters from the safetensors files. Parameters are
+    found by their name inside the block, so a deep copy of the BlockSeq loads into itself."""
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter has one (the first) name
+    prefix = getattr(model, "base_model_prefix", "")
+
+    def key_of(name: str) -> str | None:
+        for k in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
+            if k in keys:
+                return k
+        return None
+    missing = [n for n in names.values() if key_of(n) is None]
+    if missing:
+        raise StratumError(f"model.hf_path: the weights in {str(weights_dir)!r} have no tensor for {missing[0]!r}"
+                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; save the model "
+                           "with save_pretrained, or train from its config.json")
+
+    per_block = [[(pname, key_of(names[id(p)])) for pname, p in blk.named_parameters()] for blk in blocks]
+
+    def block_init(seq: BlockSeq, i: int) -> None:
+        from safetensors import safe_open
+        for pname, key in per_block[i]:
+            p = seq.blocks[i].get_parameter(pname)
+            with safe_open(str(keys[key]), "pt") as f:
+                t = f.get_tensor(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise StratumError(f"model.hf_path: weight {key!r} has shape {tuple(t.shape)}, the model expects "
+                                   f"{tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t.to(p.dtype))
+    return block_init
+
+
+def _make_model(transformers, config, weights_dir: Path | None, seed: int, device: torch.device,
+                params_on_meta: bool = False):
     Auto = transformers.AutoModelForCausalLM
     hf_logging = transformers.utils.logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
+        if params_on_meta:
+            with _parameters_on_meta():
+                return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
         if device.type == "meta":
             with torch.device("meta"):
                 return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
@@ -293,7 +365,7 @@ def _flatten_llama_style(model) -> tuple[list[nn.Module], list[str]]:
 
 
 def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torch.device | str = "cpu",
-             vocab_size: int | None = None) -> BlockSeq:
+             vocab_size: int | None = None, lazy: bool = False) -> BlockSeq:
     """Build a local ``transformers`` causal LM as a BlockSeq.
 
     ``path`` is a ``config.json`` (random init) or a model directory: with weights (``model.safetensors``,
@@ -301,14 +373,18 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     initialised from ``seed`` (deterministically; the caller's RNG state is left untouched). ``dropout``
     overrides the config's dropout probabilities. ``vocab_size`` is the tokenizer's vocabulary: with random
     init it replaces ``config.vocab_size``; with loaded weights it must not exceed it. On the ``meta`` device
-    the structure is built without memory or weights. Bad input raises :class:`StratumError`.
+    the structure is built without memory or weights. ``lazy`` with safetensors weights: parameters on the meta
+    device and ``seq.materialize(i)`` reads block i's from the files (a model larger than RAM, one block at a
+    time; the values ``from_pretrained`` gives); otherwise ``lazy`` is ignored. Bad input raises
+    :class:`StratumError`.
     """
     transformers = _import_transformers()
     cfg_file, weights_dir = _resolve(path)
     config = _load_config(transformers, cfg_file)
     _override(config, dropout=dropout, vocab_size=vocab_size, loading=weights_dir is not None)
     dev = torch.device(device)
-    model = _make_model(transformers, config, weights_dir, seed, dev)
+    keys = _safetensors_keys(weights_dir) if lazy and weights_dir is not None and dev.type == "cpu" else None
+    model = _make_model(transformers, config, weights_dir, seed, dev, params_on_meta=keys is not None)
     model.train()  # from_pretrained returns eval mode; a BlockSeq starts in train mode like any nn.Module
     config = model.config
     model_type = config.model_type
@@ -338,4 +414,6 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     seq = BlockSeq(blocks, lm_cross_entropy, info, names)
     if tie and not seq.tied:
         raise RuntimeError("tied embedding was not found in both the embed and head blocks")
+    if keys is not None:
+        seq.block_init = _block_loader(model, blocks, weights_dir, keys)
     return seq

@@ -118,11 +118,13 @@ class OffloadEngine(Engine):
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         _return_freed_memory_to_the_os()
+        if materialize is None and model.block_init is not None:
+            materialize = model.materialize
         self._materialize = materialize
         self._materialized: set[int] = set()
         if any(p.is_meta for p in model.parameters()) and materialize is None:
             raise StratumError("the offload engine got a model on the meta device but no way to initialise its "
-                               "blocks (supported for model.source = 'gpt')")
+                               "blocks (build it with build_model(..., lazy=True))")
         if any(b.is_meta for b in model.buffers()):
             raise StratumError("the offload engine cannot materialise a meta model with buffers")
         for b in model.buffers():

@@ -88,11 +88,5 @@ def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
     from stratum.runtime import optim_spec
     plan = plan_for(cfg, model, device, always_profile=True)
     print(plan.describe())
-    materialize = None
-    if any(p.is_meta for p in model.parameters()) and cfg.model.source == "gpt":
-        from stratum.model.gpt import init_gpt_block
-
-        def materialize(i: int) -> None:  # the same values build_gpt gives, one block at a time
-            init_gpt_block(model, i, cfg.train.seed)
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, plan=plan, precision=cfg.train.precision,
-                         disk_dir=cfg.offload.disk_dir, materialize=materialize)
+                         disk_dir=cfg.offload.disk_dir)

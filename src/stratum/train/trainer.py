@@ -114,10 +114,9 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
         model, _ = build_local_model(cfg, rank=rank(), tokenizer_vocab=data.tokenizer.vocab_size,
                                      seq_len=cfg.data.seq_len, seed=t.seed, device=device)
     else:
-        # the offload engine materialises a GPT block by block from the meta device (models larger than RAM)
-        meta = t.engine == "offload" and cfg.model.source == "gpt"
+        # the offload engine materialises the model block by block where the source allows (larger than RAM)
         model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=cfg.data.seq_len,
-                            seed=t.seed, device="meta" if meta else "cpu")
+                            seed=t.seed, lazy=t.engine == "offload")
     fingerprint = model.fingerprint()
 
     start = 0
