@@ -265,3 +265,19 @@ def test_transformers_weights_are_loaded_block_by_block_and_match_plain(tmp_path
         assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(plain(eager), 3)]
     finally:
         eng.close()
+
+
+def test_spilled_activations_keep_dtypes_under_bf16_autocast(shared_tmp):
+    """Under bf16 autocast the saved tensors mix bf16, fp32, int64 and bool: the spill arenas hand each back
+    with its dtype and values, so the losses equal those of kept activations bit for bit."""
+    prof, _ = _reference("gpt", shared_tmp)
+    losses = {}
+    for mode in ("keep", "offload"):
+        m = build("gpt", shared_tmp)
+        p = plan(m, prof, activations=mode)  # no budget: the profile is fp32, bf16 saves more (cast weights)
+        eng = OffloadEngine(m, optim=spec(), device=CPU, plan=p, precision="bf16")
+        try:
+            losses[mode] = [r.loss for r in run(eng, 3)]
+        finally:
+            eng.close()
+    assert losses["offload"] == losses["keep"]
