@@ -117,16 +117,20 @@ def _worker(args) -> dict:
     engine = make_engine(cfg, model, torch.device("cpu"))
     del model
     setup_s = time.perf_counter() - t0
-    times, losses, stalls = [], [], []
+    times, losses, stalls, phases = [], [], [], []
     for b in batches:
         t = time.perf_counter()
         s0 = getattr(engine, "stall_s", 0.0)
+        p0 = dict(getattr(engine, "phase_s", {}))
         losses.append(engine.train_step(b, 1e-4).loss)
         times.append(time.perf_counter() - t)
         stalls.append(getattr(engine, "stall_s", 0.0) - s0)
-        print(f"step {len(times)}: {times[-1]:.1f}s (waiting for chunks {stalls[-1]:.1f}s) loss {losses[-1]:.4f} "
+        phases.append({k: v - p0[k] for k, v in getattr(engine, "phase_s", {}).items()})
+        print(f"step {len(times)}: {times[-1]:.1f}s (waiting for chunks {stalls[-1]:.1f}s; phases "
+              f"{ {k: round(v, 1) for k, v in phases[-1].items()} }) loss {losses[-1]:.4f} "
               f"rss peak {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    res = {"engine": args.engine, "preset": args.preset, "step_s": times, "stall_s": stalls, "losses": losses,
+    res = {"engine": args.engine, "preset": args.preset, "step_s": times, "stall_s": stalls, "phase_s": phases,
+           "losses": losses,
            "setup_s": setup_s,
            "peak_rss_bytes": peak_rss_bytes(), "tokens_per_step": cfg.tokens_per_step}
     if args.engine == "offload":

@@ -153,6 +153,10 @@ class OffloadEngine(Engine):
         self.peak_act = 0
         self.stall_s = 0.0
         """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
+        self.phase_s = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "update": 0.0}
+        """Seconds of the training thread per phase, all steps (forward and backward include their waits for
+        chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
+        the host/disk ones)."""
         self._build()
 
     # ---- set-up ---------------------------------------------------------------------------------------------
@@ -592,6 +596,7 @@ class OffloadEngine(Engine):
             self._boundary = set()
             if spill is not None:
                 spill.begin_microbatch()
+            t_fwd = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 for i in range(L):
                     self._access(self._block_chunks(i))
@@ -616,6 +621,8 @@ class OffloadEngine(Engine):
                     x = out
                 loss = x
                 total += loss.detach().float()
+                t_bwd = time.perf_counter()
+                self.phase_s["forward"] += t_bwd - t_fwd
                 if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
                     kept = [t.untyped_storage().nbytes() if t.is_floating_point() else 0 for t in ins]
                     self._act, self._act_seen = sum(kept), set()
@@ -634,10 +641,12 @@ class OffloadEngine(Engine):
                         self._act = sum(kept[:i + 1]) + spill.device_bytes
                     out = outs[i]
                     if out is None:  # recompute this block's forward with the RNG state of its first run
+                        t_re = time.perf_counter()
                         keep = torch.get_rng_state()
                         torch.set_rng_state(rng[i])
                         out = self._forward_block(i, ins[i], y, i == L - 1, n)
                         torch.set_rng_state(keep)
+                        self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:
                         (out / n).backward()
                     else:
@@ -660,7 +669,9 @@ class OffloadEngine(Engine):
                 if last_mb:
                     for c, _ in tied_tmp:
                         self._grad_complete(c)
+            self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
+        t_upd = time.perf_counter()
         order = [self.where[nm][1] for nm in self.names if nm in self.where]
         norms = [self._grad_norms[e.name] for e in order]
         total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
@@ -673,6 +684,7 @@ class OffloadEngine(Engine):
                     self._update_device(c, coef)
                 else:
                     self._submit_host_update(c, coef)
+        self.phase_s["update"] += time.perf_counter() - t_upd
         self.trace.end_step()
         if first:
             self._nxt = NextUse(self.trace.recorded)
