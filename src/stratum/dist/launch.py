@@ -236,6 +236,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         errors.follow(procs[-1].stderr)
     first_fail: tuple[int, int] | None = None
     deadline = None
+    killed_here: set[int] = set()
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -246,9 +247,10 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
-                for p in procs:
+                for r, p in enumerate(procs):
                     if p.poll() is None:
                         p.kill()
+                        killed_here.add(r)
                 for p in procs:
                     p.wait()
                 break
@@ -266,10 +268,12 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     errors.join()
     if first_fail is None:
         return 0
-    r, c = first_fail
-    if c < 0:
+    # A rank killed by a signal is the cause, even when a peer noticed the broken connection and exited first.
+    died = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode < 0 and r not in killed_here]
+    if died:
+        r, c = died[0]
         name = signal.Signals(-c).name if -c in signal.Signals._value2member_map_ else str(-c)
         print(f"stratum: error: pipeline rank {r} was killed by {name}; the other ranks stopped",
               file=sys.stderr)
         return 3
-    return c
+    return first_fail[1]
