@@ -281,3 +281,32 @@ def test_spilled_activations_keep_dtypes_under_bf16_autocast(shared_tmp):
         finally:
             eng.close()
     assert losses["offload"] == losses["keep"]
+
+
+@pytest.mark.parametrize("source", _sources())
+def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, shared_tmp):
+    """A host budget with room for half the activations: those blocks are spilled, the rest recomputed; the
+    losses stay exact and the host tier stays within its budget and its prediction."""
+    import re
+
+    from stratum.errors import StratumError
+    prof, ref = _reference(source, shared_tmp)
+    m = build(source, shared_tmp)
+    S = state_bytes(m)
+    with pytest.raises(StratumError) as e:  # the least host memory any placement needs (nothing spilled)
+        plan(m, prof, device_budget=S // 4, host_budget=1, activations="recompute")
+    least = int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    host = least + sum(b.act_saved_bytes for b in prof.blocks) // 2  # room for about half the activations
+    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload")
+    assert p.spill_blocks is not None and 0 < len(p.spill_blocks) < len(m)
+    assert "recompute for the rest" in p.describe()
+    eng = _engine(m, p)
+    try:
+        got = run(eng, 4)
+        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
+        measured = eng.measured_peaks()
+        assert measured[HOST] <= host
+        assert abs(measured[HOST] - p.predicted_peak[HOST]) <= 0.10 * p.predicted_peak[HOST]
+        assert eng.phase_s["recompute"] > 0 and eng.spill.bytes_d2h > 0
+    finally:
+        eng.close()

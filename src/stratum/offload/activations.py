@@ -22,9 +22,7 @@ import torch
 from torch import Tensor
 
 from stratum.offload.tiers import Tier
-
-ALIGN = 64
-"""Byte alignment of every tensor placed in an arena (enough for any dtype and for vectorised copies)."""
+from stratum.profile.profile import SPILL_ALIGN as ALIGN  # the profiler predicts spill bytes with the same rule
 
 
 def _aligned(n: int) -> int:
@@ -92,6 +90,11 @@ class ActivationSpill:
         # tensor's within the block; after the block nothing more is saved into it.
         self._cache = {}
         self._current = None
+
+    @property
+    def active(self) -> bool:
+        """A block whose activations are spilled is running its forward."""
+        return self._current is not None
 
     def pack(self, x: Tensor) -> Spilled:
         """Copy ``x`` (a device tensor the current block saves) to the host; the same view saved twice is copied

@@ -431,7 +431,7 @@ class OffloadEngine(Engine):
             self._act += x.untyped_storage().nbytes()
             self.peak_act = max(self.peak_act, self._act)
             self.tiers[DEVICE].note_transient(self._act)
-        if self.spill is not None and x.device == self.device:
+        if self.spill is not None and self.spill.active and x.device == self.device:
             return self.spill.pack(x)
         return x
 
@@ -587,6 +587,9 @@ class OffloadEngine(Engine):
         total = torch.zeros((), device=self.device)
         spill = self.spill
         thin = self.plan.activations != KEEP  # only block inputs stay on the device between forward and backward
+        # blocks whose activations are spilled; the others (all with recompute, none with keep) are recomputed
+        spilled = (set(range(len(self.model))) if self.plan.spill_blocks is None else set(self.plan.spill_blocks)) \
+            if spill is not None else set()
         for j, b in enumerate(micro_batches):
             last_mb = j == n - 1
             x = b.x.to(self.device, non_blocking=True)
@@ -602,12 +605,14 @@ class OffloadEngine(Engine):
                     self._access(self._block_chunks(i))
                     xi = x.detach().requires_grad_(x.is_floating_point())
                     ins.append(xi)
+                    recompute = thin and i not in spilled
                     if spill is not None:
-                        spill.begin_block(i)
+                        if not recompute:
+                            spill.begin_block(i)
                         self._boundary.add(xi.untyped_storage().data_ptr())
                         self._act_seen = set()
-                    if self.plan.recompute:
-                        rng.append(torch.get_rng_state())
+                    rng.append(torch.get_rng_state() if recompute else None)
+                    if recompute:
                         with torch.no_grad():
                             out = self._forward_block(i, xi, y, i == L - 1, n)
                         outs.append(None)

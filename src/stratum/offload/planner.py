@@ -43,6 +43,9 @@ class Plan:
     """Accesses fetched ahead of use (0 = on demand)."""
     activations: str = KEEP
     """keep | offload | recompute (see ACTIVATIONS)."""
+    spill_blocks: tuple[int, ...] | None = None
+    """With activations = offload: the blocks whose activations are spilled (None = all); the others are
+    recomputed — what the host budget cannot hold is recomputed rather than refused."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -74,13 +77,18 @@ class Plan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _acts_text(self) -> str:
+        if self.activations != SPILL or self.spill_blocks is None:
+            return self.activations
+        return f"offload for {len(self.spill_blocks)} blocks, recompute for the rest"
+
     def describe(self) -> str:
         tr = self.predicted_traffic
         res = "all" if self.param_tier == DEVICE else str(self.resident_chunks)
         lines = [
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
-            f"{self.prefetch_depth}; activations: {self.activations} ({self.candidates} candidates)",
+            f"{self.prefetch_depth}; activations: {self._acts_text()} ({self.candidates} candidates)",
             f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
         ]
         budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
@@ -103,15 +111,18 @@ class Costs:
     bwd_s: list[float]
     act_bytes: list[int]
     out_bytes: list[int]
+    spill_bytes: list[int]
+    """What a spill copies per block (measured by the profiler; its saved bytes in older profiles)."""
 
     @classmethod
     def from_profile(cls, profile, n_blocks: int) -> "Costs":
         if profile is None:
             z = [0] * n_blocks
-            return cls(fwd_s=[0.0] * n_blocks, bwd_s=[0.0] * n_blocks, act_bytes=z, out_bytes=z)
+            return cls(fwd_s=[0.0] * n_blocks, bwd_s=[0.0] * n_blocks, act_bytes=z, out_bytes=z, spill_bytes=z)
         b = profile.blocks
         return cls(fwd_s=[x.fwd_s for x in b], bwd_s=[x.bwd_s for x in b], act_bytes=[x.act_saved_bytes for x in b],
-                   out_bytes=[x.out_bytes for x in b])
+                   out_bytes=[x.out_bytes for x in b],
+                   spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in b])
 
 
 def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier: str) -> list[tuple[int, ...]]:
@@ -127,8 +138,13 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 
 def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
-            bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
-    """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes)."""
+            bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
+            spilled: frozenset[int] | None = None) -> tuple[dict, dict, float, float, int]:
+    """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
+    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed."""
+    L = len(costs.act_bytes)
+    spilled = frozenset(range(L)) if spilled is None else spilled
+    recomputed = [] if acts == KEEP else [i for i in range(L) if acts == RECOMPUTE or i not in spilled]
     chunks = layout.chunks
     C = layout.chunk_elems
     stream = [c for c in chunks if not c.tied and ptier != DEVICE]
@@ -142,7 +158,10 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     elif acts == RECOMPUTE:  # the kept block inputs + one block's saved tensors at a time
         act = one_block + sum(costs.out_bytes)
     else:  # the kept block boundaries + the block being run (+ the next one's copy-back on a GPU)
-        act = (2 if async_copies else 1) * one_block + sum(costs.out_bytes)
+        restore = (2 if async_copies else 1) * one_block
+        # with some blocks recomputed, a recomputed block's saved tensors meet the restore buffer, which lives
+        # from the first spilled block's backward to the last one's
+        act = restore + (one_block if recomputed else 0) + sum(costs.out_bytes)
     dev = sum(8 * c.capacity for c in pinned) + slots * 8 * C + act
     if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
         dev += sum(4 * c.capacity for c in chunks if c.tied)
@@ -161,7 +180,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     else:
         disk += sum(8 * c.capacity for c in chunks)
     if acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
-        host += sum(costs.act_bytes)
+        host += sum(costs.spill_bytes[i] for i in spilled)
     if opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
         host += 2 * C * F32
     if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
@@ -197,16 +216,16 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     if opt == DISK:
         tr["disk_read"] += sum(8 * c.capacity for c in chunks)
         tr["disk_write"] += sum(8 * c.capacity for c in chunks)
-    spilled = n_micro * sum(costs.act_bytes) if acts == SPILL else 0
-    tr["h2d"] += spilled
-    tr["d2h"] += spilled
-    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + (sum(costs.fwd_s) if acts == RECOMPUTE else 0.0))
+    spilled_bytes = n_micro * sum(costs.spill_bytes[i] for i in spilled) if acts == SPILL else 0
+    tr["h2d"] += spilled_bytes
+    tr["d2h"] += spilled_bytes
+    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + sum(costs.fwd_s[i] for i in recomputed))
     if bw is None:
         return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
     adam = n_params / max(bw.adam_params_per_s, 1.0)
     xfer = tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
     if not async_copies:  # a CPU spill is a memcpy on the training thread: not overlapped with anything
-        spill_s = spilled / max(bw.h2d, 1.0) + spilled / max(bw.d2h, 1.0)
+        spill_s = spilled_bytes / max(bw.h2d, 1.0) + spilled_bytes / max(bw.d2h, 1.0)
         xfer -= spill_s
         compute += spill_s
     io = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
@@ -220,6 +239,17 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         moved = xfer + io
         step = max(compute, moved) + (1 - hidden) * min(compute, moved) + adam
     return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
+
+
+def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
+    """The blocks to spill within ``room`` host bytes: most recompute seconds saved per byte first (greedy)."""
+    order = sorted(range(len(costs.spill_bytes)), key=lambda i: -costs.fwd_s[i] / max(costs.spill_bytes[i], 1))
+    chosen, used = [], 0
+    for i in order:
+        if used + costs.spill_bytes[i] <= room:
+            chosen.append(i)
+            used += costs.spill_bytes[i]
+    return frozenset(chosen)
 
 
 def _chunk_candidates(seq: BlockSeq) -> list[int]:
@@ -263,6 +293,16 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
                 for rc in recs:
+                    spill_set = None  # all blocks
+                    if rc == SPILL and host_budget is not None:  # spill what the host can hold, recompute the rest
+                        base0, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
+                                                    bw=None, n_micro=n_micro, deferred=deferred,
+                                                    n_params=n_params, spilled=frozenset())
+                        spill_set = _spill_choice(costs, host_budget - base0[HOST])
+                        if not spill_set:
+                            continue  # nothing fits: that is plain recompute, tried on its own
+                        if len(spill_set) == len(seq):
+                            spill_set = None
                     if ptier == DEVICE:
                         r_options = [n_stream]
                     elif resident_chunks is not None:
@@ -270,7 +310,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                     else:
                         # the most slots the device budget allows (more slots never cost time), else the fewest
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
-                                                   bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params)
+                                                   bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params,
+                                                   spilled=spill_set)
                         per = 8 * C
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
                         r_options = sorted({need, max(need, min(rmax, n_stream))})
@@ -283,7 +324,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             tried += 1
                             peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
                                                                 costs=costs, bw=bandwidths, n_micro=n_micro,
-                                                                deferred=deferred, n_params=n_params)
+                                                                deferred=deferred, n_params=n_params,
+                                                                spilled=spill_set)
                             host_ok = host_budget is None or peak[HOST] <= host_budget
                             dev_ok = device_budget is None or peak[DEVICE] <= device_budget
                             disk_ok = disk_free is None or peak[DISK] <= disk_free
@@ -299,6 +341,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                 best = (key, Plan(chunk_elems=C, resident_chunks=R if ptier != DEVICE else n_stream,
                                                   optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
                                                   activations=rc, device_budget=device_budget,
+                                                  spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
                                                   host_budget=host_budget, n_chunks=len(layout.chunks),
                                                   act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
                                                   predicted_step_s=step, compute_s=comp))

@@ -19,6 +19,10 @@ from stratum.errors import StratumError
 FORMAT_VERSION = 1
 
 
+SPILL_ALIGN = 64
+"""Byte alignment of each tensor in the offload engine's activation-spill arenas (enough for any dtype)."""
+
+
 @dataclass(kw_only=True)
 class BlockProfile:
     """Measured costs of one block."""
@@ -47,6 +51,9 @@ class BlockProfile:
     """Full backward time (input and weight gradients), seconds (median)."""
     bwd_input_s: float
     """Backward time for the input gradient alone, seconds (median); 0 for the first block (no input grad)."""
+    spill_bytes: int = 0
+    """Bytes the offload engine's activation spill copies for this block: each distinct saved view, except
+    parameters and the block's own input (kept anyway), rounded up to SPILL_ALIGN. 0 in older profiles."""
 
     @property
     def bwd_weight_s(self) -> float:

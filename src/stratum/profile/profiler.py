@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from stratum.config import Config
 from stratum.model.blockseq import BlockSeq
-from stratum.profile.profile import BlockProfile, Profile
+from stratum.profile.profile import SPILL_ALIGN, BlockProfile, Profile
 from stratum.runtime.device import autocast, describe, resolve_device, synchronize
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32
@@ -41,10 +41,14 @@ def block_static_bytes(seq: BlockSeq, i: int) -> dict[str, int]:
 class _SavedBytes:
     """Counts bytes saved for backward, each storage once, parameters excluded."""
 
-    def __init__(self, exclude: set[int]):
+    def __init__(self, exclude: set[int], input_ptr: int = -1):
         self.exclude = exclude
+        self.input_ptr = input_ptr
         self.seen: set[int] = set()
         self.bytes = 0
+        self.views: set[tuple] = set()
+        self.spill_bytes = 0
+        """What the offload engine's spill copies: distinct views, input excluded, aligned (activations.py)."""
 
     def pack(self, t: Tensor):
         st = t.untyped_storage()
@@ -52,6 +56,10 @@ class _SavedBytes:
         if ptr not in self.exclude and ptr not in self.seen and st.nbytes() > 0:
             self.seen.add(ptr)
             self.bytes += st.nbytes()
+        view = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ptr not in self.exclude and ptr != self.input_ptr and ptr != 0 and view not in self.views:
+            self.views.add(view)
+            self.spill_bytes += -(-t.numel() * t.element_size() // SPILL_ALIGN) * SPILL_ALIGN
         return t
 
     @staticmethod
@@ -123,7 +131,7 @@ def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.de
             return seq.loss_fn(out, y) if last else out
 
     fwd_s = _median_time(forward, device, runs)
-    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params})
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params}, inp.untyped_storage().data_ptr())
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         out = forward()
     out_bytes = 0 if last else out.numel() * out.element_size()
@@ -133,7 +141,8 @@ def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.de
     with torch.no_grad():
         nxt = x if last else block(x)
     prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
-                        act_saved_bytes=counter.bytes, out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
+                        act_saved_bytes=counter.bytes, spill_bytes=counter.spill_bytes,
+                        out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
                         bwd_input_s=bwd_input_s, **block_static_bytes(seq, i))
     return prof, nxt.detach()
 
