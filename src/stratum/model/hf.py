@@ -287,15 +287,19 @@ def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, keys: dict[
 
     def block_init(seq: BlockSeq, i: int) -> None:
         from safetensors import safe_open
-        for pname, key in per_block[i]:
-            p = seq.blocks[i].get_parameter(pname)
-            with safe_open(str(keys[key]), "pt") as f:
-                t = f.get_tensor(key)
-            if tuple(t.shape) != tuple(p.shape):
-                raise StratumError(f"model.hf_path: weight {key!r} has shape {tuple(t.shape)}, the model expects "
-                                   f"{tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(t.to(p.dtype))
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for pname, key in per_block[i]:  # each shard's header is read once per block, not once per tensor
+            by_file.setdefault(keys[key], []).append((pname, key))
+        for path, items in by_file.items():
+            with safe_open(str(path), "pt") as f:
+                for pname, key in items:
+                    p = seq.blocks[i].get_parameter(pname)
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise StratumError(f"model.hf_path: weight {key!r} has shape {tuple(t.shape)}, the model "
+                                           f"expects {tuple(p.shape)}")
+                    with torch.no_grad():
+                        p.copy_(t.to(p.dtype))
     return block_init
 
 

@@ -587,15 +587,14 @@ class OffloadEngine(Engine):
         total = torch.zeros((), device=self.device)
         spill = self.spill
         thin = self.plan.activations != KEEP  # only block inputs stay on the device between forward and backward
-        # blocks whose activations are spilled; the others (all with recompute, none with keep) are recomputed
-        spilled = (set(range(len(self.model))) if self.plan.spill_blocks is None else set(self.plan.spill_blocks)) \
-            if spill is not None else set()
+        spilled = self.plan.spilled(L)  # the other blocks are recomputed when thin
         for j, b in enumerate(micro_batches):
             last_mb = j == n - 1
             x = b.x.to(self.device, non_blocking=True)
             y = b.y.to(self.device, non_blocking=True)
             self._act, self._act_seen = 0, set()
             ins, outs, rng = [], [], []
+            kept: list[int] = []  # bytes of each kept block input (0 for token ids)
             self._boundary = set()
             if spill is not None:
                 spill.begin_microbatch()
@@ -605,6 +604,7 @@ class OffloadEngine(Engine):
                     self._access(self._block_chunks(i))
                     xi = x.detach().requires_grad_(x.is_floating_point())
                     ins.append(xi)
+                    kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
                     recompute = thin and i not in spilled
                     if spill is not None:
                         if not recompute:
@@ -622,14 +622,13 @@ class OffloadEngine(Engine):
                     if spill is not None:  # this block's activations are still on the device here
                         self._check()
                         spill.end_block()
-                        self._act = sum(t.untyped_storage().nbytes() for t in ins if t.is_floating_point())
+                        self._act = sum(kept)
                     x = out
                 loss = x
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
                 self.phase_s["forward"] += t_bwd - t_fwd
                 if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
-                    kept = [t.untyped_storage().nbytes() if t.is_floating_point() else 0 for t in ins]
                     self._act, self._act_seen = sum(kept), set()
                 tied_tmp = self._tied_grads_begin() if j > 0 else []
                 for i in reversed(range(L)):

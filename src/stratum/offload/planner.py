@@ -77,6 +77,12 @@ class Plan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def spilled(self, n_blocks: int) -> frozenset[int]:
+        """The blocks whose activations this plan spills (none unless activations = offload)."""
+        if self.activations != SPILL:
+            return frozenset()
+        return frozenset(range(n_blocks)) if self.spill_blocks is None else frozenset(self.spill_blocks)
+
     def _acts_text(self) -> str:
         if self.activations != SPILL or self.spill_blocks is None:
             return self.activations
