@@ -69,6 +69,8 @@ def test_parity_with_plain_and_budgets(source, placement, shared_tmp):
         for s, (a, b) in enumerate(zip(ref, got)):
             assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=0), (s, a.loss, b.loss)
             assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5), s
+        if eng.disk is not None and eng.disk.direct:
+            assert eng.disk.bounce_bytes == 0  # every chunk moved by direct I/O from aligned memory
         measured = eng.measured_peaks()
         if p.device_budget is not None:
             assert measured[DEVICE] <= p.device_budget
@@ -223,7 +225,7 @@ def test_prefetch_depths_and_optimizer_tiers_stay_exact(optimizer_tier, depth):
     m = mk()
     S = state_bytes(m)
     budget = S * 3 // 2 if optimizer_tier == DEVICE else S // 2
-    p = plan(m, None, device_budget=budget, chunk_elems=29_120, resident_chunks=3, optimizer_tier=optimizer_tier,
+    p = plan(m, profile(m), device_budget=budget, chunk_elems=29_120, resident_chunks=3, optimizer_tier=optimizer_tier,
              prefetch_depth=depth, host_budget=None if optimizer_tier != DISK else S // 3)
     assert p.param_tier != DEVICE
     ref = run(plain(mk()), 6)
@@ -238,7 +240,8 @@ def test_a_meta_gpt_is_built_block_by_block_with_the_same_values():
     """Models larger than RAM: the engine materialises a meta GPT one block at a time (init_gpt_block)."""
     from stratum.model.gpt import build_gpt, init_gpt_block
     meta = build_gpt("tiny", vocab_size=256, seed=5, device="meta")
-    p = plan(meta, None, device_budget=state_bytes(meta) // 2, chunk_elems=29_120)
+    prof = profile(build_gpt("tiny", vocab_size=256, seed=5))
+    p = plan(meta, prof, device_budget=state_bytes(meta) // 2, chunk_elems=29_120)
     eng = _engine(meta, p, materialize=lambda i: init_gpt_block(meta, i, 5))
     ref = plain(build_gpt("tiny", vocab_size=256, seed=5))
     assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(ref, 3)]

@@ -98,7 +98,6 @@ def test_next_use_wraps_to_the_next_step():
 
 def test_full_disk_is_a_clear_error_and_files_are_removed(tmp_path, monkeypatch):
     """ENOSPC while writing a chunk file is a one-line StratumError, not a corrupt run; close() removes the files."""
-    import builtins
     import errno
 
     from stratum.offload.tiers import DiskStore, Tier
@@ -106,19 +105,45 @@ def test_full_disk_is_a_clear_error_and_files_are_removed(tmp_path, monkeypatch)
     store = DiskStore(tmp_path, Tier("disk", None))
     store.create("ok", torch.ones(8))
     assert torch.equal(store.read("ok", torch.empty(8)), torch.ones(8))
-    real_open = builtins.open
+    import os
 
-    def full_open(path, mode="r", *a, **k):
-        if "w" in mode or "+" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(path, mode, *a, **k)
+    real = os.pwritev
 
-    monkeypatch.setattr(builtins, "open", full_open)
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
     with pytest.raises(StratumError, match="is full; free space"):
         store.create("big", torch.ones(8))
     with pytest.raises(StratumError, match="is full"):
         store.write_range("ok", 0, torch.zeros(2))
-    monkeypatch.setattr(builtins, "open", real_open)
+    monkeypatch.setattr(os, "pwritev", real)
+    assert torch.equal(store.read("ok", torch.empty(8)), torch.ones(8))  # the failed writes corrupted nothing
     d = store.dir
     store.close()
     assert not d.exists()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_disk_ranges_aligned_and_not_round_trip(tmp_path, direct):
+    """Aligned buffers move directly; any other range goes through a bounce buffer and keeps its neighbours."""
+    from stratum.offload.tiers import ALIGN, DiskStore, Tier, aligned_empty, direct_io_works
+
+    store = DiskStore(tmp_path, Tier("disk", None))
+    store.direct = direct and direct_io_works(tmp_path)
+    n = 3 * ALIGN // 4
+    src = aligned_empty(n)
+    src.copy_(torch.arange(n, dtype=torch.float32))
+    store.create("a", src)
+    assert (tmp_path / store.dir.name / "a.bin").stat().st_size == 3 * ALIGN
+    got = store.read("a", aligned_empty(n))
+    assert torch.equal(got, src) and store.bounce_bytes == 0  # the hot path never bounces
+    store.write_range("a", 5, torch.full((7,), -1.0))  # unaligned offset and length
+    want = src.clone()
+    want[5:12] = -1.0
+    assert torch.equal(store.read("a", torch.empty(n)), want)
+    assert torch.equal(store.read_range("a", 1020, torch.empty(10)), want[1020:1030])  # across a block edge
+    assert store.bounce_bytes > 0 if store.direct else store.bounce_bytes == 0
+    with pytest.raises(StratumError, match="truncated"):
+        store.read_range("a", n - 2, torch.empty(4))
+    store.close()

@@ -16,7 +16,16 @@ from torch import nn
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.offload.tiers import ALIGN
 from stratum.runtime.optim import decays
+
+ALIGN_ELEMS = ALIGN // 4
+"""Chunk capacities are multiples of this many fp32 elements, so a chunk's flat buffers (and the parameter and
+gradient halves of a slot) can be read and written with direct I/O."""
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
 
 
 @dataclass
@@ -33,7 +42,8 @@ class Entry:
 class ChunkSpec:
     index: int
     capacity: int
-    """Elements of the chunk's flat buffers (the chunk size; the tied chunk is exactly as large as its content)."""
+    """Elements of the chunk's flat buffers (the chunk size; the tied chunk is as large as its content); a
+    multiple of ALIGN_ELEMS."""
     entries: list[Entry] = field(default_factory=list)
     n_decay: int = 0
     """Elements of the leading weight-decayed range."""
@@ -88,18 +98,20 @@ def _finish(spec: ChunkSpec, items: list[tuple[str, nn.Parameter]]) -> ChunkSpec
 
 
 def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
-    """The chunk layout of ``seq`` with chunks of ``chunk_elems`` fp32 elements (works on meta models)."""
+    """The chunk layout of ``seq`` with chunks of ``chunk_elems`` fp32 elements, rounded up to a multiple of
+    ALIGN_ELEMS (works on meta models)."""
     tied_names = {g.owner for g in seq.tied}
     order = param_order(seq)
     biggest = max((p.numel() for n, p in order if n not in tied_names), default=0)
     if chunk_elems < biggest:
         raise StratumError(f"offload.chunk_size of {chunk_elems * 4:,} bytes is smaller than the largest parameter "
                            f"({biggest * 4:,} bytes); use at least that")
+    chunk_elems = _round(chunk_elems)
     chunks: list[ChunkSpec] = []
     where: dict[str, int] = {}
     tied_items = [(n, p) for n, p in order if n in tied_names]
     if tied_items:
-        spec = _finish(ChunkSpec(0, sum(p.numel() for _, p in tied_items), tied=True), tied_items)
+        spec = _finish(ChunkSpec(0, _round(sum(p.numel() for _, p in tied_items)), tied=True), tied_items)
         chunks.append(spec)
         for n, _ in tied_items:
             where[n] = 0

@@ -39,7 +39,7 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk, adamw_flat
 from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
-from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, resolve_disk_dir
+from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.runtime.device import autocast
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
@@ -162,9 +162,10 @@ class OffloadEngine(Engine):
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _alloc(self, tier: str, n: int, what: str) -> Tensor:
         self.tiers[tier].charge(n * F32, what)
-        dev = self.device if tier == DEVICE else torch.device("cpu")
-        pin = tier == HOST and self.device.type == "cuda"
-        return torch.zeros(n, dtype=torch.float32, device=dev, pin_memory=pin)
+        if tier == DEVICE and self.device.type != "cpu":
+            return torch.zeros(n, dtype=torch.float32, device=self.device)
+        # CPU memory is aligned for the disk store's direct I/O
+        return aligned_empty(n, pin=tier == HOST and self.device.type == "cuda").zero_()
 
     def _build(self) -> None:
         plan = self.plan
@@ -195,7 +196,7 @@ class OffloadEngine(Engine):
                 c.hp = fill(self._alloc(HOST, spec.capacity, "host params"))
                 c.hg = self._alloc(HOST, spec.capacity, "host grads")
             else:
-                flat = fill(torch.zeros(spec.capacity, dtype=torch.float32))
+                flat = fill(aligned_empty(spec.capacity).zero_())
                 self.disk.create(f"p{spec.index}", flat)
                 flat.zero_()
                 self.disk.create(f"g{spec.index}", flat)
@@ -206,8 +207,10 @@ class OffloadEngine(Engine):
                     e.param.grad = None
             ot = plan.optimizer_tier
             if ot == DISK:
-                self.disk.create(f"m{spec.index}", torch.zeros(spec.capacity))
-                self.disk.create(f"v{spec.index}", torch.zeros(spec.capacity))
+                zeros = aligned_empty(spec.capacity).zero_()
+                self.disk.create(f"m{spec.index}", zeros)
+                self.disk.create(f"v{spec.index}", zeros)
+                del zeros
             else:
                 c.m = self._alloc(ot, spec.capacity, "exp_avg")
                 c.v = self._alloc(ot, spec.capacity, "exp_avg_sq")
@@ -216,11 +219,11 @@ class OffloadEngine(Engine):
         cmax = max(c.cap for c in self.chunks)
         self.staging: list[Tensor | None] = [None] * 4
         if plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream:
-            self.staging[0] = self._alloc(HOST, plan.chunk_elems, "staging: params")
-            self.staging[1] = self._alloc(HOST, plan.chunk_elems, "staging: grads")
+            self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
+            self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
         if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
-            self.staging[2] = self._alloc(HOST, plan.chunk_elems, "staging: exp_avg")
-            self.staging[3] = self._alloc(HOST, plan.chunk_elems, "staging: exp_avg_sq")
+            self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
+            self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
         R = 0 if all_resident else min(plan.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
@@ -285,7 +288,7 @@ class OffloadEngine(Engine):
 
     def staging_fetch(self, n: int) -> Tensor:
         if not hasattr(self, "_fetch_staging"):
-            self._fetch_staging = torch.empty(self.layout.chunk_elems, dtype=torch.float32, pin_memory=True)
+            self._fetch_staging = aligned_empty(self.layout.chunk_elems, pin=True)
         return self._fetch_staging[:n]
 
     def _write_home(self, c: _Chunk, what: str, src: Tensor) -> None:
@@ -423,7 +426,10 @@ class OffloadEngine(Engine):
             return x
         c = self._ptr2chunk.get(ptr)
         if c is not None:
-            return ("chunk", c.i, x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            # offset from the slot's start: the chunk may come back in another slot (aligned slots are views at
+            # different offsets of their allocations)
+            return ("chunk", c.i, x.storage_offset() - c.slot.storage_offset(), tuple(x.shape), tuple(x.stride()),
+                    x.dtype)
         if ptr in self._boundary:
             return x
         if ptr not in self._act_seen:
@@ -444,7 +450,7 @@ class OffloadEngine(Engine):
             if c.slot is None:  # not expected (blocks fetch before backward), but never wrong
                 self._access((i,), record=False)
             self.xfer.wait(c.fut)
-            return c.slot.as_strided(shape, stride, off)
+            return c.slot.as_strided(shape, stride, c.slot.storage_offset() + off)
         return obj
 
     # ---- optimizer ------------------------------------------------------------------------------------------
@@ -528,22 +534,23 @@ class OffloadEngine(Engine):
         if self.plan.optimizer_tier != DISK:
             adamw_chunk(p, g, c.m, c.v, c.step, c.spec.n_decay, c.spec.used, **kw)
         else:
-            # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging);
-            # AdamW is elementwise, so piecewise equals whole
+            # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
+            # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole
             c.step.add_(1)
-            piece = self.plan.chunk_elems
-            for lo0, hi0, wd in ((0, c.spec.n_decay, self.spec.weight_decay), (c.spec.n_decay, c.spec.used, 0.0)):
-                for lo in range(lo0, hi0, piece):
-                    hi = min(hi0, lo + piece)
-                    m, v = st[2][:hi - lo], st[3][:hi - lo]
-                    fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
-                    self.disk.read_range(f"v{c.i}", lo, v)
-                    fm.result()
-                    adamw_flat(p[lo:hi], g[lo:hi], m, v, c.step, lr=lr, betas=self.spec.betas, eps=self.spec.eps,
-                               weight_decay=wd)
-                    fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
-                    self.disk.write_range(f"v{c.i}", lo, v)
-                    fm.result()
+            piece, nd = self.layout.chunk_elems, c.spec.n_decay
+            for lo in range(0, c.spec.used, piece):
+                hi = min(c.cap, lo + piece)
+                m, v = st[2][:hi - lo], st[3][:hi - lo]
+                fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
+                self.disk.read_range(f"v{c.i}", lo, v)
+                fm.result()
+                for a, b, wd in ((lo, min(hi, nd), self.spec.weight_decay), (max(lo, nd), min(hi, c.spec.used), 0.0)):
+                    if a < b:
+                        adamw_flat(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], c.step, lr=lr,
+                                   betas=self.spec.betas, eps=self.spec.eps, weight_decay=wd)
+                fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
+                self.disk.write_range(f"v{c.i}", lo, v)
+                fm.result()
         if on_disk:
             self.disk.write(f"p{c.i}", p)
         elif src is not None:
@@ -749,11 +756,11 @@ class OffloadEngine(Engine):
             return c.p().detach().cpu().clone()
         if c.hp is not None:
             return c.hp.detach().cpu().clone()
-        return self.disk.read(f"p{c.i}", torch.empty(c.cap))
+        return self.disk.read(f"p{c.i}", aligned_empty(c.cap))
 
     def _moments(self, c: _Chunk) -> tuple[Tensor, Tensor]:
         if self.plan.optimizer_tier == DISK:
-            return (self.disk.read(f"m{c.i}", torch.empty(c.cap)), self.disk.read(f"v{c.i}", torch.empty(c.cap)))
+            return self.disk.read(f"m{c.i}", aligned_empty(c.cap)), self.disk.read(f"v{c.i}", aligned_empty(c.cap))
         return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
 
     def state(self) -> TrainState:
@@ -777,8 +784,7 @@ class OffloadEngine(Engine):
     def load_state(self, state: TrainState) -> None:
         self._drain()
         for c in self.chunks:
-            flat = torch.zeros(c.cap)
-            m, v = torch.zeros(c.cap), torch.zeros(c.cap)
+            flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))
             stepv = 0.0
             for e in c.spec.entries:
                 sl = slice(e.offset, e.offset + e.numel)
