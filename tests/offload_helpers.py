@@ -77,5 +77,5 @@ def state_bytes(model) -> int:
 
 
 def plan(model, prof, *, n_micro=2, clip=1.0, **kw):
-    return make_plan(model, disk_free=None, bandwidths=None, profile=prof, n_micro=n_micro, grad_clip=clip,
-                     **{"device_budget": None, "host_budget": None, **kw})
+    return make_plan(model, profile=prof, n_micro=n_micro, grad_clip=clip,
+                     **{"device_budget": None, "host_budget": None, "disk_free": None, "bandwidths": None, **kw})

@@ -300,8 +300,10 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
         plan(m, prof, device_budget=S // 4, host_budget=1, activations="recompute")
     least = int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
     host = least + sum(b.act_saved_bytes for b in prof.blocks) // 2  # room for about half the activations
-    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload")
-    assert p.spill_blocks is not None and 0 < len(p.spill_blocks) < len(m)
+    # a disk with no room for activation files (else the rest would go there: test_activations_spill_to_disk...)
+    disk = plan(m, prof, device_budget=S // 4, host_budget=host, activations="recompute").predicted_peak[DISK]
+    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload", disk_free=disk)
+    assert p.spill_blocks is not None and 0 < len(p.spill_blocks) < len(m) and not p.disk_spill_blocks
     assert "recompute for the rest" in p.describe()
     eng = _engine(m, p)
     try:
@@ -311,5 +313,41 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
         assert measured[HOST] <= host
         assert abs(measured[HOST] - p.predicted_peak[HOST]) <= 0.10 * p.predicted_peak[HOST]
         assert eng.phase_s["recompute"] > 0 and eng.spill.bytes_d2h > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("source", _sources())
+def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shared_tmp):
+    """A host budget with room for half the activations and a disk: the rest go to disk through the ring, none
+    is recomputed; losses exact, host and disk within their predictions, the ring really read back."""
+    import re
+
+    from stratum.errors import StratumError
+    prof, ref = _reference(source, shared_tmp)
+    m = build(source, shared_tmp)
+    S = state_bytes(m)
+    with pytest.raises(StratumError) as e:  # the least host memory any placement needs (nothing spilled)
+        plan(m, prof, device_budget=S // 4, host_budget=1, activations="recompute")
+    least = int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    host = least + sum(b.spill_bytes for b in prof.blocks) // 2
+    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload")
+    assert p.disk_spill_blocks and len(p.spill_blocks) == len(m) and not p.recomputes_some
+    assert set(p.disk_spill_blocks) < set(p.spill_blocks)  # some stay on the host
+    assert f"to disk for {len(p.disk_spill_blocks)}" in p.describe()
+    eng = _engine(m, p)
+    try:
+        got = run(eng, 4)
+        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
+        assert [r.grad_norm for r in got] == pytest.approx([r.grad_norm for r in ref[:4]], rel=1e-6)
+        measured = eng.measured_peaks()
+        assert measured[HOST] <= host
+        for tier in (HOST, DISK):
+            assert abs(measured[tier] - p.predicted_peak[tier]) <= 0.10 * p.predicted_peak[tier], tier
+        ring = eng.spill.ring
+        assert eng.phase_s["recompute"] == 0 and ring.bytes_written > 0 and ring.bytes_read > 0
+        assert ring.bytes_read < ring.bytes_written  # the last blocks written are still in the ring
+        if eng.disk.direct:
+            assert eng.disk.bounce_bytes == 0
     finally:
         eng.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from stratum.offload.act_ring import ActivationRing
 from stratum.offload.tiers import Tier
 from stratum.profile.profile import SPILL_ALIGN as ALIGN  # the profiler predicts spill bytes with the same rule
 
@@ -30,12 +31,18 @@ def _aligned(n: int) -> int:
 
 
 class Spilled:
-    """One saved tensor while it lives on the host (``host``) and, around its block's backward, on the device."""
+    """One saved tensor while it lives on the host (``host``) and, around its block's backward, on the device.
+    A tensor of a block spilled to disk has no host copy of its own: ``src`` holds the device tensor until the
+    block's forward ends, then its bytes live at ``rel`` in the block's file (act_ring.py)."""
 
-    __slots__ = ("host", "dev", "ready", "nbytes", "own")
+    __slots__ = ("host", "dev", "ready", "nbytes", "own", "src", "rel", "shape", "dtype")
 
-    def __init__(self, host: Tensor, nbytes: int, own: bool):
+    def __init__(self, host: Tensor | None, nbytes: int, own: bool, like: Tensor, src: Tensor | None = None,
+                 rel: int = 0):
         self.host = host
+        self.src = src
+        self.rel = rel
+        self.shape, self.dtype = tuple(like.shape), like.dtype
         self.dev: Tensor | None = None
         self.ready = None
         """CUDA event after which ``dev`` holds the data (None on a CPU: copies are synchronous)."""
@@ -48,8 +55,12 @@ class ActivationSpill:
     """Per-block spill and restore of saved activations; host bytes charged to the host tier, and the device
     bytes of restored activations reported in ``device_bytes`` for the engine's device accounting."""
 
-    def __init__(self, device: torch.device, host_tier: Tier):
+    def __init__(self, device: torch.device, host_tier: Tier, ring: ActivationRing | None = None,
+                 disk_blocks: frozenset[int] = frozenset()):
         self.device = device
+        self.ring = ring
+        self.disk_blocks = disk_blocks if ring is not None else frozenset()
+        """Blocks whose activations go to disk through ``ring`` (the others stay in the host arena)."""
         self.host_tier = host_tier
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -71,6 +82,8 @@ class ActivationSpill:
     def begin_microbatch(self) -> None:
         """Every earlier spill is released; grow the host arena to what the last micro-batch needed."""
         self.clear()
+        if self.ring is not None:
+            self.ring.reset()
         if self._host_need > self._host.numel():
             self.host_tier.release(self._host.numel())
             self._host = torch.empty(0, dtype=torch.uint8)
@@ -86,6 +99,26 @@ class ActivationSpill:
         self._cache = {}
 
     def end_block(self) -> None:
+        i = self._current
+        if i in self.disk_blocks:  # pack the block's saved tensors into one buffer and write it out
+            todo = self.blocks[i]
+            buf = self.ring.put(i, self._block_bytes[i])
+            event = None
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in todo:
+                dst = self._view(buf, t.rel, t)
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        dst.copy_(t.src, non_blocking=True)
+                    t.src.record_stream(self.stream)
+                else:
+                    dst.copy_(t.src)
+                t.src = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.ring.commit(i, event)
         # The cache holds the device originals so that a freed one's address cannot be mistaken for a new
         # tensor's within the block; after the block nothing more is saved into it.
         self._cache = {}
@@ -105,6 +138,14 @@ class ActivationSpill:
             return hit[1]
         nbytes = x.numel() * x.element_size()
         span = _aligned(nbytes)
+        i = self._current
+        if i in self.disk_blocks:  # copied out at the end of the block (end_block)
+            s = Spilled(None, nbytes, False, x, src=x, rel=self._block_bytes[i])
+            self._cache[key] = (x, s)
+            self.blocks[i].append(s)
+            self._block_bytes[i] += span
+            self.bytes_d2h += nbytes
+            return s
         self._host_need += span
         if self._host_used + span <= self._host.numel():
             host = self._view(self._host, self._host_used, x)
@@ -121,7 +162,7 @@ class ActivationSpill:
             x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
         else:
             host.copy_(x)
-        s = Spilled(host, nbytes, own)
+        s = Spilled(host, nbytes, own, x)
         self.bytes_d2h += nbytes
         self._cache[key] = (x, s)
         self.blocks[self._current].append(s)
@@ -129,8 +170,9 @@ class ActivationSpill:
         return s
 
     @staticmethod
-    def _view(arena: Tensor, offset: int, like: Tensor) -> Tensor:
-        nbytes = like.numel() * like.element_size()
+    def _view(arena: Tensor, offset: int, like) -> Tensor:
+        """A view of ``arena`` bytes at ``offset`` with the dtype and shape of ``like`` (a tensor or Spilled)."""
+        nbytes = like.nbytes if isinstance(like, Spilled) else like.numel() * like.element_size()
         return arena[offset:offset + nbytes].view(like.dtype).view(like.shape)
 
     # ---- backward --------------------------------------------------------------------------------------------
@@ -147,6 +189,11 @@ class ActivationSpill:
         off = (i % self._dev_regions) * self._region
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        on_disk = i in self.disk_blocks
+        if on_disk:
+            buf = self.ring.get(i)
+            for s in todo:
+                s.host = self._view(buf, s.rel, s)
         for s in todo:
             s.dev = self._view(self._dev, off, s.host)
             off += _aligned(s.nbytes)
@@ -158,6 +205,15 @@ class ActivationSpill:
             else:
                 s.dev.copy_(s.host)
             self.bytes_h2d += s.nbytes
+        if on_disk:
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            for s in todo:
+                s.host = None
+            self.ring.done_with(i, event)
+            self.ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
 
     def unpack(self, s: Spilled) -> Tensor:
         if s.dev is None:  # not expected: the engine restores a block before its backward
@@ -185,5 +241,7 @@ class ActivationSpill:
 
     def close(self) -> None:
         self.clear()
+        if self.ring is not None:
+            self.ring.close()
         self.host_tier.release(self._host.numel())
         self._host = torch.empty(0, dtype=torch.uint8)

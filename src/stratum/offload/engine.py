@@ -33,6 +33,7 @@ from torch import Tensor
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
@@ -144,7 +145,11 @@ class OffloadEngine(Engine):
         self._act = 0
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, _Chunk] = {}
-        self.spill = ActivationSpill(device, self.tiers[HOST]) if plan.activations == SPILL else None
+        self.spill = None
+        if plan.activations == SPILL:
+            ring = (ActivationRing(self.disk, self.tiers[HOST], pin=device.type == "cuda")
+                    if plan.disk_spill_blocks else None)
+            self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(plan.disk_spill_blocks))
         self._boundary: set[int] = set()
         """Storages of the kept block inputs: a saved tensor in one of them is kept by reference, never spilled."""
         self.n_fetches = 0

@@ -17,7 +17,8 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.belady import simulate
 from stratum.offload.chunks import Layout, pack, param_order
-from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths
+from stratum.offload.act_ring import RING
+from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths, round_up
 from stratum.offload.units import fmt_bytes
 
 F32 = 4
@@ -45,7 +46,11 @@ class Plan:
     """keep | offload | recompute (see ACTIVATIONS)."""
     spill_blocks: tuple[int, ...] | None = None
     """With activations = offload: the blocks whose activations are spilled (None = all); the others are
-    recomputed — what the host budget cannot hold is recomputed rather than refused."""
+    recomputed — what the host budget cannot hold is recomputed (or spilled to disk) rather than refused."""
+    disk_spill_blocks: tuple[int, ...] = ()
+    """Of the spilled blocks, those whose activations go to disk (act_ring.py) rather than the host tier."""
+    recomputes_some: bool = False
+    """With activations = offload: some blocks are recomputed (not every block is in spill_blocks)."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -68,7 +73,7 @@ class Plan:
 
     @property
     def uses_disk(self) -> bool:
-        return self.param_tier == DISK or self.optimizer_tier == DISK
+        return self.param_tier == DISK or self.optimizer_tier == DISK or bool(self.disk_spill_blocks)
 
     @property
     def needs_staging(self) -> bool:
@@ -86,7 +91,11 @@ class Plan:
     def _acts_text(self) -> str:
         if self.activations != SPILL or self.spill_blocks is None:
             return self.activations
-        return f"offload for {len(self.spill_blocks)} blocks, recompute for the rest"
+        disk = len(self.disk_spill_blocks)
+        text = f"offload for {len(self.spill_blocks) - disk} blocks"
+        if disk:
+            text += f", to disk for {disk}"
+        return text + (", recompute for the rest" if self.recomputes_some else "")
 
     def describe(self) -> str:
         tr = self.predicted_traffic
@@ -145,9 +154,11 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
-            spilled: frozenset[int] | None = None) -> tuple[dict, dict, float, float, int]:
+            spilled: frozenset[int] | None = None,
+            disk_spilled: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
-    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed."""
+    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed.
+    ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host."""
     L = len(costs.act_bytes)
     spilled = frozenset(range(L)) if spilled is None else spilled
     recomputed = [] if acts == KEEP else [i for i in range(L) if acts == RECOMPUTE or i not in spilled]
@@ -186,7 +197,10 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     else:
         disk += sum(8 * c.capacity for c in chunks)
     if acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
-        host += sum(costs.spill_bytes[i] for i in spilled)
+        host += sum(costs.spill_bytes[i] for i in spilled - disk_spilled)
+        if disk_spilled:
+            host += RING * max(round_up(costs.spill_bytes[i]) for i in disk_spilled)
+            disk += sum(round_up(costs.spill_bytes[i]) for i in disk_spilled)
     if opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
         host += 2 * C * F32
     if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
@@ -223,6 +237,10 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         tr["disk_read"] += sum(8 * c.capacity for c in chunks)
         tr["disk_write"] += sum(8 * c.capacity for c in chunks)
     spilled_bytes = n_micro * sum(costs.spill_bytes[i] for i in spilled) if acts == SPILL else 0
+    if acts == SPILL and disk_spilled:  # written in the forward, read back for the backward
+        ring_bytes = n_micro * sum(round_up(costs.spill_bytes[i]) for i in disk_spilled)
+        tr["disk_write"] += ring_bytes
+        tr["disk_read"] += ring_bytes
     tr["h2d"] += spilled_bytes
     tr["d2h"] += spilled_bytes
     compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + sum(costs.fwd_s[i] for i in recomputed))
@@ -256,6 +274,29 @@ def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
             chosen.append(i)
             used += costs.spill_bytes[i]
     return frozenset(chosen)
+
+
+def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str, ptier: str, costs: Costs,
+                        n_micro: int, deferred: bool, n_params: int):
+    """(activations, spilled blocks or None = all, of those the ones on disk) to try. Offload is tried three
+    ways when the host budget is bounded: all blocks on the host; what the host holds there and the rest
+    recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk."""
+    L = len(costs.spill_bytes)
+    for rc in recs:
+        if rc != SPILL or host_budget is None:
+            yield rc, None, frozenset()
+            continue
+        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=None,
+                                   n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset())
+        room = host_budget - base[HOST]
+        yield rc, None, frozenset()  # refused later if the host cannot hold it all
+        host_set = _spill_choice(costs, room)
+        if host_set and len(host_set) < L:  # an empty set is plain recompute, tried on its own
+            yield rc, host_set, frozenset()
+        ring = RING * max((round_up(b) for b in costs.spill_bytes), default=0)
+        if len(host_set) < L and room >= ring and ring > 0:
+            on_host = _spill_choice(costs, room - ring)
+            yield rc, frozenset(range(L)), frozenset(range(L)) - on_host
 
 
 def _chunk_candidates(seq: BlockSeq) -> list[int]:
@@ -298,17 +339,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
             for ptier in (DEVICE, HOST, DISK):
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
-                for rc in recs:
-                    spill_set = None  # all blocks
-                    if rc == SPILL and host_budget is not None:  # spill what the host can hold, recompute the rest
-                        base0, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
-                                                    bw=None, n_micro=n_micro, deferred=deferred,
-                                                    n_params=n_params, spilled=frozenset())
-                        spill_set = _spill_choice(costs, host_budget - base0[HOST])
-                        if not spill_set:
-                            continue  # nothing fits: that is plain recompute, tried on its own
-                        if len(spill_set) == len(seq):
-                            spill_set = None
+                for rc, spill_set, disk_set in _activation_options(recs, host_budget, layout, opt, ptier, costs,
+                                                                   n_micro, deferred, n_params):
                     if ptier == DEVICE:
                         r_options = [n_stream]
                     elif resident_chunks is not None:
@@ -317,7 +349,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                         # the most slots the device budget allows (more slots never cost time), else the fewest
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
                                                    bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params,
-                                                   spilled=spill_set)
+                                                   spilled=spill_set, disk_spilled=disk_set)
                         per = 8 * C
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
                         r_options = sorted({need, max(need, min(rmax, n_stream))})
@@ -331,7 +363,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
                                                                 costs=costs, bw=bandwidths, n_micro=n_micro,
                                                                 deferred=deferred, n_params=n_params,
-                                                                spilled=spill_set)
+                                                                spilled=spill_set, disk_spilled=disk_set)
                             host_ok = host_budget is None or peak[HOST] <= host_budget
                             dev_ok = device_budget is None or peak[DEVICE] <= device_budget
                             disk_ok = disk_free is None or peak[DISK] <= disk_free
@@ -348,6 +380,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                                   optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
                                                   activations=rc, device_budget=device_budget,
                                                   spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
+                                                  disk_spill_blocks=tuple(sorted(disk_set)),
+                                                  recomputes_some=spill_set is not None and len(spill_set) < len(seq),
                                                   host_budget=host_budget, n_chunks=len(layout.chunks),
                                                   act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
                                                   predicted_step_s=step, compute_s=comp))

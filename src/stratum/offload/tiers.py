@@ -371,6 +371,20 @@ class DiskStore:
         self.bounce_bytes += size
         return lo, aligned_empty(size, torch.uint8)
 
+    def put(self, key: str, t: torch.Tensor) -> None:
+        """Write ``t`` as ``key``'s whole content: in place when the file has its size, else re-created."""
+        if self.sizes.get(key) == round_up(t.numel() * t.element_size()):
+            self.write(key, t)
+            return
+        self.remove(key)
+        self.create(key, t)
+
+    def remove(self, key: str) -> None:
+        n = self.sizes.pop(key, None)
+        if n is not None:
+            self._path(key).unlink(missing_ok=True)
+            self.tier.release(n)
+
     def write_async(self, key: str, t: torch.Tensor) -> Future:
         return self.pool.submit(self.write, key, t)
 
