@@ -154,7 +154,8 @@ class OffloadConfig:
     """Expert override: chunk accesses fetched ahead of use (0 = on demand); -1 = the planner's choice."""
     activations: str = "auto"
     """Expert override: a block's saved activations between its forward and backward: auto (planner), keep (on
-    the device), offload (copied to the host tier and back) or recompute (the block's forward is re-run)."""
+    the device), offload (copied to the host tier and back; what the host budget cannot hold goes to disk or is
+    recomputed, whichever the planner predicts faster) or recompute (the block's forward is re-run)."""
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
