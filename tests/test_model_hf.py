@@ -55,6 +55,16 @@ def reference(cfg_dir, seed):
                                                              dtype=torch.float32)
 
 
+def copy_values(ref, seq):
+    """Give the HF reference model the BlockSeq's values (random init draws them block by block)."""
+    src, dst = list(seq.parameters()), list(ref.parameters())
+    assert [p.shape for p in src] == [p.shape for p in dst]
+    with torch.no_grad():
+        for a, b in zip(src, dst):
+            b.copy_(a)
+    return ref
+
+
 def batch(seed=0, b=2, t=16):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, V, (b, t + 1), generator=g)
@@ -64,7 +74,7 @@ def batch(seed=0, b=2, t=16):
 def test_parity_with_hf_forward(tmp_path, family):
     d = save_config(tmp_path, CONFIGS[family]())
     seq = build_hf(str(d / "config.json"), seed=7).eval()  # a bare config.json file: random init
-    ref = reference(d, 7).eval()
+    ref = copy_values(reference(d, 7), seq).eval()
     x, y = batch()
     with torch.no_grad():
         logits = seq(x)
@@ -259,6 +269,54 @@ def test_lazy_build_refuses_weights_missing_a_tensor(tmp_path):
         build_hf(str(d), seed=0, lazy=True)
 
 
-def test_config_only_is_built_eagerly_even_when_lazy(tmp_path, family):
-    seq = build_hf(str(save_config(tmp_path, CONFIGS[family]())), seed=0, lazy=True)
-    assert seq.block_init is None and not any(p.is_meta for p in seq.parameters())
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_init_is_drawn_block_by_block_lazy_equals_eager(tmp_path, family, tied):
+    """A bare config: every block is initialised by the model's own _init_weights under a seed of its own, so a
+    lazy build materialised block by block (in any order, or a deep copy of it) equals the eager build, and the
+    values follow transformers' scheme (the same per-parameter mean and spread as from_config's)."""
+    import copy
+    d = save_config(tmp_path, CONFIGS[family](**({"tie_word_embeddings": tied} if family == "llama" else {})))
+    eager = build_hf(str(d), seed=3)
+    assert eager.block_init is None and not any(p.is_meta for p in eager.parameters())
+    lazy = build_hf(str(d), seed=3, lazy=True)
+    assert all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
+    twin = copy.deepcopy(lazy)
+    for seq, order in ((lazy, reversed(range(len(lazy)))), (twin, range(len(twin)))):
+        for i in order:
+            seq.allocate(i)
+            seq.materialize(i)
+    want = dict(eager.named_parameters())
+    for seq in (lazy, twin):
+        got = dict(seq.named_parameters())
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+    assert not torch.equal(*[build_hf(str(d), seed=s).blocks[1].layer.mlp.c_fc.weight if family == "gpt2"
+                             else build_hf(str(d), seed=s).blocks[1].layer.mlp.up_proj.weight for s in (3, 4)])
+    ref = reference(d, 3)
+    for (n, a), b in zip(eager.named_parameters(), ref.parameters()):
+        if a.numel() > 100:
+            assert abs(a.std().item() - b.std().item()) <= 0.15 * b.std().item() + 1e-6, n
+            assert abs(a.mean().item() - b.mean().item()) <= 0.2 * b.std().item() + 1e-6, n
+        else:
+            assert torch.equal(a, b) or abs(a.std().item() - b.std().item()) <= 0.5 * b.std().item(), n
+
+
+def test_lazy_build_reads_pytorch_model_bin_memory_mapped(tmp_path):
+    """pytorch_model.bin weights: read block by block through torch.load(mmap=True), equal to from_pretrained."""
+    cfg_dir = save_config(tmp_path, gpt2_config())
+    model = reference(cfg_dir, 123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.config.save_pretrained(tmp_path / "model")  # transformers 5 writes safetensors only: a legacy .bin
+    torch.save(model.state_dict(), tmp_path / "model" / "pytorch_model.bin")
+    eager = build_hf(str(tmp_path / "model"), seed=0)
+    lazy = build_hf(str(tmp_path / "model"), seed=0, lazy=True)
+    assert all(p.is_meta for p in lazy.parameters())
+    for i in range(len(lazy)):
+        lazy.allocate(i)
+        lazy.materialize(i)
+    want = dict(eager.named_parameters())
+    for n, p in lazy.named_parameters():
+        assert torch.equal(p, want[n]), n

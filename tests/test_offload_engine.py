@@ -351,3 +351,21 @@ def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shar
             assert eng.disk.bounce_bytes == 0
     finally:
         eng.close()
+
+
+def test_a_lazily_built_random_init_transformers_model_trains_like_the_eager_one(shared_tmp):
+    """A transformers model from a bare config, built lazily (parameters on meta, each block drawn when the
+    engine packs its chunks): the offload engine's losses equal plain's on the eager build, on disk too."""
+    pytest.importorskip("transformers")
+    from stratum.model.hf import build_hf
+    prof, ref = _reference("hf", shared_tmp)
+    torch.manual_seed(0)  # the dropout masks' RNG starts where build() leaves it
+    lazy = build_hf(str(shared_tmp / "gpt2-cfg"), seed=0, lazy=True)
+    assert lazy.block_init is not None and all(p.is_meta for p in lazy.parameters())
+    S = state_bytes(lazy)
+    eng = _engine(lazy, plan(lazy, prof, device_budget=S // 4, host_budget=S // 10, optimizer_tier=DISK))
+    try:
+        got = run(eng, 4)
+        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
+    finally:
+        eng.close()

@@ -84,6 +84,13 @@ class BlockSeq(nn.Module):
                 seen.setdefault(id(p), []).append(f"blocks.{i}.{name}")
         return [TiedGroup(tuple(names)) for names in seen.values() if len(names) > 1]
 
+    def allocate(self, i: int, device: torch.device | str = "cpu") -> None:
+        """Give block ``i``'s meta parameters real, uninitialised storage on ``device`` (tied ones once)."""
+        for _, p in self.blocks[i].named_parameters():
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                         requires_grad=p.requires_grad))
+
     def materialize(self, i: int) -> None:
         """Initialise block ``i``'s (allocated, uninitialised) parameters; see ``block_init``."""
         if self.block_init is None:

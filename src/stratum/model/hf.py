@@ -249,26 +249,67 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def _safetensors_keys(weights_dir: Path) -> dict[str, Path] | None:
-    """Checkpoint key → safetensors file, or None when the weights are not in safetensors files."""
-    single = weights_dir / "model.safetensors"
-    index = weights_dir / "model.safetensors.index.json"
+class _Weights:
+    """Checkpoint key → file, and reading a block's tensors from those files one file at a time: safetensors
+    through ``safe_open``, ``pytorch_model.bin`` through ``torch.load(mmap=True)`` (tensors backed by the file,
+    paged in as they are copied, so the checkpoint never sits in RAM whole)."""
+
+    def __init__(self, keys: dict[str, Path], safetensors: bool):
+        self.keys = keys
+        self.safetensors = safetensors
+        self._bins: dict[Path, dict] = {}
+
+    def read(self, path: Path, keys: list[str]) -> list[Tensor]:
+        if self.safetensors:
+            from safetensors import safe_open
+            with safe_open(str(path), "pt") as f:
+                return [f.get_tensor(k) for k in keys]
+        if path not in self._bins:
+            self._bins[path] = _load_bin(path)
+        return [self._bins[path][k] for k in keys]
+
+
+def _load_bin(path: Path) -> dict:
     try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # not a zip checkpoint, corrupt, or pickled objects: several exception types
+        raise StratumError(f"model.hf_path: cannot read the weights in {str(path)!r}: {_first_line(e)}") from None
+
+
+def _weights_index(weights_dir: Path) -> _Weights | None:
+    """Where each checkpoint tensor is, or None when the directory's weights cannot be read block by block."""
+    try:
+        single = weights_dir / "model.safetensors"
+        index = weights_dir / "model.safetensors.index.json"
         if single.is_file():
             from safetensors import safe_open
             with safe_open(str(single), "pt") as f:
-                return {k: single for k in f.keys()}
+                return _Weights({k: single for k in f.keys()}, True)
         if index.is_file():
-            return {k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            return _Weights({k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()},
+                            True)
+        single = weights_dir / "pytorch_model.bin"
+        index = weights_dir / "pytorch_model.bin.index.json"
+        if single.is_file():
+            w = _Weights({}, False)
+            w._bins[single] = _load_bin(single)
+            w.keys = {k: single for k in w._bins[single]}
+            return w
+        if index.is_file():
+            return _Weights({k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()},
+                            False)
+    except StratumError:
+        raise
     except Exception as e:  # a corrupt header or index surfaces as several exception types
         raise StratumError(f"model.hf_path: cannot read the weights in {str(weights_dir)!r}: "
                            f"{_first_line(e)}") from None
     return None
 
 
-def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, keys: dict[str, Path]):
-    """``block_init(seq, i)``: fill block i's (allocated) parameters from the safetensors files. Parameters are
+def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, weights: _Weights):
+    """``block_init(seq, i)``: fill block i's (allocated) parameters from the weight files. Parameters are
     found by their name inside the block, so a deep copy of the BlockSeq loads into itself."""
+    keys = weights.keys
     names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter has one (the first) name
     prefix = getattr(model, "base_model_prefix", "")
 
@@ -286,56 +327,81 @@ def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, keys: dict[
     per_block = [[(pname, key_of(names[id(p)])) for pname, p in blk.named_parameters()] for blk in blocks]
 
     def block_init(seq: BlockSeq, i: int) -> None:
-        from safetensors import safe_open
         by_file: dict[Path, list[tuple[str, str]]] = {}
-        for pname, key in per_block[i]:  # each shard's header is read once per block, not once per tensor
+        for pname, key in per_block[i]:  # each shard is opened once per block, not once per tensor
             by_file.setdefault(keys[key], []).append((pname, key))
         for path, items in by_file.items():
-            with safe_open(str(path), "pt") as f:
-                for pname, key in items:
-                    p = seq.blocks[i].get_parameter(pname)
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise StratumError(f"model.hf_path: weight {key!r} has shape {tuple(t.shape)}, the model "
-                                           f"expects {tuple(p.shape)}")
-                    with torch.no_grad():
-                        p.copy_(t.to(p.dtype))
+            for (pname, key), t in zip(items, weights.read(path, [k for _, k in items])):
+                p = seq.blocks[i].get_parameter(pname)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise StratumError(f"model.hf_path: weight {key!r} has shape {tuple(t.shape)}, the model "
+                                       f"expects {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(t.to(p.dtype))
     return block_init
 
 
-def _make_model(transformers, config, weights_dir: Path | None, seed: int, device: torch.device,
+def _post_order(m: nn.Module) -> list[nn.Module]:
+    """Children before their parent, as ``nn.Module.apply`` (and so transformers' initialisation) visits them:
+    a parent's ``_init_weights`` may override a child's (GPT-2's scaled residual projections)."""
+    out: list[nn.Module] = []
+    for c in m.children():
+        out += _post_order(c)
+    out.append(m)
+    return out
+
+
+def _random_block_init(model, seed: int):
+    """``block_init(seq, i)`` for a randomly initialised model: the model's own ``_init_weights`` on every module
+    of block i, each module under its own seed drawn from (seed, i, module index). Block by block, in any order,
+    gives the same values as all blocks at once, so a lazy build (offload engine) and an eager one (every other
+    engine) train identically. A parameter tied to an earlier block is left to that block."""
+
+    def block_init(seq: BlockSeq, i: int) -> None:
+        owned = {id(p) for _, p in seq.owned_parameters(i)}
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for j, m in enumerate(_post_order(seq.blocks[i])):
+                direct = list(m.parameters(recurse=False))
+                if direct and not any(id(p) in owned for p in direct):
+                    continue
+                keep = [(p, p.detach().clone()) for p in m.parameters() if id(p) not in owned and not p.is_meta]
+                for p in m.parameters():
+                    if hasattr(p, "_is_hf_initialized"):  # transformers' init functions skip flagged tensors
+                        del p._is_hf_initialized
+                torch.manual_seed((seed * 1_000_003 + i) * 10_007 + j)
+                model._init_weights(m)
+                for p, v in keep:
+                    p.copy_(v)
+    return block_init
+
+
+def _make_model(transformers, config, weights_dir: Path | None, device: torch.device,
                 params_on_meta: bool = False):
+    """The transformers model: weights loaded from ``weights_dir``, or built from the config with parameters on
+    the meta device (``params_on_meta``: they get storage and values block by block) or entirely on meta."""
     Auto = transformers.AutoModelForCausalLM
     hf_logging = transformers.utils.logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        if params_on_meta:
-            with _parameters_on_meta():
-                return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
-        if device.type == "meta":
-            with torch.device("meta"):
-                return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
-        if weights_dir is not None:
+        if weights_dir is not None and not params_on_meta and device.type != "meta":
             try:
                 model = Auto.from_pretrained(str(weights_dir), config=config, local_files_only=True,
                                              attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
             except Exception as e:  # corrupt / mismatched weight files surface as many exception types
                 raise StratumError(f"model.hf_path: cannot load the weights in {str(weights_dir)!r}: "
                                    f"{_first_line(e)}") from None
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                try:
-                    model = Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION,
-                                             dtype=torch.float32)
-                except (ValueError, AssertionError, TypeError, KeyError, IndexError) as e:
-                    raise StratumError(f"model.hf_path: cannot build a {config.model_type} model from this "
-                                       f"config: {_first_line(e)}") from None
+            return model.to(device)
+        where = _parameters_on_meta() if params_on_meta else torch.device("meta")
+        try:
+            with where:
+                return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+        except (ValueError, AssertionError, TypeError, KeyError, IndexError) as e:
+            raise StratumError(f"model.hf_path: cannot build a {config.model_type} model from this "
+                               f"config: {_first_line(e)}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return model.to(device)
 
 
 # ---- flattening --------------------------------------------------------------------------------------------
@@ -377,18 +443,21 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     initialised from ``seed`` (deterministically; the caller's RNG state is left untouched). ``dropout``
     overrides the config's dropout probabilities. ``vocab_size`` is the tokenizer's vocabulary: with random
     init it replaces ``config.vocab_size``; with loaded weights it must not exceed it. On the ``meta`` device
-    the structure is built without memory or weights. ``lazy`` with safetensors weights: parameters on the meta
-    device and ``seq.materialize(i)`` reads block i's from the files (a model larger than RAM, one block at a
-    time; the values ``from_pretrained`` gives); otherwise ``lazy`` is ignored. Bad input raises
-    :class:`StratumError`.
+    the structure is built without memory or weights. ``lazy`` (CPU): parameters on the meta device and
+    ``seq.materialize(i)`` gives block i its values — read from the weight files (safetensors, or
+    ``pytorch_model.bin`` memory-mapped; the values ``from_pretrained`` gives) or, for random init, drawn block by
+    block exactly as the eager build draws them — so a model larger than RAM is built one block at a time.
+    Bad input raises :class:`StratumError`.
     """
     transformers = _import_transformers()
     cfg_file, weights_dir = _resolve(path)
     config = _load_config(transformers, cfg_file)
     _override(config, dropout=dropout, vocab_size=vocab_size, loading=weights_dir is not None)
     dev = torch.device(device)
-    keys = _safetensors_keys(weights_dir) if lazy and weights_dir is not None and dev.type == "cpu" else None
-    model = _make_model(transformers, config, weights_dir, seed, dev, params_on_meta=keys is not None)
+    weights = _weights_index(weights_dir) if lazy and weights_dir is not None and dev.type == "cpu" else None
+    per_block = weights_dir is None and dev.type != "meta"  # random init, block by block (eager or lazy)
+    model = _make_model(transformers, config, weights_dir, dev,
+                        params_on_meta=weights is not None or per_block)
     model.train()  # from_pretrained returns eval mode; a BlockSeq starts in train mode like any nn.Module
     config = model.config
     model_type = config.model_type
@@ -418,6 +487,13 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     seq = BlockSeq(blocks, lm_cross_entropy, info, names)
     if tie and not seq.tied:
         raise RuntimeError("tied embedding was not found in both the embed and head blocks")
-    if keys is not None:
-        seq.block_init = _block_loader(model, blocks, weights_dir, keys)
+    if weights is not None:
+        seq.block_init = _block_loader(model, blocks, weights_dir, weights)
+    elif per_block:
+        seq.block_init = _random_block_init(model, seed)
+        if not lazy or dev.type != "cpu":
+            for i in range(len(seq)):
+                seq.allocate(i, dev)
+                seq.materialize(i)
+            seq.block_init = None
     return seq

@@ -252,10 +252,7 @@ class OffloadEngine(Engine):
             if i in self._materialized:
                 continue
             self._materialized.add(i)
-            for _, p in self.model.blocks[i].named_parameters():
-                if p.is_meta:
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                                   requires_grad=p.requires_grad))
+            self.model.allocate(i)
             self._materialize(i)
 
     def _bind(self, c: _Chunk) -> None:
