@@ -120,6 +120,11 @@ class ActivationRing:
         self._touch(s)
         return s.buf[:self.sizes[i]]
 
+    def ready(self, i: int) -> bool:
+        """Block ``i``'s bytes are in a buffer now (getting them would not wait for the disk)."""
+        s = self._find(i)
+        return s is not None and (s.fut is None or s.fut.done())
+
     def done_with(self, i: int, event=None) -> None:
         """The copy out of block ``i``'s buffer is issued (and ends at ``event`` on a GPU)."""
         s = self._find(i)

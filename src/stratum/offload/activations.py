@@ -215,6 +215,10 @@ class ActivationSpill:
             self.ring.done_with(i, event)
             self.ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
 
+    def ready(self, i: int) -> bool:
+        """Restoring block ``i`` now would not wait for a disk read (used to restore a block early)."""
+        return i not in self.disk_blocks or self.ring.ready(i)
+
     def unpack(self, s: Spilled) -> Tensor:
         if s.dev is None:  # not expected: the engine restores a block before its backward
             raise RuntimeError("offload: a spilled activation was used before its block was restored")

@@ -649,8 +649,8 @@ class OffloadEngine(Engine):
                             c.grad = "dev"
                     if spill is not None:
                         spill.restore(i)
-                        if spill.cuda and i > 0:  # the next block's copy-back runs beside this backward
-                            spill.restore(i - 1)
+                        if spill.cuda and i > 0 and spill.ready(i - 1):
+                            spill.restore(i - 1)  # the next block's copy-back runs beside this backward
                         self._act = sum(kept[:i + 1]) + spill.device_bytes
                     out = outs[i]
                     if out is None:  # recompute this block's forward with the RNG state of its first run
