@@ -71,8 +71,6 @@ def test_parity_with_plain_and_budgets(source, placement, shared_tmp):
             assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5), s
         if eng.disk is not None and eng.disk.direct:
             assert eng.disk.bounce_bytes == 0  # every chunk moved by direct I/O from aligned memory
-        if placement == "params-and-optimizer-on-disk":  # the clipped update pass ran pipelined
-            assert eng.pipe is not None and eng.pipe.overlapped_reads > 0
         measured = eng.measured_peaks()
         if p.device_budget is not None:
             assert measured[DEVICE] <= p.device_budget
@@ -228,7 +226,7 @@ def test_prefetch_depths_and_optimizer_tiers_stay_exact(optimizer_tier, depth):
     S = state_bytes(m)
     budget = S * 3 // 2 if optimizer_tier == DEVICE else S // 2
     p = plan(m, profile(m), device_budget=budget, chunk_elems=29_120, resident_chunks=3, optimizer_tier=optimizer_tier,
-             prefetch_depth=depth, host_budget=None if optimizer_tier != DISK else S * 3 // 4)
+             prefetch_depth=depth, host_budget=None if optimizer_tier != DISK else S // 3)
     assert p.param_tier != DEVICE
     ref = run(plain(mk()), 6)
     eng = _engine(m, p)

@@ -41,7 +41,6 @@ from stratum.offload.cpu_adam import adamw_chunk, adamw_flat
 from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
-from stratum.offload.update_pipe import UpdatePipeline
 from stratum.offload.trace import AccessTrace
 from stratum.runtime.device import autocast
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
@@ -230,12 +229,6 @@ class OffloadEngine(Engine):
         if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
             self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
             self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
-        self.pipe: UpdatePipeline | None = None
-        if self.spec.grad_clip > 0 and plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream:
-            C, mom = self.layout.chunk_elems, plan.optimizer_tier == DISK
-            second = [self._alloc(HOST, C, f"staging 2: {w}") if w in ("params", "grads") or mom else None
-                      for w in ("params", "grads", "exp_avg", "exp_avg_sq")]
-            self.pipe = UpdatePipeline(self.disk, [self.staging, second], mom)
         R = 0 if all_resident else min(plan.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
@@ -528,10 +521,6 @@ class OffloadEngine(Engine):
         n = c.cap
         st = self.staging
         on_disk = c.hp is None
-        if src is None and on_disk and self.pipe is not None:
-            self.pipe.update(c, coef, lr, betas=self.spec.betas, eps=self.spec.eps,
-                             weight_decay=self.spec.weight_decay)
-            return
         if src is not None:
             p, g = src[:n], src[n:]
         elif on_disk:
@@ -702,8 +691,6 @@ class OffloadEngine(Engine):
         coef = None
         if self._deferred:
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
-            if self.pipe is not None:
-                self.pipe.begin([c for c in self.chunks if c.hp is None and not c.pinned], self._spill_futs)
             for c in self.chunks:
                 if self.plan.optimizer_tier == DEVICE:
                     self._access((c.i,))

@@ -205,8 +205,6 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         host += 2 * C * F32
     if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
         host += 2 * C * F32
-        if deferred:  # a second staging set: the clipped update pass is pipelined (update_pipe.py)
-            host += (4 if opt == DISK else 2) * C * F32
     tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
     # A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its slot
     # as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete).

@@ -276,7 +276,7 @@ class DiskStore:
     path to zero.
     """
 
-    def __init__(self, base: Path, tier: Tier, workers: int = 4):
+    def __init__(self, base: Path, tier: Tier, workers: int = 2):
         self.dir = Path(tempfile.mkdtemp(prefix=f"stratum-offload-{os.getpid()}-", dir=base))
         self.tier = tier
         self.direct = direct_io_works(self.dir)
