@@ -158,10 +158,11 @@ class OffloadEngine(Engine):
         self.peak_act = 0
         self.stall_s = 0.0
         """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
-        self.phase_s = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "update": 0.0}
+        self.phase_s = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "update": 0.0, "update_pass": 0.0}
         """Seconds of the training thread per phase, all steps (forward and backward include their waits for
         chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
-        the host/disk ones)."""
+        the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
+        beside the next step's forward)."""
         self._build()
 
     # ---- set-up ---------------------------------------------------------------------------------------------
@@ -698,6 +699,11 @@ class OffloadEngine(Engine):
                 else:
                     self._submit_host_update(c, coef)
         self.phase_s["update"] += time.perf_counter() - t_upd
+        if self._deferred and self.plan.optimizer_tier != DEVICE:  # FIFO: this runs after the last update
+
+            def note_pass() -> None:
+                self.phase_s["update_pass"] += time.perf_counter() - t_upd
+            self.opt_pool.submit(note_pass)
         self.trace.end_step()
         if first:
             self._nxt = NextUse(self.trace.recorded)
