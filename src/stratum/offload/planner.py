@@ -209,6 +209,15 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     # A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its slot
     # as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete).
     in_slot = opt != DEVICE and not deferred and not async_copies
+    # Bytes moved while the backward runs (the rest moves beside the forward): a clipped (deferred) host/disk
+    # update pass runs beside the next step's forward, so its traffic loads the forward's window, not the
+    # backward's — which decides, e.g., whether activations are better spilled to disk or recomputed.
+    back = dict.fromkeys(tr, 0)
+
+    def add(link: str, nbytes: int, in_backward: bool) -> None:
+        tr[link] += nbytes
+        if in_backward:
+            back[link] += nbytes
     if n_stream and slots > 0:
         seq = access_sequence(layout, n_micro, deferred, opt)
         tied = {c.index for c in chunks if c.tied}
@@ -216,52 +225,67 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         fetches = simulate(seq, slots)
         if opt != DEVICE and not in_slot:  # a host/disk update makes the device copy stale: all come back
             fetches = max(fetches, n_stream)
-        tr["h2d"] += fetches * C * F32
-        if opt == DEVICE:
-            tr["d2h"] += n_stream * C * F32  # each updated chunk is written back once
+        half = fetches // 2  # forward and backward touch every block once each
+        add("h2d", half * C * F32, False)
+        add("h2d", (fetches - half) * C * F32, True)
+        if opt == DEVICE:  # each updated chunk is written back once
+            add("d2h", n_stream * C * F32, not deferred)
         if ptier == DISK:
-            tr["disk_read"] += fetches * C * F32
+            add("disk_read", half * C * F32, False)
+            add("disk_read", (fetches - half) * C * F32, True)
             if opt == DEVICE:
-                tr["disk_write"] += n_stream * C * F32
+                add("disk_write", n_stream * C * F32, not deferred)
     if opt != DEVICE:
-        tr["d2h"] += sum(c.capacity for c in pinned) * F32  # their gradients to the host
-        tr["h2d"] += sum(c.capacity for c in pinned) * F32  # refreshed master copies
+        add("d2h", sum(c.capacity for c in pinned) * F32, True)  # their gradients to the host
+        add("h2d", sum(c.capacity for c in pinned) * F32, not deferred)  # refreshed master copies
         if in_slot:  # the updated parameters go home
-            tr["d2h" if ptier == HOST else "disk_write"] += n_stream * C * F32
+            add("d2h" if ptier == HOST else "disk_write", n_stream * C * F32, True)
         else:
-            tr["d2h"] += n_stream * C * F32  # gradients to the host
+            add("d2h", n_stream * C * F32, True)  # gradients to the host
             if ptier == DISK:
-                tr["disk_write"] += 2 * n_stream * C * F32  # gradients out, parameters back
-                tr["disk_read"] += 2 * n_stream * C * F32  # parameters and gradients for the update
+                add("disk_write", n_stream * C * F32, True)  # gradients out
+                add("disk_write", n_stream * C * F32, not deferred)  # updated parameters back
+                add("disk_read", 2 * n_stream * C * F32, not deferred)  # parameters and gradients for the update
     if opt == DISK:
-        tr["disk_read"] += sum(8 * c.capacity for c in chunks)
-        tr["disk_write"] += sum(8 * c.capacity for c in chunks)
+        add("disk_read", sum(8 * c.capacity for c in chunks), not deferred)
+        add("disk_write", sum(8 * c.capacity for c in chunks), not deferred)
     spilled_bytes = n_micro * sum(costs.spill_bytes[i] for i in spilled) if acts == SPILL else 0
     if acts == SPILL and disk_spilled:  # written in the forward, read back for the backward
         ring_bytes = n_micro * sum(round_up(costs.spill_bytes[i]) for i in disk_spilled)
-        tr["disk_write"] += ring_bytes
-        tr["disk_read"] += ring_bytes
-    tr["h2d"] += spilled_bytes
-    tr["d2h"] += spilled_bytes
-    compute = n_micro * (sum(costs.fwd_s) + sum(costs.bwd_s) + sum(costs.fwd_s[i] for i in recomputed))
+        add("disk_write", ring_bytes, False)
+        add("disk_read", ring_bytes, True)
+    add("h2d", spilled_bytes, True)
+    add("d2h", spilled_bytes, False)
+    fwd = n_micro * sum(costs.fwd_s)
+    bwd = n_micro * (sum(costs.bwd_s) + sum(costs.fwd_s[i] for i in recomputed))
+    compute = fwd + bwd
     if bw is None:
         return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
     adam = n_params / max(bw.adam_params_per_s, 1.0)
-    xfer = tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
+
+    def moved(t: dict) -> float:
+        return (t["h2d"] / max(bw.h2d, 1.0) + t["d2h"] / max(bw.d2h, 1.0)
+                + t["disk_read"] / max(bw.disk_read, 1.0) + t["disk_write"] / max(bw.disk_write, 1.0))
+    m_b = moved(back)
+    m_f = moved({key: tr[key] - back[key] for key in tr})
     if not async_copies:  # a CPU spill is a memcpy on the training thread: not overlapped with anything
-        spill_s = spilled_bytes / max(bw.h2d, 1.0) + spilled_bytes / max(bw.d2h, 1.0)
-        xfer -= spill_s
-        compute += spill_s
-    io = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
+        fwd += spilled_bytes / max(bw.d2h, 1.0)
+        bwd += spilled_bytes / max(bw.h2d, 1.0)
+        m_f -= spilled_bytes / max(bw.d2h, 1.0)
+        m_b -= spilled_bytes / max(bw.h2d, 1.0)
+        compute = fwd + bwd
     if n_stream and slots <= layout.max_chunks_per_block():
         k = 0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
     if k == 0:
-        step = compute + adam + xfer + io
+        step = compute + adam + m_f + m_b
     else:
-        # prefetch overlaps transfers with compute; deeper prefetch hides more of the per-access latency
+        # prefetch overlaps transfers with compute, window by window; deeper prefetch hides more of the
+        # per-access latency
         hidden = min(1.0, 0.5 + 0.25 * k)
-        moved = xfer + io
-        step = max(compute, moved) + (1 - hidden) * min(compute, moved) + adam
+
+        def window(c: float, m: float) -> float:
+            return max(c, m) + (1 - hidden) * min(c, m)
+        step = window(fwd, m_f) + window(bwd, m_b) + adam
     return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
 
 
