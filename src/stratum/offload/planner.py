@@ -397,10 +397,11 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                 smallest[HOST] = peak[HOST]
                             if not (host_ok and dev_ok and disk_ok):
                                 continue
-                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt), peak[DISK], peak[HOST],
-                                   peak[DEVICE], -C)
+                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
+                                   peak[DISK], peak[HOST], peak[DEVICE], -C)
                             if best is None or key < best[0]:
-                                best = (key, Plan(chunk_elems=layout.chunk_elems, resident_chunks=R if ptier != DEVICE else n_stream,
+                                best = (key, Plan(chunk_elems=layout.chunk_elems,
+                                                  resident_chunks=R if ptier != DEVICE else n_stream,
                                                   optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
                                                   activations=rc, device_budget=device_budget,
                                                   spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
