@@ -65,6 +65,23 @@ def copy_values(ref, seq):
     return ref
 
 
+def materialized(seq, order=None):
+    """A lazily built BlockSeq with every block given storage and its values (in ``order``)."""
+    for i in range(len(seq)) if order is None else order:
+        seq.allocate(i)
+        seq.materialize(i)
+    return seq
+
+
+def assert_same_parameters(want_seq, *seqs):
+    want = dict(want_seq.named_parameters())
+    for seq in seqs:
+        got = dict(seq.named_parameters())
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+
+
 def batch(seed=0, b=2, t=16):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, V, (b, t + 1), generator=g)
@@ -240,19 +257,7 @@ def test_lazy_build_loads_safetensors_block_by_block_with_the_eager_values(tmp_p
     assert all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
     assert len(lazy.tied) == len(eager.tied)
     twin = copy.deepcopy(lazy)
-    for seq in (lazy, twin):
-        for blk in seq.blocks:
-            for name, p in list(blk.named_parameters()):
-                if p.is_meta:
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape)))
-        for i in range(len(seq)):
-            seq.materialize(i)
-    want = dict(eager.named_parameters())
-    for seq in (lazy, twin):
-        got = dict(seq.named_parameters())
-        assert got.keys() == want.keys()
-        for n in want:
-            assert torch.equal(got[n], want[n]), n
+    assert_same_parameters(eager, materialized(lazy), materialized(twin))
     x, _ = batch()
     with torch.no_grad():
         torch.testing.assert_close(lazy.eval()(x), eager.eval()(x), atol=0, rtol=0)
@@ -281,16 +286,7 @@ def test_random_init_is_drawn_block_by_block_lazy_equals_eager(tmp_path, family,
     lazy = build_hf(str(d), seed=3, lazy=True)
     assert all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
     twin = copy.deepcopy(lazy)
-    for seq, order in ((lazy, reversed(range(len(lazy)))), (twin, range(len(twin)))):
-        for i in order:
-            seq.allocate(i)
-            seq.materialize(i)
-    want = dict(eager.named_parameters())
-    for seq in (lazy, twin):
-        got = dict(seq.named_parameters())
-        assert got.keys() == want.keys()
-        for n in want:
-            assert torch.equal(got[n], want[n]), n
+    assert_same_parameters(eager, materialized(lazy, reversed(range(len(lazy)))), materialized(twin))
     assert not torch.equal(*[build_hf(str(d), seed=s).blocks[1].layer.mlp.c_fc.weight if family == "gpt2"
                              else build_hf(str(d), seed=s).blocks[1].layer.mlp.up_proj.weight for s in (3, 4)])
     ref = reference(d, 3)
@@ -314,9 +310,4 @@ def test_lazy_build_reads_pytorch_model_bin_memory_mapped(tmp_path):
     eager = build_hf(str(tmp_path / "model"), seed=0)
     lazy = build_hf(str(tmp_path / "model"), seed=0, lazy=True)
     assert all(p.is_meta for p in lazy.parameters())
-    for i in range(len(lazy)):
-        lazy.allocate(i)
-        lazy.materialize(i)
-    want = dict(eager.named_parameters())
-    for n, p in lazy.named_parameters():
-        assert torch.equal(p, want[n]), n
+    assert_same_parameters(eager, materialized(lazy))

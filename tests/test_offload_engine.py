@@ -286,19 +286,24 @@ def test_spilled_activations_keep_dtypes_under_bf16_autocast(shared_tmp):
     assert losses["offload"] == losses["keep"]
 
 
+def _least_host_budget(m, prof, device_budget: int) -> int:
+    """The least host memory any placement needs (nothing spilled), read from the planner's refusal."""
+    import re
+
+    from stratum.errors import StratumError
+    with pytest.raises(StratumError) as e:
+        plan(m, prof, device_budget=device_budget, host_budget=1, activations="recompute")
+    return int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+
+
 @pytest.mark.parametrize("source", _sources())
 def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, shared_tmp):
     """A host budget with room for half the activations: those blocks are spilled, the rest recomputed; the
     losses stay exact and the host tier stays within its budget and its prediction."""
-    import re
-
-    from stratum.errors import StratumError
     prof, ref = _reference(source, shared_tmp)
     m = build(source, shared_tmp)
     S = state_bytes(m)
-    with pytest.raises(StratumError) as e:  # the least host memory any placement needs (nothing spilled)
-        plan(m, prof, device_budget=S // 4, host_budget=1, activations="recompute")
-    least = int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    least = _least_host_budget(m, prof, S // 4)
     host = least + sum(b.act_saved_bytes for b in prof.blocks) // 2  # room for about half the activations
     # a disk with no room for activation files (else the rest would go there: test_activations_spill_to_disk...)
     disk = plan(m, prof, device_budget=S // 4, host_budget=host, activations="recompute").predicted_peak[DISK]
@@ -321,15 +326,10 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
 def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shared_tmp):
     """A host budget with room for half the activations and a disk: the rest go to disk through the ring, none
     is recomputed; losses exact, host and disk within their predictions, the ring really read back."""
-    import re
-
-    from stratum.errors import StratumError
     prof, ref = _reference(source, shared_tmp)
     m = build(source, shared_tmp)
     S = state_bytes(m)
-    with pytest.raises(StratumError) as e:  # the least host memory any placement needs (nothing spilled)
-        plan(m, prof, device_budget=S // 4, host_budget=1, activations="recompute")
-    least = int(re.search(r"host_budget that works .*? \(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    least = _least_host_budget(m, prof, S // 4)
     host = least + sum(b.spill_bytes for b in prof.blocks) // 2
     p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload")
     assert p.disk_spill_blocks and len(p.spill_blocks) == len(m) and not p.recomputes_some

@@ -114,7 +114,7 @@ class ActivationRing:
         block ``i``'s until :meth:`prefetch` reuses it, so call that only after copying out."""
         s = self._find(i)
         if s is None:
-            self._read(i, self._victim(()))
+            self._read(i, self._victim(()))  # never None without a keep set
             s = self._find(i)
         self._settle(s)
         self._touch(s)
@@ -143,9 +143,12 @@ class ActivationRing:
                 self._read(i, s)
 
     def _victim(self, keep) -> _Slot | None:
-        free = [s for s in self.slots if s.block is None or s.block < 0 or s.block not in keep]
-        free = [s for s in free if s.block is None or s.block < 0] or (free if not keep else [])
-        return min(free, key=lambda t: t.used) if free else None
+        """A buffer to read into: one holding nothing still wanted (least recently used); when prefetching for
+        ``keep``, no buffer holding a block yet to come back is taken."""
+        done = [s for s in self.slots if s.block is None or s.block < 0]
+        if not done and keep:
+            return None
+        return min(done or self.slots, key=lambda t: t.used)
 
     def _read(self, i: int, s: _Slot) -> None:
         self._settle(s)
