@@ -264,40 +264,37 @@ class _Weights:
             from safetensors import safe_open
             with safe_open(str(path), "pt") as f:
                 return [f.get_tensor(k) for k in keys]
+        return [self._bin(path)[k] for k in keys]
+
+    def names_in(self, path: Path) -> list[str]:
+        if self.safetensors:
+            from safetensors import safe_open
+            with safe_open(str(path), "pt") as f:
+                return list(f.keys())
+        return list(self._bin(path))
+
+    def _bin(self, path: Path) -> dict:
         if path not in self._bins:
-            self._bins[path] = _load_bin(path)
-        return [self._bins[path][k] for k in keys]
-
-
-def _load_bin(path: Path) -> dict:
-    try:
-        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # not a zip checkpoint, corrupt, or pickled objects: several exception types
-        raise StratumError(f"model.hf_path: cannot read the weights in {str(path)!r}: {_first_line(e)}") from None
+            try:
+                self._bins[path] = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:  # not a zip checkpoint, corrupt, or pickled objects: several exception types
+                raise StratumError(f"model.hf_path: cannot read the weights in {str(path)!r}: "
+                                   f"{_first_line(e)}") from None
+        return self._bins[path]
 
 
 def _weights_index(weights_dir: Path) -> _Weights | None:
-    """Where each checkpoint tensor is, or None when the directory's weights cannot be read block by block."""
+    """Where each checkpoint tensor is, or None when the directory has no weight files."""
     try:
-        single = weights_dir / "model.safetensors"
-        index = weights_dir / "model.safetensors.index.json"
-        if single.is_file():
-            from safetensors import safe_open
-            with safe_open(str(single), "pt") as f:
-                return _Weights({k: single for k in f.keys()}, True)
-        if index.is_file():
-            return _Weights({k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()},
-                            True)
-        single = weights_dir / "pytorch_model.bin"
-        index = weights_dir / "pytorch_model.bin.index.json"
-        if single.is_file():
-            w = _Weights({}, False)
-            w._bins[single] = _load_bin(single)
-            w.keys = {k: single for k in w._bins[single]}
-            return w
-        if index.is_file():
-            return _Weights({k: weights_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()},
-                            False)
+        for stem, safetensors in (("model.safetensors", True), ("pytorch_model.bin", False)):
+            single, index = weights_dir / stem, weights_dir / f"{stem}.index.json"
+            if single.is_file():
+                w = _Weights({}, safetensors)
+                w.keys = {k: single for k in w.names_in(single)}
+                return w
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return _Weights({k: weights_dir / f for k, f in weight_map.items()}, safetensors)
     except StratumError:
         raise
     except Exception as e:  # a corrupt header or index surfaces as several exception types

@@ -103,7 +103,6 @@ class ActivationSpill:
         if i in self.disk_blocks:  # pack the block's saved tensors into one buffer and write it out
             todo = self.blocks[i]
             buf = self.ring.put(i, self._block_bytes[i])
-            event = None
             if self.cuda:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in todo:
@@ -115,10 +114,7 @@ class ActivationSpill:
                 else:
                     dst.copy_(t.src)
                 t.src = None
-            if self.cuda:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.ring.commit(i, event)
+            self.ring.commit(i, self._side_stream_done())
         # The cache holds the device originals so that a freed one's address cannot be mistaken for a new
         # tensor's within the block; after the block nothing more is saved into it.
         self._cache = {}
@@ -139,13 +135,17 @@ class ActivationSpill:
         nbytes = x.numel() * x.element_size()
         span = _aligned(nbytes)
         i = self._current
-        if i in self.disk_blocks:  # copied out at the end of the block (end_block)
+        if i in self.disk_blocks:  # copied out with the rest of the block at its end (end_block)
             s = Spilled(None, nbytes, False, x, src=x, rel=self._block_bytes[i])
-            self._cache[key] = (x, s)
-            self.blocks[i].append(s)
-            self._block_bytes[i] += span
-            self.bytes_d2h += nbytes
-            return s
+        else:
+            s = self._to_host(x, nbytes, span)
+        self.bytes_d2h += nbytes
+        self._cache[key] = (x, s)
+        self.blocks[i].append(s)
+        self._block_bytes[i] += span
+        return s
+
+    def _to_host(self, x: Tensor, nbytes: int, span: int) -> Spilled:
         self._host_need += span
         if self._host_used + span <= self._host.numel():
             host = self._view(self._host, self._host_used, x)
@@ -162,12 +162,15 @@ class ActivationSpill:
             x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
         else:
             host.copy_(x)
-        s = Spilled(host, nbytes, own, x)
-        self.bytes_d2h += nbytes
-        self._cache[key] = (x, s)
-        self.blocks[self._current].append(s)
-        self._block_bytes[self._current] += span
-        return s
+        return Spilled(host, nbytes, own, x)
+
+    def _side_stream_done(self):
+        """A CUDA event after the copies queued on the side stream so far (None on a CPU: copies are done)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     @staticmethod
     def _view(arena: Tensor, offset: int, like) -> Tensor:
@@ -206,13 +209,9 @@ class ActivationSpill:
                 s.dev.copy_(s.host)
             self.bytes_h2d += s.nbytes
         if on_disk:
-            event = None
-            if self.cuda:
-                event = torch.cuda.Event()
-                event.record(self.stream)
             for s in todo:
                 s.host = None
-            self.ring.done_with(i, event)
+            self.ring.done_with(i, self._side_stream_done())
             self.ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
 
     def ready(self, i: int) -> bool:

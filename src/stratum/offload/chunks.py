@@ -16,16 +16,12 @@ from torch import nn
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
-from stratum.offload.tiers import ALIGN
+from stratum.offload.tiers import ALIGN, round_up
 from stratum.runtime.optim import decays
 
 ALIGN_ELEMS = ALIGN // 4
 """Chunk capacities are multiples of this many fp32 elements, so a chunk's flat buffers (and the parameter and
 gradient halves of a slot) can be read and written with direct I/O."""
-
-
-def _round(n: int) -> int:
-    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
 
 
 @dataclass
@@ -106,12 +102,12 @@ def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     if chunk_elems < biggest:
         raise StratumError(f"offload.chunk_size of {chunk_elems * 4:,} bytes is smaller than the largest parameter "
                            f"({biggest * 4:,} bytes); use at least that")
-    chunk_elems = _round(chunk_elems)
+    chunk_elems = round_up(chunk_elems, ALIGN_ELEMS)
     chunks: list[ChunkSpec] = []
     where: dict[str, int] = {}
     tied_items = [(n, p) for n, p in order if n in tied_names]
     if tied_items:
-        spec = _finish(ChunkSpec(0, _round(sum(p.numel() for _, p in tied_items)), tied=True), tied_items)
+        spec = _finish(ChunkSpec(0, round_up(sum(p.numel() for _, p in tied_items), ALIGN_ELEMS), tied=True), tied_items)
         chunks.append(spec)
         for n, _ in tied_items:
             where[n] = 0

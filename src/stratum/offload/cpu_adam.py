@@ -20,10 +20,12 @@ def adamw_flat(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, lr: 
 
 
 def adamw_chunk(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, n_decay: int, used: int, *, lr: float,
-                betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Update a chunk: elements ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without."""
-    step.add_(1)
-    if n_decay:
+                betas: tuple[float, float], eps: float, weight_decay: float, count_step: bool = True) -> None:
+    """Update a chunk: elements ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without (either may be
+    empty). ``count_step=False`` for the second and later pieces of one chunk's update."""
+    if count_step:
+        step.add_(1)
+    if n_decay > 0:
         adamw_flat(p[:n_decay], g[:n_decay], m[:n_decay], v[:n_decay], step, lr=lr, betas=betas, eps=eps,
                    weight_decay=weight_decay)
     if used > n_decay:

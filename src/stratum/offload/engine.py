@@ -37,7 +37,7 @@ from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
-from stratum.offload.cpu_adam import adamw_chunk, adamw_flat
+from stratum.offload.cpu_adam import adamw_chunk
 from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
@@ -539,18 +539,15 @@ class OffloadEngine(Engine):
         else:
             # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
             # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole
-            c.step.add_(1)
-            piece, nd = self.layout.chunk_elems, c.spec.n_decay
+            piece = self.layout.chunk_elems
             for lo in range(0, c.spec.used, piece):
                 hi = min(c.cap, lo + piece)
                 m, v = st[2][:hi - lo], st[3][:hi - lo]
                 fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
                 self.disk.read_range(f"v{c.i}", lo, v)
                 fm.result()
-                for a, b, wd in ((lo, min(hi, nd), self.spec.weight_decay), (max(lo, nd), min(hi, c.spec.used), 0.0)):
-                    if a < b:
-                        adamw_flat(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], c.step, lr=lr,
-                                   betas=self.spec.betas, eps=self.spec.eps, weight_decay=wd)
+                adamw_chunk(p[lo:hi], g[lo:hi], m, v, c.step, min(max(c.spec.n_decay - lo, 0), hi - lo),
+                            min(c.spec.used - lo, hi - lo), count_step=lo == 0, **kw)
                 fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
                 self.disk.write_range(f"v{c.i}", lo, v)
                 fm.result()

@@ -282,7 +282,7 @@ class DiskStore:
     def __init__(self, base: Path, tier: Tier, workers: int = 2):
         self.dir = Path(tempfile.mkdtemp(prefix=f"stratum-offload-{os.getpid()}-", dir=base))
         self.tier = tier
-        self.direct = direct_io_works(self.dir)
+        self.direct = direct_io_works(base)  # the same file system as self.dir; probed once per directory
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stratum-disk")
         self.sizes: dict[str, int] = {}
         self.bounce_bytes = 0
