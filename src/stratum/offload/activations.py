@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from stratum.offload.act_ring import ActivationRing
-from stratum.offload.tiers import Tier
+from stratum.offload.tiers import Tier, aligned_empty
 from stratum.profile.profile import SPILL_ALIGN as ALIGN  # the profiler predicts spill bytes with the same rule
 
 
@@ -88,7 +88,7 @@ class ActivationSpill:
             self.host_tier.release(self._host.numel())
             self._host = torch.empty(0, dtype=torch.uint8)
             self.host_tier.charge(self._host_need, "spilled activations")
-            self._host = torch.empty(self._host_need, dtype=torch.uint8, pin_memory=self.cuda)
+            self._host = aligned_empty(self._host_need, torch.uint8, pin=self.cuda)
         self._host_used = 0
         self._host_need = 0
 

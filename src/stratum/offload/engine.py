@@ -38,6 +38,7 @@ from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk
+from stratum.offload.host_alloc import release_free_heap, tune_allocator
 from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
@@ -46,22 +47,6 @@ from stratum.runtime.device import autocast
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
 
 F32 = 4
-
-
-def _return_freed_memory_to_the_os() -> None:
-    """glibc raises its mmap threshold after large frees (up to 32 MiB), after which chunk-sized buffers come from
-    the heap and freed ones stay in the process: RSS then exceeds what the tiers hold. A fixed 1 MiB threshold
-    keeps every large buffer mmapped, so a freed one is returned at once (measured: −20 % peak RSS)."""
-    import ctypes
-    import ctypes.util
-    import sys
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass(eq=False)
@@ -75,7 +60,8 @@ class _Chunk:
     slot_id: int | None = None
     fut: Future | None = None
     hp: Tensor | None = None
-    """Host parameters (home = host, or the fp32 master of a pinned chunk with a host/disk optimizer)."""
+    """Host parameters (home = host, or the fp32 master of a pinned chunk with a host/disk optimizer on a GPU; on
+    a CPU the slot is host memory already and a pinned chunk is updated in place)."""
     hg: Tensor | None = None
     grad: str | None = None
     """Where this step's gradient is: None (none yet), 'dev' (slot), 'home' (host tensor / disk file)."""
@@ -118,7 +104,7 @@ class OffloadEngine(Engine):
         self.plan = plan
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        _return_freed_memory_to_the_os()
+        tune_allocator()
         if materialize is None and model.block_init is not None:
             materialize = model.materialize
         self._materialize = materialize
@@ -193,7 +179,7 @@ class OffloadEngine(Engine):
             if pinned:
                 c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
                 fill(c.p())
-                if plan.optimizer_tier != DEVICE:
+                if plan.optimizer_tier != DEVICE and self.device.type != "cpu":
                     c.hp = self._alloc(HOST, spec.capacity, "master params")
                     c.hp.copy_(c.p())
                     c.hg = self._alloc(HOST, spec.capacity, "host grads")
@@ -470,10 +456,12 @@ class OffloadEngine(Engine):
             if not self._deferred:
                 self._update_device(c, None)
             return
-        if not self._deferred and not c.pinned and self.device.type == "cpu":
+        if self._in_slot(c):
             # On a CPU the slot is host memory: update the parameters where they are, with the gradient where it
-            # is, and write only the new parameters home (saves a gradient round trip and a parameter read).
-            self._submit_host_update(c, None, src=c.slot)
+            # is, and write only the new parameters home (saves a gradient round trip and a parameter read). A
+            # pinned chunk's slot is its only copy, and its gradient waits there for a deferred (clipped) update.
+            if not self._deferred:
+                self._submit_host_update(c, None, src=c.slot)
             return
         # host/disk optimizer: hand the gradient to the host side now, free the slot of a streamed chunk
         slot = c.slot
@@ -489,6 +477,11 @@ class OffloadEngine(Engine):
         self._spill_futs[c.i] = fut
         if not self._deferred:
             self._submit_host_update(c, None)
+
+    def _in_slot(self, c: _Chunk) -> bool:
+        """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping (its slot is
+        not freed until the update ends), a pinned chunk's always (the slot is never freed)."""
+        return self.device.type == "cpu" and (c.pinned or not self._deferred)
 
     def _update_device(self, c: _Chunk, coef: Tensor | None) -> None:
         g = c.g()
@@ -521,7 +514,7 @@ class OffloadEngine(Engine):
     def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
         n = c.cap
         st = self.staging
-        on_disk = c.hp is None
+        on_disk = c.hp is None and not c.pinned
         if src is not None:
             p, g = src[:n], src[n:]
         elif on_disk:
@@ -553,9 +546,9 @@ class OffloadEngine(Engine):
                 fm.result()
         if on_disk:
             self.disk.write(f"p{c.i}", p)
-        elif src is not None:
+        elif src is not None and c.hp is not None:
             c.hp.copy_(p)
-        if c.pinned:
+        if c.pinned and src is None:
             c.slot[:n].copy_(p)
 
     def _drain(self) -> None:
@@ -694,7 +687,7 @@ class OffloadEngine(Engine):
                     self._access((c.i,))
                     self._update_device(c, coef)
                 else:
-                    self._submit_host_update(c, coef)
+                    self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)
         self.phase_s["update"] += time.perf_counter() - t_upd
         if self._deferred and self.plan.optimizer_tier != DEVICE:  # FIFO: this runs after the last update
 
@@ -702,6 +695,8 @@ class OffloadEngine(Engine):
                 self.phase_s["update_pass"] += time.perf_counter() - t_upd
             self.opt_pool.submit(note_pass)
         self.trace.end_step()
+        if self.device.type == "cpu":
+            release_free_heap()
         if first:
             self._nxt = NextUse(self.trace.recorded)
         self._check()
@@ -754,7 +749,7 @@ class OffloadEngine(Engine):
     def _master_params(self, c: _Chunk) -> Tensor:
         """The chunk's current parameters as a CPU tensor, from wherever the authoritative copy is."""
         if c.pinned:
-            src = c.p() if self.plan.optimizer_tier == DEVICE else c.hp
+            src = c.p() if c.hp is None else c.hp
             return src.detach().cpu().clone()
         if c.slot is not None and c.dirty:
             self.xfer.wait(c.fut)

@@ -184,7 +184,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         dev += sum(4 * c.capacity for c in chunks if c.tied)
     host = 0
     disk = 0
-    if opt != DEVICE:
+    if opt != DEVICE and async_copies:  # a GPU's pinned chunks keep fp32 master params + grads on the host
         host += sum(8 * c.capacity for c in pinned)
     if ptier == HOST:
         host += sum(8 * c.capacity for c in stream)
@@ -236,8 +236,9 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             if opt == DEVICE:
                 add("disk_write", n_stream * C * F32, not deferred)
     if opt != DEVICE:
-        add("d2h", sum(c.capacity for c in pinned) * F32, True)  # their gradients to the host
-        add("h2d", sum(c.capacity for c in pinned) * F32, not deferred)  # refreshed master copies
+        if async_copies:  # on a CPU pinned chunks are updated in place (engine._in_slot)
+            add("d2h", sum(c.capacity for c in pinned) * F32, True)  # their gradients to the host
+            add("h2d", sum(c.capacity for c in pinned) * F32, not deferred)  # refreshed master copies
         if in_slot:  # the updated parameters go home
             add("d2h" if ptier == HOST else "disk_write", n_stream * C * F32, True)
         else:
@@ -301,7 +302,7 @@ def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
 
 
 def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str, ptier: str, costs: Costs,
-                        n_micro: int, deferred: bool, n_params: int):
+                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None):
     """(activations, spilled blocks or None = all, of those the ones on disk) to try. Offload is tried three
     ways when the host budget is bounded: all blocks on the host; what the host holds there and the rest
     recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk."""
@@ -310,7 +311,7 @@ def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str,
         if rc != SPILL or host_budget is None:
             yield rc, None, frozenset()
             continue
-        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=None,
+        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=bw,
                                    n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset())
         room = host_budget - base[HOST]
         yield rc, None, frozenset()  # refused later if the host cannot hold it all
@@ -364,7 +365,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
                 for rc, spill_set, disk_set in _activation_options(recs, host_budget, layout, opt, ptier, costs,
-                                                                   n_micro, deferred, n_params):
+                                                                   n_micro, deferred, n_params, bandwidths):
                     if ptier == DEVICE:
                         r_options = [n_stream]
                     elif resident_chunks is not None:
@@ -372,7 +373,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                     else:
                         # the most slots the device budget allows (more slots never cost time), else the fewest
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
-                                                   bw=None, n_micro=n_micro, deferred=deferred, n_params=n_params,
+                                                   bw=bandwidths, n_micro=n_micro, deferred=deferred, n_params=n_params,
                                                    spilled=spill_set, disk_spilled=disk_set)
                         per = 8 * C
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per

@@ -67,8 +67,8 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
 
 def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Plan:
     """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given."""
-    from stratum.offload.engine import _return_freed_memory_to_the_os
-    _return_freed_memory_to_the_os()  # before the profile allocates anything
+    from stratum.offload.host_alloc import tune_allocator
+    tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
     dev_b = parse_budget(o.device_budget, "offload.device_budget")
     host_b = parse_budget(o.host_budget, "offload.host_budget")

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from stratum.errors import StratumError
+from stratum.offload.host_alloc import page_aligned_empty
 from stratum.offload.units import fmt_bytes
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -208,10 +209,13 @@ def round_up(nbytes: int, to: int = ALIGN) -> int:
 
 
 def aligned_empty(n: int, dtype: torch.dtype = torch.float32, pin: bool = False) -> Tensor:
-    """An uninitialised 1-D CPU tensor of ``n`` elements whose data starts on an ALIGN-byte boundary (torch's
-    allocator guarantees 64 bytes), so the disk store can read and write it directly."""
+    """An uninitialised 1-D CPU tensor of ``n`` elements whose data starts on an ALIGN-byte boundary, so the disk
+    store can read and write it directly: its own page-aligned mapping, or pinned memory (torch's allocator
+    guarantees 64 bytes there, so it is over-allocated and offset)."""
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    if not pin:
+        return page_aligned_empty(nbytes).view(dtype)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off:off + nbytes].view(dtype)
 
