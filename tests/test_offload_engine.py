@@ -369,3 +369,34 @@ def test_a_lazily_built_random_init_transformers_model_trains_like_the_eager_one
         assert [r.loss for r in got] == [r.loss for r in ref[:4]]
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("optimizer_tier", [HOST, DISK])
+def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, shared_tmp):
+    """Without clipping, the plan's deferred chunks send their gradients home and update beside the next
+    forward (Plan.deferred_chunks); losses and the checkpoint equal the plain engine's, and a chunk fetched for
+    the forward waits for its update (else: the losses would differ)."""
+    import dataclasses
+
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import _deferral_options
+    prof, _ = _reference("gpt", shared_tmp)
+    m = build("gpt", shared_tmp)
+    S = state_bytes(m)
+    p = plan(m, prof, clip=0.0, device_budget=S // 4, optimizer_tier=optimizer_tier)
+    assert p.param_tier != DEVICE
+    late = _deferral_options(pack(m, p.chunk_elems), p.optimizer_tier, p.param_tier, False, None)[-1]
+    assert late
+    p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)))
+    eng = _engine(m, p, clip=0.0)
+    ref_engine = plain(build("gpt", shared_tmp), clip=0.0)
+    try:
+        assert [r.loss for r in run(eng, 5)] == [r.loss for r in run(ref_engine, 5)]
+        assert eng.phase_s["update_pass"] > 0  # the deferred updates ran after the backward
+        got, want = eng.state(), ref_engine.state()
+        for name, t in want.params.items():
+            assert torch.equal(got.params[name], t), name
+        for name, st in want.optim.items():
+            assert torch.equal(got.optim[name]["exp_avg_sq"], st["exp_avg_sq"]), name
+    finally:
+        eng.close()

@@ -159,3 +159,46 @@ def test_step_time_is_modelled_per_window(gpt):
     long_bwd = 100 * quiet
     assert step(1e-3, long_bwd, False) == pytest.approx(long_bwd, rel=0.02)  # updates hide in the backward
     assert step(1e-3, long_bwd, True) >= long_bwd + moments_read_s  # the update pass does not
+
+
+def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
+    """On a CPU without clipping, deferring the first-completed chunks' updates to beside the next forward moves
+    their moment and parameter traffic out of the backward (plus one gradient write and read): the planner picks
+    it when the backward is disk-bound and the forward has time to spare, and not when nothing is disk-bound."""
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import KEEP, Costs, _deferral_options, predict
+    from stratum.offload.tiers import Bandwidths
+    m, _ = gpt
+    L, lay = len(m), pack(m, 30_000)
+    bw = Bandwidths(h2d=1e12, d2h=1e12, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15)
+    options = _deferral_options(lay, DISK, DISK, False, bw)
+    assert options[0] == frozenset() and len(options) > 2
+    first = options[1]
+    stream = [c.index for c in lay.chunks if not c.tied]
+    # the deferred chunks are the first to complete their gradients: the highest blocks'
+    assert min(lay.ready_block[i] for i in first) >= max(lay.ready_block[i] for i in set(stream) - first)
+    assert _deferral_options(lay, DISK, DISK, True, bw) == [frozenset()]  # clipping defers every update anyway
+    assert _deferral_options(lay, DEVICE, DISK, False, bw) == [frozenset()]
+
+    def run(fwd: float, bwd: float, late: frozenset[int]):
+        costs = Costs(fwd_s=[fwd / L] * L, bwd_s=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
+                      spill_bytes=[0] * L)
+        _, tr, step, _, _ = predict(lay, R=4, opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs, bw=bw, n_micro=1,
+                                    deferred=False, n_params=m.num_params(), deferred_chunks=late)
+        return tr, step
+    C4 = lay.chunk_elems * 4
+    tr0, _ = run(1.0, 1.0, frozenset())
+    tr1, _ = run(1.0, 1.0, first)
+    # each deferred chunk adds a gradient write and the parameter + gradient reads of its later update
+    assert tr1["disk_write"] - tr0["disk_write"] == len(first) * C4
+    assert tr1["disk_read"] - tr0["disk_read"] == 2 * len(first) * C4
+    disk_s = (tr0["disk_read"] + tr0["disk_write"]) / 1e8
+    # a backward that the disk bounds, a forward with time to spare: deferring shortens the step
+    _, slow = run(disk_s, 1e-3, frozenset())
+    _, fast = run(disk_s, 1e-3, first)
+    assert fast < slow
+    # nothing is disk-bound: deferring only adds traffic, and the planner's tie-break refuses it
+    fast = Bandwidths(h2d=1e15, d2h=1e15, disk_read=1e15, disk_write=1e15, adam_params_per_s=1e15)
+    _, prof = gpt
+    p = plan(m, prof, clip=0.0, device_budget=state_bytes(m) // 4, optimizer_tier=DISK, bandwidths=fast)
+    assert p.param_tier != DEVICE and p.deferred_chunks == ()

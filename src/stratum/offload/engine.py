@@ -210,7 +210,8 @@ class OffloadEngine(Engine):
             self.chunks[spec.index] = c
         cmax = max(c.cap for c in self.chunks)
         self.staging: list[Tensor | None] = [None] * 4
-        if plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream:
+        if plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream and (
+                self.device.type != "cpu" or self.spec.grad_clip > 0 or plan.deferred_chunks):
             self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
             self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
         if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
@@ -223,7 +224,9 @@ class OffloadEngine(Engine):
         self.resident: set[int] = set()
         self._slot_busy: dict[int, Future] = {}
         """Slot → the in-place update still reading/writing it: the next fetch into the slot waits for it."""
-        self.opt_chunks_order = [c.i for c in self.chunks]
+        self._defer = frozenset(plan.deferred_chunks) if plan.optimizer_tier != DEVICE else frozenset()
+        """Chunks whose update the plan defers to beside the next forward (without clipping; with it, all are)."""
+        self._defer_order = sorted(self._defer)  # chunks are numbered in first-use order
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
 
@@ -475,13 +478,13 @@ class OffloadEngine(Engine):
         c.grad = "home"
         c.stale_home = True
         self._spill_futs[c.i] = fut
-        if not self._deferred:
+        if not (self._deferred or c.i in self._defer):
             self._submit_host_update(c, None)
 
     def _in_slot(self, c: _Chunk) -> bool:
-        """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping (its slot is
-        not freed until the update ends), a pinned chunk's always (the slot is never freed)."""
-        return self.device.type == "cpu" and (c.pinned or not self._deferred)
+        """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
+        defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed)."""
+        return self.device.type == "cpu" and (c.pinned or not (self._deferred or c.i in self._defer))
 
     def _update_device(self, c: _Chunk, coef: Tensor | None) -> None:
         g = c.g()
@@ -688,8 +691,13 @@ class OffloadEngine(Engine):
                     self._update_device(c, coef)
                 else:
                     self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)
+        elif self._defer:
+            # the plan's deferred chunks: their updates run beside the next forward, in the order it uses them,
+            # moving their disk traffic out of the backward, where the disk is the bottleneck
+            for i in self._defer_order:
+                self._submit_host_update(self.chunks[i], None)
         self.phase_s["update"] += time.perf_counter() - t_upd
-        if self._deferred and self.plan.optimizer_tier != DEVICE:  # FIFO: this runs after the last update
+        if (self._deferred or self._defer) and self.plan.optimizer_tier != DEVICE:  # FIFO: runs after the last
 
             def note_pass() -> None:
                 self.phase_s["update_pass"] += time.perf_counter() - t_upd

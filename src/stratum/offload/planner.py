@@ -10,6 +10,7 @@ smallest budget that would work.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -51,6 +52,10 @@ class Plan:
     """Of the spilled blocks, those whose activations go to disk (act_ring.py) rather than the host tier."""
     recomputes_some: bool = False
     """With activations = offload: some blocks are recomputed (not every block is in spill_blocks)."""
+    deferred_chunks: tuple[int, ...] = ()
+    """On a CPU without clipping: chunks whose gradient goes home and whose update runs beside the next forward
+    instead of in the backward (the first whose gradients complete). The backward is where a disk plan's
+    traffic piles up (moments read and written, parameters re-read); this moves some of it to the forward."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -97,13 +102,19 @@ class Plan:
             text += f", to disk for {disk}"
         return text + (", recompute for the rest" if self.recomputes_some else "")
 
+    def _updates_text(self) -> str:
+        if not self.deferred_chunks:
+            return ""
+        return f"; updates of {len(self.deferred_chunks)} chunks beside the next forward"
+
     def describe(self) -> str:
         tr = self.predicted_traffic
         res = "all" if self.param_tier == DEVICE else str(self.resident_chunks)
         lines = [
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
-            f"{self.prefetch_depth}; activations: {self._acts_text()} ({self.candidates} candidates)",
+            f"{self.prefetch_depth}; activations: {self._acts_text()}{self._updates_text()} ({self.candidates} "
+            f"candidates)",
             f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
         ]
         budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
@@ -154,11 +165,12 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
-            spilled: frozenset[int] | None = None,
-            disk_spilled: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
+            spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
+            deferred_chunks: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed.
-    ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host."""
+    ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
+    ``deferred_chunks``: see Plan.deferred_chunks (only used where updates otherwise run in the slot)."""
     L = len(costs.act_bytes)
     spilled = frozenset(range(L)) if spilled is None else spilled
     recomputed = [] if acts == KEEP else [i for i in range(L) if acts == RECOMPUTE or i not in spilled]
@@ -203,12 +215,14 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             disk += sum(round_up(costs.spill_bytes[i]) for i in disk_spilled)
     if opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
         host += 2 * C * F32
-    if ptier == DISK and opt != DEVICE and n_stream:  # staging for its parameters and gradients
+    # A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its slot
+    # as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete) — except
+    # the deferred chunks', whose gradients go home and whose updates run beside the next forward.
+    in_slot = opt != DEVICE and not deferred and not async_copies
+    late = len(deferred_chunks) if in_slot else 0
+    if ptier == DISK and opt != DEVICE and n_stream and (not in_slot or late):  # staging: params and gradients
         host += 2 * C * F32
     tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
-    # A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its slot
-    # as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete).
-    in_slot = opt != DEVICE and not deferred and not async_copies
     # Bytes moved while the backward runs (the rest moves beside the forward): a clipped (deferred) host/disk
     # update pass runs beside the next step's forward, so its traffic loads the forward's window, not the
     # backward's — which decides, e.g., whether activations are better spilled to disk or recomputed.
@@ -239,17 +253,22 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         if async_copies:  # on a CPU pinned chunks are updated in place (engine._in_slot)
             add("d2h", sum(c.capacity for c in pinned) * F32, True)  # their gradients to the host
             add("h2d", sum(c.capacity for c in pinned) * F32, not deferred)  # refreshed master copies
+        n_home = late if in_slot else n_stream  # chunks whose gradient goes home for a later update
         if in_slot:  # the updated parameters go home
-            add("d2h" if ptier == HOST else "disk_write", n_stream * C * F32, True)
-        else:
-            add("d2h", n_stream * C * F32, True)  # gradients to the host
+            add("d2h" if ptier == HOST else "disk_write", (n_stream - late) * C * F32, True)
+        if n_home:
+            add("d2h", n_home * C * F32, True)  # gradients to the host
             if ptier == DISK:
-                add("disk_write", n_stream * C * F32, True)  # gradients out
-                add("disk_write", n_stream * C * F32, not deferred)  # updated parameters back
-                add("disk_read", 2 * n_stream * C * F32, not deferred)  # parameters and gradients for the update
+                add("disk_write", n_home * C * F32, True)  # gradients out
+                beside_bwd = not (deferred or late)
+                add("disk_write", n_home * C * F32, beside_bwd)  # updated parameters back
+                add("disk_read", 2 * n_home * C * F32, beside_bwd)  # parameters and gradients for the update
     if opt == DISK:
-        add("disk_read", sum(8 * c.capacity for c in chunks), not deferred)
-        add("disk_write", sum(8 * c.capacity for c in chunks), not deferred)
+        moments = sum(8 * c.capacity for c in chunks)
+        moments_late = moments if deferred else 8 * C * late
+        for link in ("disk_read", "disk_write"):
+            add(link, moments - moments_late, True)
+            add(link, moments_late, False)
     spilled_bytes = n_micro * sum(costs.spill_bytes[i] for i in spilled) if acts == SPILL else 0
     if acts == SPILL and disk_spilled:  # written in the forward, read back for the backward
         ring_bytes = n_micro * sum(round_up(costs.spill_bytes[i]) for i in disk_spilled)
@@ -324,6 +343,18 @@ def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str,
             yield rc, frozenset(range(L)), frozenset(range(L)) - on_host
 
 
+def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool,
+                      bw: Bandwidths | None) -> list[frozenset[int]]:
+    """Sets of chunks whose update may run beside the next forward (Plan.deferred_chunks): none, and the first
+    1/8 … 1/2 of the streamed chunks to complete their gradients. Only where updates otherwise run in the slot
+    during the backward: a CPU, a host/disk optimizer, streamed parameters, no clipping."""
+    if opt == DEVICE or ptier == DEVICE or deferred or (bw is not None and bw.async_copies):
+        return [frozenset()]
+    order = sorted((c.index for c in layout.chunks if not c.tied), key=lambda i: -layout.ready_block[i])
+    sets = {frozenset(order[:round(len(order) * f)]) for f in (0, 1 / 8, 1 / 4, 3 / 8, 1 / 2)}
+    return sorted(sets, key=len)
+
+
 def _chunk_candidates(seq: BlockSeq) -> list[int]:
     tied = {g.owner for g in seq.tied}
     params = [p.numel() for n, p in param_order(seq) if n not in tied]
@@ -364,6 +395,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
             for ptier in (DEVICE, HOST, DISK):
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
+                defer_options = _deferral_options(layout, opt, ptier, deferred, bandwidths)
                 for rc, spill_set, disk_set in _activation_options(recs, host_budget, layout, opt, ptier, costs,
                                                                    n_micro, deferred, n_params, bandwidths):
                     if ptier == DEVICE:
@@ -373,44 +405,45 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                     else:
                         # the most slots the device budget allows (more slots never cost time), else the fewest
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
-                                                   bw=bandwidths, n_micro=n_micro, deferred=deferred, n_params=n_params,
-                                                   spilled=spill_set, disk_spilled=disk_set)
+                                                   bw=bandwidths, n_micro=n_micro, deferred=deferred,
+                                                   n_params=n_params, spilled=spill_set, disk_spilled=disk_set)
                         per = 8 * C
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
                         r_options = sorted({need, max(need, min(rmax, n_stream))})
-                    for R in r_options:
+                    for R, k, late in itertools.product(r_options, depths, defer_options):
                         if R < need and ptier != DEVICE:
                             continue
-                        for k in depths:
-                            if time.perf_counter() - t0 > SEARCH_SECONDS:
-                                break
-                            tried += 1
-                            peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
-                                                                costs=costs, bw=bandwidths, n_micro=n_micro,
-                                                                deferred=deferred, n_params=n_params,
-                                                                spilled=spill_set, disk_spilled=disk_set)
-                            host_ok = host_budget is None or peak[HOST] <= host_budget
-                            dev_ok = device_budget is None or peak[DEVICE] <= device_budget
-                            disk_ok = disk_free is None or peak[DISK] <= disk_free
-                            if host_ok and disk_ok and (smallest[DEVICE] is None or peak[DEVICE] < smallest[DEVICE]):
-                                smallest[DEVICE] = peak[DEVICE]
-                            if dev_ok and disk_ok and (smallest[HOST] is None or peak[HOST] < smallest[HOST]):
-                                smallest[HOST] = peak[HOST]
-                            if not (host_ok and dev_ok and disk_ok):
-                                continue
-                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
-                                   peak[DISK], peak[HOST], peak[DEVICE], -C)
-                            if best is None or key < best[0]:
-                                best = (key, Plan(chunk_elems=layout.chunk_elems,
-                                                  resident_chunks=R if ptier != DEVICE else n_stream,
-                                                  optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
-                                                  activations=rc, device_budget=device_budget,
-                                                  spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
-                                                  disk_spill_blocks=tuple(sorted(disk_set)),
-                                                  recomputes_some=spill_set is not None and len(spill_set) < len(seq),
-                                                  host_budget=host_budget, n_chunks=len(layout.chunks),
-                                                  act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
-                                                  predicted_step_s=step, compute_s=comp))
+                        if time.perf_counter() - t0 > SEARCH_SECONDS:
+                            break
+                        tried += 1
+                        peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
+                                                            costs=costs, bw=bandwidths, n_micro=n_micro,
+                                                            deferred=deferred, n_params=n_params,
+                                                            spilled=spill_set, disk_spilled=disk_set,
+                                                            deferred_chunks=late)
+                        host_ok = host_budget is None or peak[HOST] <= host_budget
+                        dev_ok = device_budget is None or peak[DEVICE] <= device_budget
+                        disk_ok = disk_free is None or peak[DISK] <= disk_free
+                        if host_ok and disk_ok and (smallest[DEVICE] is None or peak[DEVICE] < smallest[DEVICE]):
+                            smallest[DEVICE] = peak[DEVICE]
+                        if dev_ok and disk_ok and (smallest[HOST] is None or peak[HOST] < smallest[HOST]):
+                            smallest[HOST] = peak[HOST]
+                        if not (host_ok and dev_ok and disk_ok):
+                            continue
+                        key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
+                               peak[DISK], peak[HOST], peak[DEVICE], -C)
+                        if best is None or key < best[0]:
+                            best = (key, Plan(chunk_elems=layout.chunk_elems,
+                                              resident_chunks=R if ptier != DEVICE else n_stream,
+                                              optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
+                                              activations=rc, device_budget=device_budget,
+                                              spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
+                                              disk_spill_blocks=tuple(sorted(disk_set)),
+                                              recomputes_some=spill_set is not None and len(spill_set) < len(seq),
+                                              deferred_chunks=tuple(sorted(late)),
+                                              host_budget=host_budget, n_chunks=len(layout.chunks),
+                                              act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
+                                              predicted_step_s=step, compute_s=comp))
     if best is None:
         parts = []
         if smallest[DEVICE] is not None:
