@@ -152,13 +152,32 @@ def test_step_time_is_modelled_per_window(gpt):
     def step(fwd: float, bwd: float, clipped: bool) -> float:
         costs = Costs(fwd_s=[fwd / L] * L, bwd_s=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
                       spill_bytes=[0] * L)
-        return predict(lay, R=4, opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs, bw=bw, n_micro=1,
-                       deferred=clipped, n_params=m.num_params())[2]
+        return predict(lay, R=2 * lay.max_chunks_per_block(), opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs,
+                       bw=bw, n_micro=1, deferred=clipped, n_params=m.num_params())[2]
     quiet = step(1e-3, 1e-3, True)
     assert step(moments_read_s, 1e-3, True) == pytest.approx(quiet)  # hidden under the update pass
     long_bwd = 100 * quiet
     assert step(1e-3, long_bwd, False) == pytest.approx(long_bwd, rel=0.02)  # updates hide in the backward
     assert step(1e-3, long_bwd, True) >= long_bwd + moments_read_s  # the update pass does not
+
+
+def test_prefetch_overlap_is_limited_by_free_slots(gpt):
+    """Only the slots beside the running block's chunks can take the next block's: with one spare slot most of
+    a transfer-bound step's traffic is exposed, with enough for a whole block none is."""
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import KEEP, Costs, predict
+    from stratum.offload.tiers import Bandwidths
+    m, _ = gpt
+    L, lay = len(m), pack(m, 30_000)
+    need = lay.max_chunks_per_block()
+    assert need >= 3
+    bw = Bandwidths(h2d=1e12, d2h=1e12, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15)
+    costs = Costs(fwd_s=[1.0] * L, bwd_s=[2.0] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
+
+    def step(R: int) -> float:
+        return predict(lay, R=R, opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs, bw=bw, n_micro=1,
+                       deferred=False, n_params=m.num_params())[2]
+    assert step(need + 1) > step(2 * need - 1) == pytest.approx(step(4 * need))
 
 
 def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
@@ -183,8 +202,9 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     def run(fwd: float, bwd: float, late: frozenset[int]):
         costs = Costs(fwd_s=[fwd / L] * L, bwd_s=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
                       spill_bytes=[0] * L)
-        _, tr, step, _, _ = predict(lay, R=4, opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs, bw=bw, n_micro=1,
-                                    deferred=False, n_params=m.num_params(), deferred_chunks=late)
+        _, tr, step, _, _ = predict(lay, R=2 * lay.max_chunks_per_block(), opt=DISK, ptier=DISK, k=2, acts=KEEP,
+                                    costs=costs, bw=bw, n_micro=1, deferred=False, n_params=m.num_params(),
+                                    deferred_chunks=late)
         return tr, step
     C4 = lay.chunk_elems * 4
     tr0, _ = run(1.0, 1.0, frozenset())
