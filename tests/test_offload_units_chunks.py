@@ -147,3 +147,20 @@ def test_disk_ranges_aligned_and_not_round_trip(tmp_path, direct):
     with pytest.raises(StratumError, match="truncated"):
         store.read_range("a", n - 2, torch.empty(4))
     store.close()
+
+
+def test_long_lived_cpu_buffers_are_page_aligned_mappings():
+    """Slots, staging and ring buffers are their own mappings: page-aligned for direct I/O (whatever glibc's
+    heap does), any size, empty included; the allocator policy calls are safe to repeat."""
+    from stratum.offload.host_alloc import PAGE, page_aligned_empty, release_free_heap, tune_allocator
+    from stratum.offload.tiers import aligned_empty
+    tune_allocator()
+    for n in (1, 4095, 4096, 3 * PAGE + 5):
+        t = page_aligned_empty(n)
+        assert t.numel() == n and t.dtype == torch.uint8 and t.data_ptr() % PAGE == 0
+        t.fill_(7)
+        assert int(t.sum()) == 7 * n
+    assert page_aligned_empty(0).numel() == 0
+    f = aligned_empty(1000)
+    assert f.dtype == torch.float32 and f.numel() == 1000 and f.data_ptr() % PAGE == 0
+    release_free_heap()
