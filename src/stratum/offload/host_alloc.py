@@ -14,14 +14,15 @@ Two kinds of CPU allocation meet in an offload run and want opposite treatment:
 
 :func:`tune_allocator` fixes the threshold above those temporaries (glibc's dynamic threshold would grow to the
 same value, but also its trim threshold, which kept up to 0.9 GB of freed heap resident), and
-:func:`release_free_heap` hands freed heap pages back once a step so that what a step freed is not held into the
-next one. glibc only; elsewhere both are no-ops.
+:func:`release_free_heap` hands freed heap pages back at a step's end when enough are free (256 MiB), so that what
+a big step freed is not held into the next one. glibc only; elsewhere both are no-ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import sys
 
@@ -36,6 +37,7 @@ RELEASE_MIN = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None
