@@ -224,9 +224,9 @@ class OffloadEngine(Engine):
         self.resident: set[int] = set()
         self._slot_busy: dict[int, Future] = {}
         """Slot → the in-place update still reading/writing it: the next fetch into the slot waits for it."""
-        self._defer = frozenset(plan.deferred_chunks) if plan.optimizer_tier != DEVICE else frozenset()
-        """Chunks whose update the plan defers to beside the next forward (without clipping; with it, all are)."""
-        self._defer_order = sorted(self._defer)  # chunks are numbered in first-use order
+        self._defer = tuple(plan.deferred_chunks) if plan.optimizer_tier != DEVICE else ()
+        """Chunks whose update the plan defers to beside the next forward (without clipping; with it, all are),
+        ascending = the order the forward uses them (chunks are numbered in first-use order)."""
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
 
@@ -478,13 +478,17 @@ class OffloadEngine(Engine):
         c.grad = "home"
         c.stale_home = True
         self._spill_futs[c.i] = fut
-        if not (self._deferred or c.i in self._defer):
+        if not self._update_later(c):
             self._submit_host_update(c, None)
 
     def _in_slot(self, c: _Chunk) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
         defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed)."""
-        return self.device.type == "cpu" and (c.pinned or not (self._deferred or c.i in self._defer))
+        return self.device.type == "cpu" and (c.pinned or not self._update_later(c))
+
+    def _update_later(self, c: _Chunk) -> bool:
+        """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
+        return self._deferred or c.i in self._defer
 
     def _update_device(self, c: _Chunk, coef: Tensor | None) -> None:
         g = c.g()
@@ -694,7 +698,7 @@ class OffloadEngine(Engine):
         elif self._defer:
             # the plan's deferred chunks: their updates run beside the next forward, in the order it uses them,
             # moving their disk traffic out of the backward, where the disk is the bottleneck
-            for i in self._defer_order:
+            for i in self._defer:
                 self._submit_host_update(self.chunks[i], None)
         self.phase_s["update"] += time.perf_counter() - t_upd
         if (self._deferred or self._defer) and self.plan.optimizer_tier != DEVICE:  # FIFO: runs after the last

@@ -37,14 +37,22 @@ RELEASE_MIN = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 @functools.lru_cache(maxsize=1)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def tune_allocator() -> None:
@@ -57,17 +65,11 @@ def tune_allocator() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, HEAP_MAX_ALLOC)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def free_heap_bytes() -> int | None:
     """Bytes free inside glibc's heap (held by the process, not in use); None where it cannot be asked."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().fordblks)
 
 
