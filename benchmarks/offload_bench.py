@@ -43,7 +43,8 @@ def _batches(cfg, steps):
             for s in range(steps)], data.tokenizer.vocab_size
 
 
-def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmup: int) -> dict:
+def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmup: int, device: str = "cpu",
+                 extra=()) -> dict:
     import torch
 
     from stratum.model.build import build_model
@@ -52,41 +53,56 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     from stratum.runtime import optim_spec
     from stratum.runtime.plain import PlainEngine
 
-    cfg = _cfg(preset, micro, seq)
+    from stratum.runtime.device import describe as describe_device
+    from stratum.runtime.device import resolve_device, synchronize
+
+    cfg = _cfg(preset, micro, seq, extra)
     batches, vocab = _batches(cfg, steps + warmup)
-    dev = torch.device("cpu")
+    dev = resolve_device(device)
     model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=seq, seed=0)
     state = 16 * model.num_params()
     budget = "" if mode == "overhead" else str(state // 4)
-    ocfg = _cfg(preset, micro, seq, [f"offload.device_budget={budget!r}"])
+    ocfg = _cfg(preset, micro, seq, [*extra, f"offload.device_budget={budget!r}"])
     t0 = time.perf_counter()
     plan = plan_for(ocfg, model, dev, always_profile=True)
     plan_s = time.perf_counter() - t0
     print(plan.describe(), flush=True)
-    plain = PlainEngine(copy.deepcopy(model), optim=optim_spec(cfg), device=dev)
-    off = OffloadEngine(model, optim=optim_spec(cfg), device=dev, plan=plan, check_every_step=True)
+    prec = cfg.train.precision
+    plain = PlainEngine(copy.deepcopy(model), optim=optim_spec(cfg), device=dev, precision=prec)
+    # The offload engine checks the GPU allocator's bytes against its budget (all of this process's bytes since
+    # it was built): it is built after the plain engine's first step has allocated that engine's gradients and
+    # optimizer state, which would otherwise count as the offload engine's.
+    engines = {"plain": plain}
     times = {"plain": [], "offload": []}
     losses = {"plain": [], "offload": []}
     for s, b in enumerate(batches):
-        order = [("plain", plain), ("offload", off)] if s % 2 == 0 else [("offload", off), ("plain", plain)]
-        for name, eng in order:
+        order = ["plain", "offload"] if s % 2 == 0 else ["offload", "plain"]
+        for name in order:
+            if name not in engines:
+                engines[name] = OffloadEngine(model, optim=optim_spec(cfg), device=dev, plan=plan, precision=prec,
+                                              check_every_step=True)
+            eng = engines[name]
+            synchronize(dev)
             t = time.perf_counter()
             r = eng.train_step(b, 1e-4)
+            synchronize(dev)
             dt = time.perf_counter() - t
             losses[name].append(r.loss)
             if s >= warmup:
                 times[name].append(dt)
         print(f"step {s}: plain {times['plain'][-1] if s >= warmup else 0:.3f}s offload "
               f"{times['offload'][-1] if s >= warmup else 0:.3f}s", flush=True)
+    off = engines["offload"]
     tokens = cfg.tokens_per_step
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
         "mode": mode, "preset": preset, "params": model.num_params(), "train_state_bytes": state,
         "device_budget_bytes": plan.device_budget, "tokens_per_step": tokens, "steps_timed": steps,
-        "warmup_steps": warmup, "threads": torch.get_num_threads(),
+        "warmup_steps": warmup, "threads": torch.get_num_threads(), "device": describe_device(dev),
         "median_step_s": med, "tokens_per_s": {k: tokens / v for k, v in med.items()},
         "ratio_offload_over_plain": med["plain"] / med["offload"],
         "losses_equal": losses["plain"] == losses["offload"],
+        "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in zip(losses["plain"], losses["offload"])),
         "plan": plan.to_dict(), "plan_s": plan_s,
         "measured_peak_bytes": off.measured_peaks(), "fetches": off.n_fetches,
         "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h,
@@ -218,12 +234,16 @@ def main() -> None:
     ap.add_argument("--grad-clip", type=float, default=1.0,
                     help="optim.grad_clip of both engines (0 lets the offload engine update during the backward)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cpu", help="overhead/offload: the device both engines train on (cuda: a GPU)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="overhead/offload: a config override for both engines, e.g. train.precision='bf16'")
     args = ap.parse_args()
     if args.mode == "worker":
         _worker(args)
         return
     if args.mode in ("overhead", "offload"):
-        res = side_by_side(args.mode, args.preset, args.micro_batch, args.seq_len, args.steps, args.warmup)
+        res = side_by_side(args.mode, args.preset, args.micro_batch, args.seq_len, args.steps, args.warmup,
+                           args.device, args.set)
     elif args.mode == "beyond-ram":
         res = beyond_ram(args)
     else:

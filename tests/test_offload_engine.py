@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from offload_helpers import CPU, batches, build, plain, plan, profile, run, spec, state_bytes
+from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, build, plain, plan, profile, run, spec,
+                             state_bytes)
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.planner import Plan
 from stratum.offload.tiers import DEVICE, DISK, HOST
@@ -63,7 +64,7 @@ def test_parity_with_plain_and_budgets(source, placement, shared_tmp):
         assert (p.param_tier, p.optimizer_tier) == (DEVICE, HOST)
     if placement.startswith("device-") and placement != "device-50%":
         assert p.param_tier != DEVICE  # really streaming
-    eng = OffloadEngine(model, optim=spec(), device=CPU, plan=p)  # asserts the budgets every block
+    eng = OffloadEngine(model, optim=spec(), device=DEV, plan=p)  # asserts the budgets every block
     try:
         got = run(eng, STEPS)
         for s, (a, b) in enumerate(zip(ref, got)):
@@ -82,7 +83,7 @@ def test_parity_with_plain_and_budgets(source, placement, shared_tmp):
 
 
 def _engine(model, p, clip=1.0, **kw):
-    return OffloadEngine(model, optim=spec(clip), device=CPU, plan=p, **kw)
+    return OffloadEngine(model, optim=spec(clip), device=DEV, plan=p, **kw)
 
 
 def test_checkpoint_moves_between_placements_and_plain(shared_tmp):
@@ -101,15 +102,15 @@ def test_checkpoint_moves_between_placements_and_plain(shared_tmp):
     c = plain(build("gpt", shared_tmp))
     c.load_state(st)
     rb, rc = run(b, 4, start=4), run(c, 4, start=4)
-    assert [r.loss for r in rb] == [r.loss for r in cont]
-    assert [r.loss for r in rc] == [r.loss for r in cont]
+    assert_same([r.loss for r in rb], [r.loss for r in cont])
+    assert_same([r.loss for r in rc], [r.loss for r in cont])
     # and back: a plain engine's state into an offload engine
     d_model = build("gpt", shared_tmp)
     d = _engine(d_model, plan(d_model, prof, device_budget=S // 10))
     d.load_state(c.state())
     e = plain(build("gpt", shared_tmp))
     e.load_state(c.state())
-    assert [r.loss for r in run(d, 2, start=8)] == [r.loss for r in run(e, 2, start=8)]
+    assert_same([r.loss for r in run(d, 2, start=8)], [r.loss for r in run(e, 2, start=8)])
     for x in (a, b, d):
         x.close()
 
@@ -133,7 +134,7 @@ def test_without_clipping_updates_run_during_backward_and_match(optimizer_tier, 
     eng = _engine(m, p, clip=0.0)
     ref = run(plain(build("gpt", shared_tmp), clip=0.0), 6)
     got = run(eng, 6)
-    assert [r.loss for r in got] == [r.loss for r in ref]
+    assert_same([r.loss for r in got], [r.loss for r in ref])
     eng.close()
 
 
@@ -151,8 +152,8 @@ def test_thin_activations_match_and_hold_fewer_activations(mode, source, shared_
     eng = _engine(m, p)
     try:
         got = run(eng, 5)
-        assert [r.loss for r in got] == [r.loss for r in ref[:5]]
-        assert [r.grad_norm for r in got] == [r.grad_norm for r in ref[:5]]
+        assert_same([r.loss for r in got], [r.loss for r in ref[:5]])
+        assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:5]])
         assert eng.peak_act < p_keep.act_bytes
         measured = eng.measured_peaks()
         assert measured[DEVICE] <= p.device_budget
@@ -178,7 +179,7 @@ def test_divergent_access_sequence_warns_once_and_stays_exact(shared_tmp):
     msgs = [x for x in w if "diverged" in str(x.message)]
     assert len(msgs) == 1
     assert eng.trace.diverged
-    assert [r.loss for r in got] == [r.loss for r in ref]
+    assert_same([r.loss for r in got], [r.loss for r in ref])
     eng.close()
 
 
@@ -225,13 +226,14 @@ def test_prefetch_depths_and_optimizer_tiers_stay_exact(optimizer_tier, depth):
     m = mk()
     S = state_bytes(m)
     budget = S * 3 // 2 if optimizer_tier == DEVICE else S // 2
+    host_share = 3 if DEV.type == "cpu" else 2  # a GPU's host tier also holds the tied chunk's master copy
     p = plan(m, profile(m), device_budget=budget, chunk_elems=29_120, resident_chunks=3, optimizer_tier=optimizer_tier,
-             prefetch_depth=depth, host_budget=None if optimizer_tier != DISK else S // 3)
+             prefetch_depth=depth, host_budget=None if optimizer_tier != DISK else S // host_share)
     assert p.param_tier != DEVICE
     ref = run(plain(mk()), 6)
     eng = _engine(m, p)
     got = run(eng, 6)
-    assert [r.loss for r in got] == [r.loss for r in ref]
+    assert_same([r.loss for r in got], [r.loss for r in ref])
     assert m.num_params() == sum(x.numel() for x in mk().parameters())
     eng.close()
 
@@ -244,7 +246,7 @@ def test_a_meta_gpt_is_built_block_by_block_with_the_same_values():
     p = plan(meta, prof, device_budget=state_bytes(meta) // 2, chunk_elems=29_120)
     eng = _engine(meta, p, materialize=lambda i: init_gpt_block(meta, i, 5))
     ref = plain(build_gpt("tiny", vocab_size=256, seed=5))
-    assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(ref, 3)]
+    assert_same([r.loss for r in run(eng, 3)], [r.loss for r in run(ref, 3)])
     eng.close()
 
 
@@ -265,7 +267,7 @@ def test_transformers_weights_are_loaded_block_by_block_and_match_plain(tmp_path
     assert p.param_tier != DEVICE
     eng = _engine(lazy, p)
     try:
-        assert [r.loss for r in run(eng, 3)] == [r.loss for r in run(plain(eager), 3)]
+        assert_same([r.loss for r in run(eng, 3)], [r.loss for r in run(plain(eager), 3)])
     finally:
         eng.close()
 
@@ -278,7 +280,7 @@ def test_spilled_activations_keep_dtypes_under_bf16_autocast(shared_tmp):
     for mode in ("keep", "offload"):
         m = build("gpt", shared_tmp)
         p = plan(m, prof, activations=mode)  # no budget: the profile is fp32, bf16 saves more (cast weights)
-        eng = OffloadEngine(m, optim=spec(), device=CPU, plan=p, precision="bf16")
+        eng = OffloadEngine(m, optim=spec(), device=DEV, plan=p, precision="bf16")
         try:
             losses[mode] = [r.loss for r in run(eng, 3)]
         finally:
@@ -306,14 +308,16 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
     least = _least_host_budget(m, prof, S // 4)
     host = least + sum(b.act_saved_bytes for b in prof.blocks) // 2  # room for about half the activations
     # a disk with no room for activation files (else the rest would go there: test_activations_spill_to_disk...)
-    disk = plan(m, prof, device_budget=S // 4, host_budget=host, activations="recompute").predicted_peak[DISK]
-    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload", disk_free=disk)
+    # (same chunk size: smaller chunks would free disk room for activation files)
+    rec = plan(m, prof, device_budget=S // 4, host_budget=host, activations="recompute")
+    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload",
+             disk_free=rec.predicted_peak[DISK], chunk_elems=rec.chunk_elems)
     assert p.spill_blocks is not None and 0 < len(p.spill_blocks) < len(m) and not p.disk_spill_blocks
     assert "recompute for the rest" in p.describe()
     eng = _engine(m, p)
     try:
         got = run(eng, 4)
-        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
+        assert_same([r.loss for r in got], [r.loss for r in ref[:4]])
         measured = eng.measured_peaks()
         assert measured[HOST] <= host
         assert abs(measured[HOST] - p.predicted_peak[HOST]) <= 0.10 * p.predicted_peak[HOST]
@@ -338,8 +342,8 @@ def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shar
     eng = _engine(m, p)
     try:
         got = run(eng, 4)
-        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
-        assert [r.grad_norm for r in got] == pytest.approx([r.grad_norm for r in ref[:4]], rel=1e-6)
+        assert_same([r.loss for r in got], [r.loss for r in ref[:4]])
+        assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:4]], rel=1e-6)
         measured = eng.measured_peaks()
         assert measured[HOST] <= host
         for tier in (HOST, DISK):
@@ -366,7 +370,7 @@ def test_a_lazily_built_random_init_transformers_model_trains_like_the_eager_one
     eng = _engine(lazy, plan(lazy, prof, device_budget=S // 4, host_budget=S // 10, optimizer_tier=DISK))
     try:
         got = run(eng, 4)
-        assert [r.loss for r in got] == [r.loss for r in ref[:4]]
+        assert_same([r.loss for r in got], [r.loss for r in ref[:4]])
     finally:
         eng.close()
 
@@ -391,12 +395,16 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     eng = _engine(m, p, clip=0.0)
     ref_engine = plain(build("gpt", shared_tmp), clip=0.0)
     try:
-        assert [r.loss for r in run(eng, 5)] == [r.loss for r in run(ref_engine, 5)]
+        assert_same([r.loss for r in run(eng, 5)], [r.loss for r in run(ref_engine, 5)])
         assert eng.phase_s["update_pass"] > 0  # the deferred updates ran after the backward
         got, want = eng.state(), ref_engine.state()
-        for name, t in want.params.items():
-            assert torch.equal(got.params[name], t), name
-        for name, st in want.optim.items():
-            assert torch.equal(got.optim[name]["exp_avg_sq"], st["exp_avg_sq"]), name
+        names = list(want.params)
+        # on a GPU (CPU vs CUDA AdamW) Adam's normalised step turns rounding in near-zero gradients into whole
+        # steps of lr: parameters agree to about 1e-6 relative, not 1e-7 as the losses do
+        assert_same_tensor(torch.cat([got.params[n].reshape(-1) for n in names]),
+                           torch.cat([want.params[n].reshape(-1) for n in names]), "parameters", rel=10 * REL)
+        names = list(want.optim)
+        assert_same_tensor(torch.cat([got.optim[n]["exp_avg_sq"].reshape(-1) for n in names]),
+                           torch.cat([want.optim[n]["exp_avg_sq"].reshape(-1) for n in names]), "exp_avg_sq")
     finally:
         eng.close()

@@ -23,6 +23,11 @@ ALIGN_ELEMS = ALIGN // 4
 """Chunk capacities are multiples of this many fp32 elements, so a chunk's flat buffers (and the parameter and
 gradient halves of a slot) can be read and written with direct I/O."""
 
+PARAM_ALIGN_ELEMS = 64
+"""Each parameter starts at a multiple of this many elements (256 bytes) of its chunk, as a tensor of its own
+does (cudaMalloc aligns to 256 bytes). cuBLAS picks its kernels by operand alignment: GPT-2 774M in bf16 on an
+H100 trained 2.4e-4 (relative) off the plain engine's losses with parameters packed end to end, and slower."""
+
 
 @dataclass
 class Entry:
@@ -85,6 +90,7 @@ def _finish(spec: ChunkSpec, items: list[tuple[str, nn.Parameter]]) -> ChunkSpec
     ordered = [it for it in items if decays(*it)] + [it for it in items if not decays(*it)]
     off = 0
     for name, p in ordered:
+        off = round_up(off, PARAM_ALIGN_ELEMS)  # the gap holds zeros: AdamW leaves them zero
         spec.entries.append(Entry(name, p, off, p.numel(), tuple(p.shape)))
         off += p.numel()
         if decays(name, p):
@@ -107,7 +113,8 @@ def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     where: dict[str, int] = {}
     tied_items = [(n, p) for n, p in order if n in tied_names]
     if tied_items:
-        spec = _finish(ChunkSpec(0, round_up(sum(p.numel() for _, p in tied_items), ALIGN_ELEMS), tied=True), tied_items)
+        size = sum(round_up(p.numel(), PARAM_ALIGN_ELEMS) for _, p in tied_items)
+        spec = _finish(ChunkSpec(0, round_up(size, ALIGN_ELEMS), tied=True), tied_items)
         chunks.append(spec)
         for n, _ in tied_items:
             where[n] = 0
@@ -116,12 +123,13 @@ def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     for n, p in order:
         if n in tied_names:
             continue
+        # padded sizes: with every start aligned, any order of the chunk's parameters fits in their sum
         if cur and fill + p.numel() > chunk_elems:
             chunks.append(_finish(ChunkSpec(len(chunks), chunk_elems), cur))
             cur, fill = [], 0
         cur.append((n, p))
         where[n] = len(chunks)
-        fill += p.numel()
+        fill += round_up(p.numel(), PARAM_ALIGN_ELEMS)
     if cur:
         chunks.append(_finish(ChunkSpec(len(chunks), chunk_elems), cur))
     block_chunks = []

@@ -23,11 +23,22 @@ def adamw_chunk(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, n_deca
                 betas: tuple[float, float], eps: float, weight_decay: float, count_step: bool = True) -> None:
     """Update a chunk: elements ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without (either may be
     empty). ``count_step=False`` for the second and later pieces of one chunk's update."""
+    adamw_chunks([(p, g, m, v, step, n_decay, used)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                 count_step=count_step)
+
+
+def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 count_step: bool = True) -> None:
+    """Update several chunks, each ``(p, g, m, v, step, n_decay, used)`` as in :func:`adamw_chunk`, with two
+    fused calls in all (decayed ranges, the rest): a GPU pays a kernel launch per call, and GPT-2 774M in 110
+    chunks spent more time launching per-chunk updates than running them."""
     if count_step:
-        step.add_(1)
-    if n_decay > 0:
-        adamw_flat(p[:n_decay], g[:n_decay], m[:n_decay], v[:n_decay], step, lr=lr, betas=betas, eps=eps,
-                   weight_decay=weight_decay)
-    if used > n_decay:
-        adamw_flat(p[n_decay:used], g[n_decay:used], m[n_decay:used], v[n_decay:used], step, lr=lr, betas=betas,
-                   eps=eps, weight_decay=0.0)
+        torch._foreach_add_([it[4] for it in items], 1)
+    for decay in (True, False):
+        ranges = [(0, nd) if decay else (nd, used) for *_, nd, used in items]
+        sel = [(it, lo, hi) for it, (lo, hi) in zip(items, ranges) if hi > lo]
+        if not sel:
+            continue
+        p, g, m, v = ([it[k][lo:hi] for it, lo, hi in sel] for k in range(4))
+        torch._fused_adamw_(p, g, m, v, [], [it[4] for it, _, _ in sel], lr=lr, beta1=betas[0], beta2=betas[1],
+                            weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False, maximize=False)

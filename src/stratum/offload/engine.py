@@ -37,13 +37,13 @@ from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
-from stratum.offload.cpu_adam import adamw_chunk
+from stratum.offload.cpu_adam import adamw_chunk, adamw_chunks
 from stratum.offload.host_alloc import release_free_heap, tune_allocator
 from stratum.offload.planner import KEEP, SPILL, Plan
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
-from stratum.runtime.device import autocast
+from stratum.runtime.device import autocast, canonical
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
 
 F32 = 4
@@ -91,6 +91,15 @@ class _Chunk:
         return self.slot[self.cap:]
 
 
+def _drop(_t: Tensor) -> None:
+    """Saved-tensor hook of a forward whose graph is thrown away: keep nothing."""
+    return None
+
+
+def _dropped(_obj) -> Tensor:
+    raise RuntimeError("offload: a discarded forward's saved tensor was used")
+
+
 class OffloadEngine(Engine):
     name = "offload"
 
@@ -99,6 +108,7 @@ class OffloadEngine(Engine):
                  materialize=None):
         self.model = model
         self.spec = optim
+        device = canonical(device)  # saved tensors are matched against it (a spilled activation's device)
         self.device = device
         self.precision = precision
         self.plan = plan
@@ -217,7 +227,13 @@ class OffloadEngine(Engine):
         if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
             self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
             self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
+        # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time
+        self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
+                             if plan.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
         R = 0 if all_resident else min(plan.resident_chunks, n_stream)
+        self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
+        """Every chunk and its moments stay on the device: norms and updates run once for all after the
+        backward (a kernel launch per chunk cost a GPU more than the updates themselves)."""
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
         self.free_slots = list(range(R))[::-1]
@@ -272,22 +288,23 @@ class OffloadEngine(Engine):
             into.copy_(c.hp if what == "p" else c.hg, non_blocking=True)
         elif self.device.type == "cpu":
             self.disk.read(f"{what}{c.i}", into)
-        else:
-            st = self.staging_fetch(into.numel())
+        else:  # GPU ← disk: through the pinned transfer buffer (the disk reads into aligned host memory only)
+            st = self.xfer_staging[:into.numel()]
             self.disk.read(f"{what}{c.i}", st)
             into.copy_(st, non_blocking=True)
             torch.cuda.current_stream(into.device).synchronize()  # the staging buffer is reused next
 
-    def staging_fetch(self, n: int) -> Tensor:
-        if not hasattr(self, "_fetch_staging"):
-            self._fetch_staging = aligned_empty(self.layout.chunk_elems, pin=True)
-        return self._fetch_staging[:n]
-
     def _write_home(self, c: _Chunk, what: str, src: Tensor) -> None:
+        """Runs on the transfer thread (its side stream on a GPU)."""
         if c.home == HOST:
             (c.hp if what == "p" else c.hg).copy_(src, non_blocking=True)
             if src.device.type == "cuda":
                 torch.cuda.current_stream(src.device).synchronize()
+        elif src.device.type == "cuda":  # GPU → disk through the pinned transfer buffer, as reads come
+            st = self.xfer_staging[:src.numel()]
+            st.copy_(src, non_blocking=True)
+            torch.cuda.current_stream(src.device).synchronize()
+            self.disk.write(f"{what}{c.i}", st)
         else:
             self.disk.write(f"{what}{c.i}", src)
 
@@ -446,18 +463,23 @@ class OffloadEngine(Engine):
         return obj
 
     # ---- optimizer ------------------------------------------------------------------------------------------
-    def _norms(self, c: _Chunk) -> None:
-        g = c.g()
-        views = [g[e.offset:e.offset + e.numel].view(e.shape) for e in c.spec.entries]
-        for e, nrm in zip(c.spec.entries, torch._foreach_norm(views, 2.0)):
-            self._grad_norms[e.name] = nrm
+    def _norms(self, chunks: list[_Chunk]) -> None:
+        views, names = [], []
+        for c in chunks:
+            g = c.g()
+            views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in c.spec.entries]
+            names += [e.name for e in c.spec.entries]
+        for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
+            self._grad_norms[name] = nrm
 
     def _grad_complete(self, c: _Chunk) -> None:
         """All of this step's gradient of ``c`` is in its slot."""
-        self._norms(c)
+        if self._all_on_device:  # all chunks are updated together after the backward
+            return
+        self._norms([c])
         if self.plan.optimizer_tier == DEVICE:
             if not self._deferred:
-                self._update_device(c, None)
+                self._update_device([c], None)
             return
         if self._in_slot(c):
             # On a CPU the slot is host memory: update the parameters where they are, with the gradient where it
@@ -490,15 +512,16 @@ class OffloadEngine(Engine):
         """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
         return self._deferred or c.i in self._defer
 
-    def _update_device(self, c: _Chunk, coef: Tensor | None) -> None:
-        g = c.g()
+    def _update_device(self, chunks: list[_Chunk], coef: Tensor | None) -> None:
+        """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
         if coef is not None:
-            g.mul_(coef)
-        adamw_chunk(c.p(), g, c.m, c.v, c.step, c.spec.n_decay, c.spec.used, lr=self._lr, betas=self.spec.betas,
-                    eps=self.spec.eps, weight_decay=self.spec.weight_decay)
-        c.grad = None
-        if not c.pinned:
-            c.dirty = True
+            torch._foreach_mul_([c.g() for c in chunks], coef)
+        adamw_chunks([(c.p(), c.g(), c.m, c.v, c.step, c.spec.n_decay, c.spec.used) for c in chunks], lr=self._lr,
+                     betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        for c in chunks:
+            c.grad = None
+            if not c.pinned:
+                c.dirty = True
 
     def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
@@ -587,6 +610,10 @@ class OffloadEngine(Engine):
         self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
         for c in self.chunks:
             c.grad = None
+        if self._all_on_device:  # one launch, not one per chunk as the backward first touches it
+            torch._foreach_zero_([c.g() for c in self.chunks])
+            for c in self.chunks:
+                c.grad = "dev"
         first = self.trace.recorded is None
         self.trace.begin_step()
         L = len(self.model)
@@ -618,10 +645,12 @@ class OffloadEngine(Engine):
                             spill.begin_block(i)
                         self._boundary.add(xi.untyped_storage().data_ptr())
                         self._act_seen = set()
-                    rng.append(torch.get_rng_state() if recompute else None)
+                    rng.append(self._rng_state() if recompute else None)
                     if recompute:
-                        with torch.no_grad():
-                            out = self._forward_block(i, xi, y, i == L - 1, n)
+                        # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a
+                        # GPU's attention may pick another kernel and draw other dropout masks), keeping nothing.
+                        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                            out = self._forward_block(i, xi, y, i == L - 1, n).detach()
                         outs.append(None)
                     else:
                         out = self._forward_block(i, xi, y, i == L - 1, n)
@@ -653,10 +682,10 @@ class OffloadEngine(Engine):
                     out = outs[i]
                     if out is None:  # recompute this block's forward with the RNG state of its first run
                         t_re = time.perf_counter()
-                        keep = torch.get_rng_state()
-                        torch.set_rng_state(rng[i])
+                        keep = self._rng_state()
+                        self._set_rng_state(rng[i])
                         out = self._forward_block(i, ins[i], y, i == L - 1, n)
-                        torch.set_rng_state(keep)
+                        self._set_rng_state(keep)
                         self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:
                         (out / n).backward()
@@ -683,16 +712,21 @@ class OffloadEngine(Engine):
             self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
         t_upd = time.perf_counter()
+        if self._all_on_device:
+            self._norms(self.chunks)
         order = [self.where[nm][1] for nm in self.names if nm in self.where]
         norms = [self._grad_norms[e.name] for e in order]
         total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         coef = None
         if self._deferred:
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+        if self._all_on_device:
+            self._update_device(self.chunks, coef)
+        elif self._deferred:
             for c in self.chunks:
                 if self.plan.optimizer_tier == DEVICE:
                     self._access((c.i,))
-                    self._update_device(c, coef)
+                    self._update_device([c], coef)
                 else:
                     self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)
         elif self._defer:
@@ -714,6 +748,16 @@ class OffloadEngine(Engine):
         self._check()
         return StepResult(loss=total.item() / n, grad_norm=float(total_norm))
 
+    def _rng_state(self) -> tuple:
+        """The RNG states a block's forward draws from (dropout): the CPU's, and the GPU's on a GPU."""
+        return (torch.get_rng_state(),
+                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+
+    def _set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
     def _tied_grads_begin(self) -> list:
         """A tied tensor's gradient gets contributions from several blocks. The plain engine sums one
         micro-batch's contributions first and then adds that sum to the accumulated gradient; to round the same
@@ -734,6 +778,8 @@ class OffloadEngine(Engine):
             self.tiers[DEVICE].release(c.cap * F32)
 
     def _check(self) -> None:
+        # the activations held now (in the backward: kept inputs + the restore arena) count toward the peak
+        self.tiers[DEVICE].note_transient(self._act)
         if not self.check_every_step:
             return
         self.tiers[DEVICE].check(self._act)

@@ -222,6 +222,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     late = len(deferred_chunks) if in_slot else 0
     if ptier == DISK and opt != DEVICE and n_stream and (not in_slot or late):  # staging: params and gradients
         host += 2 * C * F32
+    if ptier == DISK and n_stream and async_copies:  # a GPU's pinned buffer for its disk ↔ device copies
+        host += C * F32
     tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
     # Bytes moved while the backward runs (the rest moves beside the forward): a clipped (deferred) host/disk
     # update pass runs beside the next step's forward, so its traffic loads the forward's window, not the

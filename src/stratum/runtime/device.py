@@ -22,7 +22,15 @@ def resolve_device(spec: str) -> torch.device:
                                "use train.device = 'cpu' or 'auto'")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise StratumError(f"train.device = {spec!r} but only {torch.cuda.device_count()} GPU(s) exist")
-    return dev
+    return canonical(dev)
+
+
+def canonical(device: torch.device) -> torch.device:
+    """``cuda`` → ``cuda:N`` (the current GPU). Tensors report an indexed device and ``torch.device("cuda")``
+    compares unequal to it, so code comparing a tensor's device with the engine's needs the indexed form."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def autocast(device: torch.device, precision: str):
