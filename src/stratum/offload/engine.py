@@ -159,7 +159,13 @@ class OffloadEngine(Engine):
         chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
         the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
         beside the next step's forward)."""
+        self._gtarget: dict[int, Tensor] = {}
+        """id(parameter) → where its next gradient contribution goes (a view of its chunk's slot)."""
+        self._fresh: set[int] = set()
+        """id(parameter) whose target already holds a contribution this step (see _take_grad)."""
         self._build()
+        self._grad_hooks = [] if self._all_on_device else [
+            e.param.register_post_accumulate_grad_hook(self._take_grad) for c in self.chunks for e in c.spec.entries]
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _alloc(self, tier: str, n: int, what: str) -> Tensor:
@@ -173,6 +179,10 @@ class OffloadEngine(Engine):
         plan = self.plan
         n_stream = len(self.layout.streamable)
         all_resident = plan.param_tier == DEVICE
+        self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
+        """Every chunk and its moments stay on the device: gradients are autograd's own tensors, as in the plain
+        engine (no slot half to zero and accumulate into, no copies), and one fused AdamW call per weight-decay
+        class updates everything after the backward (a launch per chunk cost a GPU more than the work)."""
         self.chunks: list[_Chunk] = [None] * len(self.layout.chunks)
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
@@ -187,7 +197,11 @@ class OffloadEngine(Engine):
                         flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
                 return flat
             if pinned:
-                c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
+                if self._all_on_device:  # parameters only; the gradients autograd makes are charged as such
+                    c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}")
+                    self.tiers[DEVICE].charge(spec.capacity * F32, f"gradients of chunk {spec.index}")
+                else:
+                    c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
                 fill(c.p())
                 if plan.optimizer_tier != DEVICE and self.device.type != "cpu":
                     c.hp = self._alloc(HOST, spec.capacity, "master params")
@@ -231,9 +245,6 @@ class OffloadEngine(Engine):
         self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
                              if plan.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
         R = 0 if all_resident else min(plan.resident_chunks, n_stream)
-        self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
-        """Every chunk and its moments stay on the device: norms and updates run once for all after the
-        backward (a kernel launch per chunk cost a GPU more than the updates themselves)."""
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, 2 * cap, f"slot {s}") for s in range(R)]
         self.free_slots = list(range(R))[::-1]
@@ -262,12 +273,36 @@ class OffloadEngine(Engine):
             self._materialize(i)
 
     def _bind(self, c: _Chunk) -> None:
-        """Point the chunk's parameters (and their .grad) at its device slot."""
+        """Point the chunk's parameters at its device slot, and their gradients' target at the slot's second
+        half."""
         p, g = c.p(), c.g()
         for e in c.spec.entries:
             e.param.data = p[e.offset:e.offset + e.numel].view(e.shape)
-            e.param.grad = g[e.offset:e.offset + e.numel].view(e.shape)
+            if self._all_on_device:
+                continue  # its .grad is autograd's
+            e.param.grad = None
+            self._gtarget[id(e.param)] = g[e.offset:e.offset + e.numel].view(e.shape)
         self._ptr2chunk[c.slot.untyped_storage().data_ptr()] = c
+
+    def _take_grad(self, param: Tensor) -> None:
+        """Post-accumulate hook: autograd has left a gradient contribution in ``param.grad`` (usually the very
+        tensor the backward produced, as in the plain engine); move it to the chunk: the first of a step is
+        copied, later ones added. A ``.grad`` that viewed the slot instead made every step zero all slots and
+        add every gradient into them: two extra passes over the gradients (about 3 % of a CPU step)."""
+        k = id(param)
+        if k in self._fresh:
+            self._gtarget[k].add_(param.grad)
+        else:
+            self._gtarget[k].copy_(param.grad)
+            self._fresh.add(k)
+        param.grad = None
+
+    def _zero_untouched(self, chunks: list[_Chunk]) -> None:
+        """Zero the gradient of parameters that got none this step (the slot holds another step's or chunk's)."""
+        for c in chunks:
+            for e in c.spec.entries:
+                if id(e.param) not in self._fresh:
+                    c.g()[e.offset:e.offset + e.numel].zero_()
 
     def _placeholder(self, shape) -> Tensor:
         """What an evicted parameter points at: its shape (so numel and flop counts stay right), no memory."""
@@ -280,6 +315,7 @@ class OffloadEngine(Engine):
         for e in c.spec.entries:
             e.param.data = self._placeholder(e.shape)
             e.param.grad = None
+            self._gtarget.pop(id(e.param), None)
 
     # ---- moving chunks ------------------------------------------------------------------------------------------
     def _read_home(self, c: _Chunk, what: str, into: Tensor) -> None:
@@ -435,6 +471,8 @@ class OffloadEngine(Engine):
             return x
         c = self._ptr2chunk.get(ptr)
         if c is not None:
+            if c.pinned:  # never moves: saved as is (an unpack per weight cost ~3 % of a small CPU step)
+                return x
             # offset from the slot's start: the chunk may come back in another slot (aligned slots are views at
             # different offsets of their allocations)
             return ("chunk", c.i, x.storage_offset() - c.slot.storage_offset(), tuple(x.shape), tuple(x.stride()),
@@ -444,8 +482,9 @@ class OffloadEngine(Engine):
         if ptr not in self._act_seen:
             self._act_seen.add(ptr)
             self._act += x.untyped_storage().nbytes()
-            self.peak_act = max(self.peak_act, self._act)
-            self.tiers[DEVICE].note_transient(self._act)
+            if self._act > self.peak_act:
+                self.peak_act = self._act
+                self.tiers[DEVICE].note_transient(self._act)
         if self.spill is not None and self.spill.active and x.device == self.device:
             return self.spill.pack(x)
         return x
@@ -476,6 +515,7 @@ class OffloadEngine(Engine):
         """All of this step's gradient of ``c`` is in its slot."""
         if self._all_on_device:  # all chunks are updated together after the backward
             return
+        self._zero_untouched([c])
         self._norms([c])
         if self.plan.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -522,6 +562,26 @@ class OffloadEngine(Engine):
             c.grad = None
             if not c.pinned:
                 c.dirty = True
+
+    def _update_params(self, coef: Tensor | None) -> None:
+        """All on the device: AdamW of every parameter with its autograd gradient (then dropped, as the plain
+        engine's ``zero_grad``), in one fused call per weight-decay class."""
+        items = []
+        for c in self.chunks:
+            for e in c.spec.entries:
+                if e.param.grad is None:
+                    continue
+                lo, hi = e.offset, e.offset + e.numel
+                items.append((c.p()[lo:hi], e.param.grad.reshape(-1), c.m[lo:hi], c.v[lo:hi], c.step,
+                              e.numel if lo < c.spec.n_decay else 0, e.numel))
+        if coef is not None:
+            torch._foreach_mul_([it[1] for it in items], coef)
+        torch._foreach_add_([c.step for c in self.chunks], 1)
+        adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
+                     weight_decay=self.spec.weight_decay, count_step=False)
+        for c in self.chunks:
+            for e in c.spec.entries:
+                e.param.grad = None
 
     def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
@@ -610,10 +670,7 @@ class OffloadEngine(Engine):
         self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
         for c in self.chunks:
             c.grad = None
-        if self._all_on_device:  # one launch, not one per chunk as the backward first touches it
-            torch._foreach_zero_([c.g() for c in self.chunks])
-            for c in self.chunks:
-                c.grad = "dev"
+        self._fresh.clear()
         first = self.trace.recorded is None
         self.trace.begin_step()
         L = len(self.model)
@@ -671,8 +728,7 @@ class OffloadEngine(Engine):
                     self._access(self._block_chunks(i))
                     for ci in self._block_chunks(i):
                         c = self.chunks[ci]
-                        if c.grad is None:
-                            c.g().zero_()
+                        if c.grad is None:  # filled by _take_grad (no zeroing: untouched parts never count)
                             c.grad = "dev"
                     if spill is not None:
                         spill.restore(i)
@@ -707,21 +763,23 @@ class OffloadEngine(Engine):
                     self._check()
                 self._tied_grads_end(tied_tmp)
                 if last_mb:
-                    for c, _ in tied_tmp:
+                    for c, *_ in tied_tmp:
                         self._grad_complete(c)
             self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
         t_upd = time.perf_counter()
-        if self._all_on_device:
-            self._norms(self.chunks)
-        order = [self.where[nm][1] for nm in self.names if nm in self.where]
+        if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
+            live = [e for c in self.chunks for e in c.spec.entries if e.param.grad is not None]
+            for e, nrm in zip(live, torch._foreach_norm([e.param.grad for e in live], 2.0)):
+                self._grad_norms[e.name] = nrm
+        order = [self.where[nm][1] for nm in self.names if nm in self._grad_norms]
         norms = [self._grad_norms[e.name] for e in order]
         total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         coef = None
         if self._deferred:
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
         if self._all_on_device:
-            self._update_device(self.chunks, coef)
+            self._update_params(coef)
         elif self._deferred:
             for c in self.chunks:
                 if self.plan.optimizer_tier == DEVICE:
@@ -764,17 +822,37 @@ class OffloadEngine(Engine):
         way, later micro-batches accumulate a tied chunk's gradient in a temporary buffer first."""
         out = []
         for c in self.chunks:
-            if c.spec.tied:
-                tmp = self._alloc(DEVICE, c.cap, "tied gradient of one micro-batch")
+            if c.spec.tied and self._all_on_device:
+                # autograd sums this micro-batch's contributions in a fresh .grad; _tied_grads_end adds it
+                stash = [(e.param, e.param.grad) for e in c.spec.entries]
                 for e in c.spec.entries:
-                    e.param.grad = tmp[e.offset:e.offset + e.numel].view(e.shape)
-                out.append((c, tmp))
+                    e.param.grad = None
+                self.tiers[DEVICE].charge(c.cap * F32, "tied gradient of one micro-batch")
+                out.append((c, None, stash))
+            elif c.spec.tied:
+                tmp = self._alloc(DEVICE, c.cap, "tied gradient of one micro-batch")
+                before = {id(e.param) for e in c.spec.entries if id(e.param) in self._fresh}
+                for e in c.spec.entries:
+                    self._gtarget[id(e.param)] = tmp[e.offset:e.offset + e.numel].view(e.shape)
+                    self._fresh.discard(id(e.param))
+                out.append((c, tmp, before))
         return out
 
     def _tied_grads_end(self, tmps: list) -> None:
-        for c, tmp in tmps:
-            c.g().add_(tmp)
+        for c, tmp, before in tmps:
+            if tmp is None:  # all on the device: ``before`` holds the earlier micro-batches' gradients
+                for param, acc in before:
+                    if acc is not None and param.grad is not None:
+                        param.grad = acc.add_(param.grad)
+                    elif acc is not None:
+                        param.grad = acc
+                self.tiers[DEVICE].release(c.cap * F32)
+                continue
+            self._fresh = (self._fresh - {id(e.param) for e in c.spec.entries}) | before
+            self._zero_untouched([c])  # the slot's entries without a contribution in earlier micro-batches
+            c.g().add_(tmp)  # (the buffer's entries without one in this micro-batch are zeros)
             self._bind(c)
+            self._fresh.update(id(e.param) for e in c.spec.entries)
             self.tiers[DEVICE].release(c.cap * F32)
 
     def _check(self) -> None:
@@ -880,6 +958,8 @@ class OffloadEngine(Engine):
                 "offload_activation_peak_bytes": self.peak_act}
 
     def close(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
         try:
             self._drain()
         finally:
