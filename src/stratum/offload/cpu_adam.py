@@ -32,8 +32,8 @@ def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], e
     """Update several chunks, each ``(p, g, m, v, step, n_decay, used)`` as in :func:`adamw_chunk`, with two
     fused calls in all (decayed ranges, the rest): a GPU pays a kernel launch per call, and GPT-2 774M in 110
     chunks spent more time launching per-chunk updates than running them."""
-    if count_step:
-        torch._foreach_add_([it[4] for it in items], 1)
+    if count_step:  # each chunk's step once, however many of its ranges are listed
+        torch._foreach_add_(list({id(it[4]): it[4] for it in items}.values()), 1)
     for decay in (True, False):
         ranges = [(0, nd) if decay else (nd, used) for *_, nd, used in items]
         sel = [(it, lo, hi) for it, (lo, hi) in zip(items, ranges) if hi > lo]

@@ -191,7 +191,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         # with some blocks recomputed, a recomputed block's saved tensors meet the restore buffer, which lives
         # from the first spilled block's backward to the last one's
         act = restore + (one_block if recomputed else 0) + sum(costs.out_bytes)
-    dev = sum(8 * c.capacity for c in pinned) + slots * 8 * C + act
+    dev = sum(8 * c.capacity for c in pinned) + slots * slot_bytes(C, opt, ptier, bw) + act
     if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
         dev += sum(4 * c.capacity for c in chunks if c.tied)
     host = 0
@@ -376,6 +376,13 @@ def _chunk_candidates(seq: BlockSeq) -> list[int]:
     return sorted(cands)
 
 
+def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
+    """Bytes of one device slot: parameters and gradients, or parameters only where a CPU's streamed chunks
+    hand autograd's gradient tensors to the host optimizer (engine._grads_home)."""
+    grads_home = not (bw is not None and bw.async_copies) and ptier == HOST and opt == HOST
+    return (4 if grads_home else 8) * C
+
+
 def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
               bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
               chunk_elems: int | None = None, resident_chunks: int | None = None,
@@ -413,7 +420,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
                                                    bw=bandwidths, n_micro=n_micro, deferred=deferred,
                                                    n_params=n_params, spilled=spill_set, disk_spilled=disk_set)
-                        per = 8 * C
+                        per = slot_bytes(C, opt, ptier, bandwidths)
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
                         r_options = sorted({need, max(need, min(rmax, n_stream))})
                     for R, k, late in itertools.product(r_options, depths, defer_options):
