@@ -602,14 +602,8 @@ class OffloadEngine(Engine):
     def _update_params(self, coef: Tensor | None) -> None:
         """All on the device: AdamW of every parameter with its autograd gradient (then dropped, as the plain
         engine's ``zero_grad``), in one fused call per weight-decay class."""
-        items = []
-        for c in self.chunks:
-            for e in c.spec.entries:
-                if e.param.grad is None:
-                    continue
-                lo, hi = e.offset, e.offset + e.numel
-                items.append((c.p()[lo:hi], e.param.grad.reshape(-1), c.m[lo:hi], c.v[lo:hi], c.step,
-                              e.numel if lo < c.spec.n_decay else 0, e.numel))
+        items = [it for c in self.chunks
+                 for it in self._param_items(c, c.p(), [e.param.grad for e in c.spec.entries])]
         if coef is not None:
             torch._foreach_mul_([it[1] for it in items], coef)
         torch._foreach_add_([c.step for c in self.chunks], 1)
@@ -618,6 +612,18 @@ class OffloadEngine(Engine):
         for c in self.chunks:
             for e in c.spec.entries:
                 e.param.grad = None
+
+    @staticmethod
+    def _param_items(c: _Chunk, p: Tensor, grads: list) -> list[tuple]:
+        """adamw_chunks items, one per parameter of ``c`` that has a gradient in ``grads`` (autograd's tensors):
+        its range of ``p`` (the chunk's parameters) and of the moments."""
+        out = []
+        for e, g in zip(c.spec.entries, grads):
+            if g is not None:
+                lo, hi = e.offset, e.offset + e.numel
+                out.append((p[lo:hi], g.reshape(-1), c.m[lo:hi], c.v[lo:hi], c.step,
+                            e.numel if lo < c.spec.n_decay else 0, e.numel))
+        return out
 
     def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
@@ -646,9 +652,7 @@ class OffloadEngine(Engine):
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
-        items = [(p[e.offset:e.offset + e.numel], g.reshape(-1), c.m[e.offset:e.offset + e.numel],
-                  c.v[e.offset:e.offset + e.numel], c.step, e.numel if e.offset < c.spec.n_decay else 0, e.numel)
-                 for e, g in zip(c.spec.entries, held) if g is not None]
+        items = self._param_items(c, p, held)
         if coef is not None:
             torch._foreach_mul_([it[1] for it in items], coef)
         c.step.add_(1)
