@@ -39,7 +39,7 @@ from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk, adamw_chunks
 from stratum.offload.host_alloc import release_free_heap, tune_allocator
-from stratum.offload.planner import KEEP, SPILL, Plan
+from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
@@ -184,7 +184,7 @@ class OffloadEngine(Engine):
         n_stream = len(self.layout.streamable)
         all_resident = plan.param_tier == DEVICE
         self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
-        self._grads_home = self.device.type == "cpu" and plan.param_tier == HOST and plan.optimizer_tier == HOST
+        self._grads_home = grads_to_host(plan.optimizer_tier, plan.param_tier, self.device.type == "cuda")
         """On a CPU with parameters and moments in host RAM, a streamed chunk's gradients are handed to the host
         optimizer as the tensors autograd made (charged to the host tier while held), as the plain engine's
         optimizer gets them: its slot holds parameters only (twice the slots in a budget), and no gradient is

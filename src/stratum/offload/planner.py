@@ -376,11 +376,16 @@ def _chunk_candidates(seq: BlockSeq) -> list[int]:
     return sorted(cands)
 
 
+def grads_to_host(opt: str, ptier: str, async_copies: bool) -> bool:
+    """Streamed chunks hand autograd's gradient tensors straight to the host optimizer (engine._grads_home):
+    on a CPU (no asynchronous copies: host RAM is the device's memory too) with parameters and moments on the
+    host."""
+    return not async_copies and ptier == HOST and opt == HOST
+
+
 def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
-    """Bytes of one device slot: parameters and gradients, or parameters only where a CPU's streamed chunks
-    hand autograd's gradient tensors to the host optimizer (engine._grads_home)."""
-    grads_home = not (bw is not None and bw.async_copies) and ptier == HOST and opt == HOST
-    return (4 if grads_home else 8) * C
+    """Bytes of one device slot: parameters and gradients, or parameters only (``grads_to_host``)."""
+    return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
 
 
 def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
