@@ -702,7 +702,8 @@ class OffloadEngine(Engine):
         if c.pinned and src is None:
             c.slot[:n].copy_(p)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
         for f in getattr(self, "_opt_futs", []):
             f.result()
         self._opt_futs = []
@@ -930,7 +931,7 @@ class OffloadEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self._drain()
+        self.drain()
         self.model.eval()
         total = 0.0
         for b in batches:
@@ -961,7 +962,7 @@ class OffloadEngine(Engine):
         return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
 
     def state(self) -> TrainState:
-        self._drain()
+        self.drain()
         params, optim = {}, {}
         for c in self.chunks:
             flat = self._master_params(c)
@@ -979,7 +980,7 @@ class OffloadEngine(Engine):
         return TrainState(params=params, optim=optim)
 
     def load_state(self, state: TrainState) -> None:
-        self._drain()
+        self.drain()
         for c in self.chunks:
             flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))
             stepv = 0.0
@@ -1022,7 +1023,7 @@ class OffloadEngine(Engine):
         for h in self._grad_hooks:
             h.remove()
         try:
-            self._drain()
+            self.drain()
         finally:
             self.xfer.close()
             self.opt_pool.shutdown(wait=True)
