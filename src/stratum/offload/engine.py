@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk, adamw_chunks
 from stratum.offload.host_alloc import release_free_heap, tune_allocator
 from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host
-from stratum.offload.prefetch import Transfers
+from stratum.offload.prefetch import Transfers, background_pool
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.runtime.device import autocast, canonical
@@ -137,7 +137,7 @@ class OffloadEngine(Engine):
         if plan.uses_disk:
             self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
         self.xfer = Transfers(device)
-        self.opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stratum-cpu-adam")
+        self.opt_pool = background_pool(device, "stratum-cpu-adam")
         self.trace = AccessTrace()
         self._nxt: NextUse | None = None
         self._clock = 0

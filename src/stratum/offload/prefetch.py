@@ -14,10 +14,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
+def background_pool(device: torch.device, name: str) -> ThreadPoolExecutor:
+    """One worker thread beside training. On a CPU it runs its torch ops on one core: compute already uses
+    every core, and a second OpenMP team of two threads made both wait on each other (GPT ``small`` at a 25 %
+    budget, each engine's steps in one run: 0.82-0.88x plain, 0.90-0.93x with the transfer and optimizer threads
+    at one thread each). A GPU machine keeps torch's default (its host AdamW needs the cores)."""
+    if device.type != "cpu":
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=torch.set_num_threads,
+                              initargs=(1,))
+
+
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stratum-prefetch")
+        self.pool = background_pool(device, "stratum-prefetch")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def submit(self, fn, *args) -> Future:

@@ -181,7 +181,17 @@ def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: 
     h2d, d2h = _measure_copy(str(device), probe_bytes)
     read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
     return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
-                      adam_params_per_s=_measure_adam(1 << 22), async_copies=device.type == "cuda")
+                      adam_params_per_s=_measure_adam_beside(device), async_copies=device.type == "cuda")
+
+
+def _measure_adam_beside(device: torch.device) -> float:
+    """CPU AdamW parameters/s as the optimizer thread runs it (prefetch.background_pool: one thread on a CPU)."""
+    from stratum.offload.prefetch import background_pool
+    pool = background_pool(device, "stratum-adam-probe")
+    try:
+        return pool.submit(_measure_adam, 1 << 22).result()
+    finally:
+        pool.shutdown()
 
 
 def resolve_disk_dir(disk_dir: str) -> Path:
