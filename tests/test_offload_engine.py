@@ -408,3 +408,21 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
                            torch.cat([want.optim[n]["exp_avg_sq"].reshape(-1) for n in names]), "exp_avg_sq")
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the one-thread rule is for a CPU, where training uses every core")
+def test_background_threads_use_one_core_each_on_a_cpu(shared_tmp):
+    """The transfer and optimizer threads run their torch ops on one thread each (a second two-thread OpenMP team
+    beside training's made both wait); the training thread keeps all of its threads."""
+    prof, _ = _reference("gpt", shared_tmp)
+    m = build("gpt", shared_tmp)
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("torch runs one thread here: nothing to tell apart")
+    eng = _engine(m, plan(m, prof, device_budget=state_bytes(m) // 4))
+    try:
+        assert eng.xfer.pool.submit(torch.get_num_threads).result() == 1
+        assert eng.opt_pool.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == before  # the workers' setting is their own
+    finally:
+        eng.close()
