@@ -184,6 +184,9 @@ class OffloadEngine(Engine):
         n_stream = len(self.layout.streamable)
         all_resident = plan.param_tier == DEVICE
         self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
+        """Every chunk and its moments stay on the device: gradients are autograd's own tensors, as in the plain
+        engine (no slot half to zero and accumulate into, no copies), and one fused AdamW call per weight-decay
+        class updates everything after the backward (a launch per chunk cost a GPU more than the work)."""
         self._grads_home = grads_to_host(plan.optimizer_tier, plan.param_tier, self.device.type == "cuda")
         """On a CPU with parameters and moments in host RAM, a streamed chunk's gradients are handed to the host
         optimizer as the tensors autograd made (charged to the host tier while held), as the plain engine's
@@ -192,9 +195,6 @@ class OffloadEngine(Engine):
         step at a 25 % budget)."""
         self._held: dict[int, Tensor] = {}
         """id(parameter) → its gradient of this step so far (``_grads_home`` chunks)."""
-        """Every chunk and its moments stay on the device: gradients are autograd's own tensors, as in the plain
-        engine (no slot half to zero and accumulate into, no copies), and one fused AdamW call per weight-decay
-        class updates everything after the backward (a launch per chunk cost a GPU more than the work)."""
         self.chunks: list[_Chunk] = [None] * len(self.layout.chunks)
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
@@ -604,14 +604,19 @@ class OffloadEngine(Engine):
         engine's ``zero_grad``), in one fused call per weight-decay class."""
         items = [it for c in self.chunks
                  for it in self._param_items(c, c.p(), [e.param.grad for e in c.spec.entries])]
-        if coef is not None:
-            torch._foreach_mul_([it[1] for it in items], coef)
-        torch._foreach_add_([c.step for c in self.chunks], 1)
-        adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
-                     weight_decay=self.spec.weight_decay, count_step=False)
+        self._adamw_params(items, [c.step for c in self.chunks], coef, self._lr)
         for c in self.chunks:
             for e in c.spec.entries:
                 e.param.grad = None
+
+    def _adamw_params(self, items: list[tuple], steps: list[Tensor], coef: Tensor | None, lr: float) -> None:
+        """AdamW over ``_param_items`` (autograd's gradients, scaled by the clip ``coef`` first); each of ``steps``
+        (the chunks' step counters) counted once."""
+        if coef is not None:
+            torch._foreach_mul_([it[1] for it in items], coef)
+        torch._foreach_add_(steps, 1)
+        adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
+                     count_step=False)
 
     @staticmethod
     def _param_items(c: _Chunk, p: Tensor, grads: list) -> list[tuple]:
@@ -652,12 +657,7 @@ class OffloadEngine(Engine):
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
-        items = self._param_items(c, p, held)
-        if coef is not None:
-            torch._foreach_mul_([it[1] for it in items], coef)
-        c.step.add_(1)
-        adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
-                     count_step=False)
+        self._adamw_params(self._param_items(c, p, held), [c.step], coef, lr)
         if src is not None:
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
