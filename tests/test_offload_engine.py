@@ -3,6 +3,7 @@ within its budget every step, predicts its peak bytes, and its checkpoints move 
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -166,6 +167,39 @@ def test_thin_activations_match_and_hold_fewer_activations(mode, source, shared_
         eng.close()
 
 
+@pytest.mark.parametrize("source", _sources())
+def test_the_last_blocks_keep_their_activations_on_the_device(source, shared_tmp):
+    """Plan.kept_blocks: the last two blocks' activations are neither spilled nor recomputed — the losses and
+    gradient norms stay exact, no kept block reaches the spill, and the device tier, which now holds them from
+    their forward to their backward, stays within its budget and its prediction."""
+    prof, ref = _reference(source, shared_tmp)
+    m = build(source, shared_tmp)
+    S, L = state_bytes(m), len(m)
+    p = plan(m, prof, device_budget=S // 4, activations="offload", kept_blocks=2)
+    assert p.kept_blocks == (L - 2, L - 1) and p.param_tier != DEVICE
+    eng = _engine(m, p)
+    spilled = []
+    begin = eng.spill.begin_block
+
+    def note(i):
+        spilled.append(i)
+        begin(i)
+    eng.spill.begin_block = note
+    try:
+        got = run(eng, 5)
+        assert_same([r.loss for r in got], [r.loss for r in ref[:5]])
+        assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:5]])
+        assert set(spilled) == set(range(L - 2))
+        kept = sum(prof.blocks[i].act_saved_bytes for i in p.kept_blocks)
+        assert eng.peak_act >= kept  # counted on the device while held
+        measured = eng.measured_peaks()
+        assert measured[DEVICE] <= p.device_budget
+        assert abs(measured[DEVICE] - p.predicted_peak[DEVICE]) <= 0.10 * p.predicted_peak[DEVICE]
+        assert not eng.spill.blocks and eng.spill.device_bytes == 0
+    finally:
+        eng.close()
+
+
 def test_divergent_access_sequence_warns_once_and_stays_exact(shared_tmp):
     prof, _ = _reference("gpt", shared_tmp)
     m = build("gpt", shared_tmp)
@@ -309,9 +343,10 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
     host = least + sum(b.act_saved_bytes for b in prof.blocks) // 2  # room for about half the activations
     # a disk with no room for activation files (else the rest would go there: test_activations_spill_to_disk...)
     # (same chunk size: smaller chunks would free disk room for activation files)
+    # (and no activations kept on the device: they would leave the host room for the rest)
     rec = plan(m, prof, device_budget=S // 4, host_budget=host, activations="recompute")
     p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload",
-             disk_free=rec.predicted_peak[DISK], chunk_elems=rec.chunk_elems)
+             disk_free=rec.predicted_peak[DISK], chunk_elems=rec.chunk_elems, kept_blocks=0)
     assert p.spill_blocks is not None and 0 < len(p.spill_blocks) < len(m) and not p.disk_spill_blocks
     assert "recompute for the rest" in p.describe()
     eng = _engine(m, p)
@@ -335,7 +370,7 @@ def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shar
     S = state_bytes(m)
     least = _least_host_budget(m, prof, S // 4)
     host = least + sum(b.spill_bytes for b in prof.blocks) // 2
-    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload")
+    p = plan(m, prof, device_budget=S // 4, host_budget=host, activations="offload", kept_blocks=0)
     assert p.disk_spill_blocks and len(p.spill_blocks) == len(m) and not p.recomputes_some
     assert set(p.disk_spill_blocks) < set(p.spill_blocks)  # some stay on the host
     assert f"to disk for {len(p.disk_spill_blocks)}" in p.describe()
@@ -412,17 +447,24 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="the one-thread rule is for a CPU, where training uses every core")
 def test_background_threads_use_one_core_each_on_a_cpu(shared_tmp):
-    """The transfer and optimizer threads run their torch ops on one thread each (a second two-thread OpenMP team
-    beside training's made both wait); the training thread keeps all of its threads."""
+    """The transfer thread, and a disk plan's optimizer thread, run their torch ops on one thread each (a second
+    two-thread OpenMP team beside training's made both wait); a plan without disk updates on the training thread
+    itself, with all of its threads; the training thread keeps all of its threads."""
     prof, _ = _reference("gpt", shared_tmp)
-    m = build("gpt", shared_tmp)
     before = torch.get_num_threads()
     if before < 2:
         pytest.skip("torch runs one thread here: nothing to tell apart")
-    eng = _engine(m, plan(m, prof, device_budget=state_bytes(m) // 4))
-    try:
-        assert eng.xfer.pool.submit(torch.get_num_threads).result() == 1
-        assert eng.opt_pool.submit(torch.get_num_threads).result() == 1
-        assert torch.get_num_threads() == before  # the workers' setting is their own
-    finally:
-        eng.close()
+    S = state_bytes(build("gpt", shared_tmp))
+    for kw, beside in (({}, False), ({"host_budget": S // 10, "optimizer_tier": DISK}, True)):
+        m = build("gpt", shared_tmp)
+        eng = _engine(m, plan(m, prof, device_budget=S // 4, **kw))
+        try:
+            assert eng.xfer.pool.submit(torch.get_num_threads).result() == 1
+            tid, n = eng.opt_pool.submit(lambda: (threading.get_ident(), torch.get_num_threads())).result()
+            if beside:
+                assert (tid != threading.get_ident(), n) == (True, 1)
+            else:
+                assert (tid, n) == (threading.get_ident(), before)
+            assert torch.get_num_threads() == before  # the workers' setting is their own
+        finally:
+            eng.close()

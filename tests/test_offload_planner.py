@@ -222,3 +222,64 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     _, prof = gpt
     p = plan(m, prof, clip=0.0, device_budget=state_bytes(m) // 4, optimizer_tier=DISK, bandwidths=fast)
     assert p.param_tier != DEVICE and p.deferred_chunks == ()
+
+
+def test_a_cpu_counts_its_memcpys_as_compute(gpt):
+    """On a CPU a host↔device copy is a memcpy on the cores that train: the step is compute plus every copied
+    byte at the measured rate, where a GPU's side stream hides them; a fetch no prefetch started ahead is waited
+    for on top (copied on one core of two). Gradients handed to the host optimizer are not copied at all."""
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import KEEP, Costs, predict
+    from stratum.offload.tiers import Bandwidths
+    m, _ = gpt
+    L, lay = len(m), pack(m, 30_000)
+    need = lay.max_chunks_per_block()
+    n_stream = len(lay.streamable)
+    assert n_stream >= 2 * need  # room for a full prefetch
+    costs = Costs(fwd_s=[1e-3] * L, bwd_s=[2e-3] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
+
+    def step(R: int, k: int, async_copies: bool):
+        bw = Bandwidths(h2d=1e9, d2h=1e9, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15,
+                        async_copies=async_copies)
+        _, tr, s, _, _ = predict(lay, R=R, opt=HOST, ptier=HOST, k=k, acts=KEEP, costs=costs, bw=bw, n_micro=1,
+                                 deferred=True, n_params=m.num_params())
+        return tr, s
+    compute = 3e-3 * L
+    tr, cpu = step(2 * need, 4, False)
+    assert tr["h2d"] > 0 and tr["d2h"] == 0  # fetched parameters in; gradients handed over, not copied
+    assert cpu == pytest.approx(compute + tr["h2d"] / 1e9 + m.num_params() / 1e15)
+    _, gpu = step(2 * need, 4, True)
+    assert gpu == pytest.approx(compute + m.num_params() / 1e15)
+    tr, waited = step(need, 4, False)  # no slot beside the running block's: every fetch is waited for
+    assert waited == pytest.approx(compute + 2 * tr["h2d"] / 1e9 + m.num_params() / 1e15)
+
+
+def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
+    """Spilled activations of the forward's last block would be copied straight back (its backward is next):
+    keeping them costs no device bytes and saves their round trip; keeping one more costs its bytes. The planner
+    picks the free one on a CPU, where those copies cost compute."""
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import SPILL, Costs, _kept_options, predict
+    from stratum.offload.tiers import Bandwidths
+    m, prof = gpt
+    L, lay = len(m), pack(m, 30_000)
+    assert _kept_options(SPILL, L, None)[:3] == [frozenset(), frozenset({L - 1}), frozenset({L - 2, L - 1})]
+    assert _kept_options("keep", L, None) == [frozenset()] and _kept_options(SPILL, L, 0) == [frozenset()]
+    a = 1 << 20
+    costs = Costs(fwd_s=[1e-3] * L, bwd_s=[2e-3] * L, act_bytes=[a] * L, out_bytes=[1000] * L,
+                  spill_bytes=[a] * L)
+    bw = Bandwidths(h2d=1e9, d2h=1e9, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15)
+
+    def run(kept):
+        return predict(lay, R=4, opt=HOST, ptier=HOST, k=2, acts=SPILL, costs=costs, bw=bw, n_micro=2,
+                       deferred=True, n_params=m.num_params(), kept=frozenset(kept))
+    peak0, tr0, s0, _, _ = run(())
+    peak1, tr1, s1, _, _ = run((L - 1,))
+    peak2, tr2, _, _, _ = run((L - 2, L - 1))
+    assert peak1[DEVICE] == peak0[DEVICE] and peak2[DEVICE] == peak0[DEVICE] + a
+    assert tr0["d2h"] - tr1["d2h"] == tr0["h2d"] - tr1["h2d"] == 2 * a  # two micro-batches' round trips
+    assert peak0[HOST] - peak1[HOST] == a and s1 == pytest.approx(s0 - 4 * a / 1e9)
+    S = state_bytes(m)
+    p = plan(m, prof, device_budget=S // 4, activations=SPILL, bandwidths=bw)
+    assert p.kept_blocks and p.kept_blocks[-1] == L - 1 and len(p.kept_blocks) < L
+    assert f"kept on the device for the last {len(p.kept_blocks)}" in p.describe()

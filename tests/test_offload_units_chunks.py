@@ -164,3 +164,23 @@ def test_long_lived_cpu_buffers_are_page_aligned_mappings():
     f = aligned_empty(1000)
     assert f.dtype == torch.float32 and f.numel() == 1000 and f.data_ptr() % PAGE == 0
     release_free_heap()
+
+
+def test_heap_trim_spends_at_most_its_share_of_the_time(monkeypatch):
+    """The step-end heap trim runs on the first call, then only while its own seconds stay within its share of
+    the seconds between calls (a fake clock: each trim costs 1, each step 10; share 0.05 → every other step)."""
+    from stratum.offload import host_alloc
+    clock = [0.0]
+    calls = []
+
+    def trim():
+        calls.append(clock[0])
+        clock[0] += 1.0
+    monkeypatch.setattr(host_alloc, "release_free_heap", trim)
+    monkeypatch.setattr(host_alloc.time, "perf_counter", lambda: clock[0])
+    t = host_alloc.HeapTrim(share=0.05)
+    for _ in range(8):
+        t.step_end()
+        clock[0] += 10.0
+    assert calls == [0.0, 21.0, 42.0, 63.0] and t.spent == 4.0
+    assert t.spent <= t.share * t.elapsed + 1.0  # one call over at most (the one that found it under)

@@ -38,9 +38,9 @@ from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunk, adamw_chunks
-from stratum.offload.host_alloc import release_free_heap, tune_allocator
-from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host
-from stratum.offload.prefetch import Transfers, background_pool
+from stratum.offload.host_alloc import HeapTrim, tune_allocator
+from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host, updates_inline
+from stratum.offload.prefetch import Inline, Transfers, background_pool
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.runtime.device import autocast, canonical
@@ -118,6 +118,7 @@ class OffloadEngine(Engine):
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
+        self._heap_trim = HeapTrim()
         if materialize is None and model.block_init is not None:
             materialize = model.materialize
         self._materialize = materialize
@@ -137,7 +138,8 @@ class OffloadEngine(Engine):
         if plan.uses_disk:
             self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
         self.xfer = Transfers(device)
-        self.opt_pool = background_pool(device, "stratum-cpu-adam")
+        self.opt_pool = (Inline() if updates_inline(plan.optimizer_tier, plan.param_tier, device.type == "cuda")
+                         else background_pool(device, "stratum-cpu-adam"))
         self.trace = AccessTrace()
         self._nxt: NextUse | None = None
         self._clock = 0
@@ -740,7 +742,8 @@ class OffloadEngine(Engine):
         total = torch.zeros((), device=self.device)
         spill = self.spill
         thin = self.plan.activations != KEEP  # only block inputs stay on the device between forward and backward
-        spilled = self.plan.spilled(L)  # the other blocks are recomputed when thin
+        spilled = self.plan.spilled(L)  # the other blocks are recomputed when thin, except:
+        on_device = self.plan.kept()  # the last blocks, whose activations stay on the device (Plan.kept_blocks)
         for j, b in enumerate(micro_batches):
             last_mb = j == n - 1
             x = b.x.to(self.device, non_blocking=True)
@@ -748,6 +751,7 @@ class OffloadEngine(Engine):
             self._act, self._act_seen = 0, set()
             ins, outs, rng = [], [], []
             kept: list[int] = []  # bytes of each kept block input (0 for token ids)
+            held: dict[int, int] = {}  # block in on_device → bytes of its saved activations (held on the device)
             self._boundary = set()
             if spill is not None:
                 spill.begin_microbatch()
@@ -758,9 +762,9 @@ class OffloadEngine(Engine):
                     xi = x.detach().requires_grad_(x.is_floating_point())
                     ins.append(xi)
                     kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
-                    recompute = thin and i not in spilled
+                    recompute = thin and i not in spilled and i not in on_device
                     if spill is not None:
-                        if not recompute:
+                        if not recompute and i not in on_device:
                             spill.begin_block(i)
                         self._boundary.add(xi.untyped_storage().data_ptr())
                         self._act_seen = set()
@@ -777,14 +781,16 @@ class OffloadEngine(Engine):
                     if spill is not None:  # this block's activations are still on the device here
                         self._check()
                         spill.end_block()
-                        self._act = sum(kept)
+                        if i in on_device:
+                            held[i] = self._act - sum(kept[:i]) - sum(held.values())
+                        self._act = sum(kept) + sum(held.values())
                     x = out
                 loss = x
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
                 self.phase_s["forward"] += t_bwd - t_fwd
                 if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
-                    self._act, self._act_seen = sum(kept), set()
+                    self._act, self._act_seen = sum(kept) + sum(held.values()), set()
                 tied_tmp = self._tied_grads_begin() if j > 0 else []
                 for i in reversed(range(L)):
                     self._access(self._block_chunks(i))
@@ -796,7 +802,7 @@ class OffloadEngine(Engine):
                         spill.restore(i)
                         if spill.cuda and i > 0 and spill.ready(i - 1):
                             spill.restore(i - 1)  # the next block's copy-back runs beside this backward
-                        self._act = sum(kept[:i + 1]) + spill.device_bytes
+                        self._act = sum(kept[:i + 1]) + spill.device_bytes + sum(held.values())
                     out = outs[i]
                     if out is None:  # recompute this block's forward with the RNG state of its first run
                         t_re = time.perf_counter()
@@ -817,7 +823,8 @@ class OffloadEngine(Engine):
                         if spill is not None:
                             spill.release(i)
                         kept[i] = 0
-                        self._act, self._act_seen = sum(kept[:i]), set()
+                        held.pop(i, None)
+                        self._act, self._act_seen = sum(kept[:i]) + sum(held.values()), set()
                     if last_mb:
                         for ci in self._block_chunks(i):
                             if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
@@ -862,7 +869,7 @@ class OffloadEngine(Engine):
             self.opt_pool.submit(note_pass)
         self.trace.end_step()
         if self.device.type == "cpu":
-            release_free_heap()
+            self._heap_trim.step_end()
         if first:
             self._nxt = NextUse(self.trace.recorded)
         self._check()

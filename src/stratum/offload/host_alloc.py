@@ -25,6 +25,7 @@ import ctypes.util
 import functools
 import mmap
 import sys
+import time
 
 import torch
 from torch import Tensor
@@ -83,6 +84,29 @@ def release_free_heap(min_bytes: int = RELEASE_MIN) -> None:
     free = free_heap_bytes()
     if free is None or free >= min_bytes:
         libc.malloc_trim(0)
+
+
+class HeapTrim:
+    """Calls :func:`release_free_heap` at step ends while its own cost stays within ``share`` of the time between
+    calls. Asking glibc how much is free walks the heap's free lists: 3.7 ms a call on a 0.25 s step (1.5 %);
+    at 0.5 % it runs every third such step, and every step of a long one (where RSS matters most)."""
+
+    def __init__(self, share: float = 0.005):
+        self.share = share
+        self.spent = 0.0
+        """Seconds spent in release_free_heap."""
+        self.elapsed = 0.0
+        """Seconds between the first call and the last."""
+        self._last: float | None = None
+
+    def step_end(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.elapsed += now - self._last
+        if self.spent <= self.share * self.elapsed:
+            release_free_heap()
+            self.spent += time.perf_counter() - now
+        self._last = time.perf_counter()
 
 
 def page_aligned_empty(nbytes: int) -> Tensor:

@@ -50,6 +50,11 @@ class Plan:
     recomputed — what the host budget cannot hold is recomputed (or spilled to disk) rather than refused."""
     disk_spill_blocks: tuple[int, ...] = ()
     """Of the spilled blocks, those whose activations go to disk (act_ring.py) rather than the host tier."""
+    kept_blocks: tuple[int, ...] = ()
+    """With activations = offload: the last blocks of the forward, whose activations stay on the device instead
+    (neither spilled nor recomputed): their backward comes first, so a spill would be copied straight back. The
+    last block is free (its activations are on the device when the backward starts anyway); more cost device bytes
+    that would otherwise hold chunk slots."""
     recomputes_some: bool = False
     """With activations = offload: some blocks are recomputed (not every block is in spill_blocks)."""
     deferred_chunks: tuple[int, ...] = ()
@@ -91,16 +96,22 @@ class Plan:
         """The blocks whose activations this plan spills (none unless activations = offload)."""
         if self.activations != SPILL:
             return frozenset()
-        return frozenset(range(n_blocks)) if self.spill_blocks is None else frozenset(self.spill_blocks)
+        every = frozenset(range(n_blocks)) if self.spill_blocks is None else frozenset(self.spill_blocks)
+        return every - frozenset(self.kept_blocks)
+
+    def kept(self) -> frozenset[int]:
+        """The blocks whose activations stay on the device between forward and backward under this plan."""
+        return frozenset(self.kept_blocks) if self.activations == SPILL else frozenset()
 
     def _acts_text(self) -> str:
+        keep = f", kept on the device for the last {len(self.kept_blocks)}" if self.kept_blocks else ""
         if self.activations != SPILL or self.spill_blocks is None:
-            return self.activations
+            return self.activations + (keep if self.activations == SPILL else "")
         disk = len(self.disk_spill_blocks)
-        text = f"offload for {len(self.spill_blocks) - disk} blocks"
+        text = f"offload for {len(self.spill_blocks) - disk - len(self.kept_blocks)} blocks"
         if disk:
             text += f", to disk for {disk}"
-        return text + (", recompute for the rest" if self.recomputes_some else "")
+        return text + keep + (", recompute for the rest" if self.recomputes_some else "")
 
     def _updates_text(self) -> str:
         if not self.deferred_chunks:
@@ -166,14 +177,19 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
             spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
-            deferred_chunks: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
+            deferred_chunks: frozenset[int] = frozenset(),
+            kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
-    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed.
+    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed, except
+    ``kept`` (Plan.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
     ``deferred_chunks``: see Plan.deferred_chunks (only used where updates otherwise run in the slot)."""
     L = len(costs.act_bytes)
-    spilled = frozenset(range(L)) if spilled is None else spilled
-    recomputed = [] if acts == KEEP else [i for i in range(L) if acts == RECOMPUTE or i not in spilled]
+    kept = kept if acts == SPILL else frozenset()
+    spilled = (frozenset(range(L)) if spilled is None else spilled) - kept
+    disk_spilled = disk_spilled - kept
+    recomputed = [] if acts == KEEP else [i for i in range(L)
+                                          if acts == RECOMPUTE or (i not in spilled and i not in kept)]
     chunks = layout.chunks
     C = layout.chunk_elems
     stream = [c for c in chunks if not c.tied and ptier != DEVICE]
@@ -190,7 +206,12 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         restore = (2 if async_copies else 1) * one_block
         # with some blocks recomputed, a recomputed block's saved tensors meet the restore buffer, which lives
         # from the first spilled block's backward to the last one's
-        act = restore + (one_block if recomputed else 0) + sum(costs.out_bytes)
+        # Kept blocks' activations pile up from the first one's forward on: the forward's peak is the block running
+        # plus the kept ones before it. They are all released before the first restore (the kept blocks are the
+        # last of the forward, the first of the backward).
+        fwd_peak = max((costs.act_bytes[j] + sum(costs.act_bytes[k] for k in kept if k < j) for j in range(L)),
+                       default=0)
+        act = max(restore + (one_block if recomputed else 0), fwd_peak) + sum(costs.out_bytes)
     dev = sum(8 * c.capacity for c in pinned) + slots * slot_bytes(C, opt, ptier, bw) + act
     if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
         dev += sum(4 * c.capacity for c in chunks if c.tied)
@@ -229,11 +250,18 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     # update pass runs beside the next step's forward, so its traffic loads the forward's window, not the
     # backward's — which decides, e.g., whether activations are better spilled to disk or recomputed.
     back = dict.fromkeys(tr, 0)
+    # Of the host↔device bytes, those a CPU moves by memcpy (on the cores that train: not overlapped with compute),
+    # forward and backward; a disk-home chunk is read into its CPU slot directly (disk traffic only).
+    memcpy = {False: 0, True: 0}
+    fetched = 0  # chunk bytes fetched by memcpy: a CPU waits for those a prefetch did not start in time
 
-    def add(link: str, nbytes: int, in_backward: bool) -> None:
+    def add(link: str, nbytes: int, in_backward: bool, copy: bool = True) -> None:
         tr[link] += nbytes
         if in_backward:
             back[link] += nbytes
+        if copy and link in ("h2d", "d2h"):
+            memcpy[in_backward] += nbytes
+    direct = ptier != DISK  # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O)
     if n_stream and slots > 0:
         seq = access_sequence(layout, n_micro, deferred, opt)
         tied = {c.index for c in chunks if c.tied}
@@ -242,10 +270,11 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         if opt != DEVICE and not in_slot:  # a host/disk update makes the device copy stale: all come back
             fetches = max(fetches, n_stream)
         half = fetches // 2  # forward and backward touch every block once each
-        add("h2d", half * C * F32, False)
-        add("h2d", (fetches - half) * C * F32, True)
+        fetched = fetches * C * F32 if direct else 0
+        add("h2d", half * C * F32, False, direct)
+        add("h2d", (fetches - half) * C * F32, True, direct)
         if opt == DEVICE:  # each updated chunk is written back once
-            add("d2h", n_stream * C * F32, not deferred)
+            add("d2h", n_stream * C * F32, not deferred, direct)
         if ptier == DISK:
             add("disk_read", half * C * F32, False)
             add("disk_read", (fetches - half) * C * F32, True)
@@ -258,8 +287,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         n_home = late if in_slot else n_stream  # chunks whose gradient goes home for a later update
         if in_slot:  # the updated parameters go home
             add("d2h" if ptier == HOST else "disk_write", (n_stream - late) * C * F32, True)
-        if n_home:
-            add("d2h", n_home * C * F32, True)  # gradients to the host
+        if n_home and not grads_to_host(opt, ptier, async_copies):  # gradients to the host (else: handed over)
+            add("d2h", n_home * C * F32, True, direct)
             if ptier == DISK:
                 add("disk_write", n_home * C * F32, True)  # gradients out
                 beside_bwd = not (deferred or late)
@@ -283,24 +312,30 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     compute = fwd + bwd
     if bw is None:
         return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
-    adam = n_params / max(bw.adam_params_per_s, 1.0)
+    rate = bw.adam_params_per_s
+    if updates_inline(opt, ptier, async_copies) and bw.adam_inline_params_per_s > 0:
+        rate = bw.adam_inline_params_per_s
+    adam = n_params / max(rate, 1.0)
 
     def moved(t: dict) -> float:
-        return (t["h2d"] / max(bw.h2d, 1.0) + t["d2h"] / max(bw.d2h, 1.0)
-                + t["disk_read"] / max(bw.disk_read, 1.0) + t["disk_write"] / max(bw.disk_write, 1.0))
+        disk = t["disk_read"] / max(bw.disk_read, 1.0) + t["disk_write"] / max(bw.disk_write, 1.0)
+        if not async_copies:  # a CPU's host↔device bytes are memcpys, counted with compute below
+            return disk
+        return disk + t["h2d"] / max(bw.h2d, 1.0) + t["d2h"] / max(bw.d2h, 1.0)
     m_b = moved(back)
     m_f = moved({key: tr[key] - back[key] for key in tr})
-    if not async_copies:  # a CPU spill is a memcpy on the training thread: not overlapped with anything
-        fwd += spilled_bytes / max(bw.d2h, 1.0)
-        bwd += spilled_bytes / max(bw.h2d, 1.0)
-        m_f -= spilled_bytes / max(bw.d2h, 1.0)
-        m_b -= spilled_bytes / max(bw.h2d, 1.0)
+    if not async_copies:
+        # On a CPU compute keeps every core busy: a memcpy (a spill, a chunk fetched from host RAM) takes its time
+        # from compute wherever it runs. Counted as overlapped, fetches looked free: the plan at a 25 % budget
+        # predicted 0.23 s for a 0.25 s step.
+        link = max(min(bw.h2d, bw.d2h), 1.0)
+        fwd += memcpy[False] / link
+        bwd += memcpy[True] / link
         compute = fwd + bwd
     if n_stream and slots <= layout.max_chunks_per_block():
         k = 0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
-    if k == 0:
-        step = compute + adam + m_f + m_b
-    else:
+    hidden = 0.0
+    if k > 0:
         # prefetch overlaps transfers with compute, window by window; deeper prefetch hides more of the
         # per-access latency, and only as many chunks as there are slots beside the running block's can be in
         # flight (adjacent blocks share a chunk): 5 slots for 4-chunk blocks measured 31 s/step with 10 s of
@@ -309,9 +344,13 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         in_flight = 1.0 if not n_stream else min(1.0, (slots - need) / max(need - 1, 1))
         hidden = min(1.0, 0.5 + 0.25 * k) * in_flight
 
-        def window(c: float, m: float) -> float:
-            return max(c, m) + (1 - hidden) * min(c, m)
-        step = window(fwd, m_f) + window(bwd, m_b) + adam
+    def window(c: float, m: float) -> float:
+        return max(c, m) + (1 - hidden) * min(c, m)
+    step = window(fwd, m_f) + window(bwd, m_b) + adam
+    if not async_copies:
+        # a fetch not started ahead is waited for, copied by the transfer thread on one core of the two: its
+        # memcpy counts twice (4 slots for 4-chunk blocks measured 2 % slower than 10 slots at the same bytes)
+        step += (1 - hidden) * fetched / max(bw.h2d, 1.0)
     return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
 
 
@@ -349,6 +388,18 @@ def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str,
             yield rc, frozenset(range(L)), frozenset(range(L)) - on_host
 
 
+KEPT_SUFFIXES = (0, 1, 2, 3, 4, 6, 8)
+
+
+def _kept_options(acts: str, n_blocks: int, fixed: int | None) -> list[frozenset[int]]:
+    """Plan.kept_blocks to try with spilled activations: the last 0, 1, 2, … blocks (bounded: a few sizes), or
+    the last ``fixed``."""
+    if acts != SPILL:
+        return [frozenset()]
+    sizes = KEPT_SUFFIXES if fixed is None else (fixed,)
+    return [frozenset(range(n_blocks - n, n_blocks)) for n in sizes if n < n_blocks]
+
+
 def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool,
                       bw: Bandwidths | None) -> list[frozenset[int]]:
     """Sets of chunks whose update may run beside the next forward (Plan.deferred_chunks): none, and the first
@@ -383,6 +434,13 @@ def grads_to_host(opt: str, ptier: str, async_copies: bool) -> bool:
     return not async_copies and ptier == HOST and opt == HOST
 
 
+def updates_inline(opt: str, ptier: str, async_copies: bool) -> bool:
+    """The engine runs its AdamW steps on the training thread (prefetch.Inline), not on a thread beside it: on a
+    CPU wherever the update is pure CPU work. Only a disk plan's update (its reads and writes wait on the disk)
+    gains from running beside compute."""
+    return not async_copies and opt != DISK and ptier != DISK
+
+
 def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
     """Bytes of one device slot: parameters and gradients, or parameters only (``grads_to_host``)."""
     return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
@@ -392,8 +450,9 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
               bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
               chunk_elems: int | None = None, resident_chunks: int | None = None,
               optimizer_tier: str | None = None, prefetch_depth: int | None = None,
-              activations: str | None = None) -> Plan:
-    """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose."""
+              activations: str | None = None, kept_blocks: int | None = None) -> Plan:
+    """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
+    (``kept_blocks``: how many of the last blocks keep their activations on the device, Plan.kept_blocks)."""
     t0 = time.perf_counter()
     costs = Costs.from_profile(profile, len(seq))
     n_params = sum(p.numel() for _, p in param_order(seq))
@@ -414,8 +473,10 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
                 defer_options = _deferral_options(layout, opt, ptier, deferred, bandwidths)
-                for rc, spill_set, disk_set in _activation_options(recs, host_budget, layout, opt, ptier, costs,
-                                                                   n_micro, deferred, n_params, bandwidths):
+                for (rc, spill_set, disk_set), kept in (
+                        (a, kp) for a in _activation_options(recs, host_budget, layout, opt, ptier, costs, n_micro,
+                                                             deferred, n_params, bandwidths)
+                        for kp in _kept_options(a[0], len(seq), kept_blocks)):
                     if ptier == DEVICE:
                         r_options = [n_stream]
                     elif resident_chunks is not None:
@@ -424,7 +485,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                         # the most slots the device budget allows (more slots never cost time), else the fewest
                         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
                                                    bw=bandwidths, n_micro=n_micro, deferred=deferred,
-                                                   n_params=n_params, spilled=spill_set, disk_spilled=disk_set)
+                                                   n_params=n_params, spilled=spill_set, disk_spilled=disk_set,
+                                                   kept=kept)
                         per = slot_bytes(C, opt, ptier, bandwidths)
                         rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
                         r_options = sorted({need, max(need, min(rmax, n_stream))})
@@ -438,7 +500,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                                             costs=costs, bw=bandwidths, n_micro=n_micro,
                                                             deferred=deferred, n_params=n_params,
                                                             spilled=spill_set, disk_spilled=disk_set,
-                                                            deferred_chunks=late)
+                                                            deferred_chunks=late, kept=kept)
                         host_ok = host_budget is None or peak[HOST] <= host_budget
                         dev_ok = device_budget is None or peak[DEVICE] <= device_budget
                         disk_ok = disk_free is None or peak[DISK] <= disk_free
@@ -448,16 +510,20 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             smallest[HOST] = peak[HOST]
                         if not (host_ok and dev_ok and disk_ok):
                             continue
+                        # equal predictions: deeper prefetch (fetches ahead cost no memory: the slots are the
+                        # plan's; depth 4 against 2 measured 1-2 % faster on a CPU where both predict full overlap)
                         key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
-                               peak[DISK], peak[HOST], peak[DEVICE], -C)
+                               peak[DISK], peak[HOST], peak[DEVICE], -C, -k)
                         if best is None or key < best[0]:
                             best = (key, Plan(chunk_elems=layout.chunk_elems,
                                               resident_chunks=R if ptier != DEVICE else n_stream,
                                               optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
                                               activations=rc, device_budget=device_budget,
                                               spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
-                                              disk_spill_blocks=tuple(sorted(disk_set)),
-                                              recomputes_some=spill_set is not None and len(spill_set) < len(seq),
+                                              disk_spill_blocks=tuple(sorted(disk_set - kept)),
+                                              kept_blocks=tuple(sorted(kept)),
+                                              recomputes_some=spill_set is not None and bool(
+                                                  frozenset(range(len(seq))) - spill_set - kept),
                                               deferred_chunks=tuple(sorted(late)),
                                               host_budget=host_budget, n_chunks=len(layout.chunks),
                                               act_bytes=act, predicted_peak=peak, predicted_traffic=tr,

@@ -79,13 +79,17 @@ class Bandwidths:
     disk_read: float
     disk_write: float
     adam_params_per_s: float
-    """Parameters per second of torch's fused AdamW on the CPU."""
+    """Parameters per second of torch's fused AdamW on the CPU, run on the optimizer thread."""
+    adam_inline_params_per_s: float = 0.0
+    """The same run on the training thread with all of its threads (planner.updates_inline); 0 = unknown, taken
+    as ``adam_params_per_s``."""
     async_copies: bool = False
     """Host↔device copies run beside compute (a GPU's side stream); on a CPU they are memcpys on the cores."""
 
     def to_dict(self) -> dict:
         return dict(h2d=self.h2d, d2h=self.d2h, disk_read=self.disk_read, disk_write=self.disk_write,
-                    adam_params_per_s=self.adam_params_per_s, async_copies=self.async_copies)
+                    adam_params_per_s=self.adam_params_per_s,
+                    adam_inline_params_per_s=self.adam_inline_params_per_s, async_copies=self.async_copies)
 
 
 def _best_rate(fn, nbytes: int, repeats: int = 5) -> float:
@@ -163,7 +167,6 @@ def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, fl
     return total / max(t2 - t1, 1e-9), total / max(t1 - t0, 1e-9)
 
 
-@functools.lru_cache(maxsize=2)
 def _measure_adam(n: int) -> float:
     from stratum.offload.cpu_adam import adamw_flat
     p, g, m, v = (torch.randn(n) for _ in range(4))
@@ -181,9 +184,17 @@ def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: 
     h2d, d2h = _measure_copy(str(device), probe_bytes)
     read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
     return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
-                      adam_params_per_s=_measure_adam_beside(device), async_copies=device.type == "cuda")
+                      adam_params_per_s=_measure_adam_beside(device),
+                      adam_inline_params_per_s=_measure_adam_here(), async_copies=device.type == "cuda")
 
 
+@functools.lru_cache(maxsize=1)
+def _measure_adam_here() -> float:
+    """CPU AdamW parameters/s on the calling (training) thread, with all of its threads."""
+    return _measure_adam(1 << 22)
+
+
+@functools.lru_cache(maxsize=4)
 def _measure_adam_beside(device: torch.device) -> float:
     """CPU AdamW parameters/s as the optimizer thread runs it (prefetch.background_pool: one thread on a CPU)."""
     from stratum.offload.prefetch import background_pool
