@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, build, plain, plan, profile, run, spec,
-                             state_bytes)
+from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, build, lr, plain, plan, profile, run,
+                             spec, state_bytes)
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.planner import Plan
 from stratum.offload.tiers import DEVICE, DISK, HOST
@@ -196,6 +196,56 @@ def test_the_last_blocks_keep_their_activations_on_the_device(source, shared_tmp
         assert measured[DEVICE] <= p.device_budget
         assert abs(measured[DEVICE] - p.predicted_peak[DEVICE]) <= 0.10 * p.predicted_peak[DEVICE]
         assert not eng.spill.blocks and eng.spill.device_bytes == 0
+    finally:
+        eng.close()
+
+
+def _with_idle_params(m, use: list[bool]):
+    """Give block 3 a parameter its forward never uses and block 5 one it uses only while ``use[0]``."""
+    from torch import nn
+    torch.manual_seed(7)
+    m.blocks[3].idle = nn.Parameter(torch.randn(64))
+    blk = m.blocks[5]
+    blk.sometimes = nn.Parameter(0.1 * torch.randn(64))
+    fwd = blk.forward
+    blk.forward = lambda x, *a, **k: fwd(x, *a, **k) + blk.sometimes if use[0] else fwd(x, *a, **k)
+    return m
+
+
+@pytest.mark.parametrize("placement", ["all-on-device", "device-25%", "optimizer-on-device-75%",
+                                       "params-and-optimizer-on-disk"])
+def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement, shared_tmp):
+    """AdamW, like torch.optim.AdamW, leaves a parameter without a gradient alone (no weight decay, no moment
+    decay) and counts steps per parameter: a never-used parameter keeps its value and has no optimizer state, one
+    used every other step ends with its own step count; the losses and every tensor match the plain engine's."""
+    prof, _ = _reference("gpt", shared_tmp)
+    use_p, use_o = [True], [True]
+    ref_m = _with_idle_params(build("gpt", shared_tmp), use_p)
+    m = _with_idle_params(build("gpt", shared_tmp), use_o)
+    S = state_bytes(m)
+    kw = {"all-on-device": {}, "device-25%": {"device_budget": S // 4},
+          "optimizer-on-device-75%": {"device_budget": 3 * S // 4, "optimizer_tier": DEVICE},
+          "params-and-optimizer-on-disk": PLACEMENTS["params-and-optimizer-on-disk"](S)}[placement]
+    p = plan(m, prof, **kw)
+    assert (p.param_tier == DEVICE) == (placement == "all-on-device")  # the others stream: gradients in slots too
+    eng, ref = _engine(m, p), plain(ref_m)
+    try:
+        got, want = [], []
+        for s in range(6):
+            use_p[0] = use_o[0] = s % 2 == 0
+            want.append(ref.train_step(batches(s), lr(s)).loss)
+            got.append(eng.train_step(batches(s), lr(s)).loss)
+        assert_same(got, want)
+        a, b = eng.state(), ref.state()
+        idle, some = "blocks.3.idle", "blocks.5.sometimes"
+        assert idle not in a.optim and idle not in b.optim
+        assert float(a.optim[some]["step"]) == float(b.optim[some]["step"]) == 3.0
+        assert float(a.optim["blocks.1.ln1.weight"]["step"]) == 6.0
+        for name in b.params:
+            assert_same_tensor(a.params[name], b.params[name], name)
+        for name, st in b.optim.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_same_tensor(a.optim[name][key], st[key], f"{name}.{key}")
     finally:
         eng.close()
 
@@ -446,25 +496,29 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
 
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="the one-thread rule is for a CPU, where training uses every core")
-def test_background_threads_use_one_core_each_on_a_cpu(shared_tmp):
-    """The transfer thread, and a disk plan's optimizer thread, run their torch ops on one thread each (a second
-    two-thread OpenMP team beside training's made both wait); a plan without disk updates on the training thread
-    itself, with all of its threads; the training thread keeps all of its threads."""
+def test_cpu_work_runs_in_place_and_disk_work_beside_on_one_core(shared_tmp):
+    """On a CPU the memcpys between RAM tiers and a RAM-only AdamW run on the training thread with all of its
+    threads (a thread beside compute only contends for the cores); work that waits on the disk runs on a thread
+    of its own, its torch ops on one core (a second two-thread OpenMP team beside training's made both wait)."""
     prof, _ = _reference("gpt", shared_tmp)
     before = torch.get_num_threads()
     if before < 2:
         pytest.skip("torch runs one thread here: nothing to tell apart")
     S = state_bytes(build("gpt", shared_tmp))
-    for kw, beside in (({}, False), ({"host_budget": S // 10, "optimizer_tier": DISK}, True)):
+    beside_seen = 0
+    for kw in ({}, {"host_budget": S // 10, "optimizer_tier": DISK}):
         m = build("gpt", shared_tmp)
-        eng = _engine(m, plan(m, prof, device_budget=S // 4, **kw))
+        p = plan(m, prof, device_budget=S // 4, **kw)
+        eng = _engine(m, p)
         try:
-            assert eng.xfer.pool.submit(torch.get_num_threads).result() == 1
-            tid, n = eng.opt_pool.submit(lambda: (threading.get_ident(), torch.get_num_threads())).result()
-            if beside:
-                assert (tid != threading.get_ident(), n) == (True, 1)
-            else:
-                assert (tid, n) == (threading.get_ident(), before)
+            for pool, tiers in ((eng.xfer.pool, {p.param_tier}), (eng.opt_pool, {p.param_tier, p.optimizer_tier})):
+                tid, n = pool.submit(lambda: (threading.get_ident(), torch.get_num_threads())).result()
+                if DISK in tiers:
+                    assert (tid != threading.get_ident(), n) == (True, 1)
+                    beside_seen += 1
+                else:
+                    assert (tid, n) == (threading.get_ident(), before)
             assert torch.get_num_threads() == before  # the workers' setting is their own
         finally:
             eng.close()
+    assert beside_seen >= 1

@@ -225,9 +225,9 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
 
 
 def test_a_cpu_counts_its_memcpys_as_compute(gpt):
-    """On a CPU a host↔device copy is a memcpy on the cores that train: the step is compute plus every copied
-    byte at the measured rate, where a GPU's side stream hides them; a fetch no prefetch started ahead is waited
-    for on top (copied on one core of two). Gradients handed to the host optimizer are not copied at all."""
+    """On a CPU a host↔device copy is a memcpy on the cores that train (on the training thread itself): the step
+    is compute plus every copied byte at the measured rate, prefetched or not, where a GPU's side stream hides
+    them. Gradients handed to the host optimizer are not copied at all."""
     from stratum.offload.chunks import pack
     from stratum.offload.planner import KEEP, Costs, predict
     from stratum.offload.tiers import Bandwidths
@@ -250,8 +250,8 @@ def test_a_cpu_counts_its_memcpys_as_compute(gpt):
     assert cpu == pytest.approx(compute + tr["h2d"] / 1e9 + m.num_params() / 1e15)
     _, gpu = step(2 * need, 4, True)
     assert gpu == pytest.approx(compute + m.num_params() / 1e15)
-    tr, waited = step(need, 4, False)  # no slot beside the running block's: every fetch is waited for
-    assert waited == pytest.approx(compute + 2 * tr["h2d"] / 1e9 + m.num_params() / 1e15)
+    tr_few, few = step(need, 4, False)  # no slot to prefetch into: the same memcpys, on demand
+    assert tr_few["h2d"] > tr["h2d"] and few == pytest.approx(compute + tr_few["h2d"] / 1e9 + m.num_params() / 1e15)
 
 
 def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):

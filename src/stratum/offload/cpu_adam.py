@@ -19,19 +19,13 @@ def adamw_flat(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, lr: 
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-def adamw_chunk(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, n_decay: int, used: int, *, lr: float,
-                betas: tuple[float, float], eps: float, weight_decay: float, count_step: bool = True) -> None:
-    """Update a chunk: elements ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without (either may be
-    empty). ``count_step=False`` for the second and later pieces of one chunk's update."""
-    adamw_chunks([(p, g, m, v, step, n_decay, used)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                 count_step=count_step)
-
-
 def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  count_step: bool = True) -> None:
-    """Update several chunks, each ``(p, g, m, v, step, n_decay, used)`` as in :func:`adamw_chunk`, with two
-    fused calls in all (decayed ranges, the rest): a GPU pays a kernel launch per call, and GPT-2 774M in 110
-    chunks spent more time launching per-chunk updates than running them."""
+    """Update several chunks (or parameters), each ``(p, g, m, v, step, n_decay, used)``: elements
+    ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without (either may be empty), with two fused calls in
+    all (decayed ranges, the rest): a GPU pays a kernel launch per call, and GPT-2 774M in 110
+    chunks spent more time launching per-chunk updates than running them. ``count_step=False``: the steps are
+    already advanced."""
     if count_step:  # each chunk's step once, however many of its ranges are listed
         torch._foreach_add_(list({id(it[4]): it[4] for it in items}.values()), 1)
     for decay in (True, False):

@@ -37,9 +37,9 @@ from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
 from stratum.offload.chunks import ChunkSpec, Layout, pack
-from stratum.offload.cpu_adam import adamw_chunk, adamw_chunks
+from stratum.offload.cpu_adam import adamw_chunks
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
-from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host, updates_inline
+from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host, runs_inline
 from stratum.offload.prefetch import Inline, Transfers, background_pool
 from stratum.offload.tiers import DEVICE, DISK, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
@@ -69,7 +69,14 @@ class _Chunk:
     """The device copy is newer than the home copy (updated on the device)."""
     m: Tensor | None = None
     v: Tensor | None = None
-    step: Tensor | None = None
+    steps: Tensor | None = None
+    """AdamW's step count of each entry (parameter), as torch.optim.AdamW keeps one per parameter: a parameter
+    without a gradient is skipped and its count stays behind."""
+    uniform: bool = True
+    """Every entry has been updated at every update so far (the counts are equal): the chunk updates as one
+    range with ``steps[0]``; otherwise parameter by parameter."""
+    live: list | None = None
+    """Per entry, whether it got a gradient this step (set when the chunk's gradient completes)."""
     opt_fut: Future | None = None
     stale_home: bool = False
     """Gradients handed to the host/disk optimizer whose update is not submitted yet: the home copy is about to
@@ -137,8 +144,9 @@ class OffloadEngine(Engine):
         self.disk: DiskStore | None = None
         if plan.uses_disk:
             self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
-        self.xfer = Transfers(device)
-        self.opt_pool = (Inline() if updates_inline(plan.optimizer_tier, plan.param_tier, device.type == "cuda")
+        gpu = device.type == "cuda"
+        self.xfer = Transfers(device, inline=runs_inline(gpu, plan.param_tier))
+        self.opt_pool = (Inline() if runs_inline(gpu, plan.optimizer_tier, plan.param_tier)
                          else background_pool(device, "stratum-cpu-adam"))
         self.trace = AccessTrace()
         self._nxt: NextUse | None = None
@@ -245,7 +253,8 @@ class OffloadEngine(Engine):
             else:
                 c.m = self._alloc(ot, spec.capacity, "exp_avg")
                 c.v = self._alloc(ot, spec.capacity, "exp_avg_sq")
-            c.step = torch.zeros((), dtype=torch.float32, device=self.device if ot == DEVICE else "cpu")
+            c.steps = torch.zeros(len(spec.entries), dtype=torch.float32,
+                                  device=self.device if ot == DEVICE else "cpu")
             self.chunks[spec.index] = c
         cmax = max(c.cap for c in self.chunks)
         self.staging: list[Tensor | None] = [None] * 4
@@ -318,15 +327,6 @@ class OffloadEngine(Engine):
             self._gtarget[k].copy_(param.grad)
             self._fresh.add(k)
         param.grad = None
-
-    def _zero_untouched(self, chunks: list[_Chunk]) -> None:
-        """Zero the gradient of parameters that got none this step (the slot holds another step's or chunk's)."""
-        for c in chunks:
-            if self._home_grads(c):
-                continue  # a parameter without a gradient is skipped, as in the plain engine
-            for e in c.spec.entries:
-                if id(e.param) not in self._fresh:
-                    c.g()[e.offset:e.offset + e.numel].zero_()
 
     def _home_grads(self, c: _Chunk) -> bool:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
@@ -538,9 +538,10 @@ class OffloadEngine(Engine):
                 views += [g for _, g in live]
                 names += [e.name for e, _ in live]
                 continue
-            g = c.g()
-            views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in c.spec.entries]
-            names += [e.name for e in c.spec.entries]
+            g = c.g()  # a parameter without a gradient has no norm, as in the plain engine's clipping
+            live = [e for e, ok in zip(c.spec.entries, c.live) if ok]
+            views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in live]
+            names += [e.name for e in live]
         for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
             self._grad_norms[name] = nrm
 
@@ -550,7 +551,9 @@ class OffloadEngine(Engine):
             return
         if self._home_grads(c):
             c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
-        self._zero_untouched([c])
+            c.live = [g is not None for g in c.held]
+        else:
+            c.live = [id(e.param) in self._fresh for e in c.spec.entries]
         self._norms([c])
         if self.plan.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -594,8 +597,9 @@ class OffloadEngine(Engine):
         """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
         if coef is not None:
             torch._foreach_mul_([c.g() for c in chunks], coef)
-        adamw_chunks([(c.p(), c.g(), c.m, c.v, c.step, c.spec.n_decay, c.spec.used) for c in chunks], lr=self._lr,
-                     betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        items = [it for c in chunks for it in self._flat_items(c, c.p(), c.g(), c.m, c.v)]
+        adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
+                     weight_decay=self.spec.weight_decay, count_step=False)
         for c in chunks:
             c.grad = None
             if not c.pinned:
@@ -604,33 +608,69 @@ class OffloadEngine(Engine):
     def _update_params(self, coef: Tensor | None) -> None:
         """All on the device: AdamW of every parameter with its autograd gradient (then dropped, as the plain
         engine's ``zero_grad``), in one fused call per weight-decay class."""
-        items = [it for c in self.chunks
-                 for it in self._param_items(c, c.p(), [e.param.grad for e in c.spec.entries])]
-        self._adamw_params(items, [c.step for c in self.chunks], coef, self._lr)
+        items = []
+        for c in self.chunks:
+            grads = [e.param.grad for e in c.spec.entries]
+            c.live = [g is not None for g in grads]
+            items += self._param_items(c, c.p(), grads, c.m, c.v)
+        self._adamw_params(items, coef, self._lr)
         for c in self.chunks:
             for e in c.spec.entries:
                 e.param.grad = None
 
-    def _adamw_params(self, items: list[tuple], steps: list[Tensor], coef: Tensor | None, lr: float) -> None:
-        """AdamW over ``_param_items`` (autograd's gradients, scaled by the clip ``coef`` first); each of ``steps``
-        (the chunks' step counters) counted once."""
+    def _adamw_params(self, items: list[tuple], coef: Tensor | None, lr: float) -> None:
+        """AdamW over ``_param_items`` (autograd's gradients, scaled by the clip ``coef`` first)."""
         if coef is not None:
             torch._foreach_mul_([it[1] for it in items], coef)
-        torch._foreach_add_(steps, 1)
         adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
                      count_step=False)
 
     @staticmethod
-    def _param_items(c: _Chunk, p: Tensor, grads: list) -> list[tuple]:
-        """adamw_chunks items, one per parameter of ``c`` that has a gradient in ``grads`` (autograd's tensors):
-        its range of ``p`` (the chunk's parameters) and of the moments."""
+    def _count_steps(c: _Chunk) -> bool:
+        """Advance the step count of ``c``'s entries that got a gradient (``c.live``); True if the chunk can
+        update as one range (all of them did, at every update so far)."""
+        if c.uniform and all(c.live):
+            c.steps.add_(1)
+            return True
+        c.uniform = False
+        live = [k for k, ok in enumerate(c.live) if ok]
+        if live:
+            c.steps[live] += 1
+        return False
+
+    @classmethod
+    def _param_items(cls, c: _Chunk, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
+                     hi: int | None = None) -> list[tuple]:
+        """adamw_chunks items (``count_step=False``; counts advanced here), one per parameter of ``c`` with a
+        gradient (``grads[k]``: entry k's, any shape, or None), each with its own step count: its range of ``p``
+        (the chunk's parameters) and of the moments ``m``/``v``, which hold the chunk's elements ``[lo, hi)`` (a
+        piece of a disk chunk's moments; by default all of them)."""
+        if lo == 0:
+            cls._count_steps(c)
+        hi = c.cap if hi is None else hi
         out = []
-        for e, g in zip(c.spec.entries, grads):
-            if g is not None:
-                lo, hi = e.offset, e.offset + e.numel
-                out.append((p[lo:hi], g.reshape(-1), c.m[lo:hi], c.v[lo:hi], c.step,
-                            e.numel if lo < c.spec.n_decay else 0, e.numel))
+        for k, (e, g) in enumerate(zip(c.spec.entries, grads)):
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if g is None or a >= b:
+                continue
+            n = b - a
+            out.append((p[a:b], g.reshape(-1)[a - e.offset:b - e.offset], m[a - lo:b - lo], v[a - lo:b - lo],
+                        c.steps[k], n if e.offset < c.spec.n_decay else 0, n))
         return out
+
+    def _flat_items(self, c: _Chunk, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
+                    hi: int | None = None) -> list[tuple]:
+        """adamw_chunks items (``count_step=False``) of a chunk whose gradients are one flat range ``g`` (a slot's
+        or home copy, like ``p``): the whole range as one item where every parameter has a gradient (at every step
+        so far), else parameter by parameter (``_param_items``); ``m`` and ``v`` hold elements ``[lo, hi)``."""
+        hi = c.cap if hi is None else hi
+        if c.uniform and all(c.live):
+            if lo == 0:
+                self._count_steps(c)
+            nd, used = min(max(c.spec.n_decay - lo, 0), hi - lo), min(c.spec.used - lo, hi - lo)
+            return [(p[lo:hi], g[lo:hi], m, v, c.steps[0], nd, used)]
+        grads = [g[e.offset:e.offset + e.numel] if ok else None for e, ok in zip(c.spec.entries, c.live)]
+        return self._param_items(c, p, grads, m, v, lo, hi)
 
     def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
@@ -659,7 +699,7 @@ class OffloadEngine(Engine):
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
-        self._adamw_params(self._param_items(c, p, held), [c.step], coef, lr)
+        self._adamw_params(self._param_items(c, p, held, c.m, c.v), coef, lr)
         if src is not None:
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
@@ -681,7 +721,7 @@ class OffloadEngine(Engine):
             g.mul_(coef.to(g.device))
         kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         if self.plan.optimizer_tier != DISK:
-            adamw_chunk(p, g, c.m, c.v, c.step, c.spec.n_decay, c.spec.used, **kw)
+            adamw_chunks(self._flat_items(c, p, g, c.m, c.v), count_step=False, **kw)
         else:
             # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
             # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole
@@ -692,8 +732,7 @@ class OffloadEngine(Engine):
                 fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
                 self.disk.read_range(f"v{c.i}", lo, v)
                 fm.result()
-                adamw_chunk(p[lo:hi], g[lo:hi], m, v, c.step, min(max(c.spec.n_decay - lo, 0), hi - lo),
-                            min(c.spec.used - lo, hi - lo), count_step=lo == 0, **kw)
+                adamw_chunks(self._flat_items(c, p, g, m, v, lo, hi), count_step=False, **kw)
                 fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
                 self.disk.write_range(f"v{c.i}", lo, v)
                 fm.result()
@@ -796,7 +835,7 @@ class OffloadEngine(Engine):
                     self._access(self._block_chunks(i))
                     for ci in self._block_chunks(i):
                         c = self.chunks[ci]
-                        if c.grad is None:  # filled by _take_grad (no zeroing: untouched parts never count)
+                        if c.grad is None:  # filled by _take_grad (no zeroing: a parameter without a gradient is skipped)
                             c.grad = "home" if self._home_grads(c) else "dev"
                     if spill is not None:
                         spill.restore(i)
@@ -918,8 +957,11 @@ class OffloadEngine(Engine):
                 self.tiers[DEVICE].release(c.cap * F32)
                 continue
             self._fresh = (self._fresh - {id(e.param) for e in c.spec.entries}) | before
-            self._zero_untouched([c])  # the slot's entries without a contribution in earlier micro-batches
-            c.g().add_(tmp)  # (the buffer's entries without one in this micro-batch are zeros)
+            g = c.g()
+            for e in c.spec.entries:  # the slot's entries without a contribution in earlier micro-batches
+                if id(e.param) not in self._fresh:
+                    g[e.offset:e.offset + e.numel].zero_()
+            g.add_(tmp)  # (the buffer's entries without one in this micro-batch are zeros)
             self._bind(c)
             self._fresh.update(id(e.param) for e in c.spec.entries)
             self.tiers[DEVICE].release(c.cap * F32)
@@ -974,11 +1016,11 @@ class OffloadEngine(Engine):
         for c in self.chunks:
             flat = self._master_params(c)
             m, v = self._moments(c)
-            stepv = float(c.step)
-            for e in c.spec.entries:
+            steps = c.steps.tolist()
+            for e, stepv in zip(c.spec.entries, steps):
                 sl = slice(e.offset, e.offset + e.numel)
                 params[e.name] = flat[sl].view(e.shape).clone()
-                if stepv > 0:
+                if stepv > 0:  # a parameter never updated has no optimizer state, as in torch.optim.AdamW
                     optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
                                      "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
         # parameters the engine does not manage (frozen) are read from the model
@@ -990,15 +1032,15 @@ class OffloadEngine(Engine):
         self.drain()
         for c in self.chunks:
             flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))
-            stepv = 0.0
-            for e in c.spec.entries:
+            steps = [0.0] * len(c.spec.entries)
+            for k, e in enumerate(c.spec.entries):
                 sl = slice(e.offset, e.offset + e.numel)
                 flat[sl] = state.params[e.name].reshape(-1)
                 st = state.optim.get(e.name)
                 if st:
                     m[sl] = st["exp_avg"].reshape(-1)
                     v[sl] = st["exp_avg_sq"].reshape(-1)
-                    stepv = float(st["step"])
+                    steps[k] = float(st["step"])
             if c.slot is not None:
                 c.p().copy_(flat)
             if c.hp is not None:
@@ -1012,7 +1054,8 @@ class OffloadEngine(Engine):
             else:
                 c.m.copy_(m)
                 c.v.copy_(v)
-            c.step.fill_(stepv)
+            c.steps.copy_(torch.tensor(steps))
+            c.uniform = len(set(steps)) == 1
 
     # ---- reporting ----------------------------------------------------------------------------------------------
     def measured_peaks(self) -> dict[str, int]:

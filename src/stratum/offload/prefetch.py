@@ -4,7 +4,9 @@ One background thread executes transfers FIFO, so a write-back of an evicted chu
 fetch into the same slot or of the same chunk. With a GPU the copies run on a side CUDA stream: before a
 transfer overwrites a slot, the side stream waits for an event recorded on the compute stream when the slot was
 released, and the consumer waits for an event recorded after the copy; the host thread never blocks the
-compute stream. On the CPU the thread simply does the copies (``copy_`` and file reads release the GIL).
+compute stream. On a CPU the thread does disk reads and writes (they release the GIL and wait on the disk while
+compute goes on); a CPU's memcpys between RAM tiers run on the training thread instead (:class:`Inline`), since
+compute already keeps every core busy.
 """
 
 from __future__ import annotations
@@ -27,10 +29,7 @@ def background_pool(device: torch.device, name: str) -> ThreadPoolExecutor:
 
 class Inline(Executor):
     """Runs each task as it is submitted, on the caller's thread, and hands back its finished future: the
-    engine's optimizer "pool" where the update is CPU work on a CPU (planner.updates_inline). On a CPU whose cores
-    all train, a background thread adds no throughput, only contention: the same AdamW run beside the next
-    forward on one thread measured 1-2 % slower (GPT ``small``, 25 % budget, same-process A/B) than run in
-    place with every thread, as the plain engine runs it."""
+    engine's transfer and optimizer "pools" where the work is a CPU's own (planner.runs_inline)."""
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
@@ -42,9 +41,10 @@ class Inline(Executor):
 
 
 class Transfers:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, inline: bool = False):
+        """``inline``: run every transfer on the caller's thread (planner.runs_inline: a CPU's memcpys)."""
         self.device = device
-        self.pool = background_pool(device, "stratum-prefetch")
+        self.pool = Inline() if inline else background_pool(device, "stratum-prefetch")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def submit(self, fn, *args) -> Future:
