@@ -704,6 +704,19 @@ class OffloadEngine(Engine):
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
 
+    def _host_update_held_together(self, chunks: list[_Chunk], coef: Tensor | None) -> None:
+        """The clipped update of ``_home_grads`` chunks on the training thread, all in one AdamW call per
+        weight-decay class (a call per chunk was 2 × 19 fused calls a step for GPT ``small``)."""
+        items, held_bytes = [], 0
+        for c in chunks:
+            assert self._spill_futs.pop(c.i, None) is None and (c.opt_fut is None or c.opt_fut.done())
+            held, c.held = c.held, None
+            c.grad, c.stale_home = None, False
+            items += self._param_items(c, c.hp, held, c.m, c.v)
+            held_bytes += sum(g.numel() for g in held if g is not None) * F32
+        self._adamw_params(items, coef, self._lr)
+        self.tiers[HOST].release(held_bytes)
+
     def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
         n = c.cap
         st = self.staging
@@ -888,13 +901,19 @@ class OffloadEngine(Engine):
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
         if self._all_on_device:
             self._update_params(coef)
-        elif self._deferred:
+        elif self._deferred and self.plan.optimizer_tier == DEVICE:
             for c in self.chunks:
-                if self.plan.optimizer_tier == DEVICE:
-                    self._access((c.i,))
-                    self._update_device([c], coef)
+                self._access((c.i,))
+                self._update_device([c], coef)
+        elif self._deferred:
+            together = []  # run here and now (a CPU): every held-gradient chunk in one fused call per class
+            for c in self.chunks:
+                if isinstance(self.opt_pool, Inline) and c.held is not None and not self._in_slot(c):
+                    together.append(c)
                 else:
                     self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)
+            if together:
+                self._host_update_held_together(together, coef)
         elif self._defer:
             # the plan's deferred chunks: their updates run beside the next forward, in the order it uses them,
             # moving their disk traffic out of the backward, where the disk is the bottleneck
