@@ -571,7 +571,8 @@ class OffloadEngine(Engine):
             return
         # host/disk optimizer: hand the gradient to the host side now, free the slot of a streamed chunk
         slot = c.slot
-        self.bytes_d2h += c.cap * F32
+        if not self._home_grads(c):  # (autograd's tensors are handed over, not copied)
+            self.bytes_d2h += c.cap * F32
         if c.pinned:
             fut = self.xfer.submit(lambda: c.hg.copy_(slot[c.cap:], non_blocking=False))
         elif self._home_grads(c):  # the host optimizer takes autograd's tensors (c.held)
@@ -863,7 +864,7 @@ class OffloadEngine(Engine):
                     self._access(self._block_chunks(i))
                     for ci in self._block_chunks(i):
                         c = self.chunks[ci]
-                        if c.grad is None:  # filled by _take_grad (no zeroing: a parameter without a gradient is skipped)
+                        if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
                             c.grad = "home" if self._home_grads(c) else "dev"
                     if spill is not None:
                         spill.restore(i)

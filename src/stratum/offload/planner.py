@@ -468,61 +468,68 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                 if ptier == DEVICE and resident_chunks is not None and resident_chunks < n_stream:
                     continue
                 defer_options = _deferral_options(layout, opt, ptier, deferred, bandwidths)
-                for (rc, spill_set, disk_set), kept in (
-                        (a, kp) for a in _activation_options(recs, host_budget, layout, opt, ptier, costs, n_micro,
-                                                             deferred, n_params, bandwidths)
-                        for kp in _kept_options(a[0], len(seq), kept_blocks)):
-                    if ptier == DEVICE:
-                        r_options = [n_stream]
-                    elif resident_chunks is not None:
-                        r_options = [resident_chunks]
-                    else:
-                        # the most slots the device budget allows (more slots never cost time), else the fewest
-                        base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
-                                                   bw=bandwidths, n_micro=n_micro, deferred=deferred,
-                                                   n_params=n_params, spilled=spill_set, disk_spilled=disk_set,
-                                                   kept=kept)
-                        per = slot_bytes(C, opt, ptier, bandwidths)
-                        rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
-                        r_options = sorted({need, max(need, min(rmax, n_stream))})
-                    for R, k, late in itertools.product(r_options, depths, defer_options):
-                        if R < need and ptier != DEVICE:
-                            continue
-                        if time.perf_counter() - t0 > SEARCH_SECONDS:
+                for rc, spill_set, disk_set in _activation_options(recs, host_budget, layout, opt, ptier, costs,
+                                                                   n_micro, deferred, n_params, bandwidths):
+                    before = None  # the best step with one kept block fewer
+                    for kept in _kept_options(rc, len(seq), kept_blocks):
+                        here = float("inf")
+                        if ptier == DEVICE:
+                            r_options = [n_stream]
+                        elif resident_chunks is not None:
+                            r_options = [resident_chunks]
+                        else:
+                            # the most slots the device budget allows (more slots never cost time), else the fewest
+                            base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs,
+                                                       bw=bandwidths, n_micro=n_micro, deferred=deferred,
+                                                       n_params=n_params, spilled=spill_set, disk_spilled=disk_set,
+                                                       kept=kept)
+                            per = slot_bytes(C, opt, ptier, bandwidths)
+                            rmax = n_stream if device_budget is None else (device_budget - base[DEVICE]) // per
+                            r_options = sorted({need, max(need, min(rmax, n_stream))})
+                        for R, k, late in itertools.product(r_options, depths, defer_options):
+                            if R < need and ptier != DEVICE:
+                                continue
+                            if time.perf_counter() - t0 > SEARCH_SECONDS:
+                                break
+                            tried += 1
+                            peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
+                                                                costs=costs, bw=bandwidths, n_micro=n_micro,
+                                                                deferred=deferred, n_params=n_params,
+                                                                spilled=spill_set, disk_spilled=disk_set,
+                                                                deferred_chunks=late, kept=kept)
+                            host_ok = host_budget is None or peak[HOST] <= host_budget
+                            dev_ok = device_budget is None or peak[DEVICE] <= device_budget
+                            disk_ok = disk_free is None or peak[DISK] <= disk_free
+                            if host_ok and disk_ok and (smallest[DEVICE] is None or peak[DEVICE] < smallest[DEVICE]):
+                                smallest[DEVICE] = peak[DEVICE]
+                            if dev_ok and disk_ok and (smallest[HOST] is None or peak[HOST] < smallest[HOST]):
+                                smallest[HOST] = peak[HOST]
+                            if not (host_ok and dev_ok and disk_ok):
+                                continue
+                            here = min(here, step)
+                            # equal predictions: deeper prefetch (fetches ahead cost no memory: the slots are the
+                            # plan's; depth 4 against 2 measured 1-2 % faster on a CPU where both predict full overlap)
+                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
+                                   peak[DISK], peak[HOST], peak[DEVICE], -C, -k)
+                            if best is None or key < best[0]:
+                                best = (key, Plan(chunk_elems=layout.chunk_elems,
+                                                  resident_chunks=R if ptier != DEVICE else n_stream,
+                                                  optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
+                                                  activations=rc, device_budget=device_budget,
+                                                  spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
+                                                  disk_spill_blocks=tuple(sorted(disk_set - kept)),
+                                                  kept_blocks=tuple(sorted(kept)),
+                                                  recomputes_some=spill_set is not None and bool(
+                                                      frozenset(range(len(seq))) - spill_set - kept),
+                                                  deferred_chunks=tuple(sorted(late)),
+                                                  host_budget=host_budget, n_chunks=len(layout.chunks),
+                                                  act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
+                                                  predicted_step_s=step, compute_s=comp))
+                        # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps
+                        # the search within its time bound; GPT-2 774M has 36 candidate suffixes' worth of blocks)
+                        if before is not None and here >= before:
                             break
-                        tried += 1
-                        peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
-                                                            costs=costs, bw=bandwidths, n_micro=n_micro,
-                                                            deferred=deferred, n_params=n_params,
-                                                            spilled=spill_set, disk_spilled=disk_set,
-                                                            deferred_chunks=late, kept=kept)
-                        host_ok = host_budget is None or peak[HOST] <= host_budget
-                        dev_ok = device_budget is None or peak[DEVICE] <= device_budget
-                        disk_ok = disk_free is None or peak[DISK] <= disk_free
-                        if host_ok and disk_ok and (smallest[DEVICE] is None or peak[DEVICE] < smallest[DEVICE]):
-                            smallest[DEVICE] = peak[DEVICE]
-                        if dev_ok and disk_ok and (smallest[HOST] is None or peak[HOST] < smallest[HOST]):
-                            smallest[HOST] = peak[HOST]
-                        if not (host_ok and dev_ok and disk_ok):
-                            continue
-                        # equal predictions: deeper prefetch (fetches ahead cost no memory: the slots are the
-                        # plan's; depth 4 against 2 measured 1-2 % faster on a CPU where both predict full overlap)
-                        key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
-                               peak[DISK], peak[HOST], peak[DEVICE], -C, -k)
-                        if best is None or key < best[0]:
-                            best = (key, Plan(chunk_elems=layout.chunk_elems,
-                                              resident_chunks=R if ptier != DEVICE else n_stream,
-                                              optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
-                                              activations=rc, device_budget=device_budget,
-                                              spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
-                                              disk_spill_blocks=tuple(sorted(disk_set - kept)),
-                                              kept_blocks=tuple(sorted(kept)),
-                                              recomputes_some=spill_set is not None and bool(
-                                                  frozenset(range(len(seq))) - spill_set - kept),
-                                              deferred_chunks=tuple(sorted(late)),
-                                              host_budget=host_budget, n_chunks=len(layout.chunks),
-                                              act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
-                                              predicted_step_s=step, compute_s=comp))
+                        before = here
     if best is None:
         parts = []
         if smallest[DEVICE] is not None:
