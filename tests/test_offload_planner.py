@@ -283,3 +283,17 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     p = plan(m, prof, device_budget=S // 4, activations=SPILL, bandwidths=bw)
     assert p.kept_blocks and p.kept_blocks[-1] == L - 1 and len(p.kept_blocks) < L
     assert f"kept on the device for the last {len(p.kept_blocks)}" in p.describe()
+
+
+def test_a_search_cut_by_its_time_bound_says_so(gpt, monkeypatch):
+    """The search is bounded in time; a plan found by a search the bound cut short says so when printed (a
+    fake clock: every reading one second later, so the bound trips after a handful of candidates)."""
+    from stratum.offload import planner
+    m, prof = gpt
+    full = plan(m, prof, device_budget=state_bytes(m) // 4)
+    assert not full.search_cut and "stopped" not in full.describe()
+    clock = iter(range(10**6))
+    monkeypatch.setattr(planner.time, "perf_counter", lambda: float(next(clock)))
+    cut = plan(m, prof, device_budget=state_bytes(m) // 4)
+    assert cut.search_cut and cut.candidates < full.candidates
+    assert f"the search stopped at its {planner.SEARCH_SECONDS:g} s bound" in cut.describe()

@@ -5,7 +5,8 @@ loop that can fail to end): for every candidate the device/host/disk peak bytes 
 engine allocates them, the transfers per step follow from simulating OPT eviction on the step's access
 sequence, and the step time from the profile's block times and the bandwidths measured at start-up. The
 fastest candidate that fits all budgets wins (ties: fewer device bytes). If none fits, the error names the
-smallest budget that would work.
+smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the plan then says
+so); until then it goes on through the finite grid.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Plan:
     copy_s: float = 0.0
     """Seconds of this step's host↔device copies at the measured bandwidths."""
     candidates: int = 0
+    search_cut: bool = False
+    """The search stopped at its time bound (SEARCH_SECONDS) before trying every candidate."""
 
     @property
     def recompute(self) -> bool:
@@ -125,7 +128,7 @@ class Plan:
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
             f"{self.prefetch_depth}; activations: {self._acts_text()}{self._updates_text()} ({self.candidates} "
-            f"candidates)",
+            f"candidates{f'; the search stopped at its {SEARCH_SECONDS:g} s bound' if self.search_cut else ''})",
             f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
         ]
         budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
@@ -458,6 +461,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     best = None
     tried = 0
+    cut = False
     smallest = {DEVICE: None, HOST: None}
     for C in sizes:
         layout = pack(seq, C)
@@ -489,7 +493,10 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                         for R, k, late in itertools.product(r_options, depths, defer_options):
                             if R < need and ptier != DEVICE:
                                 continue
-                            if time.perf_counter() - t0 > SEARCH_SECONDS:
+                            # the bound applies once a plan fits (the grid is finite: the search ends anyway);
+                            # cut before that, a model would be refused a budget that fits
+                            if best is not None and time.perf_counter() - t0 > SEARCH_SECONDS:
+                                cut = True
                                 break
                             tried += 1
                             peak, tr, step, comp, act = predict(layout, R=R, opt=opt, ptier=ptier, k=k, acts=rc,
@@ -546,6 +553,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                            + "; ".join(parts))
     plan = best[1]
     plan.candidates = tried
+    plan.search_cut = cut
     if bandwidths is not None:
         tr, bw = plan.predicted_traffic, bandwidths
         plan.disk_s = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
