@@ -250,6 +250,40 @@ def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement,
         eng.close()
 
 
+@pytest.mark.parametrize("placement", ["device-25%", "params-and-optimizer-on-disk"])
+def test_a_block_whose_parameters_all_go_unused_matches_plain(placement, shared_tmp):
+    """Block 4 passes its input through on odd steps: then none of its chunks' parameters gets a gradient (no
+    norms, no updates for whole chunks), and the run still equals the plain engine's."""
+    prof, _ = _reference("gpt", shared_tmp)
+    models, skip = [], [False]
+    for _ in range(2):
+        m = build("gpt", shared_tmp)
+        blk = m.blocks[4]
+        blk.forward = (lambda f: lambda x, *a, **k: x if skip[0] else f(x, *a, **k))(blk.forward)
+        models.append(m)
+    ref_m, m = models
+    S = state_bytes(m)
+    p = plan(m, prof, **PLACEMENTS[placement](S))
+    eng, ref = _engine(m, p), plain(ref_m)
+    try:
+        block4 = {e.name for c in eng.chunks for e in c.spec.entries if e.name.startswith("blocks.4.")}
+        assert any({e.name for e in c.spec.entries} <= block4 for c in eng.chunks)  # a chunk of block 4 alone
+        got, want = [], []
+        for s in range(5):
+            skip[0] = s % 2 == 1
+            want.append(ref.train_step(batches(s), lr(s)))
+            got.append(eng.train_step(batches(s), lr(s)))
+        assert_same([r.loss for r in got], [r.loss for r in want])
+        assert_same([r.grad_norm for r in got], [r.grad_norm for r in want])
+        a, b = eng.state(), ref.state()
+        for name in b.params:
+            assert_same_tensor(a.params[name], b.params[name], name)
+        for name in sorted(n for n in b.optim if n.startswith("blocks.4.")):  # updated at steps 0, 2 and 4 only
+            assert float(a.optim[name]["step"]) == float(b.optim[name]["step"]) == 3.0, name
+    finally:
+        eng.close()
+
+
 def test_divergent_access_sequence_warns_once_and_stays_exact(shared_tmp):
     prof, _ = _reference("gpt", shared_tmp)
     m = build("gpt", shared_tmp)

@@ -545,8 +545,9 @@ class OffloadEngine(Engine):
             live = [e for e, ok in zip(c.spec.entries, c.live) if ok]
             views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in live]
             names += [e.name for e in live]
-        for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
-            self._grad_norms[name] = nrm
+        if views:  # (none where no parameter of these chunks got a gradient)
+            for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
+                self._grad_norms[name] = nrm
 
     def _grad_complete(self, c: _Chunk) -> None:
         """All of this step's gradient of ``c`` is in its slot."""
