@@ -250,6 +250,44 @@ def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement,
         eng.close()
 
 
+def test_checkpoints_keep_per_parameter_step_counts(shared_tmp):
+    """A checkpoint taken while parameters have different step counts (one never used, one used every other step)
+    resumes under another placement and under the plain engine as the uninterrupted plain run goes on."""
+    prof, _ = _reference("gpt", shared_tmp)
+    use = [True]
+
+    def model():
+        return _with_idle_params(build("gpt", shared_tmp), use)
+
+    def steps(eng, lo, hi):
+        out = []
+        for s in range(lo, hi):
+            use[0] = s % 2 == 0
+            out.append(eng.train_step(batches(s), lr(s)).loss)
+        return out
+    m = model()
+    S = state_bytes(m)
+    a = _engine(m, plan(m, prof, device_budget=S // 4))
+    ref = plain(model())
+    steps(a, 0, 3)
+    steps(ref, 0, 3)
+    st = a.state()
+    assert "blocks.3.idle" not in st.optim and float(st.optim["blocks.5.sometimes"]["step"]) == 2.0
+    want = steps(ref, 3, 6)
+    m2 = model()
+    b = _engine(m2, plan(m2, prof, **PLACEMENTS["params-and-optimizer-on-disk"](S)))
+    c = plain(model())
+    try:
+        b.load_state(st)
+        c.load_state(st)
+        assert_same(steps(b, 3, 6), want)
+        assert_same(steps(c, 3, 6), want)
+        assert float(b.state().optim["blocks.5.sometimes"]["step"]) == 3.0
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("placement", ["device-25%", "params-and-optimizer-on-disk"])
 def test_a_block_whose_parameters_all_go_unused_matches_plain(placement, shared_tmp):
     """Block 4 passes its input through on odd steps: then none of its chunks' parameters gets a gradient (no
