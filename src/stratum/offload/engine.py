@@ -149,8 +149,8 @@ class OffloadEngine(Engine):
             self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
         gpu = device.type == "cuda"
         self.xfer = Transfers(device, inline=runs_inline(gpu, plan.param_tier))
-        self.opt_pool = (Inline() if runs_inline(gpu, plan.optimizer_tier, plan.param_tier)
-                         else background_pool(device, "stratum-cpu-adam"))
+        self._updates_inline = runs_inline(gpu, plan.optimizer_tier, plan.param_tier)
+        self.opt_pool = Inline() if self._updates_inline else background_pool(device, "stratum-cpu-adam")
         self.trace = AccessTrace()
         self._nxt: NextUse | None = None
         self._clock = 0
@@ -631,17 +631,16 @@ class OffloadEngine(Engine):
                      count_step=False)
 
     @staticmethod
-    def _count_steps(c: _Chunk) -> bool:
-        """Advance the step count of ``c``'s entries that got a gradient (``c.live``); True if the chunk can
-        update as one range (all of them did, at every update so far)."""
+    def _count_steps(c: _Chunk) -> None:
+        """Advance the step count of ``c``'s entries that got a gradient (``c.live``); a chunk where one did not
+        stops updating as one range (``c.uniform``)."""
         if c.uniform and all(c.live):
             c.steps.add_(1)
-            return True
+            return
         c.uniform = False
         live = [k for k, ok in enumerate(c.live) if ok]
         if live:
             c.steps[live] += 1
-        return False
 
     @classmethod
     def _param_items(cls, c: _Chunk, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
@@ -925,7 +924,7 @@ class OffloadEngine(Engine):
         elif self._deferred:
             together = []  # run here and now (a CPU): every held-gradient chunk in one fused call per class
             for c in self.chunks:
-                if isinstance(self.opt_pool, Inline) and c.held is not None and not self._in_slot(c):
+                if self._updates_inline and c.held is not None and not self._in_slot(c):
                     together.append(c)
                 else:
                     self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)

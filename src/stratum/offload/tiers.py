@@ -185,7 +185,8 @@ def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: 
     read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
     return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
                       adam_params_per_s=_measure_adam_beside(device),
-                      adam_inline_params_per_s=_measure_adam_here(), async_copies=device.type == "cuda")
+                      adam_inline_params_per_s=_measure_adam_here() if device.type == "cpu" else 0.0,
+                      async_copies=device.type == "cuda")
 
 
 @functools.lru_cache(maxsize=1)
