@@ -166,29 +166,6 @@ def test_long_lived_cpu_buffers_are_page_aligned_mappings():
     release_free_heap()
 
 
-def test_freed_temporaries_stay_mapped_for_the_next_ones():
-    """Two 12 MiB temporaries freed together (24 MiB at the heap's top, over glibc's former 16 MiB trim threshold)
-    are reused without faulting their pages in again: each first touch of a page costs about a microsecond."""
-    import resource
-
-    from stratum.offload.host_alloc import _libc, tune_allocator
-    if _libc() is None:
-        pytest.skip("glibc only")
-    tune_allocator()
-    n = 12 << 20
-
-    def two():
-        a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-        a.fill_(1)
-        b.fill_(2)
-    two()  # maps the pages once
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        two()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 3 * (2 * n // 4096) // 10, faults  # at the former threshold: 6,144
-
-
 def test_heap_trim_spends_at_most_its_share_of_the_time(monkeypatch):
     """The step-end heap trim runs on the first call, then only while its own seconds stay within its share of
     the seconds between calls (a fake clock: each trim costs 1, each step 10; share 0.05 → every other step)."""

@@ -13,9 +13,7 @@ Two kinds of CPU allocation meet in an offload run and want opposite treatment:
   512 tokens, and the plain engine's own forward + backward measured 21-25 s instead of 15 s.
 
 :func:`tune_allocator` fixes the threshold above those temporaries (glibc's dynamic threshold would grow to the
-same value, but also its trim threshold, which kept up to 0.9 GB of freed heap resident) and lets the heap's top
-keep a few of them when freed (HEAP_KEEP: trimmed at a 16 MiB threshold, GPT small at a 25 % budget faulted
-5,200 pages back in per step, ≈ 5 ms of a 0.25 s step at the ≈ 1 µs a first touch costs here; 500 at 64 MiB), and
+same value, but also its trim threshold, which kept up to 0.9 GB of freed heap resident), and
 :func:`release_free_heap` hands freed heap pages back at a step's end when enough are free (256 MiB), so that what
 a big step freed is not held into the next one. glibc only; elsewhere both are no-ops.
 """
@@ -35,8 +33,6 @@ from torch import Tensor
 PAGE = mmap.PAGESIZE
 HEAP_MAX_ALLOC = 16 << 20
 """Bytes: allocations up to this size come from the heap (recycled), larger ones get their own mapping."""
-HEAP_KEEP = 4 * HEAP_MAX_ALLOC
-"""Bytes: free memory at the heap's top that glibc keeps mapped instead of trimming mid-step (its trim threshold)."""
 RELEASE_MIN = 256 << 20
 """Bytes: free heap below this is kept for the next step (see release_free_heap)."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -61,13 +57,13 @@ def _libc():
 
 
 def tune_allocator() -> None:
-    """Recycle temporaries up to HEAP_MAX_ALLOC bytes from the heap and trim its top only above HEAP_KEEP (see
-    the module docstring); call before the model allocates anything."""
+    """Recycle temporaries up to HEAP_MAX_ALLOC bytes from the heap and trim its top above that (see the module
+    docstring); call before the model allocates anything."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
     libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MAX_ALLOC)
-    libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP)
+    libc.mallopt(_M_TRIM_THRESHOLD, HEAP_MAX_ALLOC)
 
 
 def free_heap_bytes() -> int | None:
