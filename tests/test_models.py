@@ -6,7 +6,7 @@ from torch import nn
 
 from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
 from stratum.model.gpt import PRESETS, build_gpt, gpt_param_count, init_gpt_block
-from stratum.model.sequential import build_sequential, from_sequential
+from stratum.model.sequential import build_sequential, from_block_builders, from_sequential
 from stratum.errors import StratumError
 
 
@@ -96,6 +96,44 @@ def test_sequential_shared_parameters_become_a_tied_group():
     assert seq.block_param_names(2) == ["blocks.0.weight"]
     assert [n for n, _ in seq.owned_parameters(2)] == []
     assert seq.num_params() == 64 * 16 + 16 * 16 + 16
+
+
+def test_block_constructors_build_the_same_values_lazily_and_eagerly():
+    """A factory returning one constructor per block: the lazy build holds no parameter memory, and building
+    its blocks one at a time, in any order, gives the eager build's values; the seed decides them and the
+    caller's RNG is left alone."""
+    spec = "stratum.model.sequential:example_lm_blocks"
+    eager = build_sequential(spec, vocab_size=256, seq_len=32, seed=3)
+    lazy = build_sequential(spec, vocab_size=256, seq_len=32, seed=3, lazy=True)
+    assert len(lazy) == len(eager) == 7 and not eager.tied and eager.block_init is None
+    assert lazy.block_init is not None and all(p.is_meta for p in lazy.parameters())
+    state = torch.random.get_rng_state()
+    for i in reversed(range(len(lazy))):
+        lazy.allocate(i)
+        lazy.materialize(i)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    got, want = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    other = build_sequential(spec, vocab_size=256, seq_len=32, seed=4)
+    assert not torch.equal(other.blocks[1].inner[1].conv.weight, eager.blocks[1].inner[1].conv.weight)
+    assert _train_losses(eager)[-1] < _train_losses(build_sequential(spec, vocab_size=256, seq_len=32,
+                                                                     seed=3))[0] - 0.3
+
+
+@pytest.mark.parametrize("builders, message", [
+    ([], "non-empty list"),
+    ([lambda: nn.Linear(2, 2), "not callable"], "non-empty list"),
+    ([lambda: nn.Linear(2, 2), lambda: 3], "constructor 1 returned int"),
+])
+def test_bad_block_constructors(builders, message):
+    with pytest.raises(StratumError, match=message):
+        from_block_builders(builders, seed=0)
+
+
+def test_block_constructors_cannot_share_parameters():
+    shared = nn.Linear(4, 4)
+    with pytest.raises(StratumError, match="must not share parameters"):
+        from_block_builders([lambda: shared, lambda: shared], seed=0)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -40,7 +40,9 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability in [0, 1) (gpt and hf sources; replaces a transformers config's own rates)."""
     factory: str = "stratum.model.sequential:example_lm"
-    """source = sequential: 'package.module:function' called as f(vocab_size=V, seq_len=T) -> nn.Sequential."""
+    """source = sequential: 'package.module:function' called as f(vocab_size=V, seq_len=T) -> an nn.Sequential,
+    or a list of zero-argument block constructors (built block by block: the offload engine's form for a model
+    larger than RAM; e.g. 'stratum.model.sequential:example_lm_blocks')."""
     hf_path: str = ""
     """source = hf: a local config.json or model directory (weights loaded if present, else random init)."""
 

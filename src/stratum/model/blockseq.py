@@ -10,6 +10,7 @@ engine cut them into stages and the profiler measure them one at a time.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -23,6 +24,24 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 def lm_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T); fp32 for stability."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device and keep real buffers (rotary tables and
+    the like, which cannot be recomputed generically): only one parameter ever exists in memory at a time. Lazy
+    builds use it to get a model's structure without its memory."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 @dataclass(frozen=True)

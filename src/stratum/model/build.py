@@ -16,8 +16,9 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
     """The configured model, initialised from ``seed`` (``device='meta'`` allocates nothing).
 
     ``lazy``: where the source can, parameters stay on the meta device and ``seq.materialize(i)`` gives block i
-    the values an eager build would (own GPT: always; transformers: weights in safetensors files). Engines that
-    build block by block (offload) use it for models larger than RAM; other sources are built eagerly.
+    the values an eager build would (own GPT: always; transformers: weights in safetensors files or a random
+    init; sequential: a factory that returns one constructor per block). Engines that
+    build block by block (offload) use it for models larger than RAM; other models are built eagerly.
 
     The model's vocabulary must cover the tokenizer's, and its context the training sequence length.
     """
@@ -40,7 +41,8 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
         _check_vocab(vocab, tokenizer_vocab)
         torch.manual_seed(seed)
         with torch.device(device):
-            return build_sequential(cfg.factory, vocab_size=vocab, seq_len=seq_len)
+            return build_sequential(cfg.factory, vocab_size=vocab, seq_len=seq_len, seed=seed, lazy=lazy,
+                                    device=device)
     if cfg.source == "hf":
         from stratum.model.hf import build_hf
         seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout, device=device,

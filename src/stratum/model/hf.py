@@ -20,7 +20,6 @@ Nothing touches the network: paths must be local and every load runs with ``loca
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -30,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from stratum.errors import StratumError
-from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
+from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy, parameters_on_meta
 
 GPT2_TYPES = ("gpt2",)
 """Model types flattened through the GPT-2 path."""
@@ -232,23 +231,6 @@ def _config_dict(config) -> dict:
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device and keep real buffers (rotary tables and
-    the like, which cannot be recomputed generically): only one parameter ever exists in memory at a time."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 class _Weights:
     """Checkpoint key → file, and reading a block's tensors from those files one file at a time: safetensors
     through ``safe_open``, ``pytorch_model.bin`` through ``torch.load(mmap=True)`` (tensors backed by the file,
@@ -389,7 +371,7 @@ def _make_model(transformers, config, weights_dir: Path | None, device: torch.de
                 raise StratumError(f"model.hf_path: cannot load the weights in {str(weights_dir)!r}: "
                                    f"{_first_line(e)}") from None
             return model.to(device)
-        where = _parameters_on_meta() if params_on_meta else torch.device("meta")
+        where = parameters_on_meta() if params_on_meta else torch.device("meta")
         try:
             with where:
                 return Auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)

@@ -1,20 +1,28 @@
 """Any ``nn.Sequential`` as a ``BlockSeq``: each child is one block.
 
 A config names a factory ``"package.module:function"`` that is called as ``factory(vocab_size=V,
-seq_len=T)`` and returns an ``nn.Sequential`` (or a ready ``BlockSeq``) mapping token ids (B, T) to logits
-(B, T, V). Children that share a parameter object become a tied group automatically.
+seq_len=T)`` and returns one of:
+
+* an ``nn.Sequential`` mapping token ids (B, T) to logits (B, T, V); children that share a parameter object
+  become a tied group automatically. It is built whole, in RAM.
+* a list of zero-argument block constructors, one per block (:func:`from_block_builders`): each block is built
+  under a seed of its own, so the offload engine can build a model larger than RAM one block at a time, with
+  the values an eager build gives (a factory's own initialisation code cannot be replayed per block any other
+  way). Blocks built this way cannot share parameters.
+* a ready ``BlockSeq``.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Sequence
 
+import torch
 from torch import nn
 
 from stratum.errors import StratumError
-from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, lm_cross_entropy
+from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, lm_cross_entropy, parameters_on_meta
 
 
 def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: LossFn = lm_cross_entropy,
@@ -52,15 +60,76 @@ class _CausalMix(nn.Module):
         return self.conv(y).transpose(1, 2)
 
 
+def example_lm_blocks(*, vocab_size: int, seq_len: int, d_model: int = 128,
+                      n_layer: int = 2) -> list[Callable[[], nn.Module]]:
+    """The built-in sequential example as one constructor per block (a factory a lazy build can use)."""
+    def mix():
+        return _Residual(nn.Sequential(nn.LayerNorm(d_model), _CausalMix(d_model)))
+
+    def mlp():
+        return _Residual(nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                       nn.Linear(4 * d_model, d_model)))
+    return ([lambda: nn.Embedding(vocab_size, d_model)] + [mix, mlp] * n_layer
+            + [lambda: nn.LayerNorm(d_model), lambda: nn.Linear(d_model, vocab_size)])
+
+
 def example_lm(*, vocab_size: int, seq_len: int, d_model: int = 128, n_layer: int = 2) -> nn.Sequential:
     """A small causal language model written as a plain ``nn.Sequential`` (the built-in sequential example)."""
-    layers: list[nn.Module] = [nn.Embedding(vocab_size, d_model)]
-    for _ in range(n_layer):
-        layers.append(_Residual(nn.Sequential(nn.LayerNorm(d_model), _CausalMix(d_model))))
-        layers.append(_Residual(nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, 4 * d_model),
-                                              nn.GELU(), nn.Linear(4 * d_model, d_model))))
-    layers += [nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size)]
-    return nn.Sequential(*layers)
+    return nn.Sequential(*(make() for make in example_lm_blocks(vocab_size=vocab_size, seq_len=seq_len,
+                                                                d_model=d_model, n_layer=n_layer)))
+
+
+def _block_seed(seed: int, i: int) -> int:
+    return seed * 1_000_003 + i
+
+
+def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: int, lazy: bool = False,
+                        device: torch.device | str = "cpu", name: str = "sequential",
+                        loss_fn: LossFn = lm_cross_entropy, vocab_size: int = 0, max_seq_len: int = 0) -> BlockSeq:
+    """A BlockSeq from one zero-argument constructor per block, block ``i`` built under the seed (seed, i) with
+    the caller's RNG state left as it was. ``lazy``: parameters stay on the meta device and ``seq.materialize(i)``
+    builds block ``i`` for real and copies its values in (one block in RAM at a time); otherwise every block is
+    built now, on ``device``, with the same values. ``device='meta'``: the structure only."""
+    if not builders or not all(callable(b) for b in builders):
+        raise StratumError(f"{name}: expected a non-empty list of zero-argument block constructors")
+
+    def make(i: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_block_seed(seed, i))
+            block = builders[i]()
+        if not isinstance(block, nn.Module):
+            raise StratumError(f"{name}: block constructor {i} returned {type(block).__name__}, expected an "
+                               "nn.Module")
+        return block
+
+    with parameters_on_meta(), torch.device("cpu"):
+        blocks = [make(i) for i in range(len(builders))]
+    ids = [id(p) for b in blocks for p in b.parameters()]
+    if len(ids) != len(set(ids)):
+        raise StratumError(f"{name}: block constructors must not share parameters (return an nn.Sequential to "
+                           "tie them)")
+    info = ModelInfo(name=name, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                     extra={"source": "sequential", "factory": name})
+    seq = BlockSeq(blocks, loss_fn, info, [f"{i}:{type(b).__name__}" for i, b in enumerate(blocks)])
+
+    def block_init(seq: BlockSeq, i: int) -> None:
+        with torch.device("cpu"):
+            real = make(i)
+        with torch.no_grad():
+            for (_, p), (_, v) in zip(seq.blocks[i].named_parameters(), real.named_parameters()):
+                p.copy_(v)
+            for (_, b), (_, v) in zip(seq.blocks[i].named_buffers(), real.named_buffers()):
+                b.copy_(v)  # a buffer drawn at random follows the real build's draws, not the structure's
+    seq.block_init = block_init
+    dev = torch.device(device)
+    if not lazy and dev.type != "meta":
+        for i in range(len(seq)):
+            seq.allocate(i, dev)
+            seq.materialize(i)
+            seq.blocks[i].to(dev)  # buffers
+    if not lazy or dev.type == "meta":
+        seq.block_init = None
+    return seq
 
 
 def load_factory(spec: str) -> Callable[..., object]:
@@ -78,8 +147,10 @@ def load_factory(spec: str) -> Callable[..., object]:
     return fn
 
 
-def build_sequential(factory: str, *, vocab_size: int, seq_len: int) -> BlockSeq:
-    """Call a factory and wrap what it returns."""
+def build_sequential(factory: str, *, vocab_size: int, seq_len: int, seed: int = 0, lazy: bool = False,
+                     device: torch.device | str = "cpu") -> BlockSeq:
+    """Call a factory and wrap what it returns (see the module docstring); ``lazy`` applies to a list of block
+    constructors, the one form that can be built block by block."""
     fn = load_factory(factory)
     try:
         inspect.signature(fn).bind(vocab_size=vocab_size, seq_len=seq_len)
@@ -88,9 +159,12 @@ def build_sequential(factory: str, *, vocab_size: int, seq_len: int) -> BlockSeq
     except ValueError:
         pass  # builtins without a signature: let the call decide
     made = fn(vocab_size=vocab_size, seq_len=seq_len)
+    if isinstance(made, (list, tuple)):
+        return from_block_builders(made, seed=seed, lazy=lazy, device=device, name=factory,
+                                   vocab_size=vocab_size, max_seq_len=seq_len)
     if isinstance(made, BlockSeq):
         return made
     if not isinstance(made, nn.Sequential):
         raise StratumError(f"model.factory {factory!r} returned {type(made).__name__}, "
-                           "expected an nn.Sequential or a BlockSeq")
+                           "expected an nn.Sequential, a list of block constructors or a BlockSeq")
     return from_sequential(made, name=factory, vocab_size=vocab_size, max_seq_len=seq_len)
