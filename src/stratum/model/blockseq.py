@@ -26,6 +26,12 @@ def lm_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def block_seed(seed: int, i: int) -> int:
+    """The seed block ``i`` of a model seeded ``seed`` is initialised from, whatever the other blocks: what lets
+    a lazy build draw blocks one at a time, in any order, with the values of an eager build."""
+    return seed * 1_000_003 + i
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Modules built inside get their parameters on the meta device and keep real buffers (rotary tables and

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stratum.errors import StratumError
-from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
+from stratum.model.blockseq import BlockSeq, ModelInfo, block_seed, lm_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +114,7 @@ def init_gpt_block(seq: BlockSeq, i: int, seed: int) -> None:
     """(Re)initialise block ``i`` of a GPT BlockSeq from (seed, i) alone (GPT-2 scheme: N(0, 0.02) weights,
     residual projections scaled by 1/sqrt(2L), zero biases, LayerNorm (1, 0)). The head's tied weight is a
     bare parameter, left to the embedding block that owns it."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    gen = torch.Generator().manual_seed(block_seed(seed, i))
     resid_std = 0.02 / math.sqrt(2 * seq.info.n_layer)
     with torch.no_grad():
         for name, m in seq.blocks[i].named_modules():

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from stratum.errors import StratumError
-from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy, parameters_on_meta
+from stratum.model.blockseq import BlockSeq, ModelInfo, block_seed, lm_cross_entropy, parameters_on_meta
 
 GPT2_TYPES = ("gpt2",)
 """Model types flattened through the GPT-2 path."""
@@ -347,7 +347,7 @@ def _random_block_init(model, seed: int):
                 for p in m.parameters():
                     if hasattr(p, "_is_hf_initialized"):  # transformers' init functions skip flagged tensors
                         del p._is_hf_initialized
-                torch.manual_seed((seed * 1_000_003 + i) * 10_007 + j)
+                torch.manual_seed(block_seed(seed, i) * 10_007 + j)
                 model._init_weights(m)
                 for p, v in keep:
                     p.copy_(v)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from stratum.errors import StratumError
-from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, lm_cross_entropy, parameters_on_meta
+from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, block_seed, lm_cross_entropy, parameters_on_meta
 
 
 def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: LossFn = lm_cross_entropy,
@@ -79,10 +79,6 @@ def example_lm(*, vocab_size: int, seq_len: int, d_model: int = 128, n_layer: in
                                                                 d_model=d_model, n_layer=n_layer)))
 
 
-def _block_seed(seed: int, i: int) -> int:
-    return seed * 1_000_003 + i
-
-
 def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: int, lazy: bool = False,
                         device: torch.device | str = "cpu", name: str = "sequential",
                         loss_fn: LossFn = lm_cross_entropy, vocab_size: int = 0, max_seq_len: int = 0) -> BlockSeq:
@@ -95,7 +91,7 @@ def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: in
 
     def make(i: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_block_seed(seed, i))
+            torch.manual_seed(block_seed(seed, i))
             block = builders[i]()
         if not isinstance(block, nn.Module):
             raise StratumError(f"{name}: block constructor {i} returned {type(block).__name__}, expected an "
