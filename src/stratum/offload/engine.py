@@ -25,7 +25,6 @@ import math
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,6 +35,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill, Spilled
 from stratum.offload.belady import NextUse, choose_victim
+from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.cpu_adam import adamw_chunks
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
@@ -47,61 +47,6 @@ from stratum.runtime.device import autocast, canonical
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
 
 F32 = 4
-
-
-@dataclass(eq=False)
-class _Chunk:
-    spec: ChunkSpec
-    pinned: bool
-    home: str
-    """Tier of the authoritative parameter copy while the chunk is not on the device (device = pinned there)."""
-    slot: Tensor | None = None
-    """Device buffer of 2 × capacity: parameters then gradients."""
-    slot_id: int | None = None
-    fut: Future | None = None
-    hp: Tensor | None = None
-    """Host parameters (home = host, or the fp32 master of a pinned chunk with a host/disk optimizer on a GPU; on
-    a CPU the slot is host memory already and a pinned chunk is updated in place)."""
-    hg: Tensor | None = None
-    grad: str | None = None
-    """Where this step's gradient is: None (none yet), 'dev' (slot), 'home' (host tensor / disk file)."""
-    dirty: bool = False
-    """The device copy is newer than the home copy (updated on the device)."""
-    m: Tensor | None = None
-    v: Tensor | None = None
-    steps: Tensor | None = None
-    """AdamW's step count of each entry (parameter), as torch.optim.AdamW keeps one per parameter: a parameter
-    without a gradient is skipped and its count stays behind."""
-    uniform: bool = True
-    """Every entry has been updated at every update so far (the counts are equal): the chunk updates as one
-    range with ``steps[0]``; otherwise parameter by parameter."""
-    live: list | None = None
-    """Per entry, whether it got a gradient this step (set when the chunk's gradient completes)."""
-    views: dict = field(default_factory=dict)
-    """(parameters', moments' storage) → per entry (its parameters, exp_avg, exp_avg_sq, step count, weight-decayed
-    elements): the views ``_param_items`` hands to AdamW every step, made once (fresh views cost ~1 µs each)."""
-    opt_fut: Future | None = None
-    stale_home: bool = False
-    """Gradients handed to the host/disk optimizer whose update is not submitted yet: the home copy is about to
-    change, so the chunk must not be (pre)fetched until then."""
-    last_use: int = 0
-    held: list | None = None
-    """A ``_home_grads`` chunk's gradients (autograd's tensors, None for a parameter without one), from its
-    gradient's completion until its update is queued."""
-
-    @property
-    def i(self) -> int:
-        return self.spec.index
-
-    @property
-    def cap(self) -> int:
-        return self.spec.capacity
-
-    def p(self) -> Tensor:
-        return self.slot[: self.cap]
-
-    def g(self) -> Tensor:
-        return self.slot[self.cap:]
 
 
 def _drop(_t: Tensor) -> None:
@@ -156,7 +101,7 @@ class OffloadEngine(Engine):
         self._clock = 0
         self._act = 0
         self._act_seen: set[int] = set()
-        self._ptr2chunk: dict[int, _Chunk] = {}
+        self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
         if plan.activations == SPILL:
             ring = (ActivationRing(self.disk, self.tiers[HOST], pin=device.type == "cuda")
@@ -208,13 +153,13 @@ class OffloadEngine(Engine):
         step at a 25 % budget)."""
         self._held: dict[int, Tensor] = {}
         """id(parameter) → its gradient of this step so far (``_grads_home`` chunks)."""
-        self.chunks: list[_Chunk] = [None] * len(self.layout.chunks)
+        self.chunks: list[ChunkState] = [None] * len(self.layout.chunks)
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
         for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
             pinned = spec.tied or all_resident
             home = DEVICE if pinned else plan.param_tier
-            c = _Chunk(spec=spec, pinned=pinned, home=home)
+            c = ChunkState(spec=spec, pinned=pinned, home=home)
             def fill(flat: Tensor) -> Tensor:
                 self._ensure_materialized(spec)
                 with torch.no_grad():
@@ -299,7 +244,7 @@ class OffloadEngine(Engine):
             self.model.allocate(i)
             self._materialize(i)
 
-    def _bind(self, c: _Chunk) -> None:
+    def _bind(self, c: ChunkState) -> None:
         """Point the chunk's parameters at its device slot, and their gradients' target at the slot's second
         half."""
         p = c.p()
@@ -331,7 +276,7 @@ class OffloadEngine(Engine):
             self._fresh.add(k)
         param.grad = None
 
-    def _home_grads(self, c: _Chunk) -> bool:
+    def _home_grads(self, c: ChunkState) -> bool:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
         return self._grads_home and not c.pinned
 
@@ -341,7 +286,7 @@ class OffloadEngine(Engine):
             self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
         return self._zero.expand(shape)
 
-    def _unbind(self, c: _Chunk) -> None:
+    def _unbind(self, c: ChunkState) -> None:
         self._ptr2chunk.pop(c.slot.untyped_storage().data_ptr(), None)
         for e in c.spec.entries:
             e.param.data = self._placeholder(e.shape)
@@ -349,7 +294,7 @@ class OffloadEngine(Engine):
             self._gtarget.pop(id(e.param), None)
 
     # ---- moving chunks ------------------------------------------------------------------------------------------
-    def _read_home(self, c: _Chunk, what: str, into: Tensor) -> None:
+    def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:
         """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
         if c.home == HOST:
             into.copy_(c.hp if what == "p" else c.hg, non_blocking=True)
@@ -361,7 +306,7 @@ class OffloadEngine(Engine):
             into.copy_(st, non_blocking=True)
             torch.cuda.current_stream(into.device).synchronize()  # the staging buffer is reused next
 
-    def _write_home(self, c: _Chunk, what: str, src: Tensor) -> None:
+    def _write_home(self, c: ChunkState, what: str, src: Tensor) -> None:
         """Runs on the transfer thread (its side stream on a GPU)."""
         if c.home == HOST:
             (c.hp if what == "p" else c.hg).copy_(src, non_blocking=True)
@@ -375,7 +320,7 @@ class OffloadEngine(Engine):
         else:
             self.disk.write(f"{what}{c.i}", src)
 
-    def _fetch(self, c: _Chunk, slot_id: int) -> None:
+    def _fetch(self, c: ChunkState, slot_id: int) -> None:
         c.slot_id = slot_id
         c.slot = self.slots[slot_id]
         self.resident.add(c.i)
@@ -398,7 +343,7 @@ class OffloadEngine(Engine):
                 self._read_home(c, "g", slot[cap:])
         c.fut = self.xfer.submit(task)
 
-    def _evict(self, c: _Chunk) -> int:
+    def _evict(self, c: ChunkState) -> int:
         """Release ``c``'s slot (writing back dirty params and live gradients first); returns the slot id."""
         assert not c.pinned
         slot, sid = c.slot, c.slot_id
@@ -422,7 +367,7 @@ class OffloadEngine(Engine):
             self.xfer.submit(task)
         return sid
 
-    def _victim(self, protect: set[int], t: int | None) -> _Chunk | None:
+    def _victim(self, protect: set[int], t: int | None) -> ChunkState | None:
         cands = [i for i in self.resident if i not in protect]
         if not cands:
             return None
@@ -430,7 +375,7 @@ class OffloadEngine(Engine):
             return self.chunks[choose_victim(cands, t, self._nxt)]
         return self.chunks[min(cands, key=lambda i: self.chunks[i].last_use)]
 
-    def _make_resident(self, c: _Chunk, protect: set[int], t: int | None) -> None:
+    def _make_resident(self, c: ChunkState, protect: set[int], t: int | None) -> None:
         if c.pinned or c.i in self.resident:
             return
         assert not c.stale_home, f"chunk {c.i} fetched before its update was submitted"
@@ -533,7 +478,7 @@ class OffloadEngine(Engine):
         return obj
 
     # ---- optimizer ------------------------------------------------------------------------------------------
-    def _norms(self, chunks: list[_Chunk]) -> None:
+    def _norms(self, chunks: list[ChunkState]) -> None:
         views, names = [], []
         for c in chunks:
             if self._home_grads(c):
@@ -549,7 +494,7 @@ class OffloadEngine(Engine):
             for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
                 self._grad_norms[name] = nrm
 
-    def _grad_complete(self, c: _Chunk) -> None:
+    def _grad_complete(self, c: ChunkState) -> None:
         """All of this step's gradient of ``c`` is in its slot."""
         if self._all_on_device:  # all chunks are updated together after the backward
             return
@@ -589,20 +534,20 @@ class OffloadEngine(Engine):
         if not self._update_later(c):
             self._submit_host_update(c, None)
 
-    def _in_slot(self, c: _Chunk) -> bool:
+    def _in_slot(self, c: ChunkState) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
         defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed)."""
         return self.device.type == "cpu" and (c.pinned or not self._update_later(c))
 
-    def _update_later(self, c: _Chunk) -> bool:
+    def _update_later(self, c: ChunkState) -> bool:
         """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
         return self._deferred or c.i in self._defer
 
-    def _update_device(self, chunks: list[_Chunk], coef: Tensor | None) -> None:
+    def _update_device(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
         if coef is not None:
             torch._foreach_mul_([c.g() for c in chunks], coef)
-        items = [it for c in chunks for it in self._flat_items(c, c.p(), c.g(), c.m, c.v)]
+        items = [it for c in chunks for it in c.flat_items(c.p(), c.g(), c.m, c.v)]
         adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
                      weight_decay=self.spec.weight_decay, count_step=False)
         for c in chunks:
@@ -617,78 +562,20 @@ class OffloadEngine(Engine):
         for c in self.chunks:
             grads = [e.param.grad for e in c.spec.entries]
             c.live = [g is not None for g in grads]
-            items += self._param_items(c, c.p(), grads, c.m, c.v)
+            items += c.param_items(c.p(), grads, c.m, c.v)
         self._adamw_params(items, coef, self._lr)
         for c in self.chunks:
             for e in c.spec.entries:
                 e.param.grad = None
 
     def _adamw_params(self, items: list[tuple], coef: Tensor | None, lr: float) -> None:
-        """AdamW over ``_param_items`` (autograd's gradients, scaled by the clip ``coef`` first)."""
+        """AdamW over ``ChunkState.param_items`` (autograd's gradients, scaled by the clip ``coef`` first)."""
         if coef is not None:
             torch._foreach_mul_([it[1] for it in items], coef)
         adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
                      count_step=False)
 
-    @staticmethod
-    def _count_steps(c: _Chunk) -> None:
-        """Advance the step count of ``c``'s entries that got a gradient (``c.live``); a chunk where one did not
-        stops updating as one range (``c.uniform``)."""
-        if c.uniform and all(c.live):
-            c.steps.add_(1)
-            return
-        c.uniform = False
-        live = [k for k, ok in enumerate(c.live) if ok]
-        if live:
-            c.steps[live] += 1
-
-    @classmethod
-    def _param_items(cls, c: _Chunk, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
-                     hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``; counts advanced here), one per parameter of ``c`` with a
-        gradient (``grads[k]``: entry k's, any shape, or None), each with its own step count: its range of ``p``
-        (the chunk's parameters) and of the moments ``m``/``v``, which hold the chunk's elements ``[lo, hi)`` (a
-        piece of a disk chunk's moments; by default all of them)."""
-        if lo == 0:
-            cls._count_steps(c)
-        hi = c.cap if hi is None else hi
-        if lo == 0 and hi == c.cap:
-            key = (p.data_ptr(), m.data_ptr())
-            views = c.views.get(key)
-            if views is None:
-                if len(c.views) > 16:  # the chunk has moved through many slots: start over
-                    c.views.clear()
-                views = c.views[key] = [
-                    (p[e.offset:e.offset + e.numel], m[e.offset:e.offset + e.numel], v[e.offset:e.offset + e.numel],
-                     c.steps[k], e.numel if e.offset < c.spec.n_decay else 0, e.numel)
-                    for k, e in enumerate(c.spec.entries)]
-            return [(pv, g.reshape(-1), mv, vv, st, nd, n) for (pv, mv, vv, st, nd, n), g in zip(views, grads)
-                    if g is not None]
-        out = []
-        for k, (e, g) in enumerate(zip(c.spec.entries, grads)):
-            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-            if g is None or a >= b:
-                continue
-            n = b - a
-            out.append((p[a:b], g.reshape(-1)[a - e.offset:b - e.offset], m[a - lo:b - lo], v[a - lo:b - lo],
-                        c.steps[k], n if e.offset < c.spec.n_decay else 0, n))
-        return out
-
-    def _flat_items(self, c: _Chunk, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
-                    hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``) of a chunk whose gradients are one flat range ``g`` (a slot's
-        or home copy, like ``p``): the whole range as one item where every parameter has a gradient (at every step
-        so far), else parameter by parameter (``_param_items``); ``m`` and ``v`` hold elements ``[lo, hi)``."""
-        hi = c.cap if hi is None else hi
-        if c.uniform and all(c.live):
-            if lo == 0:
-                self._count_steps(c)
-            nd, used = min(max(c.spec.n_decay - lo, 0), hi - lo), min(c.spec.used - lo, hi - lo)
-            return [(p[lo:hi], g[lo:hi], m, v, c.steps[0], nd, used)]
-        grads = [g[e.offset:e.offset + e.numel] if ok else None for e, ok in zip(c.spec.entries, c.live)]
-        return self._param_items(c, p, grads, m, v, lo, hi)
-
-    def _submit_host_update(self, c: _Chunk, coef: Tensor | None, src: Tensor | None = None) -> None:
+    def _submit_host_update(self, c: ChunkState, coef: Tensor | None, src: Tensor | None = None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
         update in place instead of the home copies."""
         spill = self._spill_futs.pop(c.i, None)
@@ -710,17 +597,17 @@ class OffloadEngine(Engine):
         c.opt_fut = self.opt_pool.submit(task)
         self._opt_futs.append(c.opt_fut)
 
-    def _host_update_held(self, c: _Chunk, held: list, coef: Tensor | None, lr: float,
+    def _host_update_held(self, c: ChunkState, held: list, coef: Tensor | None, lr: float,
                           src: Tensor | None) -> None:
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
-        self._adamw_params(self._param_items(c, p, held, c.m, c.v), coef, lr)
+        self._adamw_params(c.param_items(p, held, c.m, c.v), coef, lr)
         if src is not None:
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
 
-    def _host_update_held_together(self, chunks: list[_Chunk], coef: Tensor | None) -> None:
+    def _host_update_held_together(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """The clipped update of ``_home_grads`` chunks on the training thread, all in one AdamW call per
         weight-decay class (a call per chunk was 2 × 19 fused calls a step for GPT ``small``)."""
         items, held_bytes = [], 0
@@ -728,12 +615,12 @@ class OffloadEngine(Engine):
             assert self._spill_futs.pop(c.i, None) is None and (c.opt_fut is None or c.opt_fut.done())
             held, c.held = c.held, None
             c.grad, c.stale_home = None, False
-            items += self._param_items(c, c.hp, held, c.m, c.v)
+            items += c.param_items(c.hp, held, c.m, c.v)
             held_bytes += sum(g.numel() for g in held if g is not None) * F32
         self._adamw_params(items, coef, self._lr)
         self.tiers[HOST].release(held_bytes)
 
-    def _host_update(self, c: _Chunk, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
+    def _host_update(self, c: ChunkState, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
         n = c.cap
         st = self.staging
         on_disk = c.hp is None and not c.pinned
@@ -750,7 +637,7 @@ class OffloadEngine(Engine):
             g.mul_(coef.to(g.device))
         kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         if self.plan.optimizer_tier != DISK:
-            adamw_chunks(self._flat_items(c, p, g, c.m, c.v), count_step=False, **kw)
+            adamw_chunks(c.flat_items(p, g, c.m, c.v), count_step=False, **kw)
         else:
             # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
             # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole
@@ -761,7 +648,7 @@ class OffloadEngine(Engine):
                 fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
                 self.disk.read_range(f"v{c.i}", lo, v)
                 fm.result()
-                adamw_chunks(self._flat_items(c, p, g, m, v, lo, hi), count_step=False, **kw)
+                adamw_chunks(c.flat_items(p, g, m, v, lo, hi), count_step=False, **kw)
                 fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
                 self.disk.write_range(f"v{c.i}", lo, v)
                 fm.result()
@@ -1028,7 +915,7 @@ class OffloadEngine(Engine):
         return total / len(batches)
 
     # ---- state ------------------------------------------------------------------------------------------------
-    def _master_params(self, c: _Chunk) -> Tensor:
+    def _master_params(self, c: ChunkState) -> Tensor:
         """The chunk's current parameters as a CPU tensor, from wherever the authoritative copy is."""
         if c.pinned:
             src = c.p() if c.hp is None else c.hp
@@ -1040,7 +927,7 @@ class OffloadEngine(Engine):
             return c.hp.detach().cpu().clone()
         return self.disk.read(f"p{c.i}", aligned_empty(c.cap))
 
-    def _moments(self, c: _Chunk) -> tuple[Tensor, Tensor]:
+    def _moments(self, c: ChunkState) -> tuple[Tensor, Tensor]:
         if self.plan.optimizer_tier == DISK:
             return self.disk.read(f"m{c.i}", aligned_empty(c.cap)), self.disk.read(f"v{c.i}", aligned_empty(c.cap))
         return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
