@@ -120,6 +120,20 @@ def test_block_constructors_build_the_same_values_lazily_and_eagerly():
                                                                      seed=3))[0] - 0.3
 
 
+def test_build_model_builds_block_constructors_lazily_only_when_asked():
+    """The trainer's route (build_model with lazy=True for the offload engine): a block-constructor factory gets
+    meta parameters and a block initialiser; an nn.Sequential factory is built whole either way."""
+    from stratum.config import ModelConfig
+    from stratum.model.build import build_model
+    blocks = ModelConfig(source="sequential", factory="stratum.model.sequential:example_lm_blocks")
+    lazy = build_model(blocks, tokenizer_vocab=256, seq_len=32, seed=1, lazy=True)
+    assert lazy.block_init is not None and all(p.is_meta for p in lazy.parameters())
+    eager = build_model(blocks, tokenizer_vocab=256, seq_len=32, seed=1)
+    assert eager.block_init is None and not any(p.is_meta for p in eager.parameters())
+    whole = build_model(ModelConfig(source="sequential"), tokenizer_vocab=256, seq_len=32, seed=1, lazy=True)
+    assert whole.block_init is None and not any(p.is_meta for p in whole.parameters())
+
+
 @pytest.mark.parametrize("builders, message", [
     ([], "non-empty list"),
     ([lambda: nn.Linear(2, 2), "not callable"], "non-empty list"),
