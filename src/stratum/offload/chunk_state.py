@@ -55,8 +55,8 @@ class ChunkState:
     change, so the chunk must not be (pre)fetched until then."""
     last_use: int = 0
     held: list | None = None
-    """A chunk's gradients handed to the host optimizer (the engine's ``_home_grads``) (autograd's tensors, None for a parameter without one), from its
-    gradient's completion until its update is queued."""
+    """Gradients handed to the host optimizer (the engine's ``_home_grads`` chunks): autograd's tensors, None for
+    a parameter without one, from the chunk's gradient completing until its update is queued."""
 
     @property
     def i(self) -> int:
