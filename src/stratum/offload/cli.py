@@ -11,7 +11,6 @@ An infeasible budget is a one-line error naming the smallest budget that works.
 from __future__ import annotations
 
 import argparse
-import json
 
 from stratum.errors import StratumError
 

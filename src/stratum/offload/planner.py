@@ -20,10 +20,9 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.belady import simulate
 from stratum.offload.chunks import Layout, pack, param_order
 from stratum.offload.act_ring import RING
-from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths, round_up
+from stratum.offload.tiers import DEVICE, DISK, F32, HOST, TIERS, Bandwidths, round_up
 from stratum.offload.units import fmt_bytes
 
-F32 = 4
 PREFETCH_DEPTHS = (0, 1, 2, 4)
 KEEP, SPILL, RECOMPUTE = "keep", "offload", "recompute"
 ACTIVATIONS = (KEEP, SPILL, RECOMPUTE)

@@ -31,6 +31,8 @@ from stratum.offload.units import fmt_bytes
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
+F32 = 4
+"""Bytes per element of the chunks, gradients and moments (fp32)."""
 
 
 class Tier:

@@ -1,0 +1,236 @@
+"""Which chunks are on the device: binding parameters to slots, fetching and evicting by OPT on the recorded
+access sequence, prefetching ahead, and the saved-tensor hooks that keep a block's weights by chunk reference.
+
+``Residency`` is a mixin of :class:`~stratum.offload.engine.OffloadEngine`; it works on the engine's chunk states
+(``chunks``), device slots (``slots``, ``free_slots``, ``resident``), transfer queue (``xfer``), access trace
+(``trace``, ``_nxt``) and activation spill (``spill``), all set up by the engine's ``_build``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from stratum.errors import StratumError
+from stratum.offload.activations import Spilled
+from stratum.offload.belady import choose_victim
+from stratum.offload.chunk_state import ChunkState
+from stratum.offload.tiers import DEVICE, F32, HOST
+
+
+class Residency:
+    """Mixin: moving chunks between their home tier and the device slots (see the module docstring)."""
+
+    # ---- binding parameters to slots ------------------------------------------------------------------------
+    def _bind(self, c: ChunkState) -> None:
+        """Point the chunk's parameters at its device slot, and their gradients' target at the slot's second
+        half."""
+        p = c.p()
+        for e in c.spec.entries:
+            e.param.data = p[e.offset:e.offset + e.numel].view(e.shape)
+            if self._all_on_device or self._home_grads(c):
+                continue  # its .grad is autograd's
+            e.param.grad = None
+            self._gtarget[id(e.param)] = c.g()[e.offset:e.offset + e.numel].view(e.shape)
+        self._ptr2chunk[c.slot.untyped_storage().data_ptr()] = c
+
+
+    def _placeholder(self, shape) -> Tensor:
+        """What an evicted parameter points at: its shape (so numel and flop counts stay right), no memory."""
+        if not hasattr(self, "_zero"):
+            self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return self._zero.expand(shape)
+
+    def _unbind(self, c: ChunkState) -> None:
+        self._ptr2chunk.pop(c.slot.untyped_storage().data_ptr(), None)
+        for e in c.spec.entries:
+            e.param.data = self._placeholder(e.shape)
+            e.param.grad = None
+            self._gtarget.pop(id(e.param), None)
+
+
+    # ---- moving chunks ------------------------------------------------------------------------------------------
+    def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:
+        """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
+        if c.home == HOST:
+            into.copy_(c.hp if what == "p" else c.hg, non_blocking=True)
+        elif self.device.type == "cpu":
+            self.disk.read(f"{what}{c.i}", into)
+        else:  # GPU ← disk: through the pinned transfer buffer (the disk reads into aligned host memory only)
+            st = self.xfer_staging[:into.numel()]
+            self.disk.read(f"{what}{c.i}", st)
+            into.copy_(st, non_blocking=True)
+            torch.cuda.current_stream(into.device).synchronize()  # the staging buffer is reused next
+
+    def _write_home(self, c: ChunkState, what: str, src: Tensor) -> None:
+        """Runs on the transfer thread (its side stream on a GPU)."""
+        if c.home == HOST:
+            (c.hp if what == "p" else c.hg).copy_(src, non_blocking=True)
+            if src.device.type == "cuda":
+                torch.cuda.current_stream(src.device).synchronize()
+        elif src.device.type == "cuda":  # GPU → disk through the pinned transfer buffer, as reads come
+            st = self.xfer_staging[:src.numel()]
+            st.copy_(src, non_blocking=True)
+            torch.cuda.current_stream(src.device).synchronize()
+            self.disk.write(f"{what}{c.i}", st)
+        else:
+            self.disk.write(f"{what}{c.i}", src)
+
+    def _fetch(self, c: ChunkState, slot_id: int) -> None:
+        c.slot_id = slot_id
+        c.slot = self.slots[slot_id]
+        self.resident.add(c.i)
+        self._bind(c)
+        load_grad = c.grad == "home" and not self._home_grads(c)
+        if load_grad:
+            c.grad = "dev"
+        opt_fut = c.opt_fut
+        busy = self._slot_busy.pop(slot_id, None)
+        self.n_fetches += 1
+        self.bytes_h2d += c.cap * F32 * (2 if load_grad else 1)
+
+        def task(slot=c.slot, cap=c.cap):
+            if busy is not None:  # the slot's previous chunk is still being updated in place
+                busy.result()
+            if opt_fut is not None:
+                opt_fut.result()
+            self._read_home(c, "p", slot[:cap])
+            if load_grad:
+                self._read_home(c, "g", slot[cap:])
+        c.fut = self.xfer.submit(task)
+
+    def _evict(self, c: ChunkState) -> int:
+        """Release ``c``'s slot (writing back dirty params and live gradients first); returns the slot id."""
+        assert not c.pinned
+        slot, sid = c.slot, c.slot_id
+        write_p, write_g = c.dirty, c.grad == "dev"
+        self._unbind(c)
+        if write_g:
+            c.grad = "home"
+        c.dirty = False
+        c.slot, c.slot_id, c.fut = None, None, None
+        self.resident.discard(c.i)
+        if c.opt_fut is not None and not c.opt_fut.done():
+            self._slot_busy[sid] = c.opt_fut
+        if write_p or write_g:
+            self.bytes_d2h += c.cap * F32 * (int(write_p) + int(write_g))
+
+            def task(cap=c.cap):
+                if write_p:
+                    self._write_home(c, "p", slot[:cap])
+                if write_g:
+                    self._write_home(c, "g", slot[cap:])
+            self.xfer.submit(task)
+        return sid
+
+    def _victim(self, protect: set[int], t: int | None) -> ChunkState | None:
+        cands = [i for i in self.resident if i not in protect]
+        if not cands:
+            return None
+        if t is not None and self._nxt is not None:
+            return self.chunks[choose_victim(cands, t, self._nxt)]
+        return self.chunks[min(cands, key=lambda i: self.chunks[i].last_use)]
+
+    def _make_resident(self, c: ChunkState, protect: set[int], t: int | None) -> None:
+        if c.pinned or c.i in self.resident:
+            return
+        assert not c.stale_home, f"chunk {c.i} fetched before its update was submitted"
+        if self.free_slots:
+            sid = self.free_slots.pop()
+        else:
+            v = self._victim(protect, t)
+            if v is None:
+                raise StratumError(f"offload: {len(self.slots)} device chunk slot(s) cannot hold one block's chunks; "
+                                   "raise offload.resident_chunks or offload.device_budget")
+            sid = self._evict(v)
+        self._fetch(c, sid)
+
+    def _access(self, chunk_ids: tuple[int, ...], record: bool = True) -> None:
+        """Make ``chunk_ids`` usable on the device now; then prefetch ahead."""
+        t = None
+        if record:
+            self.trace.access(chunk_ids)
+            if self.trace.active:
+                t = self.trace.pos - 1
+        protect = set(chunk_ids)
+        for i in chunk_ids:
+            self._make_resident(self.chunks[i], protect, t)
+        self._clock += 1
+        t0 = time.perf_counter()
+        for i in chunk_ids:
+            c = self.chunks[i]
+            c.last_use = self._clock
+            self.xfer.wait(c.fut)
+            c.fut = None
+            if c.opt_fut is not None:  # an update in flight writes the chunk's parameters (home or slot)
+                c.opt_fut.result()
+                c.opt_fut = None
+        self.stall_s += time.perf_counter() - t0
+        if t is not None and self.plan.prefetch_depth > 0:
+            self._prefetch(t, protect)
+
+    def _prefetch(self, t: int, protect: set[int]) -> None:
+        seq = self.trace.recorded
+        n = len(seq)
+        ahead: list[int] = []
+        for d in range(1, self.plan.prefetch_depth + 1):
+            for i in seq[(t + d) % n]:
+                if i not in ahead:
+                    ahead.append(i)
+        keep = protect | set(ahead)
+        for i in ahead:
+            c = self.chunks[i]
+            if c.pinned or i in self.resident or c.stale_home:
+                continue
+            if self.free_slots:
+                self._fetch(c, self.free_slots.pop())
+                continue
+            cands = [r for r in self.resident if r not in keep]
+            if not cands:
+                return
+            v = choose_victim(cands, t, self._nxt)
+            if self._nxt.after(v, t) <= self._nxt.after(i, t):
+                return
+            self._fetch(c, self._evict(self.chunks[v]))
+
+    # ---- saved tensors: weights by reference, activations counted ------------------------------------------------
+    def _pack(self, x: Tensor):
+        try:
+            ptr = x.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return x
+        if ptr == 0:
+            return x
+        c = self._ptr2chunk.get(ptr)
+        if c is not None:
+            if c.pinned:  # never moves: saved as is (an unpack per weight cost ~3 % of a small CPU step)
+                return x
+            # offset from the slot's start: the chunk may come back in another slot (aligned slots are views at
+            # different offsets of their allocations)
+            return ("chunk", c.i, x.storage_offset() - c.slot.storage_offset(), tuple(x.shape), tuple(x.stride()),
+                    x.dtype)
+        if ptr in self._boundary:
+            return x
+        if ptr not in self._act_seen:
+            self._act_seen.add(ptr)
+            self._act += x.untyped_storage().nbytes()
+            if self._act > self.peak_act:
+                self.peak_act = self._act
+                self.tiers[DEVICE].note_transient(self._act)
+        if self.spill is not None and self.spill.active and x.device == self.device:
+            return self.spill.pack(x)
+        return x
+
+    def _unpack(self, obj):
+        if isinstance(obj, Spilled):
+            return self.spill.unpack(obj)
+        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "chunk":
+            _, i, off, shape, stride, dtype = obj
+            c = self.chunks[i]
+            if c.slot is None:  # not expected (blocks fetch before backward), but never wrong
+                self._access((i,), record=False)
+            self.xfer.wait(c.fut)
+            return c.slot.as_strided(shape, stride, c.slot.storage_offset() + off)
+        return obj

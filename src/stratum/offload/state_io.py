@@ -1,0 +1,83 @@
+"""Placement-independent checkpoints of the offload engine: ``state()`` gathers every parameter and its AdamW
+state by name from wherever its chunk lives (device slot, host, disk), ``load_state()`` scatters them back, so a
+run saved under one placement resumes under another or under the plain engine.
+
+``StateIO`` is a mixin of :class:`~stratum.offload.engine.OffloadEngine`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from stratum.offload.chunk_state import ChunkState
+from stratum.offload.tiers import DISK, aligned_empty
+from stratum.runtime.engine import TrainState
+
+
+class StateIO:
+    """Mixin: the engine's ``state`` and ``load_state`` (see the module docstring)."""
+
+    def _master_params(self, c: ChunkState) -> Tensor:
+        """The chunk's current parameters as a CPU tensor, from wherever the authoritative copy is."""
+        if c.pinned:
+            src = c.p() if c.hp is None else c.hp
+            return src.detach().cpu().clone()
+        if c.slot is not None and c.dirty:
+            self.xfer.wait(c.fut)
+            return c.p().detach().cpu().clone()
+        if c.hp is not None:
+            return c.hp.detach().cpu().clone()
+        return self.disk.read(f"p{c.i}", aligned_empty(c.cap))
+
+    def _moments(self, c: ChunkState) -> tuple[Tensor, Tensor]:
+        if self.plan.optimizer_tier == DISK:
+            return self.disk.read(f"m{c.i}", aligned_empty(c.cap)), self.disk.read(f"v{c.i}", aligned_empty(c.cap))
+        return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
+
+    def state(self) -> TrainState:
+        self.drain()
+        params, optim = {}, {}
+        for c in self.chunks:
+            flat = self._master_params(c)
+            m, v = self._moments(c)
+            steps = c.steps.tolist()
+            for e, stepv in zip(c.spec.entries, steps):
+                sl = slice(e.offset, e.offset + e.numel)
+                params[e.name] = flat[sl].view(e.shape).clone()
+                if stepv > 0:  # a parameter never updated has no optimizer state, as in torch.optim.AdamW
+                    optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
+                                     "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
+        # parameters the engine does not manage (frozen) are read from the model
+        for n, p in self.model.named_parameters():
+            params.setdefault(n, p.detach().cpu().clone())
+        return TrainState(params=params, optim=optim)
+
+    def load_state(self, state: TrainState) -> None:
+        self.drain()
+        for c in self.chunks:
+            flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))
+            steps = [0.0] * len(c.spec.entries)
+            for k, e in enumerate(c.spec.entries):
+                sl = slice(e.offset, e.offset + e.numel)
+                flat[sl] = state.params[e.name].reshape(-1)
+                st = state.optim.get(e.name)
+                if st:
+                    m[sl] = st["exp_avg"].reshape(-1)
+                    v[sl] = st["exp_avg_sq"].reshape(-1)
+                    steps[k] = float(st["step"])
+            if c.slot is not None:
+                c.p().copy_(flat)
+            if c.hp is not None:
+                c.hp.copy_(flat)
+            elif not c.pinned:
+                self.disk.write(f"p{c.i}", flat)
+            c.dirty = False
+            if self.plan.optimizer_tier == DISK:
+                self.disk.write(f"m{c.i}", m)
+                self.disk.write(f"v{c.i}", v)
+            else:
+                c.m.copy_(m)
+                c.v.copy_(v)
+            c.steps.copy_(torch.tensor(steps))
+            c.uniform = len(set(steps)) == 1
