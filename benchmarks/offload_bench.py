@@ -81,6 +81,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     engines = {"plain": plain}
     times = {"plain": [], "offload": []}
     losses = {"plain": [], "offload": []}
+    moved = []  # the offload engine's step_io() of each timed step
     order = ["plain", "offload"]
     block = block if block > 0 else len(batches)
     for lo in range(0, len(batches), block):
@@ -98,6 +99,8 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
                 losses[name].append(r.loss)
                 if s >= warmup and (s > lo or lo == 0):
                     times[name].append(dt)
+                    if name == "offload":
+                        moved.append(eng.step_io())
                 print(f"step {s} {name}: {dt:.3f}s", flush=True)
             if hasattr(eng, "drain"):
                 eng.drain()
@@ -117,6 +120,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
         "plan": plan.to_dict(), "plan_s": plan_s,
         "measured_peak_bytes": off.measured_peaks(), "fetches": off.n_fetches,
         "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h,
+        "moved_per_step_median": {k: statistics.median(m[k] for m in moved) for k in moved[0]} if moved else {},
         "load_average": os.getloadavg(),
     }
     off.close()
@@ -144,7 +148,7 @@ def _worker(args) -> dict:
     engine = make_engine(cfg, model, torch.device("cpu"))
     del model
     setup_s = time.perf_counter() - t0
-    times, losses, stalls, phases = [], [], [], []
+    times, losses, stalls, phases, moved = [], [], [], [], []
     for b in batches:
         t = time.perf_counter()
         s0 = getattr(engine, "stall_s", 0.0)
@@ -153,10 +157,12 @@ def _worker(args) -> dict:
         times.append(time.perf_counter() - t)
         stalls.append(getattr(engine, "stall_s", 0.0) - s0)
         phases.append({k: v - p0[k] for k, v in getattr(engine, "phase_s", {}).items()})
+        moved.append(engine.step_io())
         print(f"step {len(times)}: {times[-1]:.1f}s (waiting for chunks {stalls[-1]:.1f}s; phases "
               f"{ {k: round(v, 1) for k, v in phases[-1].items()} }) loss {losses[-1]:.4f} "
               f"rss peak {peak_rss_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     res = {"engine": args.engine, "preset": args.preset, "step_s": times, "stall_s": stalls, "phase_s": phases,
+           "moved": moved,
            "losses": losses,
            "setup_s": setup_s,
            "peak_rss_bytes": peak_rss_bytes(), "tokens_per_step": cfg.tokens_per_step}
@@ -203,6 +209,8 @@ def beyond_ram(args) -> dict:
         bw = off["bandwidths"]
         out.update(median_step_s={"offload": mo, "plain": mp}, ratio_offload_over_plain=mp / mo,
                    disk_bytes_per_step=tr["disk_read"] + tr["disk_write"],
+                   measured_disk_bytes_per_step=statistics.median(
+                       m["moved_disk_read_bytes"] + m["moved_disk_write_bytes"] for m in off["moved"][1:]),
                    disk_bound_s=tr["disk_read"] / bw["disk_read"] + tr["disk_write"] / bw["disk_write"],
                    losses_equal=off["losses"] == plain["losses"])
     return out

@@ -126,7 +126,7 @@ def test_dry_run_prints_the_plan(make_cfg, capsys):
 def test_trainer_with_offload_matches_plain_and_resumes_under_plain(make_cfg, tmp_path):
     common = ("train.steps=6", "train.grad_accum=2")
     ref = train(make_cfg(*common, out=tmp_path / "plain"))
-    off = make_cfg(*common, "train.engine='offload'", "offload.device_budget='2.5MB'", out=tmp_path / "off")
+    off = make_cfg(*common, "train.engine='offload'", "offload.device_budget='1.5MB'", out=tmp_path / "off")
     train(off, stop_at=3)
     resumed = make_cfg(*common, out=tmp_path / "off")  # the same run continues on the plain engine
     summary = train(resumed)
@@ -134,7 +134,23 @@ def test_trainer_with_offload_matches_plain_and_resumes_under_plain(make_cfg, tm
     b = [r["loss"] for r in read_metrics(tmp_path / "off")]
     assert a == b
     assert summary["final_loss"] == ref["final_loss"]
-    assert "offload_device_peak_bytes" in read_metrics(tmp_path / "off")[0]
+    recs = read_metrics(tmp_path / "off")
+    assert "offload_device_peak_bytes" in recs[0]
+    # the offload steps log what they moved; the plain steps of the resumed run do not
+    assert all(r["moved_h2d_bytes"] > 0 and r["wait_s"] >= 0 for r in recs[:3])
+    assert recs[1]["moved_h2d_bytes"] == recs[2]["moved_h2d_bytes"]  # the same every step once recorded
+    assert not any(k.startswith("moved_") for r in recs[3:] for k in r)
+
+
+def test_the_summary_reports_data_moved_and_the_predicted_step_time(make_cfg, tmp_path, capsys):
+    cfg = make_cfg("train.steps=4", "train.engine='offload'", "offload.device_budget='1.5MB'", out=tmp_path / "o")
+    summary = train(cfg)
+    assert summary["median_moved_h2d_bytes"] > 0 and summary["median_wait_s"] >= 0
+    assert summary["predicted_step_s"] > 0 and summary["median_step_s"] > 0
+    out = capsys.readouterr().out
+    assert "moved per step (median): host→device" in out and "predicted by the plan" in out
+    plain = train(make_cfg("train.steps=2", out=tmp_path / "p"))
+    assert "predicted_step_s" not in plain and "median_moved_h2d_bytes" not in plain
 
 
 def test_step_time_is_modelled_per_window(gpt):

@@ -9,7 +9,7 @@ import torch
 
 from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
-from stratum.offload.belady import NextUse, simulate
+from stratum.offload.belady import NextUse, Traffic, simulate, simulate_step
 from stratum.offload.chunks import pack
 from stratum.offload.units import fmt_bytes, parse_budget, parse_bytes
 
@@ -89,6 +89,24 @@ def test_belady_is_optimal_on_small_sequences():
         seq = [(int(x),) for x in torch.randint(0, 5, (10,), generator=g)]
         for slots in (1, 2, 3):
             assert simulate(seq, slots, steps=1) == _brute_force_min_fetches(seq, slots)
+
+
+def test_gradients_round_trip_between_micro_batches_as_simulated():
+    """Three one-chunk blocks, two micro-batches, one slot. Steady-state step, access by access:
+    F0 hit; F1 fetch; F2 fetch; B2 hit, gradient starts in the slot; B1 fetch, evicts 2 with its gradient (write);
+    B0 fetch, evicts 1 (write) | F0 hit; F1 fetch, evicts 0 (write, by a forward); F2 fetch, evicts 1 (its
+    gradient is home: nothing to write); B2 hit, its gradient comes back (read), complete; B1 fetch + read,
+    complete; B0 fetch + read, complete."""
+    seq = [(0,), (1,), (2,), (2,), (1,), (0,)] * 2
+    wants = [False, False, False, True, True, True] * 2
+    consumed = {2: 9, 1: 10, 0: 11}
+    assert simulate_step(seq, 1, wants=wants, consumed=consumed) == Traffic(fetches=8, grad_reads=3, grad_writes=3,
+                                                                            grad_writes_fwd=1)
+    # updated at home, every chunk starts the step cold (F0 misses too); without gradients in slots: no round trips
+    assert simulate_step(seq, 1, wants=wants, consumed=consumed, stale=frozenset({0, 1, 2})).fetches == 9
+    assert simulate_step(seq, 1) == Traffic(fetches=8)
+    # three slots hold everything: no fetch, no gradient leaves its slot
+    assert simulate_step(seq, 3, wants=wants, consumed=consumed) == Traffic(fetches=0)
 
 
 def test_next_use_wraps_to_the_next_step():

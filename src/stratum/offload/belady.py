@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 
 
 class NextUse:
@@ -38,22 +39,61 @@ def choose_victim(candidates, t: int, nxt: NextUse) -> int | None:
     return best
 
 
-def simulate(seq: list[tuple[int, ...]], slots: int, steps: int = 2) -> int:
-    """Fetches per step under OPT with ``slots`` cache slots, in the steady state (the last of ``steps`` steps)."""
+@dataclass(frozen=True)
+class Traffic:
+    """What one step of the engine's residency policy moves, in chunks (the steady state)."""
+    fetches: int
+    """Chunks copied to the device (parameters)."""
+    grad_reads: int = 0
+    """Gradients so far copied back with a chunk whose access adds to them (a later micro-batch's backward)."""
+    grad_writes: int = 0
+    """Gradients so far written home by an eviction before the chunk's gradient was complete."""
+    grad_writes_fwd: int = 0
+    """Of ``grad_writes``, those made by forward accesses."""
+
+
+def simulate_step(seq: list[tuple[int, ...]], slots: int, *, wants: list[bool] | None = None,
+                  consumed: dict[int, int] | None = None, stale: frozenset[int] = frozenset(),
+                  steps: int = 2) -> Traffic:
+    """One step of the engine's policy on the cyclic access sequence ``seq`` with ``slots`` device slots, in the
+    steady state (the last of ``steps`` steps): OPT eviction; ``stale`` chunks are not resident at a step's start
+    (their update ran at home, so the device copy is old). With ``wants`` (per access: it is a backward's or an
+    update's, which adds to or reads the chunks' gradients) it also counts the gradients' round trips: a chunk's
+    gradient starts a step empty, stays in its slot while resident, goes home when the chunk is evicted and comes
+    back with the next access that wants it — until the access at ``consumed[c]`` (its completion), after which
+    the engine's update takes it (counted by the planner, not here)."""
     nxt = NextUse(seq)
     resident: set[int] = set()
-    fetches = 0
-    for s in range(steps):
-        fetches = 0
+    out = Traffic(0)
+    for _ in range(steps):
+        resident -= stale
+        fetches = reads = writes = writes_fwd = 0
+        grad: dict[int, str] = {}  # chunk → "dev" (in its slot) or "home"; absent: none this step (or consumed)
         for t, cs in enumerate(seq):
+            want = bool(wants and wants[t])
             for c in cs:
-                if c in resident:
-                    continue
-                if len(resident) >= slots:
-                    v = choose_victim([r for r in resident if r not in cs], t, nxt)
-                    if v is None:
-                        raise ValueError("not enough slots for one access")
-                    resident.discard(v)
-                resident.add(c)
-                fetches += 1
-    return fetches
+                if c not in resident:
+                    if len(resident) >= slots:
+                        v = choose_victim([r for r in resident if r not in cs], t, nxt)
+                        if v is None:
+                            raise ValueError("not enough slots for one access")
+                        resident.discard(v)
+                        if grad.get(v) == "dev":
+                            grad[v] = "home"
+                            writes += 1
+                            writes_fwd += not want
+                    resident.add(c)
+                    fetches += 1
+                if want:
+                    if grad.get(c) == "home":
+                        reads += 1
+                    grad[c] = "dev"
+                if consumed is not None and consumed.get(c) == t:
+                    grad.pop(c, None)
+        out = Traffic(fetches, reads, writes, writes_fwd)
+    return out
+
+
+def simulate(seq: list[tuple[int, ...]], slots: int, steps: int = 2) -> int:
+    """Fetches per step under OPT with ``slots`` cache slots, in the steady state (the last of ``steps`` steps)."""
+    return simulate_step(seq, slots, steps=steps).fetches

@@ -109,7 +109,12 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         """Storages of the kept block inputs: a saved tensor in one of them is kept by reference, never spilled."""
         self.n_fetches = 0
         self.bytes_h2d = 0
+        """Bytes of chunks copied to the device so far (parameters; gradients where they come back)."""
         self.bytes_d2h = 0
+        """Bytes of chunks and gradients written from the device (or a CPU slot) to their home so far."""
+        self.last_step_traffic: dict[str, int] = {}
+        """Link → bytes the last step moved (:meth:`traffic` before and after it)."""
+        self.last_step_wait_s = 0.0
         self.peak_act = 0
         self.stall_s = 0.0
         """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
@@ -254,6 +259,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         return out
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        moved0, wait0 = self.traffic(), self.stall_s
         self.model.train()
         self._lr = lr
         self._deferred = self.spec.grad_clip > 0
@@ -321,7 +327,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                     self._act, self._act_seen = sum(kept) + sum(held.values()), set()
                 tied_tmp = self._tied_grads_begin() if j > 0 else []
                 for i in reversed(range(L)):
-                    self._access(self._block_chunks(i))
+                    self._access(self._block_chunks(i), grads=True)
                     for ci in self._block_chunks(i):
                         c = self.chunks[ci]
                         if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
@@ -371,6 +377,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         if first:
             self._nxt = NextUse(self.trace.recorded)
         self._check()
+        self.last_step_traffic = {k: v - moved0[k] for k, v in self.traffic().items()}
+        self.last_step_wait_s = self.stall_s - wait0
         return StepResult(loss=total.item() / n, grad_norm=float(total_norm))
 
     def _rng_state(self) -> tuple:
@@ -410,6 +418,28 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         return total / len(batches)
 
     # ---- reporting ----------------------------------------------------------------------------------------------
+    def traffic(self) -> dict[str, int]:
+        """Bytes moved so far per link, counted as the plan predicts them (``Plan.predicted_traffic``): h2d =
+        chunks fetched + activations restored, d2h = chunks, gradients and updated parameters written home +
+        activations spilled, disk_read / disk_write = all the disk store's reads and writes (set-up included).
+        Work that runs beside the next step (a clipped update pass on a thread) counts when it runs."""
+        spill = self.spill
+        return {"h2d": self.bytes_h2d + (spill.bytes_h2d if spill else 0),
+                "d2h": self.bytes_d2h + (spill.bytes_d2h if spill else 0),
+                "disk_read": self.disk.bytes_read if self.disk else 0,
+                "disk_write": self.disk.bytes_written if self.disk else 0}
+
+    def step_io(self) -> dict[str, float]:
+        t = self.last_step_traffic
+        if not t:
+            return {}
+        return {"moved_h2d_bytes": t["h2d"], "moved_d2h_bytes": t["d2h"], "moved_disk_read_bytes": t["disk_read"],
+                "moved_disk_write_bytes": t["disk_write"], "wait_s": self.last_step_wait_s}
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.plan.predicted_step_s
+
     def measured_peaks(self) -> dict[str, int]:
         return {name: t.peak for name, t in self.tiers.items()}
 

@@ -78,12 +78,15 @@ class Residency:
         else:
             self.disk.write(f"{what}{c.i}", src)
 
-    def _fetch(self, c: ChunkState, slot_id: int) -> None:
+    def _fetch(self, c: ChunkState, slot_id: int, grads: bool) -> None:
+        """Copy ``c`` into slot ``slot_id``, with its gradient so far when ``grads`` (the access that wants it
+        is a backward's, which adds to it). A forward's fetch leaves the gradient home: it would only be copied
+        back out at the eviction (with two micro-batches GPT test plans moved 1.5× the bytes that way)."""
         c.slot_id = slot_id
         c.slot = self.slots[slot_id]
         self.resident.add(c.i)
         self._bind(c)
-        load_grad = c.grad == "home" and not self._home_grads(c)
+        load_grad = grads and c.grad == "home" and not self._home_grads(c)
         if load_grad:
             c.grad = "dev"
         opt_fut = c.opt_fut
@@ -133,7 +136,7 @@ class Residency:
             return self.chunks[choose_victim(cands, t, self._nxt)]
         return self.chunks[min(cands, key=lambda i: self.chunks[i].last_use)]
 
-    def _make_resident(self, c: ChunkState, protect: set[int], t: int | None) -> None:
+    def _make_resident(self, c: ChunkState, protect: set[int], t: int | None, grads: bool) -> None:
         if c.pinned or c.i in self.resident:
             return
         assert not c.stale_home, f"chunk {c.i} fetched before its update was submitted"
@@ -145,18 +148,25 @@ class Residency:
                 raise StratumError(f"offload: {len(self.slots)} device chunk slot(s) cannot hold one block's chunks; "
                                    "raise offload.resident_chunks or offload.device_budget")
             sid = self._evict(v)
-        self._fetch(c, sid)
+        self._fetch(c, sid, grads)
 
-    def _access(self, chunk_ids: tuple[int, ...], record: bool = True) -> None:
-        """Make ``chunk_ids`` usable on the device now; then prefetch ahead."""
+    def _load_grad(self, c: ChunkState) -> None:
+        """Bring a resident chunk's gradient so far into its slot (it was fetched by a forward)."""
+        c.grad = "dev"
+        self.bytes_h2d += c.cap * F32
+        self.xfer.wait(self.xfer.submit(self._read_home, c, "g", c.slot[c.cap:]))
+
+    def _access(self, chunk_ids: tuple[int, ...], record: bool = True, grads: bool = False) -> None:
+        """Make ``chunk_ids`` usable on the device now (with their gradients so far when ``grads``: a backward
+        or an update will add to or read them); then prefetch ahead."""
         t = None
         if record:
-            self.trace.access(chunk_ids)
+            self.trace.access(chunk_ids, grads)
             if self.trace.active:
                 t = self.trace.pos - 1
         protect = set(chunk_ids)
         for i in chunk_ids:
-            self._make_resident(self.chunks[i], protect, t)
+            self._make_resident(self.chunks[i], protect, t, grads)
         self._clock += 1
         t0 = time.perf_counter()
         for i in chunk_ids:
@@ -167,6 +177,8 @@ class Residency:
             if c.opt_fut is not None:  # an update in flight writes the chunk's parameters (home or slot)
                 c.opt_fut.result()
                 c.opt_fut = None
+            if grads and c.grad == "home" and not c.pinned and not self._home_grads(c):
+                self._load_grad(c)
         self.stall_s += time.perf_counter() - t0
         if t is not None and self.plan.prefetch_depth > 0:
             self._prefetch(t, protect)
@@ -175,17 +187,19 @@ class Residency:
         seq = self.trace.recorded
         n = len(seq)
         ahead: list[int] = []
+        grads: dict[int, bool] = {}  # chunk → whether its next access wants its gradient
         for d in range(1, self.plan.prefetch_depth + 1):
             for i in seq[(t + d) % n]:
                 if i not in ahead:
                     ahead.append(i)
+                    grads[i] = self.trace.wants_grads[(t + d) % n]
         keep = protect | set(ahead)
         for i in ahead:
             c = self.chunks[i]
             if c.pinned or i in self.resident or c.stale_home:
                 continue
             if self.free_slots:
-                self._fetch(c, self.free_slots.pop())
+                self._fetch(c, self.free_slots.pop(), grads[i])
                 continue
             cands = [r for r in self.resident if r not in keep]
             if not cands:
@@ -193,7 +207,7 @@ class Residency:
             v = choose_victim(cands, t, self._nxt)
             if self._nxt.after(v, t) <= self._nxt.after(i, t):
                 return
-            self._fetch(c, self._evict(self.chunks[v]))
+            self._fetch(c, self._evict(self.chunks[v]), grads[i])
 
     # ---- saved tensors: weights by reference, activations counted ------------------------------------------------
     def _pack(self, x: Tensor):
@@ -230,7 +244,7 @@ class Residency:
             _, i, off, shape, stride, dtype = obj
             c = self.chunks[i]
             if c.slot is None:  # not expected (blocks fetch before backward), but never wrong
-                self._access((i,), record=False)
+                self._access((i,), record=False, grads=True)
             self.xfer.wait(c.fut)
             return c.slot.as_strided(shape, stride, c.slot.storage_offset() + off)
         return obj

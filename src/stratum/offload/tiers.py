@@ -317,6 +317,10 @@ class DiskStore:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stratum-disk")
         self.sizes: dict[str, int] = {}
         self.bounce_bytes = 0
+        self.bytes_read = 0
+        """Bytes read from and written to the store's files so far (what was asked for, not block padding)."""
+        self.bytes_written = 0
+        self._count = threading.Lock()  # reads and writes run on the store's threads and the caller's
         self._finalizer = weakref.finalize(self, DiskStore._cleanup, self.dir, self.pool)
         atexit.register(self._finalizer)
 
@@ -377,6 +381,8 @@ class DiskStore:
         if got != n:
             raise StratumError(f"offload file {self._path(key)} is truncated ({got} of {n} bytes at byte {at}); "
                                "the disk run is corrupt")
+        with self._count:
+            self.bytes_read += n
         return into
 
     def write_range(self, key: str, offset: int, src: torch.Tensor) -> None:
@@ -398,6 +404,8 @@ class DiskStore:
                 os.close(fd)
         except OSError as e:
             raise self._write_error(key, e) from None
+        with self._count:
+            self.bytes_written += n
 
     def _bounce(self, at: int, n: int) -> tuple[int, Tensor]:
         lo = at // ALIGN * ALIGN

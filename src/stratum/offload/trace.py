@@ -13,6 +13,8 @@ class AccessTrace:
     def __init__(self):
         self.recorded: list[tuple[int, ...]] | None = None
         self._recording: list[tuple[int, ...]] = []
+        self.wants_grads: list[bool] = []
+        """Per recorded access: whether it wants the chunks' gradients (a backward's or an update's)."""
         self.pos = 0
         self.diverged = False
 
@@ -24,11 +26,14 @@ class AccessTrace:
     def begin_step(self) -> None:
         self.pos = 0
         self._recording = []
+        if self.recorded is None:
+            self.wants_grads = []
 
-    def access(self, chunks: tuple[int, ...]) -> None:
-        """Record (first step) or check (later steps) one access."""
+    def access(self, chunks: tuple[int, ...], grads: bool = False) -> None:
+        """Record (first step) or check (later steps) one access; ``grads``: it wants the gradients."""
         if self.recorded is None:
             self._recording.append(chunks)
+            self.wants_grads.append(grads)
             return
         if self.diverged:
             return

@@ -154,6 +154,10 @@ class Updates:
         c.grad = None
         c.stale_home = False
         held, c.held = c.held, None
+        if src is not None and c.hp is not None:  # the new parameters go home from the slot
+            self.bytes_d2h += c.cap * F32
+        elif src is None and c.pinned and held is None:  # the device copy of a pinned chunk is refreshed
+            self.bytes_h2d += c.cap * F32
 
         def task():
             if spill is not None:
@@ -259,7 +263,7 @@ class Updates:
             self._update_params(coef)
         elif self._deferred and self.plan.optimizer_tier == DEVICE:
             for c in self.chunks:
-                self._access((c.i,))
+                self._access((c.i,), grads=True)
                 self._update_device([c], coef)
         elif self._deferred:
             together = []  # run here and now (a CPU): every held-gradient chunk in one fused call per class

@@ -74,5 +74,16 @@ class Engine(abc.ABC):
         """Byte counters worth logging (e.g. ``peak_device_bytes``); empty if the engine has none."""
         return {}
 
+    def step_io(self) -> dict[str, float]:
+        """What the last step moved between memory tiers, for the metrics log: ``moved_h2d_bytes``,
+        ``moved_d2h_bytes``, ``moved_disk_read_bytes``, ``moved_disk_write_bytes`` and ``wait_s`` (seconds the
+        step waited for data); empty for an engine that keeps its state in one place."""
+        return {}
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        """Seconds per step the engine's plan predicts, where it has one."""
+        return None
+
     def close(self) -> None:
         """Release threads, files and process groups."""

@@ -171,7 +171,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
             tokens = cfg.tokens_per_step
             rec = {"step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens": tokens,
                    "step_s": dt, "tokens_per_s": tokens / dt, "tflops": flops_per_token * tokens / dt / 1e12,
-                   **engine.memory_stats()}
+                   **engine.memory_stats(), **engine.step_io()}
             done = step + 1
             if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
                 if cfg.data.val_fraction > 0:
@@ -203,10 +203,24 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
         "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
         "wall_s": wall, "checkpoint": str(last_ckpt) if last_ckpt else None, "out_dir": str(out_dir),
     }
+    summary.update(_io_summary(recs, engine.predicted_step_s))
     if main:
         atomic_write_json(out_dir / "summary.json", summary)
         _print_summary(console, summary)
     return summary
+
+
+def _io_summary(recs: list[dict], predicted_step_s: float | None) -> dict:
+    """Medians of the per-step data movement (engines that report it) and, where the engine has a plan, of the
+    step time beside the plan's prediction (``median`` leaves out the first step, which records the offload
+    engine's access sequence without prefetch)."""
+    keys = [k for k in ("moved_h2d_bytes", "moved_d2h_bytes", "moved_disk_read_bytes", "moved_disk_write_bytes",
+                        "wait_s") if any(k in r for r in recs)]
+    out = {f"median_{k}": median(recs, k) for k in keys}
+    if predicted_step_s is not None:
+        out["predicted_step_s"] = predicted_step_s
+        out["median_step_s"] = median(recs, "step_s")
+    return out
 
 
 def _print_summary(console: Console, s: dict) -> None:
@@ -219,6 +233,14 @@ def _print_summary(console: Console, s: dict) -> None:
         f"{fmt(s['final_eval_loss'], '.4f')}; median {fmt(s['median_tokens_per_s'], ',.0f')} tokens/s, "
         f"{fmt(s['median_tflops'], '.3f')} TFLOP/s; peak memory {s['peak_device_bytes'] / 2**20:,.0f} MiB"
     )
+    if "median_moved_h2d_bytes" in s:
+        mib = {k: s[f"median_moved_{k}_bytes"] / 2**20 for k in ("h2d", "d2h", "disk_read", "disk_write")}
+        console.print(f"moved per step (median): host→device {mib['h2d']:,.1f} MiB, device→host {mib['d2h']:,.1f} MiB, "
+                      f"disk read {mib['disk_read']:,.1f} MiB, disk write {mib['disk_write']:,.1f} MiB; waiting for "
+                      f"data {s['median_wait_s'] * 1e3:.1f} ms")
+    if "predicted_step_s" in s:
+        console.print(f"step time: {fmt(s['median_step_s'], '.3f')} s measured (median), {s['predicted_step_s']:.3f} s "
+                      "predicted by the plan")
     console.print(f"metrics: {s['out_dir']}/metrics.jsonl  checkpoint: {s['checkpoint']}")
 
 
