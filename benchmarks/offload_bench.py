@@ -139,7 +139,8 @@ def _worker(args) -> dict:
     if args.engine == "offload":
         extra += [f"offload.device_budget={args.device_budget!r}", f"offload.host_budget={args.host_budget!r}",
                   f"offload.disk_dir={args.disk_dir!r}"]
-    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + ["train.seed=0", f"optim.grad_clip={args.grad_clip}"])
+    cfg = _cfg(args.preset, args.micro_batch, args.seq_len,
+               extra + ["train.seed=0", f"optim.grad_clip={args.grad_clip}", *args.set])
     batches, vocab = _batches(cfg, args.steps)
     t0 = time.perf_counter()
     # the offload engine builds the model block by block, as the trainer does
@@ -258,7 +259,7 @@ def main() -> None:
                          "see the module doc)")
     ap.add_argument("--device", default="cpu", help="overhead/offload: the device both engines train on (cuda: a GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="overhead/offload: a config override for both engines, e.g. train.precision='bf16'")
+                    help="a config override for both engines (overhead, offload, worker), e.g. train.precision='bf16'")
     args = ap.parse_args()
     if args.mode == "worker":
         _worker(args)

@@ -166,7 +166,7 @@ def test_thin_activations_match_and_hold_fewer_activations(mode, source, shared_
     assert p.activations == mode and p.act_bytes < p_keep.act_bytes
     eng = _engine(m, p)
     try:
-        got = run(eng, 5)
+        got = _run_checking_traffic(eng, 5)
         assert_same([r.loss for r in got], [r.loss for r in ref[:5]])
         assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:5]])
         assert eng.peak_act < p_keep.act_bytes
@@ -200,7 +200,7 @@ def test_the_last_blocks_keep_their_activations_on_the_device(source, shared_tmp
         begin(i)
     eng.spill.begin_block = note
     try:
-        got = run(eng, 5)
+        got = _run_checking_traffic(eng, 5)
         assert_same([r.loss for r in got], [r.loss for r in ref[:5]])
         assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:5]])
         assert set(spilled) == set(range(L - 2))
@@ -487,7 +487,7 @@ def test_partial_spill_recomputes_what_the_host_budget_cannot_hold(source, share
     assert "recompute for the rest" in p.describe()
     eng = _engine(m, p)
     try:
-        got = run(eng, 4)
+        got = _run_checking_traffic(eng, 4)
         assert_same([r.loss for r in got], [r.loss for r in ref[:4]])
         measured = eng.measured_peaks()
         assert measured[HOST] <= host
@@ -512,7 +512,7 @@ def test_activations_spill_to_disk_what_the_host_budget_cannot_hold(source, shar
     assert f"to disk for {len(p.disk_spill_blocks)}" in p.describe()
     eng = _engine(m, p)
     try:
-        got = run(eng, 4)
+        got = _run_checking_traffic(eng, 4)
         assert_same([r.loss for r in got], [r.loss for r in ref[:4]])
         assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref[:4]], rel=1e-6)
         measured = eng.measured_peaks()
