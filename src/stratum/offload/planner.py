@@ -286,8 +286,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         tied = {c.index for c in chunks if c.tied}
         seq = [tuple(c for c in cs if c not in tied) for cs in acc.seq]
         # A host/disk update outside the slot leaves the device copy stale: such chunks start a step not resident
-        # (counted as resident, OPT kept the first ones from the last backward: 4 fetches a step fewer than the
-        # engine made for GPT small at 25 %). Gradients held in slots make round trips between micro-batches.
+        # (the model used to keep the last backward's chunks for the next forward: 30 fetches a step predicted for
+        # GPT small at 25 %, 34 made). Gradients held in slots make round trips between micro-batches.
         stale = frozenset(c.index for c in stream) if opt != DEVICE and not in_slot else frozenset(deferred_chunks)
         slot_grads = not grads_to_host(opt, ptier, async_copies)
         sim = simulate_step(seq, slots, wants=acc.wants if slot_grads else None, consumed=acc.consumed,

@@ -81,7 +81,8 @@ class Residency:
     def _fetch(self, c: ChunkState, slot_id: int, grads: bool) -> None:
         """Copy ``c`` into slot ``slot_id``, with its gradient so far when ``grads`` (the access that wants it
         is a backward's, which adds to it). A forward's fetch leaves the gradient home: it would only be copied
-        back out at the eviction (with two micro-batches GPT test plans moved 1.5× the bytes that way)."""
+        back out at the eviction (GPT small, parameters on disk, 4 micro-batches: 553 MiB of chunk copies a
+        step that way, 484 MiB now)."""
         c.slot_id = slot_id
         c.slot = self.slots[slot_id]
         self.resident.add(c.i)
