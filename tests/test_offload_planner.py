@@ -111,6 +111,29 @@ def test_stratum_plan_refuses_an_impossible_budget(make_cfg, capsys):
     assert err.count("\n") == 0 and "smallest offload.device_budget" in err
 
 
+def test_stratum_plan_sweep_prints_a_row_per_device_budget(make_cfg, capsys):
+    """One profile, one row per budget: a budget too small says so (and what would fit) instead of failing the
+    command; more budget never predicts a slower step."""
+    assert main(["plan", *_cli(make_cfg), "--sweep", "20kB,50%,100%,1000%"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.strip().startswith("device budget"))
+    rows = out[head + 1:]
+    assert len(rows) == 4
+    assert "does not fit" in rows[0] and "smallest offload.device_budget" in rows[0]
+    steps = [float(r.split()[-1]) for r in rows[1:]]
+    assert steps == sorted(steps, reverse=True)
+    assert rows[-1].split(")")[1].split()[0] == "device"  # 10x the training state: parameters on the device
+
+
+@pytest.mark.parametrize("args, match", [(["--sweep", "abc%"], "not a percentage"),
+                                         (["--sweep", "2GBx"], "is not a size"),
+                                         (["--sweep", "--json", "p.json"], "--json writes one plan")])
+def test_stratum_plan_sweep_refuses_bad_budgets_in_one_line(make_cfg, capsys, args, match):
+    assert main(["plan", *_cli(make_cfg), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and match in err
+
+
 def test_unwritable_disk_dir_is_refused_before_training(make_cfg, tmp_path, capsys):
     f = tmp_path / "a-file"
     f.write_text("x")

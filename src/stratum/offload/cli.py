@@ -1,11 +1,14 @@
 """``stratum plan``: the offload engine's plan for a config, without training.
 
     stratum plan --set model.preset=gpt2-774m --set offload.device_budget=1GB --set offload.host_budget=1GB
+    stratum plan --set model.preset=gpt2-774m --sweep 10%,25%,50%,2GB   # one row per device budget
 
 Builds the model on the meta device (no memory), profiles it one block at a time (or reads ``--profile``),
 measures the bandwidths, searches the placements and prints the chosen one: chunk size, device-resident chunks,
 optimizer placement, prefetch depth, per-tier predicted peak bytes and traffic per step, predicted step time.
-An infeasible budget is a one-line error naming the smallest budget that works.
+An infeasible budget is a one-line error naming the smallest budget that works. ``--sweep`` plans several device
+budgets (sizes, or percentages of the training state) from one profile and prints one row each — placement,
+predicted peaks, traffic and step time — to choose a budget by; a budget that cannot fit gets a row saying so.
 """
 
 from __future__ import annotations
@@ -22,14 +25,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="override one config field (repeatable), e.g. --set offload.device_budget=2GB")
     p.add_argument("--profile", metavar="FILE.json", help="use this `stratum profile` output instead of profiling")
     p.add_argument("--json", dest="json_out", metavar="FILE.json", help="also write the plan as JSON")
+    p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="BUDGETS",
+                   help="plan these device budgets instead (comma-separated sizes or percentages of the training "
+                        f"state; default {DEFAULT_SWEEP}) and print one row each")
     return p
 
 
-def plan_from_config(cfg, profile_path: str | None = None):
+DEFAULT_SWEEP = "10%,25%,50%,100%"
+
+
+def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
+    """``"10%,2GB"`` → [(label, device budget bytes)]: a percentage is of ``state_bytes`` (the training state)."""
+    from stratum.offload.units import parse_bytes
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if item.endswith("%"):
+            try:
+                pct = float(item[:-1])
+            except ValueError:
+                pct = -1.0
+            if not 0 < pct <= 1000:
+                raise StratumError(f"--sweep: {item!r} is not a percentage of the training state in (0, 1000]; "
+                                   f"give e.g. {DEFAULT_SWEEP}")
+            out.append((item, int(state_bytes * pct / 100)))
+        else:
+            out.append((item, parse_bytes(item, "--sweep")))
+    if not out:
+        raise StratumError(f"--sweep needs at least one budget, e.g. {DEFAULT_SWEEP}")
+    return out
+
+
+def plan_from_config(cfg, profile_path: str | None = None, *, inputs_only: bool = False):
     from stratum.data.corpus import resolve_corpus
     from stratum.data.prepare import make_tokenizer
     from stratum.model.build import build_model
-    from stratum.offload.setup import plan_for
+    from stratum.offload.setup import plan_for, plan_inputs
     from stratum.profile import Profile
     from stratum.runtime.device import resolve_device
 
@@ -44,7 +74,37 @@ def plan_from_config(cfg, profile_path: str | None = None):
                                "re-run `stratum profile` with this config")
     else:
         prof = None  # measured by plan_for: each distinct block once
+    if inputs_only:
+        return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
     return plan_for(cfg, model, device, profile=prof, always_profile=True), model
+
+
+def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]]) -> list:
+    """Plan each device budget with the same profile and bandwidths; print a row per budget. Returns the plans
+    (None where the budget cannot fit)."""
+    from stratum.offload.planner import make_plan
+    from stratum.offload.units import fmt_bytes
+
+    head = (f"{'device budget':>18} {'params':>6} {'optim':>6} {'slots':>5} {'activations':>11} {'peak device':>12} "
+            f"{'peak host':>11} {'disk':>10} {'h2d/step':>10} {'d2h/step':>10} {'disk r+w':>10} {'step (s)':>9}")
+    print(head)
+    plans = []
+    for label, b in budgets:
+        name = f"{label} ({fmt_bytes(b)})" if label != fmt_bytes(b) else label
+        try:
+            p = make_plan(model, **{**inputs, "device_budget": b})
+        except StratumError as e:
+            plans.append(None)
+            print(f"{name:>18} does not fit: {str(e).split('; ')[-1]}")
+            continue
+        plans.append(p)
+        tr, pk = p.predicted_traffic, p.predicted_peak
+        slots = "all" if p.param_tier == "device" else str(p.resident_chunks)
+        print(f"{name:>18} {p.param_tier:>6} {p.optimizer_tier:>6} {slots:>5} {p.activations:>11} "
+              f"{fmt_bytes(pk['device']):>12} {fmt_bytes(pk['host']):>11} {fmt_bytes(pk['disk']):>10} "
+              f"{fmt_bytes(tr['h2d']):>10} {fmt_bytes(tr['d2h']):>10} "
+              f"{fmt_bytes(tr['disk_read'] + tr['disk_write']):>10} {p.predicted_step_s:>9.3f}")
+    return plans
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,11 +112,21 @@ def run(args: argparse.Namespace) -> int:
     from stratum.offload.units import fmt_bytes
 
     cfg = load_config(args.config, args.overrides)
-    plan, model = plan_from_config(cfg, args.profile)
+    if args.sweep is not None:
+        if args.json_out:
+            raise StratumError("--json writes one plan; leave it out with --sweep")
+        sweep_budgets(args.sweep, 1)  # bad input is refused before the model is profiled
+    result, model = plan_from_config(cfg, args.profile, inputs_only=args.sweep is not None)
     n = model.num_params()
     print(f"model {model.info.name}: {n:,} parameters; training state (params + grads + AdamW) "
           f"{fmt_bytes(16 * n)}; micro-batch {cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, "
           f"{cfg.train.grad_accum} per step")
+    if args.sweep is not None:
+        budgets = sweep_budgets(args.sweep, 16 * n)
+        print(f"host budget {fmt_bytes(result['host_budget'])} in every row (offload.host_budget)")
+        print_sweep(model, result, budgets)
+        return 0
+    plan = result
     print(plan.describe())
     if args.json_out:
         from stratum.atomic import atomic_write_json

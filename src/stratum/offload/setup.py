@@ -67,6 +67,13 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
 
 def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Plan:
     """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given."""
+    return make_plan(model, **plan_inputs(cfg, model, device, profile=profile, always_profile=always_profile))
+
+
+def plan_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None,
+                always_profile=False) -> dict:
+    """``make_plan``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
+    profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
     from stratum.offload.host_alloc import tune_allocator
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
@@ -78,9 +85,8 @@ def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None
     if profile is None and (always_profile or dev_b is not None or host_b is not None):
         profile = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)
-    return make_plan(model, device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk),
-                     bandwidths=bw, profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip,
-                     **kw)
+    return dict(device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk), bandwidths=bw,
+                profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, **kw)
 
 
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
