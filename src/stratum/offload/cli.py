@@ -55,11 +55,13 @@ def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     return out
 
 
-def plan_from_config(cfg, profile_path: str | None = None, *, inputs_only: bool = False):
+def planning_inputs(cfg, profile_path: str | None = None):
+    """(``make_plan``'s keyword arguments for ``cfg``, the model on the meta device): the model profiled block by
+    block (or ``profile_path`` read) and the bandwidths measured once."""
     from stratum.data.corpus import resolve_corpus
     from stratum.data.prepare import make_tokenizer
     from stratum.model.build import build_model
-    from stratum.offload.setup import plan_for, plan_inputs
+    from stratum.offload.setup import plan_inputs
     from stratum.profile import Profile
     from stratum.runtime.device import resolve_device
 
@@ -73,42 +75,38 @@ def plan_from_config(cfg, profile_path: str | None = None, *, inputs_only: bool 
             raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
                                "re-run `stratum profile` with this config")
     else:
-        prof = None  # measured by plan_for: each distinct block once
-    if inputs_only:
-        return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
-    return plan_for(cfg, model, device, profile=prof, always_profile=True), model
+        prof = None  # measured by plan_inputs: each distinct block once
+    return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
 
 
-def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]]) -> list:
-    """Plan each device budget with the same profile and bandwidths; print a row per budget. Returns the plans
-    (None where the budget cannot fit)."""
+def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]]) -> None:
+    """Plan each device budget with the same profile and bandwidths (``inputs``: ``planning_inputs``); print a row
+    per budget."""
     from stratum.offload.planner import make_plan
+    from stratum.offload.tiers import DEVICE
     from stratum.offload.units import fmt_bytes
 
     head = (f"{'device budget':>18} {'params':>6} {'optim':>6} {'slots':>5} {'activations':>11} {'peak device':>12} "
             f"{'peak host':>11} {'disk':>10} {'h2d/step':>10} {'d2h/step':>10} {'disk r+w':>10} {'step (s)':>9}")
     print(head)
-    plans = []
     for label, b in budgets:
         name = f"{label} ({fmt_bytes(b)})" if label != fmt_bytes(b) else label
         try:
             p = make_plan(model, **{**inputs, "device_budget": b})
         except StratumError as e:
-            plans.append(None)
             print(f"{name:>18} does not fit: {str(e).split('; ')[-1]}")
             continue
-        plans.append(p)
         tr, pk = p.predicted_traffic, p.predicted_peak
-        slots = "all" if p.param_tier == "device" else str(p.resident_chunks)
+        slots = "all" if p.param_tier == DEVICE else str(p.resident_chunks)
         print(f"{name:>18} {p.param_tier:>6} {p.optimizer_tier:>6} {slots:>5} {p.activations:>11} "
               f"{fmt_bytes(pk['device']):>12} {fmt_bytes(pk['host']):>11} {fmt_bytes(pk['disk']):>10} "
               f"{fmt_bytes(tr['h2d']):>10} {fmt_bytes(tr['d2h']):>10} "
               f"{fmt_bytes(tr['disk_read'] + tr['disk_write']):>10} {p.predicted_step_s:>9.3f}")
-    return plans
 
 
 def run(args: argparse.Namespace) -> int:
     from stratum.config import load_config
+    from stratum.offload.planner import make_plan
     from stratum.offload.units import fmt_bytes
 
     cfg = load_config(args.config, args.overrides)
@@ -116,17 +114,17 @@ def run(args: argparse.Namespace) -> int:
         if args.json_out:
             raise StratumError("--json writes one plan; leave it out with --sweep")
         sweep_budgets(args.sweep, 1)  # bad input is refused before the model is profiled
-    result, model = plan_from_config(cfg, args.profile, inputs_only=args.sweep is not None)
+    inputs, model = planning_inputs(cfg, args.profile)
     n = model.num_params()
     print(f"model {model.info.name}: {n:,} parameters; training state (params + grads + AdamW) "
           f"{fmt_bytes(16 * n)}; micro-batch {cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, "
           f"{cfg.train.grad_accum} per step")
     if args.sweep is not None:
         budgets = sweep_budgets(args.sweep, 16 * n)
-        print(f"host budget {fmt_bytes(result['host_budget'])} in every row (offload.host_budget)")
-        print_sweep(model, result, budgets)
+        print(f"host budget {fmt_bytes(inputs['host_budget'])} in every row (offload.host_budget)")
+        print_sweep(model, inputs, budgets)
         return 0
-    plan = result
+    plan = make_plan(model, **inputs)
     print(plan.describe())
     if args.json_out:
         from stratum.atomic import atomic_write_json
