@@ -122,7 +122,17 @@ def test_stratum_plan_sweep_prints_a_row_per_device_budget(make_cfg, capsys):
     assert "does not fit" in rows[0] and "smallest offload.device_budget" in rows[0]
     steps = [float(r.split()[-1]) for r in rows[1:]]
     assert steps == sorted(steps, reverse=True)
-    assert rows[-1].split(")")[1].split()[0] == "device"  # 10x the training state: parameters on the device
+
+
+def test_near_equal_predictions_are_a_tie_won_by_less_traffic():
+    """Within TIE of the fastest prediction, the tie-break key (traffic first) decides; beyond it, speed does;
+    near-ties are judged against the fastest, so a chain of them cannot drift to a slow plan."""
+    from stratum.offload.planner import TIE, choose
+    fast, close, slow = 1.0, 1.0 + TIE / 2, 1.0 + 2 * TIE
+    assert choose([(fast, (100,), "disk"), (close, (0,), "device")]) == "device"
+    assert choose([(fast, (100,), "disk"), (slow, (0,), "device")]) == "disk"
+    chain = [(fast, (3,), "a"), (close, (2,), "b"), (close + TIE / 2 + 1e-9, (1,), "c")]  # c is not within TIE of a
+    assert choose(chain) == "b"
 
 
 @pytest.mark.parametrize("args, match", [(["--sweep", "abc%"], "not a percentage"),

@@ -3,10 +3,11 @@
 A bounded, exhaustive search over a small candidate grid (at most a few thousand cheap evaluations, never a
 loop that can fail to end): for every candidate the device/host/disk peak bytes are computed exactly as the
 engine allocates them, the transfers per step follow from simulating OPT eviction on the step's access
-sequence, and the step time from the profile's block times and the bandwidths measured at start-up. The
-fastest candidate that fits all budgets wins (ties: fewer device bytes). If none fits, the error names the
-smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the plan then says
-so); until then it goes on through the finite grid.
+sequence, and the step time from the profile's block times and the bandwidths measured at start-up. Of the
+candidates that fit all budgets, those predicted within TIE of the fastest count as equally fast (the model is
+not more precise than that), and the one moving the fewest bytes on the fastest tiers wins. If none fits, the
+error names the smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the
+plan then says so); until then it goes on through the finite grid.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ ACTIVATIONS = (KEEP, SPILL, RECOMPUTE)
 """What happens to a block's saved activations between its forward and backward: kept on the device, spilled to
 the host tier and copied back (activations.py), or dropped and recomputed from the block's input."""
 SEARCH_SECONDS = 5.0
+TIE = 0.01
+"""Predicted step times within this fraction of the fastest are a tie, decided by traffic, then tiers: a step
+predicted a microsecond faster with the parameters on disk must not beat one with everything on the device
+(seen for a 2 ms step under a budget of ten times the training state)."""
 
 
 @dataclass(kw_only=True)
@@ -472,6 +477,13 @@ def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
     return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
 
 
+def choose(fits: list[tuple[float, tuple, Plan]]):
+    """The plan of ``fits`` (predicted step seconds, tie-break key, plan): of those within TIE of the fastest, the
+    one with the smallest key. Comparing with the fastest, not pairwise, so a chain of near-ties cannot drift."""
+    fastest = min(step for step, _, _ in fits)
+    return min((f for f in fits if f[0] <= fastest * (1 + TIE)), key=lambda f: f[1])[2]
+
+
 def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
               bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
               chunk_elems: int | None = None, resident_chunks: int | None = None,
@@ -487,7 +499,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
     recs = [activations] if activations is not None else list(ACTIVATIONS)
-    best = None
+    fits: list[tuple[float, tuple, Plan]] = []  # (predicted step, tie-break key, plan) of every plan that fits
     tried = 0
     cut = False
     smallest = {DEVICE: None, HOST: None}
@@ -523,7 +535,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                 continue
                             # the bound applies once a plan fits (the grid is finite: the search ends anyway);
                             # cut before that, a model would be refused a budget that fits
-                            if best is not None and time.perf_counter() - t0 > SEARCH_SECONDS:
+                            if fits and time.perf_counter() - t0 > SEARCH_SECONDS:
                                 cut = True
                                 break
                             tried += 1
@@ -542,30 +554,28 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             if not (host_ok and dev_ok and disk_ok):
                                 continue
                             here = min(here, step)
-                            # equal predictions: deeper prefetch (fetches ahead cost no memory: the slots are the
-                            # plan's; depth 4 against 2 measured 1-2 % faster on a CPU where both predict full overlap)
-                            key = (round(step, 6), sum(tr.values()), TIERS.index(ptier), TIERS.index(opt),
-                                   peak[DISK], peak[HOST], peak[DEVICE], -C, -k)
-                            if best is None or key < best[0]:
-                                best = (key, Plan(chunk_elems=layout.chunk_elems,
-                                                  resident_chunks=R if ptier != DEVICE else n_stream,
-                                                  optimizer_tier=opt, param_tier=ptier, prefetch_depth=k,
-                                                  activations=rc, device_budget=device_budget,
-                                                  spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
-                                                  disk_spill_blocks=tuple(sorted(disk_set - kept)),
-                                                  kept_blocks=tuple(sorted(kept)),
-                                                  recomputes_some=spill_set is not None and bool(
-                                                      frozenset(range(len(seq))) - spill_set - kept),
-                                                  deferred_chunks=tuple(sorted(late)),
-                                                  host_budget=host_budget, n_chunks=len(layout.chunks),
-                                                  act_bytes=act, predicted_peak=peak, predicted_traffic=tr,
-                                                  predicted_step_s=step, compute_s=comp))
+                            # ties (TIE): less traffic, faster tiers, then deeper prefetch (fetches ahead cost no
+                            # memory: the slots are the plan's; depth 4 against 2 measured 1-2 % faster on a CPU
+                            # where both predict full overlap)
+                            key = (sum(tr.values()), TIERS.index(ptier), TIERS.index(opt), peak[DISK], peak[HOST],
+                                   peak[DEVICE], -C, -k, step)
+                            fits.append((step, key, Plan(
+                                chunk_elems=layout.chunk_elems, resident_chunks=R if ptier != DEVICE else n_stream,
+                                optimizer_tier=opt, param_tier=ptier, prefetch_depth=k, activations=rc,
+                                device_budget=device_budget,
+                                spill_blocks=None if spill_set is None else tuple(sorted(spill_set)),
+                                disk_spill_blocks=tuple(sorted(disk_set - kept)), kept_blocks=tuple(sorted(kept)),
+                                recomputes_some=spill_set is not None and bool(
+                                    frozenset(range(len(seq))) - spill_set - kept),
+                                deferred_chunks=tuple(sorted(late)), host_budget=host_budget,
+                                n_chunks=len(layout.chunks), act_bytes=act, predicted_peak=peak,
+                                predicted_traffic=tr, predicted_step_s=step, compute_s=comp)))
                         # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps
                         # the search within its time bound; GPT-2 774M has 36 candidate suffixes' worth of blocks)
                         if before is not None and here >= before:
                             break
                         before = here
-    if best is None:
+    if not fits:
         parts = []
         if smallest[DEVICE] is not None:
             parts.append(f"the smallest offload.device_budget that works with this host budget is "
@@ -579,7 +589,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
         raise StratumError(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
                            f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); "
                            + "; ".join(parts))
-    plan = best[1]
+    plan = choose(fits)
     plan.candidates = tried
     plan.search_cut = cut
     if bandwidths is not None:
