@@ -36,7 +36,6 @@ class Residency:
             self._gtarget[id(e.param)] = c.g()[e.offset:e.offset + e.numel].view(e.shape)
         self._ptr2chunk[c.slot.untyped_storage().data_ptr()] = c
 
-
     def _placeholder(self, shape) -> Tensor:
         """What an evicted parameter points at: its shape (so numel and flop counts stay right), no memory."""
         if not hasattr(self, "_zero"):
@@ -49,7 +48,6 @@ class Residency:
             e.param.data = self._placeholder(e.shape)
             e.param.grad = None
             self._gtarget.pop(id(e.param), None)
-
 
     # ---- moving chunks ------------------------------------------------------------------------------------------
     def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:

@@ -46,7 +46,6 @@ class Updates:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
         return self._grads_home and not c.pinned
 
-
     # ---- optimizer ------------------------------------------------------------------------------------------
     def _norms(self, chunks: list[ChunkState]) -> None:
         views, names = [], []
@@ -241,7 +240,6 @@ class Updates:
         for c in self.chunks:
             c.opt_fut = None
         self.xfer.submit(lambda: None).result()
-
 
     def _update_after_backward(self) -> Tensor:
         """After the last micro-batch's backward: the global gradient norm (returned, a 0-d tensor) from the

@@ -235,9 +235,9 @@ def _print_summary(console: Console, s: dict) -> None:
     )
     if "median_moved_h2d_bytes" in s:
         mib = {k: s[f"median_moved_{k}_bytes"] / 2**20 for k in ("h2d", "d2h", "disk_read", "disk_write")}
-        console.print(f"moved per step (median): host→device {mib['h2d']:,.1f} MiB, device→host {mib['d2h']:,.1f} MiB, "
-                      f"disk read {mib['disk_read']:,.1f} MiB, disk write {mib['disk_write']:,.1f} MiB; waiting for "
-                      f"data {s['median_wait_s'] * 1e3:.1f} ms")
+        console.print(f"moved per step (median): host→device {mib['h2d']:,.1f} MiB, device→host "
+                      f"{mib['d2h']:,.1f} MiB, disk read {mib['disk_read']:,.1f} MiB, disk write "
+                      f"{mib['disk_write']:,.1f} MiB; waiting for data {s['median_wait_s'] * 1e3:.1f} ms")
     if "predicted_step_s" in s:
         console.print(f"step time: {fmt(s['median_step_s'], '.3f')} s measured (median), {s['predicted_step_s']:.3f} s "
                       "predicted by the plan")
