@@ -286,6 +286,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         if copy and link in ("h2d", "d2h"):
             memcpy[in_backward] += nbytes
     direct = ptier != DISK  # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O)
+    slot_grads = not grads_to_host(opt, ptier, async_copies)  # else autograd's gradients are handed to the host
     if n_stream and slots > 0:
         acc = access_sequence(layout, n_micro, deferred, opt)
         tied = {c.index for c in chunks if c.tied}
@@ -294,7 +295,6 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         # (the model used to keep the last backward's chunks for the next forward: 30 fetches a step predicted for
         # GPT small at 25 %, 34 made). Gradients held in slots make round trips between micro-batches.
         stale = frozenset(c.index for c in stream) if opt != DEVICE and not in_slot else frozenset(deferred_chunks)
-        slot_grads = not grads_to_host(opt, ptier, async_copies)
         sim = simulate_step(seq, slots, wants=acc.wants if slot_grads else None, consumed=acc.consumed,
                             stale=stale)
         fetches = sim.fetches
@@ -320,7 +320,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         n_home = late if in_slot else n_stream  # chunks whose gradient goes home for a later update
         if in_slot:  # the updated parameters go home
             add("d2h" if ptier == HOST else "disk_write", (n_stream - late) * C * F32, True)
-        if n_home and not grads_to_host(opt, ptier, async_copies):  # gradients to the host (else: handed over)
+        if n_home and slot_grads:  # gradients to the host (else: handed over)
             add("d2h", n_home * C * F32, True, direct)
             if ptier == DISK:
                 add("disk_write", n_home * C * F32, True)  # gradients out
