@@ -363,6 +363,35 @@ def test_eval_loss_matches_plain(shared_tmp):
     eng.close()
 
 
+def test_updates_left_to_the_next_fetch_reach_eval_checkpoints_and_loads(shared_tmp):
+    """Parameters on disk, clipping: a chunk's update after the backward runs in the fetch that next brings it
+    back (ChunkState.pending). An evaluation in between fetches, so it updates them; a checkpoint runs the ones
+    still waiting first; a load replaces them. Each matches the plain engine."""
+    prof, _ = _reference("gpt", shared_tmp)
+    m = build("gpt", shared_tmp)
+    S = state_bytes(m)
+    p = plan(m, prof, device_budget=S // 4, host_budget=S // 10, optimizer_tier=DISK)
+    assert p.param_tier == DISK
+    eng, ref = _engine(m, p), plain(build("gpt", shared_tmp))
+    try:
+        assert_same([r.loss for r in run(eng, 3)], [r.loss for r in run(ref, 3)])
+        assert any(c.pending is not None for c in eng.chunks)
+        assert eng.eval_loss(batches(99, 2)) == ref.eval_loss(batches(99, 2))
+        assert_same([r.loss for r in run(eng, 1, start=3)], [r.loss for r in run(ref, 1, start=3)])
+        saved, want = eng.state(), ref.state()
+        assert all(c.pending is None for c in eng.chunks)
+        names = list(want.params)
+        assert_same_tensor(torch.cat([saved.params[n].reshape(-1) for n in names]),
+                           torch.cat([want.params[n].reshape(-1) for n in names]), "parameters", rel=10 * REL)
+        cont = [r.loss for r in run(ref, 2, start=4)]
+        assert_same([r.loss for r in run(eng, 2, start=4)], cont)
+        assert any(c.pending is not None for c in eng.chunks)
+        eng.load_state(saved)
+        assert_same([r.loss for r in run(eng, 2, start=4)], cont)
+    finally:
+        eng.close()
+
+
 def test_disk_files_live_under_disk_dir_and_are_removed(shared_tmp, tmp_path):
     prof, _ = _reference("gpt", shared_tmp)
     m = build("gpt", shared_tmp)
@@ -568,27 +597,38 @@ def test_a_lazily_built_sequential_model_trains_like_the_eager_one():
         eng.close()
 
 
-@pytest.mark.parametrize("optimizer_tier", [HOST, DISK])
-def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, shared_tmp):
+@pytest.mark.parametrize("optimizer_tier,param_tier", [(HOST, HOST), (DISK, HOST), (DISK, DISK)])
+def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, param_tier, shared_tmp):
     """Without clipping, the plan's deferred chunks send their gradients home and update beside the next
     forward (Plan.deferred_chunks); losses and the checkpoint equal the plain engine's, and a chunk fetched for
-    the forward waits for its update (else: the losses would differ)."""
+    the forward waits for its update (else: the losses would differ); the traffic is the plan's."""
     import dataclasses
 
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import _deferral_options
+    from stratum.offload.planner import Costs, _deferral_options, predict
+    if DEV.type != "cpu":
+        pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")
     prof, _ = _reference("gpt", shared_tmp)
     m = build("gpt", shared_tmp)
     S = state_bytes(m)
-    p = plan(m, prof, clip=0.0, device_budget=S // 4, optimizer_tier=optimizer_tier)
-    assert p.param_tier != DEVICE
-    late = _deferral_options(pack(m, p.chunk_elems), p.optimizer_tier, p.param_tier, False, None)[-1]
+    kw = {"host_budget": S // 10} if param_tier == DISK else {}
+    p = plan(m, prof, clip=0.0, device_budget=S // 4, optimizer_tier=optimizer_tier, **kw)
+    assert p.param_tier == param_tier
+    layout = pack(m, p.chunk_elems)
+    late = _deferral_options(layout, p.optimizer_tier, p.param_tier, False, None)[-1]
     assert late
-    p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)))
+    # the plan's own model of the traffic with these chunks deferred
+    _, traffic, *_ = predict(layout, R=p.resident_chunks, opt=p.optimizer_tier, ptier=p.param_tier,
+                             k=p.prefetch_depth, acts=p.activations, costs=Costs.from_profile(prof, len(m)), bw=None,
+                             n_micro=2, deferred=False, n_params=m.num_params(),
+                             spilled=None if p.spill_blocks is None else frozenset(p.spill_blocks),
+                             disk_spilled=frozenset(p.disk_spill_blocks), deferred_chunks=late,
+                             kept=frozenset(p.kept_blocks))
+    p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)), predicted_traffic=traffic)
     eng = _engine(m, p, clip=0.0)
     ref_engine = plain(build("gpt", shared_tmp), clip=0.0)
     try:
-        assert_same([r.loss for r in run(eng, 5)], [r.loss for r in run(ref_engine, 5)])
+        assert_same([r.loss for r in _run_checking_traffic(eng, 6)], [r.loss for r in run(ref_engine, 6)])
         assert eng.phase_s["update_pass"] > 0  # the deferred updates ran after the backward
         got, want = eng.state(), ref_engine.state()
         names = list(want.params)

@@ -122,11 +122,13 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         """Seconds of the training thread per phase, all steps (forward and backward include their waits for
         chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
         the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
-        beside the next step's forward)."""
+        beside the next step's forward; updates run by the next forward's fetches count in its forward)."""
         self._gtarget: dict[int, Tensor] = {}
         """id(parameter) → where its next gradient contribution goes (a view of its chunk's slot)."""
         self._fresh: set[int] = set()
         """id(parameter) whose target already holds a contribution this step (see _take_grad)."""
+        self._pending_after = None
+        """The last host update queued before the updates left to the next fetches (ChunkState.pending)."""
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
         self._grad_hooks = [] if self._all_on_device else [

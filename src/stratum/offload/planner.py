@@ -326,7 +326,9 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
                 add("disk_write", n_home * C * F32, True)  # gradients out
                 beside_bwd = not (deferred or late)
                 add("disk_write", n_home * C * F32, beside_bwd)  # updated parameters back
-                add("disk_read", 2 * n_home * C * F32, beside_bwd)  # parameters and gradients for the update
+                # gradients for the update, and parameters — except for a clipped update: it runs in the next
+                # forward's fetch of the chunk (ChunkState.pending), whose read is counted with the fetches
+                add("disk_read", (1 if deferred else 2) * n_home * C * F32, beside_bwd)
     if opt == DISK:
         moments = sum(8 * c.capacity for c in chunks)
         moments_late = moments if deferred else 8 * C * late

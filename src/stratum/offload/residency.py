@@ -90,6 +90,7 @@ class Residency:
             c.grad = "dev"
         opt_fut = c.opt_fut
         busy = self._slot_busy.pop(slot_id, None)
+        pending, c.pending = c.pending, None
         self.n_fetches += 1
         self.bytes_h2d += c.cap * F32 * (2 if load_grad else 1)
 
@@ -98,7 +99,10 @@ class Residency:
                 busy.result()
             if opt_fut is not None:
                 opt_fut.result()
-            self._read_home(c, "p", slot[:cap])
+            if pending is not None:  # its update after the last backward: reads the parameters, then updates
+                self._run_pending(c, pending, slot[:cap])
+            else:
+                self._read_home(c, "p", slot[:cap])
             if load_grad:
                 self._read_home(c, "g", slot[cap:])
         c.fut = self.xfer.submit(task)

@@ -36,7 +36,7 @@ class StateIO:
         return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
 
     def state(self) -> TrainState:
-        self.drain()
+        self._flush_pending()
         params, optim = {}, {}
         for c in self.chunks:
             flat = self._master_params(c)
@@ -56,6 +56,7 @@ class StateIO:
     def load_state(self, state: TrainState) -> None:
         self.drain()
         for c in self.chunks:
+            c.pending = None  # the loaded parameters and moments replace an update still waiting for a fetch
             flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))
             steps = [0.0] * len(c.spec.entries)
             for k, e in enumerate(c.spec.entries):

@@ -144,11 +144,12 @@ class Updates:
         adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
                      count_step=False)
 
-    def _submit_host_update(self, c: ChunkState, coef: Tensor | None, src: Tensor | None = None) -> None:
+    def _submit_host_update(self, c: ChunkState, coef: Tensor | None, src: Tensor | None = None,
+                            lr: float | None = None, spill=None) -> None:
         """Queue ``c``'s AdamW step on the optimizer thread; ``src`` = its CPU slot (parameters + gradients) to
         update in place instead of the home copies."""
-        spill = self._spill_futs.pop(c.i, None)
-        lr = self._lr
+        spill = self._spill_futs.pop(c.i, spill)
+        lr = self._lr if lr is None else lr
         prev = c.opt_fut
         c.grad = None
         c.stale_home = False
@@ -193,14 +194,18 @@ class Updates:
         self._adamw_params(items, coef, self._lr)
         self.tiers[HOST].release(held_bytes)
 
-    def _host_update(self, c: ChunkState, coef: Tensor | None, lr: float, src: Tensor | None = None) -> None:
+    def _host_update(self, c: ChunkState, coef: Tensor | None, lr: float, src: Tensor | None = None,
+                     into: Tensor | None = None) -> None:
+        """AdamW of ``c`` from its home copies (or its CPU slot ``src``); ``into``: a disk-home chunk's device
+        slot being fetched, which receives the new parameters too (on a CPU the update runs in it)."""
         n = c.cap
         st = self.staging
         on_disk = c.hp is None and not c.pinned
         if src is not None:
             p, g = src[:n], src[n:]
         elif on_disk:
-            p, g = st[0][:n], st[1][:n]
+            p = into if into is not None and into.device.type == "cpu" else st[0][:n]
+            g = st[1][:n]
             futs = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
             for f in futs:
                 f.result()
@@ -227,10 +232,43 @@ class Updates:
                 fm.result()
         if on_disk:
             self.disk.write(f"p{c.i}", p)
+            if into is not None and into.data_ptr() != p.data_ptr():  # a GPU slot: from the pinned staging
+                into.copy_(p, non_blocking=True)
+                torch.cuda.current_stream(into.device).synchronize()  # the staging is reused next
         elif src is not None and c.hp is not None:
             c.hp.copy_(p)
         if c.pinned and src is None:
             c.slot[:n].copy_(p)
+
+    # ---- updates run by the next fetch -----------------------------------------------------------------------------
+    def _update_at_fetch(self, c: ChunkState) -> bool:
+        """``c``'s clipped update waits for its next fetch (ChunkState.pending): its parameters live on disk,
+        where a separate update pass read them and the forward's fetch read them again (GPT-2 774M beyond RAM:
+        3.1 GB of a step's 18.7 GB of disk reads). Not a deferred chunk's without clipping: its update runs beside
+        the forward's first blocks, long before the fetch (run by the fetch, the forward waited for it)."""
+        return c.hp is None and not c.pinned and c.held is None
+
+    def _pend(self, c: ChunkState, coef: Tensor | None) -> None:
+        c.pending = (coef, self._lr, self._spill_futs.pop(c.i, None))
+        c.grad = None
+        c.stale_home = False  # the fetch that brings it back updates it first
+
+    def _run_pending(self, c: ChunkState, pending: tuple, into: Tensor) -> None:
+        """On the transfer thread: ``c``'s waiting update, whose new parameters land in ``into`` (its slot)."""
+        coef, lr, spill = pending
+        for f in (spill, self._pending_after):
+            if f is not None:
+                f.result()
+        self._host_update(c, coef, lr, into=into)
+
+    def _flush_pending(self) -> None:
+        """Run the updates waiting for a fetch now (before the parameters are read: a checkpoint)."""
+        for c in self.chunks:
+            if c.pending is not None:
+                coef, lr, spill = c.pending
+                c.pending = None
+                self._submit_host_update(c, coef, lr=lr, spill=spill)
+        self.drain()
 
     def drain(self) -> None:
         """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
@@ -268,6 +306,8 @@ class Updates:
             for c in self.chunks:
                 if self._updates_inline and c.held is not None and not self._in_slot(c):
                     together.append(c)
+                elif self._update_at_fetch(c):
+                    self._pend(c, coef)
                 else:
                     self._submit_host_update(c, coef, src=c.slot if self._in_slot(c) else None)
             if together:
@@ -277,6 +317,8 @@ class Updates:
             # moving their disk traffic out of the backward, where the disk is the bottleneck
             for i in self._defer:
                 self._submit_host_update(self.chunks[i], None)
+        # an update run by a fetch uses the staging buffers: after the host updates queued so far
+        self._pending_after = self._opt_futs[-1] if self._opt_futs else None
         self.phase_s["update"] += time.perf_counter() - t_upd
         if (self._deferred or self._defer) and self.plan.optimizer_tier != DEVICE:  # FIFO: runs after the last
 
