@@ -201,24 +201,35 @@ class Updates:
         n = c.cap
         st = self.staging
         on_disk = c.hp is None and not c.pinned
+        reads: list = []
         if src is not None:
             p, g = src[:n], src[n:]
         elif on_disk:
             p = into if into is not None and into.device.type == "cpu" else st[0][:n]
             g = st[1][:n]
-            futs = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
-            for f in futs:
-                f.result()
+            reads = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
         else:
             p, g = c.hp, c.hg
-        if coef is not None:
-            g.mul_(coef.to(g.device))
+
+        def arrived() -> None:
+            """The parameter and gradient reads (in flight beside the moments' first piece) are done; clip."""
+            nonlocal coef
+            for f in reads:
+                f.result()
+            reads.clear()
+            if coef is not None:
+                g.mul_(coef.to(g.device))
+                coef = None
         kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        p_written = False
         if self.plan.optimizer_tier != DISK:
+            arrived()
             adamw_chunks(c.flat_items(p, g, c.m, c.v), count_step=False, **kw)
         else:
             # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
-            # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole
+            # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole. A
+            # chunk's reads go out together, and so do its writes (the disk is the bottleneck here, and serves
+            # several requests faster than one at a time)
             piece = self.layout.chunk_elems
             for lo in range(0, c.spec.used, piece):
                 hi = min(c.cap, lo + piece)
@@ -226,12 +237,19 @@ class Updates:
                 fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
                 self.disk.read_range(f"v{c.i}", lo, v)
                 fm.result()
+                arrived()
                 adamw_chunks(c.flat_items(p, g, m, v, lo, hi), count_step=False, **kw)
-                fm = self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)
+                outs = [self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)]
+                if on_disk and lo + piece >= c.spec.used:
+                    outs.append(self.disk.pool.submit(self.disk.write, f"p{c.i}", p))
+                    p_written = True
                 self.disk.write_range(f"v{c.i}", lo, v)
-                fm.result()
+                for f in outs:
+                    f.result()
+            arrived()  # (a chunk with nothing in use has no piece)
         if on_disk:
-            self.disk.write(f"p{c.i}", p)
+            if not p_written:
+                self.disk.write(f"p{c.i}", p)
             if into is not None and into.data_ptr() != p.data_ptr():  # a GPU slot: from the pinned staging
                 into.copy_(p, non_blocking=True)
                 torch.cuda.current_stream(into.device).synchronize()  # the staging is reused next
