@@ -54,9 +54,9 @@ class ChunkState:
     """Gradients handed to the host/disk optimizer whose update is not submitted yet: the home copy is about to
     change, so the chunk must not be (pre)fetched until then."""
     pending: tuple | None = None
-    """(clip coefficient or None, learning rate, gradient write in flight or None) of an update after the backward
-    that waits for the chunk's next fetch: a disk-home chunk's update runs in the fetch that brings it back for
-    the forward, so its parameters are read from disk once for both (see ``Updates._update_at_fetch``)."""
+    """(clip coefficient, learning rate, gradient write in flight or None) of a clipped update waiting for the
+    chunk's next fetch: a disk-home chunk's update runs in the fetch that brings it back for the forward, so its
+    parameters are read from disk once for both (see ``Updates._update_at_fetch``)."""
     last_use: int = 0
     held: list | None = None
     """Gradients handed to the host optimizer (the engine's ``_home_grads`` chunks): autograd's tensors, None for
