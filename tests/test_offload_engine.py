@@ -605,7 +605,7 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     import dataclasses
 
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import Costs, _deferral_options, predict
+    from stratum.offload.planner import Costs, _deferral_options, predict_plan
     if DEV.type != "cpu":
         pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")
     prof, _ = _reference("gpt", shared_tmp)
@@ -617,14 +617,11 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     layout = pack(m, p.chunk_elems)
     late = _deferral_options(layout, p.optimizer_tier, p.param_tier, False, None)[-1]
     assert late
+    p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)))
     # the plan's own model of the traffic with these chunks deferred
-    _, traffic, *_ = predict(layout, R=p.resident_chunks, opt=p.optimizer_tier, ptier=p.param_tier,
-                             k=p.prefetch_depth, acts=p.activations, costs=Costs.from_profile(prof, len(m)), bw=None,
-                             n_micro=2, deferred=False, n_params=m.num_params(),
-                             spilled=None if p.spill_blocks is None else frozenset(p.spill_blocks),
-                             disk_spilled=frozenset(p.disk_spill_blocks), deferred_chunks=late,
-                             kept=frozenset(p.kept_blocks))
-    p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)), predicted_traffic=traffic)
+    _, traffic, *_ = predict_plan(layout, p, costs=Costs.from_profile(prof, len(m)), bw=None, n_micro=2,
+                                  deferred=False, n_params=m.num_params())
+    p = dataclasses.replace(p, predicted_traffic=traffic)
     eng = _engine(m, p, clip=0.0)
     ref_engine = plain(build("gpt", shared_tmp), clip=0.0)
     try:

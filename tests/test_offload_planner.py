@@ -135,6 +135,43 @@ def test_near_equal_predictions_are_a_tie_won_by_less_traffic():
     assert choose(chain) == "b"
 
 
+def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, monkeypatch):
+    """Of tied plans, those also fastest at SLOW_DISK of the probed disk bandwidths stay (then traffic decides);
+    a plan outside the tie is not brought back by its slow-disk time (beyond RAM a fast probe tied a plan without
+    deferred updates to one with; the first moved less, and on the disk's usual rate its backward was disk-bound)."""
+    import dataclasses
+
+    from stratum.offload.chunks import pack
+    from stratum.offload.planner import SLOW_DISK, TIE, Costs, choose, predict_plan
+    from stratum.offload.tiers import Bandwidths
+    close = 1.0 + TIE / 2
+    on_slow = {"lean": 2.0, "balanced": 1.5, "outside": 1.0}.__getitem__
+    fits = [(1.0, (0,), "lean"), (close, (5,), "balanced"), (1.0 + 2 * TIE, (0,), "outside")]
+    assert choose(fits) == "lean"
+    assert choose(fits, on_slow) == "balanced"
+    assert choose(fits[:1], on_slow) == "lean"
+    # the planner asks it for each tied plan's step with the disk at SLOW_DISK of the probe (none without a probe)
+    import stratum.offload.planner as planner
+    m, prof = gpt
+    seen = {}
+
+    def spy(fits, slow=None):
+        seen["slow"] = slow
+        return choose(fits, slow)
+    monkeypatch.setattr(planner, "choose", spy)
+    plan(m, prof, clip=0.0)
+    assert seen["slow"] is None
+    bw = Bandwidths(h2d=1e12, d2h=1e12, disk_read=4e8, disk_write=4e8, adam_params_per_s=1e15)
+    p = plan(m, prof, clip=0.0, device_budget=state_bytes(m) // 4, optimizer_tier=DISK, bandwidths=bw)
+    slow_bw = dataclasses.replace(bw, disk_read=bw.disk_read * SLOW_DISK, disk_write=bw.disk_write * SLOW_DISK)
+    kw = dict(costs=Costs.from_profile(prof, len(m)), n_micro=2, deferred=False,
+              n_params=sum(x.numel() for x in m.parameters()))
+    lay = pack(m, p.chunk_elems)
+    assert predict_plan(lay, p, bw=bw, **kw)[2] == pytest.approx(p.predicted_step_s)
+    assert seen["slow"](p) == pytest.approx(predict_plan(lay, p, bw=slow_bw, **kw)[2])
+    assert seen["slow"](p) > p.predicted_step_s  # its moments are on the (slower) disk
+
+
 @pytest.mark.parametrize("args, match", [(["--sweep", "abc%"], "not a percentage"),
                                          (["--sweep", "2GBx"], "is not a size"),
                                          (["--sweep", "--json", "p.json"], "--json writes one plan")])

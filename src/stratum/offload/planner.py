@@ -5,7 +5,8 @@ loop that can fail to end): for every candidate the device/host/disk peak bytes 
 engine allocates them, the transfers per step follow from simulating OPT eviction on the step's access
 sequence, and the step time from the profile's block times and the bandwidths measured at start-up. Of the
 candidates that fit all budgets, those predicted within TIE of the fastest count as equally fast (the model is
-not more precise than that), and the one moving the fewest bytes on the fastest tiers wins. If none fits, the
+not more precise than that); of those, the ones also fastest on a slower disk (SLOW_DISK) stay, and the one moving
+the fewest bytes on the fastest tiers wins. If none fits, the
 error names the smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the
 plan then says so); until then it goes on through the finite grid.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
 from stratum.errors import StratumError
@@ -35,6 +36,11 @@ TIE = 0.01
 """Predicted step times within this fraction of the fastest are a tie, decided by traffic, then tiers: a step
 predicted a microsecond faster with the parameters on disk must not beat one with everything on the device
 (seen for a 2 ms step under a budget of ten times the training state)."""
+SLOW_DISK = 0.5
+"""Tied plans are first compared at this fraction of the probed disk bandwidths: a shared disk's rate moves
+(probed 1.1-2.65 GB/s read on this machine within one day). Beyond RAM, a probe at 2.65 GB/s tied a plan with no
+deferred updates (less traffic) with one deferring 27 chunks; the first won, and at the disk's usual 1.5 GB/s its
+backward was disk-bound: 21.4 s/step against 18.5 s for the other in an earlier run."""
 
 
 @dataclass(kw_only=True)
@@ -386,6 +392,17 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
 
 
+def predict_plan(layout: Layout, plan: Plan, *, costs: Costs, bw: Bandwidths | None, n_micro: int,
+                 deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
+    """:func:`predict` for ``plan``'s choices (``layout`` = its chunk layout)."""
+    return predict(layout, R=plan.resident_chunks, opt=plan.optimizer_tier, ptier=plan.param_tier,
+                   k=plan.prefetch_depth, acts=plan.activations, costs=costs, bw=bw, n_micro=n_micro,
+                   deferred=deferred, n_params=n_params,
+                   spilled=None if plan.spill_blocks is None else frozenset(plan.spill_blocks),
+                   disk_spilled=frozenset(plan.disk_spill_blocks), deferred_chunks=frozenset(plan.deferred_chunks),
+                   kept=frozenset(plan.kept_blocks))
+
+
 def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
     """The blocks to spill within ``room`` host bytes: most recompute seconds saved per byte first (greedy)."""
     order = sorted(range(len(costs.spill_bytes)), key=lambda i: -costs.fwd_s[i] / max(costs.spill_bytes[i], 1))
@@ -479,11 +496,18 @@ def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
     return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
 
 
-def choose(fits: list[tuple[float, tuple, Plan]]):
+def choose(fits: list[tuple[float, tuple, Plan]], slow=None):
     """The plan of ``fits`` (predicted step seconds, tie-break key, plan): of those within TIE of the fastest, the
-    one with the smallest key. Comparing with the fastest, not pairwise, so a chain of near-ties cannot drift."""
+    one with the smallest key. Comparing with the fastest, not pairwise, so a chain of near-ties cannot drift.
+    ``slow(plan)``: its predicted step on a slower disk (SLOW_DISK); given, the tied plans are narrowed first to
+    those within TIE of the fastest there."""
     fastest = min(step for step, _, _ in fits)
-    return min((f for f in fits if f[0] <= fastest * (1 + TIE)), key=lambda f: f[1])[2]
+    near = [f for f in fits if f[0] <= fastest * (1 + TIE)]
+    if slow is not None and len(near) > 1:
+        at_slow = [slow(f[2]) for f in near]
+        best = min(at_slow)
+        near = [f for f, t in zip(near, at_slow) if t <= best * (1 + TIE)]
+    return min(near, key=lambda f: f[1])[2]
 
 
 def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
@@ -502,11 +526,12 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     fits: list[tuple[float, tuple, Plan]] = []  # (predicted step, tie-break key, plan) of every plan that fits
+    layouts: dict[int, Layout] = {}
     tried = 0
     cut = False
     smallest = {DEVICE: None, HOST: None}
     for C in sizes:
-        layout = pack(seq, C)
+        layout = layouts[C] = pack(seq, C)
         n_stream = len(layout.streamable)
         need = max(layout.max_chunks_per_block(), 1)
         for opt in opts:
@@ -591,7 +616,14 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
         raise StratumError(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
                            f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); "
                            + "; ".join(parts))
-    plan = choose(fits)
+    by_elems = {lay.chunk_elems: lay for lay in layouts.values()}
+    slow_bw = None if bandwidths is None else replace(bandwidths, disk_read=bandwidths.disk_read * SLOW_DISK,
+                                                      disk_write=bandwidths.disk_write * SLOW_DISK)
+
+    def on_slow_disk(p: Plan) -> float:
+        return predict_plan(by_elems[p.chunk_elems], p, costs=costs, bw=slow_bw, n_micro=n_micro, deferred=deferred,
+                            n_params=n_params)[2]
+    plan = choose(fits, on_slow_disk if bandwidths is not None else None)
     plan.candidates = tried
     plan.search_cut = cut
     if bandwidths is not None:
