@@ -6,8 +6,7 @@ engine allocates them, the transfers per step follow from simulating OPT evictio
 sequence, and the step time from the profile's block times and the bandwidths measured at start-up. Of the
 candidates that fit all budgets, those predicted within TIE of the fastest count as equally fast (the model is
 not more precise than that); of those, the ones also fastest on a slower disk (SLOW_DISK) stay, and the one moving
-the fewest bytes on the fastest tiers wins. If none fits, the
-error names the smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the
+the fewest bytes on the fastest tiers wins. If none fits, the error names the smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the
 plan then says so); until then it goes on through the finite grid.
 """
 
@@ -39,8 +38,8 @@ predicted a microsecond faster with the parameters on disk must not beat one wit
 SLOW_DISK = 0.5
 """Tied plans are first compared at this fraction of the probed disk bandwidths: a shared disk's rate moves
 (probed 1.1-2.65 GB/s read on this machine within one day). Beyond RAM, a probe at 2.65 GB/s tied a plan with no
-deferred updates (less traffic) with one deferring 27 chunks; the first won, and at the disk's usual 1.5 GB/s its
-backward was disk-bound: 21.4 s/step against 18.5 s for the other in an earlier run."""
+deferred updates (less traffic) with ones deferring 14-27 chunks; the first won, and at the disk's usual rate its
+backward was disk-bound (0.78x plain; backward 13.6-15.1 s against 11.5-12.2 s with 14 chunks deferred)."""
 
 
 @dataclass(kw_only=True)
