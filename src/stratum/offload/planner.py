@@ -6,8 +6,9 @@ engine allocates them, the transfers per step follow from simulating OPT evictio
 sequence, and the step time from the profile's block times and the bandwidths measured at start-up. Of the
 candidates that fit all budgets, those predicted within TIE of the fastest count as equally fast (the model is
 not more precise than that); of those, the ones also fastest on a slower disk (SLOW_DISK) stay, and the one moving
-the fewest bytes on the fastest tiers wins. If none fits, the error names the smallest budget that would work. Once a candidate fits, the search stops at SEARCH_SECONDS (the
-plan then says so); until then it goes on through the finite grid.
+the fewest bytes on the fastest tiers wins. If none fits, the error names the smallest budget that would work.
+Once a candidate fits, the search stops at SEARCH_SECONDS (the plan then says so); until then it goes on through
+the finite grid.
 """
 
 from __future__ import annotations
