@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 
 from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
-from stratum.offload.belady import NextUse, Traffic, simulate, simulate_step
+from stratum.offload.belady import NextUse, Traffic, simulate_step
 from stratum.offload.chunks import pack
 from stratum.offload.units import fmt_bytes, parse_budget, parse_bytes
 
@@ -88,7 +87,7 @@ def test_belady_is_optimal_on_small_sequences():
     for _ in range(30):
         seq = [(int(x),) for x in torch.randint(0, 5, (10,), generator=g)]
         for slots in (1, 2, 3):
-            assert simulate(seq, slots, steps=1) == _brute_force_min_fetches(seq, slots)
+            assert simulate_step(seq, slots, steps=1).fetches == _brute_force_min_fetches(seq, slots)
 
 
 def test_gradients_round_trip_between_micro_batches_as_simulated():

@@ -92,8 +92,3 @@ def simulate_step(seq: list[tuple[int, ...]], slots: int, *, wants: list[bool] |
                     grad.pop(c, None)
         out = Traffic(fetches, reads, writes, writes_fwd)
     return out
-
-
-def simulate(seq: list[tuple[int, ...]], slots: int, steps: int = 2) -> int:
-    """Fetches per step under OPT with ``slots`` cache slots, in the steady state (the last of ``steps`` steps)."""
-    return simulate_step(seq, slots, steps=steps).fetches

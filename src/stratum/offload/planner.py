@@ -526,12 +526,13 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     fits: list[tuple[float, tuple, Plan]] = []  # (predicted step, tie-break key, plan) of every plan that fits
-    layouts: dict[int, Layout] = {}
+    layouts: dict[int, Layout] = {}  # chunk elements → layout (to predict tied plans again on a slower disk)
     tried = 0
     cut = False
     smallest = {DEVICE: None, HOST: None}
     for C in sizes:
-        layout = layouts[C] = pack(seq, C)
+        layout = pack(seq, C)
+        layouts[layout.chunk_elems] = layout
         n_stream = len(layout.streamable)
         need = max(layout.max_chunks_per_block(), 1)
         for opt in opts:
@@ -616,12 +617,11 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
         raise StratumError(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
                            f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); "
                            + "; ".join(parts))
-    by_elems = {lay.chunk_elems: lay for lay in layouts.values()}
     slow_bw = None if bandwidths is None else replace(bandwidths, disk_read=bandwidths.disk_read * SLOW_DISK,
                                                       disk_write=bandwidths.disk_write * SLOW_DISK)
 
     def on_slow_disk(p: Plan) -> float:
-        return predict_plan(by_elems[p.chunk_elems], p, costs=costs, bw=slow_bw, n_micro=n_micro, deferred=deferred,
+        return predict_plan(layouts[p.chunk_elems], p, costs=costs, bw=slow_bw, n_micro=n_micro, deferred=deferred,
                             n_params=n_params)[2]
     plan = choose(fits, on_slow_disk if bandwidths is not None else None)
     plan.candidates = tried
