@@ -14,9 +14,14 @@ pass and prefetches run beside its *next* step, so alternation put them beside t
 flattering the offload engine and slowing the plain one (0.93-0.95x measured that way at a 25 % budget against
 0.81-0.82x run one after the other). Even in blocks the plain engine ran 7-10 % slower once the offload engine's
 threads had run in the process, hence plain first. Between blocks an engine's background work is drained, untimed,
-and the first step of a later block (with none of it beside) is not timed. ``beyond-ram`` and ``capacity``
-run every engine in its own process (peak RSS is that run's alone). Results go to
-``benchmarks/results/offload_<mode>.json``.
+and the first step of a later block (with none of it beside) is not timed. ``--processes N`` runs them instead
+as a user would, each run of an engine in a fresh process of its own (the plain engine with glibc's default
+allocator policy, the offload engine with its own), N rounds alternated; the ratio is the median of the rounds'
+ratios. ``beyond-ram`` and ``capacity`` run every engine in its own process (peak RSS is that run's alone).
+Results go to ``benchmarks/results/offload_<mode>.json``.
+
+    python benchmarks/offload_bench.py offload --preset small --micro-batch 4 --seq-len 128 --steps 30 \
+        --warmup 3 --processes 5
 """
 
 from __future__ import annotations
@@ -112,7 +117,8 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     out = {
         "mode": mode, "preset": preset, "params": model.num_params(), "train_state_bytes": state,
         "device_budget_bytes": plan.device_budget, "tokens_per_step": tokens, "steps_timed": len(times["offload"]),
-        "warmup_steps": warmup, "block_steps": block, "threads": torch.get_num_threads(), "device": describe_device(dev),
+        "warmup_steps": warmup, "block_steps": block, "threads": torch.get_num_threads(),
+        "device": describe_device(dev),
         "median_step_s": med, "tokens_per_s": {k: tokens / v for k, v in med.items()},
         "ratio_offload_over_plain": med["plain"] / med["offload"],
         "losses_equal": losses["plain"] == losses["offload"],
@@ -135,17 +141,21 @@ def _worker(args) -> dict:
     from stratum.runtime import make_engine
     from stratum.runtime.device import peak_rss_bytes
 
-    extra = [f"train.engine={args.engine!r}"]
-    if args.engine == "offload":
-        extra += [f"offload.device_budget={args.device_budget!r}", f"offload.host_budget={args.host_budget!r}",
-                  f"offload.disk_dir={args.disk_dir!r}"]
-    cfg = _cfg(args.preset, args.micro_batch, args.seq_len,
-               extra + ["train.seed=0", f"optim.grad_clip={args.grad_clip}", *args.set])
+    common = ["train.seed=0", f"optim.grad_clip={args.grad_clip}", *args.set]
+    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, common)
     batches, vocab = _batches(cfg, args.steps)
     t0 = time.perf_counter()
     # the offload engine builds the model block by block, as the trainer does
     model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=args.seq_len, seed=0,
                         lazy=args.engine == "offload")
+    extra = [f"train.engine={args.engine!r}"]
+    if args.engine == "offload":
+        budget = args.device_budget
+        if args.budget_fraction:  # of the training state: parameters, gradients and AdamW's two moments in fp32
+            budget = str(int(args.budget_fraction * 16 * model.num_params()))
+        extra += [f"offload.device_budget={budget!r}", f"offload.host_budget={args.host_budget!r}",
+                  f"offload.disk_dir={args.disk_dir!r}"]
+    cfg = _cfg(args.preset, args.micro_batch, args.seq_len, extra + common)
     engine = make_engine(cfg, model, torch.device("cpu"))
     del model
     setup_s = time.perf_counter() - t0
@@ -195,6 +205,45 @@ def _spawn(argv: list[str], timeout: float, mem_limit: int | None = None) -> dic
         if line.startswith("RESULT "):
             return {"ok": True, **json.loads(line[7:])}
     return {"ok": False, "why": f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:300]}"}
+
+
+def in_processes(args) -> dict:
+    """overhead/offload with every run of an engine in a process of its own, ``--processes`` rounds alternated
+    (plain, offload, then offload, plain, ...): nothing one engine leaves behind (heap, threads, caches) reaches the
+    other's steps. The ratio is the median over rounds of each round's pair of median step times."""
+    common = ["--preset", args.preset, "--steps", str(args.steps + args.warmup), "--micro-batch",
+              str(args.micro_batch), "--seq-len", str(args.seq_len), "--grad-clip", str(args.grad_clip)]
+    for kv in args.set:
+        common += ["--set", kv]
+    argv = {"plain": common + ["--engine", "plain"],
+            "offload": common + ["--engine", "offload", "--budget-fraction", "0.25" if args.mode == "offload" else "0",
+                                 "--device-budget", "", "--host-budget", "", "--disk-dir", args.disk_dir]}
+    runs: dict[str, list[dict]] = {"plain": [], "offload": []}
+    order = ["plain", "offload"]
+    for r in range(args.processes):
+        for name in order:
+            res = _spawn(argv[name], args.timeout)
+            if not res.get("ok"):
+                raise SystemExit(f"{name} worker failed: {res.get('why')}")
+            res["median_step_s"] = statistics.median(res["step_s"][args.warmup:])
+            print(f"round {r} {name}: {res['median_step_s']:.4f} s/step", flush=True)
+            runs[name].append(res)
+        order.reverse()
+    med = {k: [r["median_step_s"] for r in v] for k, v in runs.items()}
+    pairs = [p / o for p, o in zip(med["plain"], med["offload"])]
+    off = runs["offload"][-1]
+    moved = [m for m in off["moved"][args.warmup:] if m]
+    return {
+        "mode": args.mode, "preset": args.preset, "protocol": f"{args.processes} rounds, one process per run",
+        "tokens_per_step": off["tokens_per_step"], "steps_timed": args.steps, "warmup_steps": args.warmup,
+        "median_step_s_per_run": med, "ratio_per_round": pairs,
+        "ratio_offload_over_plain": statistics.median(pairs),
+        "ratio_of_medians": statistics.median(med["plain"]) / statistics.median(med["offload"]),
+        "losses_equal": all(r["losses"] == runs["plain"][0]["losses"] for v in runs.values() for r in v),
+        "plan": off["plan"], "measured_peak_bytes": off["measured_peak_bytes"],
+        "moved_per_step_median": {k: statistics.median(m[k] for m in moved) for k in moved[0]} if moved else {},
+        "load_average": os.getloadavg(),
+    }
 
 
 def beyond_ram(args) -> dict:
@@ -257,6 +306,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=0,
                     help="overhead/offload: consecutive steps per engine before switching (0: all, plain first; "
                          "see the module doc)")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="overhead/offload: rounds of one process per engine run, alternated (0: both in this one)")
+    ap.add_argument("--budget-fraction", type=float, default=0.0,
+                    help="worker: the offload device budget as a fraction of the training state (0: --device-budget)")
     ap.add_argument("--device", default="cpu", help="overhead/offload: the device both engines train on (cuda: a GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both engines (overhead, offload, worker), e.g. train.precision='bf16'")
@@ -264,7 +317,9 @@ def main() -> None:
     if args.mode == "worker":
         _worker(args)
         return
-    if args.mode in ("overhead", "offload"):
+    if args.mode in ("overhead", "offload") and args.processes:
+        res = in_processes(args)
+    elif args.mode in ("overhead", "offload"):
         res = side_by_side(args.mode, args.preset, args.micro_batch, args.seq_len, args.steps, args.warmup,
                            args.device, args.set, args.block)
     elif args.mode == "beyond-ram":
