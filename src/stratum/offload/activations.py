@@ -10,6 +10,8 @@ Both sides copy into arenas allocated once, not into fresh tensors: a fresh buff
 or a pinned allocation (GPU) on every copy, which measured 5–8× slower than copying into memory already mapped.
 The host arena holds one micro-batch's spills (micro-batches run one after another); the device arena holds one
 block's restored activations (two with a GPU: one in use, one being filled) and exists only during a backward.
+A block's spills lie back to back in the host arena (or its disk buffer) in the layout they take on the device,
+so its restore is one copy of the whole range: one launch on a GPU instead of one per tensor.
 
 torch's ``autograd.graph.save_on_cpu`` copies a whole graph's saved tensors into fresh host tensors; the engine
 needs per-block restore and release, arenas and tier accounting, hence this module. Copies are exact: results are
@@ -147,6 +149,7 @@ class ActivationSpill:
 
     def _to_host(self, x: Tensor, nbytes: int, span: int) -> Spilled:
         self._host_need += span
+        rel = self._host_used
         if self._host_used + span <= self._host.numel():
             host = self._view(self._host, self._host_used, x)
             self._host_used += span
@@ -162,7 +165,7 @@ class ActivationSpill:
             x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
         else:
             host.copy_(x)
-        return Spilled(host, nbytes, own, x)
+        return Spilled(host, nbytes, own, x, rel=rel)
 
     def _side_stream_done(self):
         """A CUDA event after the copies queued on the side stream so far (None on a CPU: copies are done)."""
@@ -193,21 +196,35 @@ class ActivationSpill:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         on_disk = i in self.disk_blocks
+        src = self.ring.get(i) if on_disk else self._host
         if on_disk:
-            buf = self.ring.get(i)
             for s in todo:
-                s.host = self._view(buf, s.rel, s)
-        for s in todo:
-            s.dev = self._view(self._dev, off, s.host)
-            off += _aligned(s.nbytes)
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    s.dev.copy_(s.host, non_blocking=True)
-                    s.ready = torch.cuda.Event()
-                    s.ready.record(self.stream)
-            else:
-                s.dev.copy_(s.host)
-            self.bytes_h2d += s.nbytes
+                s.host = self._view(src, s.rel, s)
+        first, end = min(s.rel for s in todo), max(s.rel + _aligned(s.nbytes) for s in todo)
+        if not any(s.own for s in todo) and end - first == sum(_aligned(s.nbytes) for s in todo):
+            # The block's tensors lie back to back in the arena (or its file's buffer), as they will on the
+            # device: one copy of the whole range, not one per tensor (a launch each on a GPU).
+            pairs = [(self._dev[off:off + end - first], src[first:end])]
+            for s in todo:
+                s.dev = self._view(self._dev, off + s.rel - first, s)
+        else:
+            pairs = []
+            for s in todo:
+                s.dev = self._view(self._dev, off, s.host)
+                off += _aligned(s.nbytes)
+                pairs.append((s.dev, s.host))
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                for dst, s_ in pairs:
+                    dst.copy_(s_, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            for s in todo:
+                s.ready = ready
+        else:
+            for dst, s_ in pairs:
+                dst.copy_(s_)
+        self.bytes_h2d += sum(s.nbytes for s in todo)
         if on_disk:
             for s in todo:
                 s.host = None
