@@ -25,7 +25,8 @@ from torch import Tensor
 
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.tiers import Tier, aligned_empty
-from stratum.profile.profile import SPILL_ALIGN as ALIGN  # the profiler predicts spill bytes with the same rule
+from stratum.profile.profile import SPILL_ALIGN as ALIGN
+from stratum.profile.profile import spill_key  # the profiler predicts spill bytes with the same rule
 
 
 def _aligned(n: int) -> int:
@@ -51,6 +52,22 @@ class Spilled:
         self.nbytes = nbytes
         self.own = own
         """``host`` is its own allocation (the arena was too small this time), charged separately."""
+
+
+class StorageView:
+    """A saved tensor whose whole storage was spilled as bytes (``spilled``): rebuilt on unpack as its own view
+    (dtype, shape, strides) of the restored bytes."""
+
+    __slots__ = ("spilled", "dtype", "shape", "stride")
+
+    def __init__(self, spilled: Spilled, like: Tensor):
+        self.spilled = spilled
+        self.dtype, self.shape, self.stride = like.dtype, tuple(like.shape), tuple(like.stride())
+
+
+def _storage_bytes(x: Tensor) -> Tensor:
+    """A flat uint8 tensor over all of ``x``'s storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage())
 
 
 class ActivationSpill:
@@ -127,25 +144,27 @@ class ActivationSpill:
         """A block whose activations are spilled is running its forward."""
         return self._current is not None
 
-    def pack(self, x: Tensor) -> Spilled:
-        """Copy ``x`` (a device tensor the current block saves) to the host; the same view saved twice is copied
-        once."""
-        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+    def pack(self, x: Tensor) -> Spilled | StorageView:
+        """Copy ``x`` (a device tensor the current block saves) to the host, as its view or as its whole storage
+        (``spill_key``); what was copied once is not copied again."""
+        key, span = spill_key(x)
+        whole = key[0] == "storage"
         hit = self._cache.get(key)
         if hit is not None:
-            return hit[1]
-        nbytes = x.numel() * x.element_size()
-        span = _aligned(nbytes)
-        i = self._current
-        if i in self.disk_blocks:  # copied out with the rest of the block at its end (end_block)
-            s = Spilled(None, nbytes, False, x, src=x, rel=self._block_bytes[i])
+            s = hit[1]
         else:
-            s = self._to_host(x, nbytes, span)
-        self.bytes_d2h += nbytes
-        self._cache[key] = (x, s)
-        self.blocks[i].append(s)
-        self._block_bytes[i] += span
-        return s
+            src = _storage_bytes(x) if whole else x
+            nbytes = src.numel() * src.element_size()
+            i = self._current
+            if i in self.disk_blocks:  # copied out with the rest of the block at its end (end_block)
+                s = Spilled(None, nbytes, False, src, src=src, rel=self._block_bytes[i])
+            else:
+                s = self._to_host(src, nbytes, span)
+            self.bytes_d2h += nbytes
+            self._cache[key] = (x, s)
+            self.blocks[i].append(s)
+            self._block_bytes[i] += span
+        return StorageView(s, x) if whole else s
 
     def _to_host(self, x: Tensor, nbytes: int, span: int) -> Spilled:
         self._host_need += span
@@ -235,7 +254,10 @@ class ActivationSpill:
         """Restoring block ``i`` now would not wait for a disk read (used to restore a block early)."""
         return i not in self.disk_blocks or self.ring.ready(i)
 
-    def unpack(self, s: Spilled) -> Tensor:
+    def unpack(self, s: Spilled | StorageView) -> Tensor:
+        if isinstance(s, StorageView):
+            base = self.unpack(s.spilled).view(s.dtype)
+            return base.as_strided(s.shape, s.stride, base.storage_offset())
         if s.dev is None:  # not expected: the engine restores a block before its backward
             raise RuntimeError("offload: a spilled activation was used before its block was restored")
         if s.ready is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from stratum.errors import StratumError
-from stratum.offload.activations import Spilled
+from stratum.offload.activations import Spilled, StorageView
 from stratum.offload.belady import choose_victim
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.tiers import DEVICE, F32, HOST
@@ -241,7 +241,7 @@ class Residency:
         return x
 
     def _unpack(self, obj):
-        if isinstance(obj, Spilled):
+        if isinstance(obj, (Spilled, StorageView)):
             return self.spill.unpack(obj)
         if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "chunk":
             _, i, off, shape, stride, dtype = obj

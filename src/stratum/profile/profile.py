@@ -23,6 +23,30 @@ SPILL_ALIGN = 64
 """Byte alignment of each tensor in the offload engine's activation-spill arenas (enough for any dtype)."""
 
 
+def spill_key(t) -> tuple[tuple, int]:
+    """The offload engine's rule for what a saved tensor ``t`` costs its spill: (key, bytes copied, aligned to
+    SPILL_ALIGN); saved tensors with equal keys share one copy. A view that covers its whole storage densely,
+    in any order of its dimensions, is copied as the storage's bytes, so two such views of one storage (an
+    attention output and its transposed reshape) cost one copy, and a memcpy; any other tensor is copied as
+    its view, once per distinct view. The profiler predicts spill bytes with this same function."""
+    st = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    aligned = -(-nbytes // SPILL_ALIGN) * SPILL_ALIGN
+    if t.storage_offset() == 0 and nbytes == st.nbytes() and nbytes > 0 and _dense(t.shape, t.stride()):
+        return ("storage", st.data_ptr()), aligned
+    return ("view", st.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), aligned
+
+
+def _dense(shape, stride) -> bool:
+    """The strides lay the elements out without gaps or overlaps (a contiguous tensor, or a permutation of one)."""
+    expected = 1
+    for size, step in sorted((d for d in zip(shape, stride) if d[0] != 1), key=lambda d: d[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
 @dataclass(kw_only=True)
 class BlockProfile:
     """Measured costs of one block."""

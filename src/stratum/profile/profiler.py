@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from stratum.config import Config
 from stratum.model.blockseq import BlockSeq
-from stratum.profile.profile import SPILL_ALIGN, BlockProfile, Profile
+from stratum.profile.profile import BlockProfile, Profile, spill_key
 from stratum.runtime.device import autocast, describe, resolve_device, synchronize
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32
@@ -48,7 +48,7 @@ class _SavedBytes:
         self.bytes = 0
         self.views: set[tuple] = set()
         self.spill_bytes = 0
-        """What the offload engine's spill copies: distinct views, input excluded, aligned (activations.py)."""
+        """What the offload engine's spill copies (profile.spill_key), input excluded (activations.py)."""
 
     def pack(self, t: Tensor):
         st = t.untyped_storage()
@@ -56,10 +56,11 @@ class _SavedBytes:
         if ptr not in self.exclude and ptr not in self.seen and st.nbytes() > 0:
             self.seen.add(ptr)
             self.bytes += st.nbytes()
-        view = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if ptr not in self.exclude and ptr != self.input_ptr and ptr != 0 and view not in self.views:
-            self.views.add(view)
-            self.spill_bytes += -(-t.numel() * t.element_size() // SPILL_ALIGN) * SPILL_ALIGN
+        if ptr not in self.exclude and ptr != self.input_ptr and ptr != 0:
+            key, nbytes = spill_key(t)
+            if key not in self.views:
+                self.views.add(key)
+                self.spill_bytes += nbytes
         # not ``t`` itself: a tensor saved by its own grad_fn (an op's output) would then hold that node, which
         # holds it — a cycle through C++ that Python's gc cannot see, so the counted forward's whole graph
         # leaked (0.33 GiB of GPT-2 774M's LM head stayed resident through training)
