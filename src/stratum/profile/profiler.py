@@ -1,7 +1,8 @@
 """Measure each block of a BlockSeq on the current device, one block at a time.
 
 Only the block being measured needs storage: a block built on the ``meta`` device is measured as a temporary
-copy with real (random) storage, so a model far larger than memory can be profiled on a small machine. The input of block ``i`` is the real output of block ``i-1``.
+copy with real (random) storage, so a model far larger than memory can be profiled on a small machine. The
+input of block ``i`` is the real output of block ``i-1``.
 
 Activation bytes are counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor the block's
 forward saves for backward, parameters excluded, each underlying storage once (views such as q/k/v splits of
