@@ -25,8 +25,7 @@ from torch import Tensor
 
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.tiers import Tier, aligned_empty
-from stratum.profile.profile import SPILL_ALIGN as ALIGN
-from stratum.profile.profile import spill_key  # the profiler predicts spill bytes with the same rule
+from stratum.profile.profile import SPILL_ALIGN as ALIGN, spill_key  # the profiler predicts spill bytes alike
 
 
 def _aligned(n: int) -> int:
@@ -35,8 +34,9 @@ def _aligned(n: int) -> int:
 
 class Spilled:
     """One saved tensor while it lives on the host (``host``) and, around its block's backward, on the device.
-    A tensor of a block spilled to disk has no host copy of its own: ``src`` holds the device tensor until the
-    block's forward ends, then its bytes live at ``rel`` in the block's file (act_ring.py)."""
+    ``rel`` is its byte offset in the host arena. A tensor of a block spilled to disk has no host copy of its
+    own: ``src`` holds the device tensor until the block's forward ends, then its bytes live at ``rel`` in the
+    block's file (act_ring.py)."""
 
     __slots__ = ("host", "dev", "ready", "nbytes", "own", "src", "rel", "shape", "dtype")
 
@@ -216,9 +216,6 @@ class ActivationSpill:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         on_disk = i in self.disk_blocks
         src = self.ring.get(i) if on_disk else self._host
-        if on_disk:
-            for s in todo:
-                s.host = self._view(src, s.rel, s)
         first, end = min(s.rel for s in todo), max(s.rel + _aligned(s.nbytes) for s in todo)
         if not any(s.own for s in todo) and end - first == sum(_aligned(s.nbytes) for s in todo):
             # The block's tensors lie back to back in the arena (or its file's buffer), as they will on the
@@ -229,9 +226,9 @@ class ActivationSpill:
         else:
             pairs = []
             for s in todo:
-                s.dev = self._view(self._dev, off, s.host)
+                s.dev = self._view(self._dev, off, s)
                 off += _aligned(s.nbytes)
-                pairs.append((s.dev, s.host))
+                pairs.append((s.dev, self._view(src, s.rel, s) if on_disk else s.host))
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 for dst, s_ in pairs:
@@ -245,8 +242,6 @@ class ActivationSpill:
                 dst.copy_(s_)
         self.bytes_h2d += sum(s.nbytes for s in todo)
         if on_disk:
-            for s in todo:
-                s.host = None
             self.ring.done_with(i, self._side_stream_done())
             self.ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
 
