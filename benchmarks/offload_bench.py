@@ -180,8 +180,9 @@ def _worker(args) -> dict:
     if args.engine == "offload":
         res.update(plan=engine.plan.to_dict(), measured_peak_bytes=engine.measured_peaks(),
                    bytes_h2d=engine.bytes_h2d, bytes_d2h=engine.bytes_d2h)
-        from stratum.offload.tiers import measure_bandwidths
-        res["bandwidths"] = measure_bandwidths(torch.device("cpu"), args.disk_dir or "/tmp").to_dict()
+        if args.probe_bandwidths:  # after the run, as the disk is then (beyond-ram's bound)
+            from stratum.offload.tiers import measure_bandwidths
+            res["bandwidths"] = measure_bandwidths(torch.device("cpu"), args.disk_dir or "/tmp").to_dict()
     engine.close()
     print("RESULT " + json.dumps(res), flush=True)
     return res
@@ -249,8 +250,8 @@ def in_processes(args) -> dict:
 def beyond_ram(args) -> dict:
     common = ["--preset", "gpt2-774m", "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
               "--seq-len", str(args.seq_len), "--grad-clip", str(args.grad_clip)]
-    off = _spawn(common + ["--engine", "offload", "--device-budget", args.device_budget, "--host-budget",
-                           args.host_budget, "--disk-dir", args.disk_dir], args.timeout)
+    off = _spawn(common + ["--engine", "offload", "--probe-bandwidths", "--device-budget", args.device_budget,
+                           "--host-budget", args.host_budget, "--disk-dir", args.disk_dir], args.timeout)
     plain = _spawn(common + ["--engine", "plain"], args.timeout)
     out = {"mode": "beyond-ram", "offload": off, "plain": plain}
     if off and off.get("ok") and plain and plain.get("ok"):
@@ -310,6 +311,8 @@ def main() -> None:
                     help="overhead/offload: rounds of one process per engine run, alternated (0: both in this one)")
     ap.add_argument("--budget-fraction", type=float, default=0.0,
                     help="worker: the offload device budget as a fraction of the training state (0: --device-budget)")
+    ap.add_argument("--probe-bandwidths", action="store_true",
+                    help="worker: measure the bandwidths (disk included) after the run and report them")
     ap.add_argument("--device", default="cpu", help="overhead/offload: the device both engines train on (cuda: a GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both engines (overhead, offload, worker), e.g. train.precision='bf16'")
