@@ -25,11 +25,8 @@ from torch import Tensor
 
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.tiers import Tier, aligned_empty
-from stratum.profile.profile import SPILL_ALIGN as ALIGN, spill_key  # the profiler predicts spill bytes alike
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+from stratum.profile.profile import spill_key  # the profiler predicts spill bytes alike
+from stratum.profile.profile import spill_span as _aligned
 
 
 class Spilled:

@@ -23,6 +23,11 @@ SPILL_ALIGN = 64
 """Byte alignment of each tensor in the offload engine's activation-spill arenas (enough for any dtype)."""
 
 
+def spill_span(nbytes: int) -> int:
+    """Bytes a spilled tensor of ``nbytes`` takes in the spill arenas (rounded up to SPILL_ALIGN)."""
+    return -(-nbytes // SPILL_ALIGN) * SPILL_ALIGN
+
+
 def spill_key(t) -> tuple[tuple, int]:
     """The offload engine's rule for what a saved tensor ``t`` costs its spill: (key, bytes copied, aligned to
     SPILL_ALIGN); saved tensors with equal keys share one copy. A view that covers its whole storage densely,
@@ -31,7 +36,7 @@ def spill_key(t) -> tuple[tuple, int]:
     its view, once per distinct view. The profiler predicts spill bytes with this same function."""
     st = t.untyped_storage()
     nbytes = t.numel() * t.element_size()
-    aligned = -(-nbytes // SPILL_ALIGN) * SPILL_ALIGN
+    aligned = spill_span(nbytes)
     if t.storage_offset() == 0 and nbytes == st.nbytes() and nbytes > 0 and _dense(t.shape, t.stride()):
         return ("storage", st.data_ptr()), aligned
     return ("view", st.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), aligned
