@@ -47,6 +47,9 @@ class TrainState:
     """Canonical parameter name → tensor (CPU)."""
     optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Canonical parameter name → AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``) on the CPU."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Canonical persistent-buffer name (``blocks.<i>.<name>``) → tensor (CPU), e.g. BatchNorm's running statistics;
+    empty for a model without buffers or a state saved before buffers were (the model then keeps its own)."""
 
 
 class Engine(abc.ABC):

@@ -1,0 +1,94 @@
+"""Training state that is not parameters: RNG streams and module buffers, and the one rule that keeps them.
+
+Every engine must reproduce the plain engine's run, and the plain engine's run draws dropout masks from the
+global RNG and moves buffers (BatchNorm's running statistics) only in its training steps. Anything else Stratum
+runs — bandwidth and optimizer probes, profiles, shape probes, planners, a recomputed forward — must leave both as
+it found them, or the next training step draws other masks and normalises with other statistics. ``neutral`` is
+that rule: every such piece of work runs inside it (grep ``neutral(`` for all of them).
+
+Buffers also cross checkpoints: :func:`persistent_buffers` names them canonically (``blocks.<i>.<name>``, the
+first occurrence of a shared tensor) so that a state saved under one placement loads under another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+class BufferSnapshot:
+    """The buffers of some modules at one moment (their values and which tensor each module held), so they can be
+    put back after work that moves them, or set to these values for a replay."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+        seen: set[int] = set()
+        for root in modules:
+            for mod in root.modules():
+                if id(mod) in seen:
+                    continue
+                seen.add(id(mod))
+                for name, t in mod._buffers.items():
+                    if t is not None and t.device.type != "meta":
+                        self.saved.append((mod, name, t, t.detach().clone()))
+
+    def restore(self) -> None:
+        """Every buffer back to the tensor and the values it had when the snapshot was taken."""
+        with torch.no_grad():
+            for mod, name, t, value in self.saved:
+                mod._buffers[name] = t  # a forward may have rebound the attribute to a new tensor
+                t.copy_(value)
+
+
+def _rng_devices(devices: Iterable[torch.device]) -> list[int]:
+    return sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
+
+
+@contextlib.contextmanager
+def neutral(*modules: nn.Module, devices: Iterable[torch.device] = ()) -> Iterator[None]:
+    """Run the body without touching training state: the CPU RNG and the RNG of every CUDA device in ``devices``
+    are forked (restored on exit), and the buffers of ``modules`` are restored on exit to the tensors and values
+    they had on entry. Work that only draws random numbers passes no modules."""
+    snapshot = BufferSnapshot(modules)
+    with torch.random.fork_rng(devices=_rng_devices(devices)):
+        try:
+            yield
+        finally:
+            snapshot.restore()
+
+
+def persistent_buffers(model: nn.Module, blocks: Iterable[int] | None = None) -> dict[str, Tensor]:
+    """The persistent buffers of a BlockSeq (what ``state_dict`` would hold) by canonical name, each shared tensor
+    once under its first name; ``blocks`` restricts them to those blocks' (a pipeline rank's own). Meta buffers
+    (another rank's) are left out."""
+    keep = None if blocks is None else {f"blocks.{i}." for i in blocks}
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for prefix, mod in model.named_modules():
+        for name, t in mod._buffers.items():
+            if t is None or name in mod._non_persistent_buffers_set or id(t) in seen:
+                continue
+            seen.add(id(t))
+            full = f"{prefix}.{name}" if prefix else name
+            if t.device.type == "meta" or (keep is not None and not any(full.startswith(k) for k in keep)):
+                continue
+            out[full] = t
+    return out
+
+
+def buffers_to_cpu(model: nn.Module, blocks: Iterable[int] | None = None) -> dict[str, Tensor]:
+    """:func:`persistent_buffers` copied to the CPU: the ``buffers`` of a TrainState."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in persistent_buffers(model, blocks).items()}
+
+
+def load_buffers(model: nn.Module, values: dict[str, Tensor]) -> None:
+    """Copy ``values`` (canonical name → tensor) into the model's persistent buffers of those names. A buffer the
+    values do not name keeps its own value (a state saved before buffers were saved), and names the model does
+    not hold here are skipped (another pipeline rank's)."""
+    with torch.no_grad():
+        for name, t in persistent_buffers(model).items():
+            if name in values:
+                t.copy_(values[name])
