@@ -37,6 +37,7 @@ from stratum.data.tokens import Batch
 from stratum.dist.launch import PeerError, resolve_backend, short_reason, wait_until
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
 from stratum.runtime.optim import export_state, load_train_state, make_adamw
@@ -368,7 +369,8 @@ class PipelineEngine(Engine):
 
     def state(self) -> TrainState:
         mine = TrainState(params={n: p.detach().to("cpu", copy=True) for n, p in self.named},
-                          optim=export_state(self.opt, self.named))
+                          optim=export_state(self.opt, self.named),
+                          buffers=buffers_to_cpu(self.model, self.my_blocks))  # each rank its own blocks'
         got: list = [None] * self.world if self.rank == 0 else None
         try:
             dist.gather_object(mine, got, dst=0)
@@ -381,10 +383,12 @@ class PipelineEngine(Engine):
         for st in got:
             full.params.update(st.params)
             full.optim.update(st.optim)
+            full.buffers.update(st.buffers)
         return full
 
     def load_state(self, state: TrainState) -> None:
         load_train_state(self.opt, self.named, state)
+        load_buffers(self.model, state.buffers)  # other ranks' blocks are on meta here: skipped
 
     def memory_stats(self) -> dict[str, int]:
         return {"peak_device_bytes": peak_memory_bytes(self.device)}

@@ -9,6 +9,7 @@ import torch
 
 from stratum.data.tokens import Batch
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
 from stratum.runtime.optim import export_state, load_train_state, make_adamw
@@ -56,10 +57,11 @@ class PlainEngine(Engine):
 
     def state(self) -> TrainState:
         return TrainState(params={n: p.detach().to("cpu", copy=True) for n, p in self.named},
-                          optim=export_state(self.opt, self.named))
+                          optim=export_state(self.opt, self.named), buffers=buffers_to_cpu(self.model))
 
     def load_state(self, state: TrainState) -> None:
         load_train_state(self.opt, self.named, state)
+        load_buffers(self.model, state.buffers)
 
     def memory_stats(self) -> dict[str, int]:
         return {"peak_device_bytes": peak_memory_bytes(self.device)}
