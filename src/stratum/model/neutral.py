@@ -36,11 +36,16 @@ class BufferSnapshot:
                         self.saved.append((mod, name, t, t.detach().clone()))
 
     def restore(self) -> None:
-        """Every buffer back to the tensor and the values it had when the snapshot was taken."""
+        """Every buffer back to the tensor and the values it had when the snapshot was taken.
+
+        The values are written through ``.data``, which leaves the tensor's version counter alone: a training-mode
+        forward saves its buffers for a backward that still lies ahead (BatchNorm saves its running statistics,
+        though its backward does not read them), and autograd refuses a saved tensor whose version moved — as the
+        plain engine's graph sees them, updated only by the forward's own kernel."""
         with torch.no_grad():
             for mod, name, t, value in self.saved:
                 mod._buffers[name] = t  # a forward may have rebound the attribute to a new tensor
-                t.copy_(value)
+                t.data.copy_(value)
 
 
 def _rng_devices(devices: Iterable[torch.device]) -> list[int]:

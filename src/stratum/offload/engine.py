@@ -30,6 +30,7 @@ from torch import Tensor
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import BufferSnapshot, neutral
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill
 from stratum.offload.belady import NextUse
@@ -246,7 +247,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                 continue
             self._materialized.add(i)
             self.model.allocate(i)
-            self._materialize(i)
+            with neutral(devices=[self.device]):  # an initialiser that draws must not move the run's streams
+                self._materialize(i)
 
     # ---- training -------------------------------------------------------------------------------------------
     def _block_chunks(self, i: int) -> tuple[int, ...]:
@@ -285,7 +287,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             x = b.x.to(self.device, non_blocking=True)
             y = b.y.to(self.device, non_blocking=True)
             self._act, self._act_seen = 0, set()
-            ins, outs, rng = [], [], []
+            ins, outs, rng, bufs = [], [], [], []
             kept: list[int] = []  # bytes of each kept block input (0 for token ids)
             held: dict[int, int] = {}  # block in on_device → bytes of its saved activations (held on the device)
             self._boundary = set()
@@ -305,6 +307,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                         self._boundary.add(xi.untyped_storage().data_ptr())
                         self._act_seen = set()
                     rng.append(self._rng_state() if recompute else None)
+                    bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
                     if recompute:
                         # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a
                         # GPU's attention may pick another kernel and draw other dropout masks), keeping nothing.
@@ -340,12 +343,13 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                             spill.restore(i - 1)  # the next block's copy-back runs beside this backward
                         self._act = sum(kept[:i + 1]) + spill.device_bytes + sum(held.values())
                     out = outs[i]
-                    if out is None:  # recompute this block's forward with the RNG state of its first run
+                    if out is None:  # recompute: the first run's RNG state and buffer values, both kept after
                         t_re = time.perf_counter()
-                        keep = self._rng_state()
-                        self._set_rng_state(rng[i])
-                        out = self._forward_block(i, ins[i], y, i == L - 1, n)
-                        self._set_rng_state(keep)
+                        with neutral(self.model.blocks[i], devices=[self.device]):
+                            self._set_rng_state(rng[i])
+                            bufs[i].restore()
+                            out = self._forward_block(i, ins[i], y, i == L - 1, n)
+                        bufs[i] = None
                         self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:
                         (out / n).backward()

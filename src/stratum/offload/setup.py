@@ -7,6 +7,7 @@ import torch
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import neutral
 from stratum.offload.planner import Plan, make_plan
 from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.offload.units import parse_budget, parse_bytes
@@ -40,7 +41,7 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
     from stratum.profile.profiler import _measure_block, block_static_bytes
     from stratum.runtime.device import describe
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with neutral(devices=[device]):  # the blocks' own measurements are neutral too (_measure_block)
         gen = torch.Generator().manual_seed(seed)
         vocab = max(model.info.vocab_size, 1)
         x = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)

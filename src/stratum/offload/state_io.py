@@ -1,6 +1,7 @@
 """Placement-independent checkpoints of the offload engine: ``state()`` gathers every parameter and its AdamW
 state by name from wherever its chunk lives (device slot, host, disk), ``load_state()`` scatters them back, so a
-run saved under one placement resumes under another or under the plain engine.
+run saved under one placement resumes under another or under the plain engine. Buffers are not chunked: they
+stay in the model, on the device, and are read and written there by canonical name.
 
 ``StateIO`` is a mixin of :class:`~stratum.offload.engine.OffloadEngine`.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.tiers import DISK, aligned_empty
 from stratum.runtime.engine import TrainState
@@ -51,7 +53,7 @@ class StateIO:
         # parameters the engine does not manage (frozen) are read from the model
         for n, p in self.model.named_parameters():
             params.setdefault(n, p.detach().cpu().clone())
-        return TrainState(params=params, optim=optim)
+        return TrainState(params=params, optim=optim, buffers=buffers_to_cpu(self.model))
 
     def load_state(self, state: TrainState) -> None:
         self.drain()
@@ -82,3 +84,4 @@ class StateIO:
                 c.v.copy_(v)
             c.steps.copy_(torch.tensor(steps))
             c.uniform = len(set(steps)) == 1
+        load_buffers(self.model, state.buffers)

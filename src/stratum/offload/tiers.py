@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from stratum.errors import StratumError
+from stratum.model.neutral import neutral
 from stratum.offload.host_alloc import page_aligned_empty
 from stratum.offload.units import fmt_bytes
 
@@ -182,13 +183,15 @@ def _measure_adam(n: int) -> float:
 
 
 def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: int = 32 << 20) -> Bandwidths:
-    """Time real copies host↔device, a disk write+read under ``disk_dir`` and CPU AdamW (cached per process)."""
-    h2d, d2h = _measure_copy(str(device), probe_bytes)
-    read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
-    return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
-                      adam_params_per_s=_measure_adam_beside(device),
-                      adam_inline_params_per_s=_measure_adam_here() if device.type == "cpu" else 0.0,
-                      async_copies=device.type == "cuda")
+    """Time real copies host↔device, a disk write+read under ``disk_dir`` and CPU AdamW (cached per process).
+    The AdamW probe draws random numbers: the training run's RNG streams must not see it (``neutral``)."""
+    with neutral(devices=[device]):
+        h2d, d2h = _measure_copy(str(device), probe_bytes)
+        read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
+        return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
+                          adam_params_per_s=_measure_adam_beside(device),
+                          adam_inline_params_per_s=_measure_adam_here() if device.type == "cpu" else 0.0,
+                          async_copies=device.type == "cuda")
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from stratum.config import Config
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import neutral
 from stratum.profile.profile import BlockProfile, Profile, spill_key
 from stratum.runtime.device import autocast, describe, resolve_device, synchronize
 
@@ -123,33 +124,36 @@ def _time_backward(forward, inp: Tensor, params: list[nn.Parameter], device: tor
 
 def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.device, precision: str,
                    runs: int) -> tuple[BlockProfile, Tensor]:
-    """Profile block ``i`` on input ``x``; returns its profile and its (detached) output."""
-    block = _working_copy(seq.blocks[i], device)
-    last = i == len(seq) - 1
-    block.train()
-    params = list(block.parameters())
-    inp = x.detach().requires_grad_(x.is_floating_point())
+    """Profile block ``i`` on input ``x``; returns its profile and its (detached) output. The measuring forwards
+    and backwards run under ``neutral``: the model's RNG streams and buffers are left as they were."""
+    with neutral(seq.blocks[i], devices=[device]):
+        block = _working_copy(seq.blocks[i], device)
+        last = i == len(seq) - 1
+        block.train()
+        params = list(block.parameters())
+        inp = x.detach().requires_grad_(x.is_floating_point())
 
-    def forward():
-        with autocast(device, precision):
-            out = block(inp)
-            return seq.loss_fn(out, y) if last else out
+        def forward():
+            with autocast(device, precision):
+                out = block(inp)
+                return seq.loss_fn(out, y) if last else out
 
-    fwd_s = _median_time(forward, device, runs)
-    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params}, inp.untyped_storage().data_ptr())
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        out = forward()
-    out_bytes = 0 if last else out.numel() * out.element_size()
-    del out
-    bwd_s = _time_backward(forward, inp, params, device, runs, input_only=False)
-    bwd_input_s = _time_backward(forward, inp, params, device, runs, input_only=True) if inp.requires_grad else 0.0
-    with torch.no_grad():
-        nxt = x if last else block(x)
-    prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
-                        act_saved_bytes=counter.bytes, spill_bytes=counter.spill_bytes,
-                        out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
-                        bwd_input_s=bwd_input_s, **block_static_bytes(seq, i))
-    return prof, nxt.detach()
+        fwd_s = _median_time(forward, device, runs)
+        counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params}, inp.untyped_storage().data_ptr())
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            out = forward()
+        out_bytes = 0 if last else out.numel() * out.element_size()
+        del out
+        bwd_s = _time_backward(forward, inp, params, device, runs, input_only=False)
+        bwd_input_s = (_time_backward(forward, inp, params, device, runs, input_only=True)
+                       if inp.requires_grad else 0.0)
+        with torch.no_grad():
+            nxt = x if last else block(x)
+        prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
+                            act_saved_bytes=counter.bytes, spill_bytes=counter.spill_bytes,
+                            out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
+                            bwd_input_s=bwd_input_s, **block_static_bytes(seq, i))
+        return prof, nxt.detach()
 
 
 def profile_blockseq(seq: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,

@@ -4,9 +4,10 @@ Layout: ``<out_dir>/checkpoints/step_00000123/{state.safetensors, meta.json}`` a
 newest. A checkpoint directory is written under a temporary name and renamed into place, and ``latest`` is
 replaced atomically afterwards, so a kill at any moment leaves the previous checkpoint usable.
 
-Tensors (safetensors): ``param/<name>``, ``optim/<name>/<key>``, ``rng/cpu``, ``rng/cuda<i>``. ``meta.json``
-holds the step, the full config and the model fingerprint (parameter names and shapes), which a resume compares
-against the current run.
+Tensors (safetensors): ``param/<name>``, ``optim/<name>/<key>``, ``buffer/<name>`` (persistent buffers such as
+running statistics; a checkpoint without them loads, and the model keeps its own), ``rng/cpu``, ``rng/cuda<i>``.
+``meta.json`` holds the step, the full config and the model fingerprint (parameter names and shapes), which a
+resume compares against the current run.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     tensors = {f"param/{n}": t.contiguous() for n, t in state.params.items()}
     for n, st in state.optim.items():
         tensors.update({f"optim/{n}/{k}": v.contiguous() for k, v in st.items()})
+    tensors.update({f"buffer/{n}": t.contiguous() for n, t in state.buffers.items()})
     tensors.update(_rng_state())
     try:
         save_file(tensors, str(tmp / "state.safetensors"))
@@ -122,7 +124,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if meta.get("format_version") != FORMAT_VERSION:
         raise StratumError(f"checkpoint {path} has format {meta.get('format_version')!r}, "
                            f"this Stratum reads {FORMAT_VERSION}")
-    params, optim, rng = {}, {}, {}
+    params, optim, buffers, rng = {}, {}, {}, {}
     for k, v in tensors.items():
         kind, _, rest = k.partition("/")
         if kind == "param":
@@ -130,10 +132,12 @@ def load_checkpoint(path: Path) -> Checkpoint:
         elif kind == "optim":
             name, _, key = rest.rpartition("/")
             optim.setdefault(name, {})[key] = v
+        elif kind == "buffer":
+            buffers[rest] = v
         else:
             rng[k] = v
-    return Checkpoint(path=path, step=int(meta["step"]), meta=meta, state=TrainState(params=params, optim=optim),
-                      rng=rng)
+    state = TrainState(params=params, optim=optim, buffers=buffers)
+    return Checkpoint(path=path, step=int(meta["step"]), meta=meta, state=state, rng=rng)
 
 
 def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[str]:
