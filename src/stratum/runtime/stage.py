@@ -20,9 +20,10 @@ Messages: every remote receive is posted ahead (the next ``lookahead`` actions' 
 ``batch_isend_irecv`` as the current action's sends), so transfers overlap compute; gloo runs them on its own
 threads, NCCL on its stream. Messages carry a tag unique within a step (kind, boundary, micro-batch), so they
 pair up whatever order the ranks post them in. Shapes: before the first step with a new input shape, one
-forward pass of a single micro-batch (no grad, RNG untouched) sends each boundary's shape and dtype to the next
-rank, so every later receive is pre-allocated. Every wait has a deadline (``timeout_s``); a peer that died or
-hung becomes a :class:`~stratum.dist.launch.PeerError` naming the rank and the message.
+forward pass of a single micro-batch (no grad, under ``neutral``: RNG and buffers untouched) sends each
+boundary's shape and dtype to the next rank, so every later receive is pre-allocated. Every wait has a deadline
+(``timeout_s``); a peer that died or hung becomes a :class:`~stratum.dist.launch.PeerError` naming the rank and
+the message.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from stratum.data.tokens import Batch
 from stratum.dist.launch import PeerError, short_reason, wait_until
+from stratum.model.neutral import neutral
 from stratum.runtime.device import autocast
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.validate import ActionComm, Transfer, comm_plan
@@ -289,8 +291,9 @@ class StageRuntime:
             return got
         shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         where = self.stage_to_rank
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        mine = [b for s in self.my_stages for b in self.blocks[s]]
+        # a training step's probe runs in training mode, which moves running statistics: neutral puts them back
+        with torch.no_grad(), neutral(*mine, devices=[self.device]):
             for s in self.my_stages:
                 if s == 0:
                     inp = x.to(self.device)
