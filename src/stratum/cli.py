@@ -15,9 +15,10 @@ One process, the built-in default (a small GPT on this Python's standard-library
 A run writes ``<out_dir>/metrics.jsonl`` (a JSON object per step), ``summary.json``, ``config.toml`` and
 ``checkpoints/``; running the same command again resumes from the last checkpoint (bit-exact).
 
-N processes and clusters: ``--set train.engine='pipeline' --set pipeline.ranks=4`` spawns 4 local processes
+N processes and clusters: ``--set parallel.plan='replicate(2, pipeline(2))'`` spawns the plan's 4 local processes
 itself (only rank 0 prints and writes); the same command works under ``torchrun`` and its rendezvous
-(``torchrun --nnodes M --nproc_per_node N -m stratum train ...``, pipeline.ranks = M·N). See docs/pipeline.md.
+(``torchrun --nnodes M --nproc_per_node N -m stratum train ...`` with a plan of M·N processes). See
+docs/parallel.md and docs/pipeline.md.
 
 Bad input (unknown key, wrong type, missing corpus, unwritable out_dir, incompatible checkpoint) prints
 ``stratum: error: ...`` and exits with code 2.
@@ -41,6 +42,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratum", description="Train large models, and many of them, on the "
                                      "devices you have.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    from stratum import __version__
+    parser.add_argument("--version", action="version", version=f"stratum {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a model (default: a small GPT on the standard library's sources)")
@@ -88,10 +91,9 @@ def _run(args: argparse.Namespace) -> int:
             from stratum.train.dryrun import dry_run
             dry_run(cfg)
             return 0
-        if cfg.train.engine == "pipeline":
-            from stratum.dist.launch import is_worker
-            if not is_worker():
-                return _spawn_pipeline(cfg, args)
+        from stratum.dist.launch import is_worker
+        if cfg.plan.world_size() > 1 and not is_worker():
+            return _spawn_workers(cfg, args)
         from stratum.train.trainer import train
         train(cfg, stop_at=args.stop_at)
         return 0
@@ -107,17 +109,17 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def _spawn_pipeline(cfg, args: argparse.Namespace) -> int:
-    """Check the pipeline config and prepare the data here, then run the same command in pipeline.ranks local
-    worker processes (each joins the process group from its environment)."""
+def _spawn_workers(cfg, args: argparse.Namespace) -> int:
+    """Check the plan and prepare the data here, then run the same command in as many local worker processes as
+    the plan needs (each joins the process groups from its environment)."""
     from pathlib import Path
 
     from stratum.data.prepare import prepare_data
     from stratum.dist.launch import spawn_local
-    from stratum.runtime.pipeline import check_pipeline
+    from stratum.parallel.compose import check_plan
     from stratum.train.trainer import prepare_out_dir
 
-    check_pipeline(cfg)  # ranks / stages / blocks / backend: one-line errors before anything starts
+    check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
     prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
     prepare_out_dir(Path(cfg.train.out_dir).expanduser())
     argv = ["train"] + (["--config", args.config] if args.config else [])
@@ -125,7 +127,7 @@ def _spawn_pipeline(cfg, args: argparse.Namespace) -> int:
         argv += ["--set", o]
     if args.stop_at is not None:
         argv += ["--stop-at", str(args.stop_at)]
-    return spawn_local(argv, cfg.pipeline.ranks, grace_s=cfg.pipeline.timeout_s + 5)
+    return spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5)
 
 
 def main(argv: list[str] | None = None) -> int:

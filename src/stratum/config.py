@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stratum.errors import StratumError
+from stratum.ir.plan import Plan, parse_plan
 
 SOURCES = ("gpt", "sequential", "hf")
 TOKENIZERS = ("byte", "bpe")
@@ -69,8 +70,12 @@ class OptimConfig:
     """Peak learning rate (after warm-up)."""
     min_lr: float = 2e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 20
-    """Steps of linear warm-up from 0 to lr."""
+    warmup_steps: int = -1
+    """Steps of linear warm-up from 0 to lr; -1 = optim.warmup_fraction of train.steps (the value used is printed
+    at start)."""
+    warmup_fraction: float = 0.1
+    """With optim.warmup_steps = -1: the share of train.steps spent warming up, in [0, 1) (rounded to whole steps,
+    at least one unless 0), so a short run is not all warm-up."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: float = 0.9
@@ -107,7 +112,11 @@ class TrainConfig:
     log_interval: int = 10
     """Print a progress line every this many steps when not on a terminal (metrics.jsonl gets every step)."""
     ckpt_interval: int = 0
-    """Save a checkpoint every this many steps; 0 = only at the end."""
+    """Save a checkpoint every this many steps; 0 = by time only (train.ckpt_minutes) and at the end. SIGINT
+    (Ctrl-C) or SIGTERM also saves one after the step in progress, then stops: the run resumes from there."""
+    ckpt_minutes: float = 10.0
+    """Also save a checkpoint once this many minutes have passed since the last one (or the start), so a run
+    killed without warning loses at most that much; 0 = never by time."""
     keep_checkpoints: int = 2
     """How many most recent checkpoints to keep (at least 1)."""
     out_dir: str = "runs/default"
@@ -130,10 +139,6 @@ class PipelineConfig:
     partition: str = "even"
     """How blocks are cut into stages: even (equal block counts), balanced (by parameter count), or a Profile
     JSON from `stratum profile` (profiled time balanced per rank by the DP partitioner of stratum.plan)."""
-    backend: str = "auto"
-    """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, or nccl."""
-    timeout_s: float = 30.0
-    """Longest wait for a peer (messages, collectives, start-up) before the run stops with an error."""
 
 
 @dataclass(kw_only=True)
@@ -160,8 +165,25 @@ class OffloadConfig:
     recomputed, whichever the planner predicts faster) or recompute (the block's forward is re-run)."""
 
 
+@dataclass(kw_only=True)
+class ParallelConfig:
+    plan: str = ""
+    """How the job runs over processes, as a plan expression (docs/parallel.md): local; replicate(n,
+    reduce=mean|adasum, shard=false|true); pipeline(ranks, schedule=…, partition=…); split(n);
+    offload(device_budget=…, host_budget=…); nested replicate → pipeline → split → offload/local, e.g.
+    "replicate(2, pipeline(2))". Settings a pipeline node omits come from [pipeline]. "" = the train.engine
+    shorthand: plain = local, pipeline = pipeline(pipeline.ranks), offload = offload()."""
+    backend: str = "auto"
+    """torch.distributed backend of multi-process plans: auto (nccl with CUDA, else gloo), gloo, or nccl."""
+    timeout_s: float = 30.0
+    """Longest wait for a peer (messages, collectives, start-up) before the run stops with an error."""
+
+
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-                             "pipeline": PipelineConfig, "offload": OffloadConfig}
+                             "pipeline": PipelineConfig, "offload": OffloadConfig,
+                             "parallel": ParallelConfig}
+# Keys that moved to another section: old configs keep working.
+MOVED = {"pipeline.backend": "parallel.backend", "pipeline.timeout_s": "parallel.timeout_s"}
 
 
 @dataclass(kw_only=True)
@@ -174,16 +196,43 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     # ---- derived values: computed here and nowhere else ---------------------------------------------------
     @property
+    def plan(self) -> Plan:
+        """The parallel plan: parallel.plan, or the tree train.engine stands for."""
+        p = self.pipeline
+        defaults = {"pipeline": {"schedule": p.schedule, "partition": p.partition, "virtual": p.virtual,
+                                 "waves": p.waves}}
+        text = self.parallel.plan.strip() or {"plain": "local", "pipeline": f"pipeline({p.ranks})",
+                                              "offload": "offload"}[self.train.engine]
+        return parse_plan(text, defaults=defaults)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches of one optimizer step over all replicas: grad_accum × replicas."""
+        return self.train.grad_accum * self.plan.replicas
+
+    @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: micro_batch_size × grad_accum."""
-        return self.train.micro_batch_size * self.train.grad_accum
+        """Sequences per optimizer step: micro_batch_size × grad_accum × replicas."""
+        return self.train.micro_batch_size * self.micro_batches_per_step
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.data.seq_len
+
+    @property
+    def warmup_steps(self) -> int:
+        """Warm-up steps of the learning-rate schedule: optim.warmup_steps, or optim.warmup_fraction of
+        train.steps when that is -1."""
+        o = self.optim
+        if o.warmup_steps >= 0:
+            return o.warmup_steps
+        if o.warmup_fraction == 0:
+            return 0
+        return max(1, round(o.warmup_fraction * self.train.steps))
 
     @property
     def cache_dir(self) -> Path:
@@ -198,9 +247,16 @@ class Config:
 
     def derived_summary(self) -> str:
         t = self.train
-        return (f"global batch = {t.micro_batch_size} (micro) × {t.grad_accum} (accum) = {self.global_batch} "
+        plan = self.plan
+        return (f"plan {plan} on {plan.world_size()} process(es); global batch = {t.micro_batch_size} (micro) × "
+                f"{t.grad_accum} (accum) × {plan.replicas} (replicas) = {self.global_batch} "
                 f"sequences; tokens/step = {self.global_batch} × {self.data.seq_len} = {self.tokens_per_step:,}; "
-                f"total tokens = {self.tokens_per_step * t.steps:,}")
+                f"total tokens = {self.tokens_per_step * t.steps:,}; warm-up = {self._warmup_text()}")
+
+    def _warmup_text(self) -> str:
+        if self.optim.warmup_steps >= 0:
+            return f"{self.warmup_steps} steps (optim.warmup_steps)"
+        return f"{self.optim.warmup_fraction:g} × {self.train.steps} steps = {self.warmup_steps} steps"
 
     # ---- validation ---------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -222,7 +278,8 @@ class Config:
                                "set data.val_fraction > 0 or train.eval_interval = 0")
         _check("optim.lr", o.lr > 0, "must be > 0")
         _check("optim.min_lr", 0 <= o.min_lr <= o.lr, "must be in [0, optim.lr]")
-        _check("optim.warmup_steps", o.warmup_steps >= 0, "must be ≥ 0")
+        _check("optim.warmup_steps", o.warmup_steps >= -1, "must be ≥ 0, or -1 for optim.warmup_fraction of the steps")
+        _check("optim.warmup_fraction", 0 <= o.warmup_fraction < 1, "must be in [0, 1)")
         _check("optim.weight_decay", o.weight_decay >= 0, "must be ≥ 0")
         _check("optim.beta1", 0 <= o.beta1 < 1, "must be in [0, 1)")
         _check("optim.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)")
@@ -238,6 +295,7 @@ class Config:
         _choice("train.engine", t.engine, ENGINES)
         for key in ("eval_interval", "ckpt_interval"):
             _check(f"train.{key}", getattr(t, key) >= 0, "must be ≥ 0 (0 = only at the end)")
+        _check("train.ckpt_minutes", t.ckpt_minutes >= 0, "must be ≥ 0 (0 = never by time)")
         _check("train.eval_batches", t.eval_batches >= 1, "must be ≥ 1")
         _check("train.log_interval", t.log_interval >= 1, "must be ≥ 1")
         _check("train.keep_checkpoints", t.keep_checkpoints >= 1, "must be ≥ 1")
@@ -249,8 +307,9 @@ class Config:
         if pp.partition not in PIPELINE_PARTITIONS and not pp.partition.endswith(".json"):
             raise StratumError(f"pipeline.partition = {pp.partition!r} is not one of: "
                                f"{', '.join(PIPELINE_PARTITIONS)}, or a profile .json file")
-        _choice("pipeline.backend", pp.backend, PIPELINE_BACKENDS)
-        _check("pipeline.timeout_s", 1.0 <= pp.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
+        _choice("parallel.backend", self.parallel.backend, PIPELINE_BACKENDS)
+        _check("parallel.timeout_s", 1.0 <= self.parallel.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
+        self.plan  # parses and checks the plan expression
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
         self._validate_offload()
 
@@ -303,6 +362,7 @@ def _field_types(cls: type) -> dict[str, type]:
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    section, _, key = MOVED.get(f"{section}.{key}", f"{section}.{key}").partition(".")
     if section not in SECTIONS:
         raise StratumError(f"{where}: unknown section [{section}]{_suggest(section, SECTIONS)}; "
                            f"sections are: {', '.join(SECTIONS)}")

@@ -83,8 +83,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise StratumError("pipeline.backend = 'nccl' needs CUDA devices (train.device = cuda); "
-                           "use pipeline.backend = 'gloo' on the CPU")
+        raise StratumError("parallel.backend = 'nccl' needs CUDA devices (train.device = cuda); "
+                           "use parallel.backend = 'gloo' on the CPU")
     return backend
 
 
@@ -111,22 +111,22 @@ def init_process_group(*, world: int, backend: str, device: torch.device, timeou
 
     if dist.is_initialized():
         if dist.get_world_size() != world:
-            raise StratumError(f"pipeline.ranks = {world} but the process group has {dist.get_world_size()} "
-                               "processes")
+            raise StratumError(f"the plan needs {world} processes but the process group has "
+                               f"{dist.get_world_size()}")
         return False
     backend = resolve_backend(backend, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     rk, ws, _ = env_rank()
     if not under_torchrun():
         if world != 1:
-            raise StratumError(f"pipeline.ranks = {world} needs {world} processes: run it with `stratum train` "
-                               f"(which spawns them) or `torchrun --nproc_per_node {world} -m stratum train ...`")
+            raise StratumError(f"the plan needs {world} processes: run it with `stratum train` (which spawns them) "
+                               f"or `torchrun --nproc_per_node {world} -m stratum train ...`")
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return True
     if ws != world:
-        raise StratumError(f"pipeline.ranks = {world} but the launcher started WORLD_SIZE = {ws} processes; "
-                           f"set --set pipeline.ranks={ws} or start {world} processes")
+        raise StratumError(f"the plan (parallel.plan) needs {world} processes but the launcher started "
+                           f"WORLD_SIZE = {ws}; change the plan's sizes or start {world} processes")
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = device
@@ -273,7 +273,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     if died:
         r, c = died[0]
         name = signal.Signals(-c).name if -c in signal.Signals._value2member_map_ else str(-c)
-        print(f"stratum: error: pipeline rank {r} was killed by {name}; the other ranks stopped",
+        print(f"stratum: error: rank {r} was killed by {name}; the other ranks stopped",
               file=sys.stderr)
         return 3
     return first_fail[1]

@@ -13,9 +13,11 @@ BlockSeq's canonical parameter names), so a checkpoint written under one engine 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from stratum.data.tokens import Batch
 
@@ -90,3 +92,63 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release threads, files and process groups."""
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` multiplies gradients by (1 when clipping is off)."""
+    limit = max_norm if max_norm > 0 else math.inf
+    return torch.clamp(limit / (norm + 1e-6), max=1.0)
+
+
+class GradEngine(Engine):
+    """An engine whose step has three phases a parent executor can work between (a replicate node reduces the
+    replicas' gradients after :meth:`forward_backward` and before :meth:`update`).
+
+    ``train_step`` is the three phases with nothing between them, so a GradEngine alone trains like any engine.
+    """
+
+    spec: OptimSpec
+
+    @abc.abstractmethod
+    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
+        """Forward and backward over ``micro_batches``, each loss multiplied by ``scale`` before its backward,
+        gradients accumulated in the parameters; the sum of the unscaled losses (float64, equal on every rank
+        of this engine)."""
+
+    @abc.abstractmethod
+    def grad_params(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters by canonical name, each tensor once, in an order every replica shares."""
+
+    @abc.abstractmethod
+    def norm_counted(self) -> set[str]:
+        """Names in :meth:`grad_params` whose gradient counts in the global norm on this rank (a tensor held by
+        several ranks counts on one of them)."""
+
+    @abc.abstractmethod
+    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
+        """Sum ``local_sq`` (float64) over this engine's other ranks: the squared global gradient norm."""
+
+    @abc.abstractmethod
+    def update(self, lr: float, coef: torch.Tensor) -> None:
+        """Multiply every gradient by ``coef`` (the clip factor), one AdamW step, drop the gradients."""
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared global norm of the gradients now held, over all ranks of this engine."""
+        counted = self.norm_counted()
+        grads = [p.grad for n, p in self.grad_params() if n in counted and p.grad is not None]
+        return self.reduce_sq_norm(sq_norm(grads))
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        n = len(micro_batches)
+        loss_sum = self.forward_backward(micro_batches, 1.0 / n)
+        norm = self.grad_sq_norm().sqrt().float()
+        self.update(lr, clip_coef(norm, self.spec.grad_clip))
+        return StepResult(loss=float(loss_sum) / n, grad_norm=float(norm))
+
+
+def sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of ``tensors`` as a float64 scalar (zero for none)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([x.double() for x in norms]).pow(2).sum()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import abc
+from typing import Callable
+
 import torch
 from torch import nn
 
+from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.runtime.engine import OptimSpec, TrainState
 
@@ -48,14 +52,62 @@ def import_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter
             opt.state[p] = {k: st[k].to(p.device, copy=True) for k in _STATE_KEYS if k in st}
 
 
-def load_train_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], state: TrainState) -> None:
-    """Copy ``state``'s parameters into ``named`` (by canonical name) and its AdamW state into ``opt``.
+class Optimizer(abc.ABC):
+    """What an engine's leaf steps its parameters with: the plain AdamW here, or a replicate node's sharded one
+    (:mod:`stratum.parallel.shard`). State crosses in canonical-name form, as in :func:`export_state`."""
 
-    ``state`` may hold more parameters than ``named`` (a pipeline rank keeps its own part of a full state)."""
+    @abc.abstractmethod
+    def step(self, lr: float, coef: torch.Tensor) -> None:
+        """Multiply the gradients by ``coef`` (the clip factor), one AdamW update, drop the gradients."""
+
+    @abc.abstractmethod
+    def export(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The AdamW state by canonical parameter name, on the CPU (collective for a sharded optimizer)."""
+
+    @abc.abstractmethod
+    def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take the state :meth:`export` gave (from any engine); names this optimizer lacks are ignored."""
+
+
+class LocalAdamW(Optimizer):
+    """torch's AdamW over the parameters an engine holds (:func:`make_adamw`)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], spec: OptimSpec, device: torch.device):
+        self.named = named
+        self.opt = make_adamw(named, spec, device)
+
+    def step(self, lr: float, coef: torch.Tensor) -> None:
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def export(self) -> dict[str, dict[str, torch.Tensor]]:
+        return export_state(self.opt, self.named)
+
+    def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        import_state(self.opt, self.named, state)
+
+
+MakeOptimizer = Callable[[list[tuple[str, nn.Parameter]]], Optimizer]
+"""Builds an engine's optimizer over its named parameters (a plan node chooses which)."""
+
+
+def load_params(named: list[tuple[str, nn.Parameter]], state: TrainState) -> None:
+    """Copy ``state``'s parameters into ``named`` by canonical name (``state`` may hold more: a pipeline rank
+    keeps its own part of a full state)."""
     missing = [n for n, _ in named if n not in state.params]
     if missing:
         raise StratumError(f"the training state lacks parameter(s) {missing[:3]}; it is from another model")
     with torch.no_grad():
         for n, p in named:
             p.copy_(state.params[n])
-    import_state(opt, named, state.optim)
+
+
+def optim_spec(cfg: Config) -> OptimSpec:
+    """The AdamW settings of ``cfg`` (the learning rate comes per step)."""
+    o = cfg.optim
+    return OptimSpec(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)

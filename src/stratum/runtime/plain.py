@@ -3,29 +3,29 @@ engine must reproduce."""
 
 from __future__ import annotations
 
-import math
-
 import torch
+from torch import nn
 
 from stratum.data.tokens import Batch
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
-from stratum.runtime.engine import Engine, OptimSpec, StepResult, TrainState
-from stratum.runtime.optim import export_state, load_train_state, make_adamw
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
+from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
 
 
-class PlainEngine(Engine):
+class PlainEngine(GradEngine):
     name = "plain"
 
-    def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, precision: str = "fp32"):
+    def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, precision: str = "fp32",
+                 make_optimizer: MakeOptimizer | None = None):
         self.device = device
         self.precision = precision
         self.spec = optim
         self.model = model.to(device)
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
-        self.opt = make_adamw(self.named, optim, device)
+        self.opt = (make_optimizer or (lambda named: LocalAdamW(named, optim, device)))(self.named)
 
     def _loss(self, b: Batch) -> torch.Tensor:
         x = b.x.to(self.device, non_blocking=True)
@@ -33,21 +33,26 @@ class PlainEngine(Engine):
         with autocast(self.device, self.precision):
             return self.model.loss(x, y)
 
-    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
         self.model.train()
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in micro_batches:
             loss = self._loss(b)
-            (loss / n).backward()
-            total += loss.detach().float()
-        clip = self.spec.grad_clip if self.spec.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=True)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return StepResult(loss=total.item() / n, grad_norm=float(grad_norm))
+            (loss * scale).backward()
+            total += loss.detach().double()
+        return total
+
+    def grad_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.named
+
+    def norm_counted(self) -> set[str]:
+        return {n for n, _ in self.named}
+
+    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
+        return local_sq
+
+    def update(self, lr: float, coef: torch.Tensor) -> None:
+        self.opt.step(lr, coef)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
@@ -57,10 +62,11 @@ class PlainEngine(Engine):
 
     def state(self) -> TrainState:
         return TrainState(params={n: p.detach().to("cpu", copy=True) for n, p in self.named},
-                          optim=export_state(self.opt, self.named), buffers=buffers_to_cpu(self.model))
+                          optim=self.opt.export(), buffers=buffers_to_cpu(self.model))
 
     def load_state(self, state: TrainState) -> None:
-        load_train_state(self.opt, self.named, state)
+        load_params(self.named, state)
+        self.opt.load(state.optim)
         load_buffers(self.model, state.buffers)
 
     def memory_stats(self) -> dict[str, int]:

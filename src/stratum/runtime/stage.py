@@ -216,8 +216,10 @@ class StageRuntime:
 
     def __init__(self, *, blocks: list[nn.Module], stages: list[range], stage_to_rank: tuple[int, ...],
                  loss_fn, rank: int, device: torch.device, precision: str, timeout_s: float, backend: str,
-                 lookahead: int = 2):
+                 peers: tuple[int, ...] | None = None, lookahead: int = 2):
         self.rank = rank
+        # pipeline rank -> process rank: each replica's (and split's) pipeline is one slice of the process mesh
+        self.peers = tuple(peers) if peers is not None else tuple(range(max(stage_to_rank) + 1))
         self.device = device
         self.precision = precision
         self.timeout_s = timeout_s
@@ -300,7 +302,7 @@ class StageRuntime:
                 else:
                     if where[s - 1] != self.rank:
                         hdr = torch.zeros(_HDR_LEN, dtype=torch.int64, device=self.device)
-                        w = dist.irecv(hdr, where[s - 1], tag=_HDR_TAG + s - 1)
+                        w = dist.irecv(hdr, self.peers[where[s - 1]], tag=_HDR_TAG + s - 1)
                         self._wait(w, f"the shape of stage {s - 1}'s output from rank {where[s - 1]}",
                                    self._deadline())
                         h = hdr.tolist()
@@ -318,7 +320,7 @@ class StageRuntime:
                                         "carries up to 8-d tensors of common dtypes")
                     h = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
                     hdr = torch.tensor(h + [0] * (_HDR_LEN - len(h)), dtype=torch.int64, device=self.device)
-                    w = dist.isend(hdr, where[s + 1], tag=_HDR_TAG + s)
+                    w = dist.isend(hdr, self.peers[where[s + 1]], tag=_HDR_TAG + s)
                     self._wait(w, f"rank {where[s + 1]} to take the shape of stage {s}'s output",
                                self._deadline())
         self._shapes[key] = shapes
@@ -350,7 +352,7 @@ class StageRuntime:
                     shp, dt = (shapes_of[t.mb] if shapes_of else shapes)[
                         t.src_stage if t.tensor == "act" else t.dst_stage]
                     buf = torch.empty(shp, dtype=dt, device=dev)
-                    ops.append((dist.P2POp(dist.irecv, buf, t.src_rank, tag=_tag(t, S)), buf, t, True))
+                    ops.append((dist.P2POp(dist.irecv, buf, self.peers[t.src_rank], tag=_tag(t, S)), buf, t, True))
                 next_post += 1
             return ops
 
@@ -394,7 +396,8 @@ class StageRuntime:
                     local[_key(t)] = tensor
                 else:
                     tensor = tensor.contiguous()
-                    ops.append((dist.P2POp(dist.isend, tensor, t.dst_rank, tag=_tag(t, S)), tensor, t, False))
+                    ops.append((dist.P2POp(dist.isend, tensor, self.peers[t.dst_rank], tag=_tag(t, S)),
+                                tensor, t, False))
             # this action's sends and the receives of the actions ahead go out in one batch
             launch(ops + recv_ops(k + 2 + self.lookahead))
             if len(sends) > 8:  # drop finished sends, so their tensors can be freed before the step ends

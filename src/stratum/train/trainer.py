@@ -18,15 +18,16 @@ from stratum.atomic import atomic_write_json, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import prepare_data
 from stratum.data.tokens import TRAIN, VAL
+from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
-from stratum.model.build import build_model
-from stratum.runtime import make_engine
+from stratum.parallel.compose import build_engine, rank_model
 from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
                                       save_checkpoint)
 from stratum.train.lr import lr_at
 from stratum.train.metrics import MetricsLog, median
 from stratum.train.progress import StepDisplay, make_console
+from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
 
 
 def prepare_out_dir(out_dir: Path) -> None:
@@ -70,32 +71,25 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
     ``stop_at`` ends this invocation after that many completed steps, with a checkpoint, so the run can be
     resumed later (time-sliced jobs, tests of resume).
 
-    Multi-process engines (``train.engine = "pipeline"``): every rank runs this same loop on the same batches
-    (the process group is joined here, from the launcher's environment); only rank 0 prints and writes
-    metrics, summary and checkpoints, and every rank reads the checkpoint it resumes from.
+    A plan over several processes (``parallel.plan``): every rank runs this same loop on the same batches (the
+    process groups are joined here, from the launcher's environment); only rank 0 prints and writes metrics,
+    summary and checkpoints, and every rank reads the checkpoint it resumes from.
     """
-    t = cfg.train
-    if t.engine != "pipeline":
-        return _train(cfg, stop_at=stop_at, console=console, device=resolve_device(t.device), main=True)
-    from stratum.dist import launch
-    device = launch.local_device(resolve_device(t.device))
-    created = launch.init_process_group(world=cfg.pipeline.ranks, backend=cfg.pipeline.backend, device=device,
-                                        timeout_s=cfg.pipeline.timeout_s)
-    main = launch.is_main()
-    if not main:
+    world = join_world(cfg.plan, resolve_device(cfg.train.device), backend=cfg.parallel.backend,
+                       timeout_s=cfg.parallel.timeout_s)
+    if not world.is_main:
         console = Console(file=open(os.devnull, "w"), highlight=False)
-    summary = _train(cfg, stop_at=stop_at, console=console, device=device, main=main)
-    if created:  # after a failure the group is left alone: tearing it down could wait on a dead peer
-        launch.destroy_process_group()
+    summary = _train(cfg, stop_at=stop_at, console=console, world=world)
+    leave_world(world)
     return summary
 
 
-def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device: torch.device,
-           main: bool) -> dict:
+@removes_new_empty_out_dir
+def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World) -> dict:
     console = console or make_console()
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
-    multi = t.engine == "pipeline"
+    main, device = world.is_main, world.device
     if main:
         prepare_out_dir(out_dir)
 
@@ -108,15 +102,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
     torch.manual_seed(t.seed)
-    if multi:
-        from stratum.dist.launch import rank
-        from stratum.runtime.pipeline import build_local_model
-        model, _ = build_local_model(cfg, rank=rank(), tokenizer_vocab=data.tokenizer.vocab_size,
-                                     seq_len=cfg.data.seq_len, seed=t.seed, device=device)
-    else:
-        # the offload engine materialises the model block by block where the source allows (larger than RAM)
-        model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=cfg.data.seq_len,
-                            seed=t.seed, lazy=t.engine == "offload")
+    model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size)
     fingerprint = model.fingerprint()
 
     start = 0
@@ -135,7 +121,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
         aside = _set_aside(out_dir / "metrics.jsonl")
         console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
-    engine = make_engine(cfg, model, device)
+    engine = build_engine(cfg, model, world, stages)
     if ckpt is not None:
         engine.load_state(ckpt.state)
         restore_rng(ckpt.rng)
@@ -159,12 +145,16 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
                     for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
     run_start = time.perf_counter()
     last_ckpt = None
+    clock = CheckpointClock(t.ckpt_minutes)
+    signals = StopSignals()
+    stopped = False
     try:
+        signals.install()
         for step in range(start, end):
-            lr = lr_at(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
+            lr = lr_at(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.warmup_steps,
                        total_steps=t.steps)
             t0 = time.perf_counter()
-            batches = data.sampler.micro_batches(TRAIN, step, t.micro_batch_size, t.grad_accum)
+            batches = data.sampler.micro_batches(TRAIN, step, t.micro_batch_size, cfg.micro_batches_per_step)
             res = engine.train_step(batches, lr)
             synchronize(device)
             dt = time.perf_counter() - t0
@@ -177,16 +167,23 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
                 if cfg.data.val_fraction > 0:
                     rec["eval_loss"] = engine.eval_loss(eval_batches)
             if res.loss != res.loss:  # NaN
-                raise StratumError(f"loss became NaN at step {done}; lower optim.lr or raise optim.warmup_steps "
+                raise StratumError(f"loss became NaN at step {done}; lower optim.lr or raise optim.warmup_fraction "
                                    f"(last good checkpoint: {latest_checkpoint(out_dir) or 'none'})")
             log.write(rec)
             display.step(rec)
-            if done == end or (t.ckpt_interval and done % t.ckpt_interval == 0):
+            # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
+            by_time, stop = agree([clock.due(), signals.received is not None], device)
+            if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
                 state = engine.state()  # collective under a multi-process engine; full state on rank 0
                 if main:
                     last_ckpt = save_checkpoint(out_dir, step=done, state=state, cfg=cfg,
                                                 fingerprint=fingerprint, keep=t.keep_checkpoints)
+                clock.saved()
+            if stop:
+                end, stopped = done, True
+                break
     finally:
+        signals.restore()
         display.close()
         log.close()
         engine.close()
@@ -207,6 +204,10 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, device:
     if main:
         atomic_write_json(out_dir / "summary.json", summary)
         _print_summary(console, summary)
+    if stopped and end < t.steps:
+        console.print(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of {t.steps}, "
+                      "with a checkpoint: run the same command to resume")
+        raise Interrupted(f"stopped at step {end}")
     return summary
 
 

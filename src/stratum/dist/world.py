@@ -1,0 +1,120 @@
+"""The process world a Plan needs: this rank's place in the mesh and its process groups, every one with a timeout.
+
+The default group (all ranks) comes from :func:`stratum.dist.launch.init_process_group`; on it this module
+creates one group per slice of the mesh along each dimension (replicas, pipeline ranks, splits). ``new_group`` is
+collective — every rank must create every group, in the same order — so all of them are created here, up front,
+from the plan alone, and a rank keeps the ones it belongs to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from stratum.dist import launch
+from stratum.dist.launch import PeerError, short_reason, wait_until
+from stratum.ir.plan import Coord, Plan
+
+DIMS = ("replica", "stage_rank", "split")
+
+
+@dataclass
+class World:
+    """This rank's view of the plan's processes (see the module docstring)."""
+
+    plan: Plan
+    rank: int
+    coord: Coord
+    device: torch.device
+    backend: str
+    timeout_s: float
+    groups: dict[str, object] = field(default_factory=dict)
+    """Dimension → this rank's process group along it (absent where the dimension has one process)."""
+    members: dict[str, list[int]] = field(default_factory=dict)
+    """Dimension → the global ranks of that group, in mesh order."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def size(self, dim: str) -> int:
+        return len(self.members[dim])
+
+    def group(self, dim: str):
+        """The process group along ``dim``, or None when this rank is alone on it."""
+        return self.groups.get(dim)
+
+    def wait(self, work, what: str) -> None:
+        """Wait for an async collective up to the timeout; a dead or stuck peer becomes a PeerError."""
+        try:
+            wait_until(work, backend=self.backend, deadline=time.monotonic() + self.timeout_s)
+        except (TimeoutError, RuntimeError) as e:
+            msg = short_reason(e) if str(e).strip() else "timed out"
+            raise PeerError(f"rank {self.rank}: {what} failed ({msg}); a rank died or hung — stopping") from None
+
+    def all_reduce(self, t: torch.Tensor, dim: str, what: str) -> torch.Tensor:
+        """Sum ``t`` in place over this rank's group along ``dim`` (nothing to do when it is alone)."""
+        grp = self.group(dim)
+        if grp is not None:
+            self.wait(dist.all_reduce(t, group=grp, async_op=True), what)
+        return t
+
+    def subgroup(self, dim: str, positions: list[int]):
+        """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),
+        created for every slice of the mesh so that every rank takes part; this rank's, or None."""
+        mine = None
+        for g in self.plan.all_groups(dim):
+            ranks = [g[i] for i in positions]
+            grp = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.rank in ranks:
+                mine = grp
+        return mine
+
+
+def single_world(plan: Plan, device: torch.device) -> World:
+    """The world of a one-process plan without a process group."""
+    coord = plan.coord(0)
+    return World(plan=plan, rank=0, coord=coord, device=device, backend="none", timeout_s=0.0,
+                 members={d: [0] for d in DIMS})
+
+
+def mesh_world(plan: Plan, device: torch.device, timeout_s: float) -> World:
+    """This rank's world on the existing default group, its slice groups created (collectively)."""
+    rank = dist.get_rank()
+    w = World(plan=plan, rank=rank, coord=plan.coord(rank), device=device, backend=dist.get_backend(),
+              timeout_s=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for dim in DIMS:
+        w.members[dim] = plan.group_ranks(dim, rank)
+        for ranks in plan.all_groups(dim):
+            if len(ranks) < 2:
+                continue
+            try:
+                grp = dist.new_group(ranks, timeout=timeout)
+            except RuntimeError as e:
+                raise PeerError(f"rank {rank}: creating the {dim} groups failed ({short_reason(e)}); a rank died or "
+                                "hung — stopping") from None
+            if rank in ranks:
+                w.groups[dim] = grp
+    return w
+
+
+def join_world(plan: Plan, device: torch.device, *, backend: str, timeout_s: float) -> World:
+    """The world ``plan`` runs in: one process without a group, or this process's place among the launched ones
+    (the default group joined from the launcher's environment, the slice groups created)."""
+    if plan.world_size() == 1 and not launch.under_torchrun():
+        return single_world(plan, device)
+    device = launch.local_device(device)
+    launch.init_process_group(world=plan.world_size(), backend=backend, device=device, timeout_s=timeout_s)
+    return mesh_world(plan, device, timeout_s)
+
+
+def leave_world(world: World) -> None:
+    """Tear the process groups down after a clean run (after a failure they are left alone: tearing them down
+    could wait on a dead peer)."""
+    if world.backend != "none":
+        launch.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Data only: the IRs every planner, simulator and runtime reads (the Plan tree lives here)."""

@@ -1,0 +1,96 @@
+"""Materialising only some blocks of a model: the blocks a rank holds, the rest left on ``meta`` (no memory).
+
+A pipeline rank holds its stages' blocks; every other rank's blocks stay on ``meta``. Own GPT blocks are
+initialised from (seed, block index) alone, so a rank builds only its own; other sources are built whole with the
+seed and then the blocks this rank does not hold are dropped to ``meta``. Either way every rank's blocks hold the
+values the whole model would hold under the same seed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from stratum.config import ModelConfig
+from stratum.model.blockseq import BlockSeq
+from stratum.model.build import build_model
+from stratum.model.gpt import init_gpt_block
+
+
+def _replace_tensors(model: BlockSeq, make: Callable[[nn.Parameter | torch.Tensor, bool], torch.Tensor | None]
+                     ) -> None:
+    """Swap every parameter/buffer ``t`` for ``make(t, is_param)`` (None keeps it), the same object for all
+    occurrences of one tensor so ties survive."""
+    memo: dict[int, torch.Tensor] = {}
+    keep_alive = []
+    for mod in model.modules():
+        for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    keep_alive.append(t)
+                    new = make(t, is_param)
+                    memo[id(t)] = t if new is None else new
+                store[name] = memo[id(t)]
+
+
+def _param_like(t: torch.Tensor, data: torch.Tensor, is_param: bool) -> torch.Tensor:
+    return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+
+
+def localize(model: BlockSeq, keep: set[int], device: torch.device) -> BlockSeq:
+    """Keep blocks ``keep`` on ``device`` and move every tensor used only by other blocks to ``meta`` (freed)."""
+    keep_ids = {id(t) for i in keep for t in [*model.blocks[i].parameters(), *model.blocks[i].buffers()]}
+
+    def make(t, is_param):
+        if id(t) in keep_ids:
+            if t.device == device:
+                return None
+            return _param_like(t, t.detach().to(device), is_param)
+        if t.device.type == "meta":
+            return None
+        return _param_like(t, torch.empty_like(t, device="meta"), is_param)
+
+    with torch.no_grad():
+        _replace_tensors(model, make)
+    return model
+
+
+def materialize_gpt(model: BlockSeq, keep: set[int], seed: int, device: torch.device) -> BlockSeq:
+    """A GPT built on ``meta``: allocate and initialise blocks ``keep`` (from (seed, i) alone) on ``device``.
+
+    The owner block of a tied parameter a kept block uses is initialised too (that is where the tensor's values
+    come from), then everything not kept goes back to ``meta``.
+    """
+    owner_block = {}
+    for g in model.tied:
+        blocks = {int(n.split(".")[1]) for n in g.names}
+        if blocks & keep:
+            owner_block[int(g.owner.split(".")[1])] = True
+    init = set(keep) | set(owner_block)
+    ids = {id(t) for i in init for t in [*model.blocks[i].parameters(), *model.blocks[i].buffers()]}
+
+    def make(t, is_param):
+        if id(t) in ids and t.device.type == "meta":
+            return _param_like(t, torch.empty(t.shape, dtype=t.dtype), is_param)
+        return None
+
+    with torch.no_grad():
+        _replace_tensors(model, make)
+    for i in sorted(init):
+        init_gpt_block(model, i, seed)
+    return localize(model, keep, device)
+
+
+def build_blocks(cfg: ModelConfig, keep: set[int], *, tokenizer_vocab: int, seq_len: int, seed: int,
+                 device: torch.device) -> BlockSeq:
+    """The model with only blocks ``keep`` materialised on ``device`` (values as in the whole model)."""
+    meta = build_model(cfg, tokenizer_vocab=tokenizer_vocab, seq_len=seq_len, seed=seed, device="meta")
+    if cfg.source == "gpt":
+        return materialize_gpt(meta, keep, seed, device)
+    del meta
+    full = build_model(cfg, tokenizer_vocab=tokenizer_vocab, seq_len=seq_len, seed=seed)
+    return localize(full, keep, device)

@@ -1,0 +1,117 @@
+"""From a Plan to an Engine: each node of the tree becomes an executor wrapping its child's.
+
+The leaf runs blocks (``local``: the plain engine, or under a pipeline node the pipeline's stage runtime;
+``offload``: the memory engine); a split node parallelizes the blocks the leaf runs; a pipeline node drives its
+stages with a schedule; a replicate node shares micro-batches over replicas and reduces their gradients, and
+chooses the leaf's optimizer (sharded for ``shard=true``). The trainer and the CLI see only the Engine and the
+:class:`~stratum.dist.world.World` it runs in.
+
+Everything that can be checked without processes — nesting, sizes against the model, schedules, partitions,
+backend — is checked by :func:`check_plan` before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from stratum.config import Config
+from stratum.dist.launch import resolve_backend
+from stratum.dist.world import World, single_world
+from stratum.errors import StratumError
+from stratum.ir.plan import Offload, Plan, render
+from stratum.model.blockseq import BlockSeq
+from stratum.model.build import build_model
+from stratum.model.placement import build_blocks
+from stratum.offload.setup import make_offload_engine
+from stratum.parallel.replicate import ReplicateEngine
+from stratum.parallel.shard import ShardedAdamW
+from stratum.runtime.engine import Engine, GradEngine
+from stratum.runtime.optim import MakeOptimizer, optim_spec
+from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
+from stratum.runtime.plain import PlainEngine
+
+
+def _device_type(cfg: Config) -> torch.device:
+    d = cfg.train.device
+    return torch.device("cuda" if d.startswith("cuda") or (d == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
+    """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
+    plan = cfg.plan
+    if isinstance(plan.leaf, Offload) and plan.root is not plan.leaf:
+        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs only as the whole plan so far "
+                           "(offload(...)); nested under replicate or pipeline it is not supported yet")
+    dev = _device_type(cfg)
+    if plan.world_size() > 1:
+        resolve_backend(cfg.parallel.backend, dev)
+        if dev.type == "cuda" and torch.cuda.is_available() and plan.world_size() > torch.cuda.device_count():
+            raise StratumError(f"parallel.plan {str(plan)!r} needs {plan.world_size()} GPUs but this machine has "
+                               f"{torch.cuda.device_count()}; start the other ranks on other machines with "
+                               "torchrun, or make the plan smaller")
+    meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                       device="meta")
+    return plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum) if plan.pipeline else None
+
+
+def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int) -> tuple[BlockSeq, PipelinePlan | None]:
+    """The model this rank runs — only its pipeline stages' blocks materialised where the plan pipelines it,
+    block by block (lazy) under the offload leaf — and the pipeline's stage plan."""
+    plan, t = world.plan, cfg.train
+    if plan.pipeline is None:
+        lazy = isinstance(plan.leaf, Offload)
+        return build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
+                           lazy=lazy), None
+    meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
+                       device="meta")
+    pplan = plan_pipeline(plan.pipeline, meta, t.grad_accum)
+    keep = set(pplan.blocks_of(world.coord.stage_rank))
+    model = build_blocks(cfg.model, keep, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
+                         device=world.device)
+    return model, pplan
+
+
+def _optimizer(plan: Plan, cfg: Config, world: World) -> MakeOptimizer | None:
+    """The leaf's optimizer as the plan chooses it: sharded over the replicas, or (None) the leaf's own."""
+    if plan.replicate is None or not plan.replicate.shard:
+        return None
+    spec = optim_spec(cfg)
+    return lambda named: ShardedAdamW(named, spec, world)
+
+
+def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> Engine:
+    budgets = {k: v for k, v in dataclasses.asdict(leaf).items() if v}
+    return make_offload_engine(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets)),
+                               model, world.device)
+
+
+def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None) -> Engine:
+    """The executor tree of ``world.plan`` over ``model`` (as :func:`rank_model` built it)."""
+    plan = world.plan
+    spec, precision = optim_spec(cfg), cfg.train.precision
+    if isinstance(plan.leaf, Offload):
+        return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
+    make_opt = _optimizer(plan, cfg, world)
+    engine: GradEngine
+    if plan.pipeline is not None:
+        node = plan.pipeline
+        engine = PipelineEngine(model, plan=pipeline_plan or plan_pipeline(node, model, cfg.train.grad_accum),
+                                optim=spec, world=world, precision=precision,
+                                schedule_for=lambda m: make_schedule(node, m), make_optimizer=make_opt)
+    else:
+        engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)
+    if plan.replicate is not None:
+        engine = ReplicateEngine(engine, node=plan.replicate, world=world)
+    engine.name = render(plan.root)
+    return engine
+
+
+def make_engine(cfg: Config, model: BlockSeq, device: torch.device) -> Engine:
+    """The engine of a one-process plan (tests, benchmarks, a user's own loop on one device)."""
+    plan = cfg.plan
+    if plan.world_size() != 1:
+        raise StratumError(f"parallel.plan {str(plan)!r} needs {plan.world_size()} processes; "
+                           "build its engine inside them (stratum train, torchrun, or stratum.parallelize)")
+    return build_engine(cfg, model, single_world(plan, device))
