@@ -122,6 +122,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
     engine = build_engine(cfg, model, world, stages)
+    torch.manual_seed(t.seed)  # the steps' RNG streams start here, whatever the builds and set-up drew before
     if ckpt is not None:
         engine.load_state(ckpt.state)
         restore_rng(ckpt.rng)
