@@ -36,7 +36,7 @@ DEFAULT_SWEEP = "10%,25%,50%,100%"
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     """``"10%,2GB"`` → [(label, device budget bytes)]: a percentage is of ``state_bytes`` (the training state)."""
-    from stratum.offload.units import parse_bytes
+    from stratum.offload.units import Size, parse_bytes
     out = []
     for item in (t.strip() for t in text.split(",")):
         if item.endswith("%"):
@@ -49,7 +49,7 @@ def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
                                    f"give e.g. {DEFAULT_SWEEP}")
             out.append((item, int(state_bytes * pct / 100)))
         else:
-            out.append((item, parse_bytes(item, "--sweep")))
+            out.append((item, Size(parse_bytes(item, "--sweep"), item)))  # answered in the units typed
     if not out:
         raise StratumError(f"--sweep needs at least one budget, e.g. {DEFAULT_SWEEP}")
     return out

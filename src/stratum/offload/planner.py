@@ -7,14 +7,14 @@ sequence, and the step time from the profile's block times and the bandwidths me
 candidates that fit all budgets, those predicted within TIE of the fastest count as equally fast (the model is
 not more precise than that); of those, the ones also fastest on a slower disk (SLOW_DISK) stay, and the one moving
 the fewest bytes on the fastest tiers wins. If none fits, the error names the smallest budget that would work.
-Once a candidate fits, the search stops at SEARCH_SECONDS (the plan then says so); until then it goes on through
-the finite grid.
+Once a candidate fits, the search stops after MAX_EVALUATIONS candidates (the plan then says so); until then it
+goes on through the finite grid. The bound counts work, not seconds, so a plan is the same on a busy machine as on
+an idle one.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
@@ -24,14 +24,17 @@ from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import Layout, pack, param_order
 from stratum.offload.act_ring import RING
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, TIERS, Bandwidths, round_up
-from stratum.offload.units import fmt_bytes
+from stratum.offload.units import fmt_at_least, fmt_bytes
 
 PREFETCH_DEPTHS = (0, 1, 2, 4)
 KEEP, SPILL, RECOMPUTE = "keep", "offload", "recompute"
 ACTIVATIONS = (KEEP, SPILL, RECOMPUTE)
 """What happens to a block's saved activations between its forward and backward: kept on the device, spilled to
 the host tier and copied back (activations.py), or dropped and recomputed from the block's input."""
-SEARCH_SECONDS = 5.0
+MAX_EVALUATIONS = 8_000
+"""Candidates the search evaluates at most once one fits: a count, not seconds, so the chosen plan does not depend
+on the machine's load. GPT small's whole grid is 4,000-6,500 candidates (under a second on one core), GPT-2 774M's
+7,000-8,000 (6-10 s); a larger grid is cut here, at the same candidate on every machine."""
 TIE = 0.01
 """Predicted step times within this fraction of the fastest are a tie, decided by traffic, then tiers: a step
 predicted a microsecond faster with the parameters on disk must not beat one with everything on the device
@@ -89,7 +92,7 @@ class Plan:
     """Seconds of this step's host↔device copies at the measured bandwidths."""
     candidates: int = 0
     search_cut: bool = False
-    """The search stopped at its time bound (SEARCH_SECONDS) before trying every candidate."""
+    """The search stopped at its bound (MAX_EVALUATIONS candidates) before trying every candidate."""
 
     @property
     def recompute(self) -> bool:
@@ -139,7 +142,7 @@ class Plan:
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "
             f"{self.prefetch_depth}; activations: {self._acts_text()}{self._updates_text()} ({self.candidates} "
-            f"candidates{f'; the search stopped at its {SEARCH_SECONDS:g} s bound' if self.search_cut else ''})",
+            f"candidates{f'; the search stopped at its bound of {MAX_EVALUATIONS:,}' if self.search_cut else ''})",
             f"  {'tier':<7} {'budget':>12} {'predicted peak':>15}",
         ]
         budgets = {DEVICE: self.device_budget, HOST: self.host_budget, DISK: None}
@@ -517,7 +520,6 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
               activations: str | None = None, kept_blocks: int | None = None) -> Plan:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Plan.kept_blocks)."""
-    t0 = time.perf_counter()
     costs = Costs.from_profile(profile, len(seq))
     n_params = sum(p.numel() for _, p in param_order(seq))
     deferred = grad_clip > 0
@@ -563,7 +565,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                 continue
                             # the bound applies once a plan fits (the grid is finite: the search ends anyway);
                             # cut before that, a model would be refused a budget that fits
-                            if fits and time.perf_counter() - t0 > SEARCH_SECONDS:
+                            if fits and tried >= MAX_EVALUATIONS:
                                 cut = True
                                 break
                             tried += 1
@@ -599,7 +601,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                                 n_chunks=len(layout.chunks), act_bytes=act, predicted_peak=peak,
                                 predicted_traffic=tr, predicted_step_s=step, compute_s=comp)))
                         # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps
-                        # the search within its time bound; GPT-2 774M has 36 candidate suffixes' worth of blocks)
+                        # the search short; GPT-2 774M has 36 candidate suffixes' worth of blocks)
                         if before is not None and here >= before:
                             break
                         before = here
@@ -607,10 +609,10 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
         parts = []
         if smallest[DEVICE] is not None:
             parts.append(f"the smallest offload.device_budget that works with this host budget is "
-                         f"{fmt_bytes(smallest[DEVICE])} ({smallest[DEVICE]:,} bytes)")
+                         f"{fmt_at_least(smallest[DEVICE], device_budget)} ({smallest[DEVICE]:,} bytes)")
         if smallest[HOST] is not None and (smallest[DEVICE] is None or host_budget is not None):
             parts.append(f"the smallest offload.host_budget that works with this device budget is "
-                         f"{fmt_bytes(smallest[HOST])} ({smallest[HOST]:,} bytes)")
+                         f"{fmt_at_least(smallest[HOST], host_budget)} ({smallest[HOST]:,} bytes)")
         if not parts:
             parts.append("no placement fits even with the largest chunks on disk; raise both budgets "
                          "or free disk space under offload.disk_dir")

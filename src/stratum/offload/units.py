@@ -1,7 +1,12 @@
-"""Byte sizes in human units: ``"2GB"``, ``"512MiB"``, ``"1.5 G"`` → bytes, and back."""
+"""Byte sizes in human units: ``"2GB"``, ``"512MiB"``, ``"1.5 G"`` → bytes, and back.
+
+A budget the user typed keeps its text (:class:`Size`), and sizes compared with it are written in the same family
+of units: a budget typed as ``"1GB"`` is answered in GB, not GiB, so the number in a message can be typed back.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 
 from stratum.errors import StratumError
@@ -11,6 +16,8 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+_DECIMAL = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("kB", 1000))
+_BINARY = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 _RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -27,22 +34,63 @@ def parse_bytes(text: str, key: str = "size") -> int:
     return int(round(value))
 
 
-def parse_budget(text: str, key: str) -> int | None:
-    """A budget: ``""`` (or ``"auto"``) means unlimited (``None``); otherwise a positive size."""
+class Size(int):
+    """A byte count as typed by the user (``text``): it prints as typed, and sizes compared with it are written in
+    its units (:func:`fmt_like`)."""
+
+    text: str
+
+    def __new__(cls, n: int, text: str) -> "Size":
+        obj = super().__new__(cls, n)
+        obj.text = text.strip()
+        return obj
+
+    def __getnewargs__(self) -> tuple[int, str]:  # copies and pickles keep the text
+        return int(self), self.text
+
+    @property
+    def binary(self) -> bool:
+        """Typed in binary units (KiB, MiB, GiB, TiB)."""
+        m = _RE.match(self.text)
+        return bool(m) and m.group(2).lower().endswith("ib")
+
+
+def parse_budget(text: str, key: str) -> Size | None:
+    """A budget: ``""`` (or ``"auto"``) means unlimited (``None``); otherwise a positive size that keeps its text."""
     if text.strip().lower() in ("", "auto"):
         return None
     n = parse_bytes(text, key)
     if n <= 0:
         raise StratumError(f"{key} = {text!r} must be a positive size, or \"\" for no limit")
-    return n
+    return Size(n, text)
 
 
 def fmt_bytes(n: float | None) -> str:
-    """Bytes as a short human string with binary units (``1.50 GiB``); ``None`` → ``unlimited``."""
+    """Bytes as a short human string with binary units (``1.50 GiB``); ``None`` → ``unlimited``; a :class:`Size`
+    as the user typed it."""
     if n is None:
         return "unlimited"
+    if isinstance(n, Size):
+        return n.text
     n = float(n)
-    for unit, div in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, div in _BINARY[1:]:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def fmt_at_least(n: int, like: int | None) -> str:
+    """``n`` bytes in the units ``like`` was typed in (decimal unless it is a :class:`Size` typed in binary
+    units), rounded up to three significant digits: typed back as a budget, the number covers ``n``."""
+    binary = isinstance(like, Size) and like.binary
+    for unit, div in (_BINARY if binary else _DECIMAL):
+        if n >= div:
+            return f"{_ceil3(n / div):g} {unit}"
+    return f"{n} B"
+
+
+def _ceil3(x: float) -> float:
+    """``x`` rounded up to three significant digits (1.4421 → 1.45, 123.01 → 124)."""
+    digits = max(0, 2 - math.floor(math.log10(x)))
+    scale = 10**digits
+    return math.ceil(round(x * scale, 6)) / scale
