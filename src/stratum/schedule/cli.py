@@ -1,4 +1,4 @@
-"""``stratum schedule show|simulate``: print, validate and simulate pipeline schedules.
+"""``stratum schedule show|validate|simulate``: print, validate and simulate pipeline schedules.
 
 The main CLI calls :func:`add_parser` on its subparsers and :func:`run` with the parsed namespace; bad input
 raises :class:`StratumError` (printed as a one-line error, exit code 2).
@@ -16,6 +16,9 @@ from stratum.schedule.textio import load
 from stratum.schedule.validate import validate
 
 
+VALID = "valid: every action present once, dependencies hold, no deadlock"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=KINDS, default="1f1b", help="schedule generator (default 1f1b)")
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks P (default 4)")
@@ -26,13 +29,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``schedule`` (with ``show`` and ``simulate``) to an argparse subparsers object."""
+    """Add ``schedule`` (with ``show``, ``validate`` and ``simulate``) to an argparse subparsers object."""
     p = subparsers.add_parser("schedule", help="show, validate and simulate pipeline schedules")
-    sub = p.add_subparsers(dest="schedule_cmd", metavar="{show,simulate}")
+    sub = p.add_subparsers(dest="schedule_cmd", metavar="{show,validate,simulate}")
     sub.required = True
     show = sub.add_parser("show", help="print a schedule as a rank x time-slot table (validates it)")
     _common(show)
     show.add_argument("--save", default=None, help="also write the schedule in the text format to this path")
+    check = sub.add_parser("validate", help="check a schedule (e.g. a hand-written --file): every action once, "
+                           "dependencies hold, no deadlock; exit code 2 with the reason if not")
+    _common(check)
     sim = sub.add_parser("simulate", help="simulate a schedule: makespan, bubble, peak activations (SIMULATED)")
     _common(sim)
     sim.add_argument("--profile", default=None, help="Profile JSON (stratum profile); blocks are cut into the "
@@ -66,15 +72,19 @@ def run(args) -> int:
     if args.schedule_cmd == "show":
         print(sched.describe())
         print(sched.table())
-        print("valid: every action present once, dependencies hold, no deadlock")
+        print(VALID)
         if args.save:
             from stratum.schedule.textio import save
 
             save(sched, args.save)
             print(f"wrote {args.save}")
         return 0
+    if args.schedule_cmd == "validate":
+        print(sched.describe())
+        print(VALID)
+        return 0
     if args.schedule_cmd != "simulate":
-        raise StratumError(f"unknown schedule command {args.schedule_cmd!r}; use show or simulate")
+        raise StratumError(f"unknown schedule command {args.schedule_cmd!r}; use show, validate or simulate")
     if args.latency < 0 or not args.bandwidth > 0:
         raise StratumError("--latency must be >= 0 seconds and --bandwidth > 0 bytes/s")
     S = sched.num_stages

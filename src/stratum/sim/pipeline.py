@@ -39,6 +39,10 @@ class Costs:
     """Bytes of stage s's output activation (= bytes of the gradient sent back into it)."""
     latency: float = 0.0
     bandwidth: float = math.inf
+    time_unit: str = "s"
+    """What a time in these costs is: seconds (profiled costs), or "units" (:meth:`unit`'s made-up costs)."""
+    memory_unit: str = "bytes"
+    """What an activation size in these costs is: bytes, or "units"."""
 
     def __post_init__(self) -> None:
         n = len(self.f)
@@ -76,7 +80,7 @@ class Costs:
         n = num_stages
         return cls(f=(f * k,) * n, b=(b * k,) * n, i=(i * k,) * n, w=(w * k,) * n,
                    act_bytes=(act_bytes * k,) * n, out_bytes=(out_bytes,) * n, latency=latency,
-                   bandwidth=bandwidth)
+                   bandwidth=bandwidth, time_unit="units", memory_unit="units")
 
     @classmethod
     def from_profile(cls, profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
@@ -130,7 +134,7 @@ class ActionRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class SimResult:
-    """What :func:`simulate` found: times in seconds, memory in bytes (units of the costs)."""
+    """What :func:`simulate` found, in the units of the costs (``time_unit``, ``memory_unit``)."""
 
     schedule: Schedule
     makespan: float
@@ -140,6 +144,10 @@ class SimResult:
     """Peak live activation bytes per rank."""
     records: tuple[ActionRecord, ...] = field(repr=False)
     """Every action with its start and end, sorted by start time."""
+    time_unit: str = "s"
+    """Costs.time_unit: seconds, or "units" for unit costs."""
+    memory_unit: str = "bytes"
+    """Costs.memory_unit: bytes, or "units" for unit costs."""
 
     @property
     def bubble(self) -> float:
@@ -151,8 +159,8 @@ class SimResult:
     def summary(self) -> str:
         s = self.schedule
         lines = [s.describe(),
-                 f"makespan {self.makespan:.6g} s   bubble {self.bubble:.4f}   (SIMULATED)",
-                 "rank   busy s      peak activation bytes"]
+                 f"makespan {self.makespan:.6g} {self.time_unit}   bubble {self.bubble:.4f}   (SIMULATED)",
+                 f"rank   {'busy ' + self.time_unit:<10}  peak activation {self.memory_unit}"]
         for r, (b, p) in enumerate(zip(self.busy, self.peak_act)):
             lines.append(f"{r:>4}   {b:<10.6g}  {p:.6g}")
         return "\n".join(lines)
@@ -234,4 +242,4 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     makespan = max([rec.end for rec in records] + [0.0])
     records.sort(key=lambda x: (x.start, x.rank))
     return SimResult(schedule=schedule, makespan=makespan, busy=tuple(busy), peak_act=tuple(peak),
-                     records=tuple(records))
+                     records=tuple(records), time_unit=costs.time_unit, memory_unit=costs.memory_unit)

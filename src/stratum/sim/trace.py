@@ -15,7 +15,8 @@ _COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 
 
 def chrome_trace(result) -> dict:
-    """One complete ("X") event per action, ``tid`` = rank, times in microseconds of simulated seconds."""
+    """One complete ("X") event per action, ``tid`` = rank, times in microseconds of simulated
+    seconds (millionths of a unit under unit costs)."""
     sched = result.schedule
     events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
                "args": {"name": f"SIMULATED {sched.name}"}}]
@@ -27,8 +28,8 @@ def chrome_trace(result) -> dict:
                        "ts": rec.start * 1e6, "dur": (rec.end - rec.start) * 1e6,
                        "args": {"stage": a.stage, "mb": a.mb}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"simulated": True, "schedule": sched.name, "makespan_s": result.makespan,
-                          "bubble": result.bubble}}
+            "otherData": {"simulated": True, "schedule": sched.name, "makespan": result.makespan,
+                          "time_unit": result.time_unit, "bubble": result.bubble}}
 
 
 def write_chrome_trace(result, path: str | os.PathLike) -> None:
@@ -58,8 +59,9 @@ def write_png(result, path: str | os.PathLike, *, dpi: int = 110) -> None:
                     fontsize=6, color="white")
     ax.set_yticks(range(P), [f"rank {r}" for r in range(P)])
     ax.invert_yaxis()
-    ax.set_xlabel("simulated time (s)")
-    ax.set_title(f"SIMULATED {sched.name}: makespan {result.makespan:.4g} s, bubble {result.bubble:.3f}")
+    ax.set_xlabel(f"simulated time ({result.time_unit})")
+    ax.set_title(f"SIMULATED {sched.name}: makespan {result.makespan:.4g} {result.time_unit}, bubble "
+                 f"{result.bubble:.3f}")
     kinds = sorted({rec.action.kind for rec in result.records}, key="FBIW".index)
     ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7)
     fig.tight_layout()
