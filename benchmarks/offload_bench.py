@@ -138,7 +138,7 @@ def _worker(args) -> dict:
     import torch
 
     from stratum.model.build import build_model
-    from stratum.runtime import make_engine
+    from stratum.parallel.compose import make_engine
     from stratum.runtime.device import peak_rss_bytes
 
     common = ["train.seed=0", f"optim.grad_clip={args.grad_clip}", *args.set]

@@ -182,7 +182,8 @@ def worker(job_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from stratum.dist.launch import init_process_group
+    from stratum.dist.world import join_world
+    from stratum.ir.plan import parse_plan
     from stratum.model.build import build_model
     from stratum.runtime import optim_spec
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
@@ -195,7 +196,7 @@ def worker(job_path: str) -> None:
         use_rewalk()
     cfg = make_cfg(job)
     world = int(os.environ["WORLD_SIZE"])
-    init_process_group(world=world, backend="gloo", device=torch.device("cpu"), timeout_s=120)
+    mesh = join_world(parse_plan(f"pipeline({world})"), torch.device("cpu"), backend="gloo", timeout_s=120)
     rank = dist.get_rank()
     steps = job["warmup"] + job["steps"]
     all_batches = batches_for(cfg, steps)
@@ -219,7 +220,7 @@ def worker(job_path: str) -> None:
         sched = generate(kind, ranks=world, microbatches=cfg.train.grad_accum, **kw)
         model = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0)
         plan = PipelinePlan(schedule=sched, stages=even_partition(len(model), sched.num_stages))
-        eng = PipelineEngine(model, plan=plan, optim=optim_spec(cfg), device=torch.device("cpu"), timeout_s=120)
+        eng = PipelineEngine(model, plan=plan, optim=optim_spec(cfg), world=mesh)
         marks: dict = {}
         run_schedule = eng.runtime.run
 
@@ -298,7 +299,7 @@ def plain_side(job: dict, threads: int) -> dict:
     import torch
 
     from stratum.model.build import build_model
-    from stratum.runtime import make_engine
+    from stratum.parallel.compose import make_engine
 
     torch.set_num_threads(threads)
     cfg = make_cfg(job)

@@ -34,7 +34,7 @@ def worker(preset: str, side: str, steps: int, micro_batch: int, seq_len: int, c
     from stratum.data.prepare import prepare_data
     from stratum.data.tokens import TRAIN
     from stratum.model.build import build_model
-    from stratum.runtime import make_engine
+    from stratum.parallel.compose import make_engine
     from stratum.runtime.device import peak_rss_bytes, resolve_device
 
     cfg = load_config(None, [f"model.preset={preset!r}", f"data.seq_len={seq_len}",

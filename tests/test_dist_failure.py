@@ -106,7 +106,7 @@ def test_dead_or_hung_rank_stops_the_others_with_a_clear_error(make_cfg, tmp_pat
     assert "Traceback" not in err, err
     assert any(ln.startswith("stratum: error: rank 0:") and ("died or hung" in ln) for ln in lines), err
     if mode == "kill":
-        assert "stratum: error: pipeline rank 1 was killed by SIGKILL" in err
+        assert "stratum: error: rank 1 was killed by SIGKILL" in err
         assert code == 3
     else:
         assert code == 3

@@ -78,7 +78,8 @@ def run_engine(engine, steps: int = STEPS):
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
-    from stratum.dist.launch import init_process_group
+    from stratum.dist.world import join_world
+    from stratum.ir.plan import parse_plan
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate, loads
     from stratum.sim.pipeline import even_partition
@@ -86,7 +87,7 @@ def worker(job_path: str) -> None:
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
     world = int(os.environ["WORLD_SIZE"])
-    init_process_group(world=world, backend="gloo", device=torch.device("cpu"), timeout_s=60)
+    mesh = join_world(parse_plan(f"pipeline({world})"), torch.device("cpu"), backend="gloo", timeout_s=60)
     results = {}
     for case in job["cases"]:
         torch.manual_seed(0)
@@ -96,7 +97,7 @@ def worker(job_path: str) -> None:
             sched = generate(case["kind"], ranks=world, microbatches=M, **case["kw"])
         model = build(case["model"], job.get("hf_dir"))
         plan = PipelinePlan(schedule=sched, stages=even_partition(len(model), sched.num_stages))
-        engine = PipelineEngine(model, plan=plan, optim=spec(), device=torch.device("cpu"), timeout_s=60)
+        engine = PipelineEngine(model, plan=plan, optim=spec(), world=mesh)
         t0 = time.perf_counter()
         losses = run_engine(engine)
         wall = time.perf_counter() - t0
@@ -198,12 +199,12 @@ def test_every_schedule_matches_the_plain_engine(tmp_path, hf_dir, references, w
 
 
 def test_one_rank_in_process_matches_plain(references, hf_dir):
-    """pipeline.ranks = 1 runs in this process (a one-process group): the runtime without messages."""
-    from stratum.dist.launch import destroy_process_group, init_process_group
+    """pipeline(1) runs in this process without a process group: the runtime without messages."""
+    from stratum.dist.world import single_world
+    from stratum.ir.plan import parse_plan
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate
 
-    init_process_group(world=1, backend="gloo", device=torch.device("cpu"), timeout_s=30)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -211,7 +212,7 @@ def test_one_rank_in_process_matches_plain(references, hf_dir):
             model = build("gpt", None)
             sched = generate(kind, ranks=1, microbatches=M)
             eng = PipelineEngine(model, plan=PipelinePlan(schedule=sched, stages=[range(len(model))]),
-                                 optim=spec(), device=torch.device("cpu"))
+                                 optim=spec(), world=single_world(parse_plan("pipeline(1)"), torch.device("cpu")))
             res = {"losses": run_engine(eng)}
             st = eng.state()
             res["params"] = st.params
@@ -219,7 +220,6 @@ def test_one_rank_in_process_matches_plain(references, hf_dir):
             _check(res, references["gpt"], f"P=1 {kind}")
     finally:
         torch.set_num_threads(threads)
-        destroy_process_group()
 
 
 def test_balanced_partition_minimises_the_heaviest_stage():
@@ -236,7 +236,7 @@ def test_partition_from_a_profile_uses_the_dp_partitioner(make_cfg, tmp_path):
     """pipeline.partition = a Profile JSON: the cut comes from stratum.plan.partition on profiled time."""
     pytest.importorskip("stratum.plan.partition")
     from stratum.profile.profile import BlockProfile, Profile
-    from stratum.runtime.pipeline import check_pipeline
+    from stratum.parallel.compose import check_plan as check_pipeline
 
     # a fake profile of the tiny GPT (4 blocks): block 1 is 5x slower than the others
     blocks = [BlockProfile(index=i, name=f"b{i}", kind="x", n_params=1, param_bytes=4, grad_bytes=4,
@@ -255,13 +255,15 @@ def test_partition_from_a_profile_uses_the_dp_partitioner(make_cfg, tmp_path):
 
 
 def test_local_model_holds_only_its_blocks(make_cfg):
-    from stratum.runtime.pipeline import build_local_model
+    from stratum.model.placement import build_blocks
+    from stratum.parallel.compose import check_plan
 
     cfg = make_cfg("train.engine='pipeline'", "pipeline.ranks=2", "train.grad_accum=2")
     full_names = None
+    plan = check_plan(cfg, tokenizer_vocab=256)
     for rank in (0, 1):
-        model, plan = build_local_model(cfg, rank=rank, tokenizer_vocab=256, seq_len=32, seed=5,
-                                        device=torch.device("cpu"))
+        model = build_blocks(cfg.model, set(plan.blocks_of(rank)), tokenizer_vocab=256, seq_len=32, seed=5,
+                             device=torch.device("cpu"))
         real = {n for n, p in model.named_parameters() if p.device.type != "meta"}
         blocks = {int(n.split(".")[1]) for n in real}
         assert blocks <= set(plan.blocks_of(rank)) | {0}  # block 0 only for the tied embedding
@@ -299,8 +301,8 @@ def test_bad_pipeline_config_is_one_line_error_before_spawning(make_cfg, capsys,
 @pytest.mark.parametrize("overrides, message", [
     (["pipeline.ranks=0"], "pipeline.ranks must be ≥ 1"),
     (["pipeline.partition='magic'"], "pipeline.partition"),
-    (["pipeline.backend='mpi'"], "pipeline.backend"),
-    (["pipeline.timeout_s=0"], "pipeline.timeout_s"),
+    (["pipeline.backend='mpi'"], "parallel.backend"),
+    (["pipeline.timeout_s=0"], "parallel.timeout_s"),
     (["pipeline.nope=1"], "unknown key pipeline.nope"),
 ])
 def test_bad_pipeline_keys(make_cfg, overrides, message):
@@ -309,7 +311,7 @@ def test_bad_pipeline_keys(make_cfg, overrides, message):
 
 
 def test_schedule_file_must_fit_the_run(make_cfg, tmp_path):
-    from stratum.runtime.pipeline import check_pipeline
+    from stratum.parallel.compose import check_plan as check_pipeline
 
     f = tmp_path / "s.txt"
     f.write_text(CUSTOM)

@@ -8,7 +8,7 @@ import torch
 from stratum.data.prepare import prepare_data
 from stratum.data.tokens import TRAIN
 from stratum.model.build import build_model
-from stratum.runtime import make_engine
+from stratum.parallel.compose import make_engine
 from stratum.runtime.device import resolve_device
 from stratum.train.lr import lr_at
 from stratum.train.trainer import read_metrics, train
