@@ -1,0 +1,125 @@
+"""When the training loop checkpoints and stops early: SIGINT/SIGTERM, the time since the last checkpoint, and a
+failed run's empty output directory.
+
+A signal sets a flag; the loop finishes the step in progress, saves a checkpoint and stops, so an interrupted run
+resumes where it stopped. Every rank of a multi-process run decides together (:func:`agree`): the checkpoint is a
+collective, and a rank that saved alone would wait forever on the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run stopped at a signal, after a checkpoint (``stratum`` exits with code 130, as after Ctrl-C)."""
+
+
+class StopSignals:
+    """While installed, SIGINT and SIGTERM ask the loop to stop after the current step (``received``) instead of
+    ending the process. In a single process a second signal acts as usual (Ctrl-C twice stops at once; the
+    checkpoint being written is a temporary directory until renamed, so nothing is corrupted). A pipeline worker
+    ignores repeats: Ctrl-C reaches it both from the terminal and from the launcher that forwards it, and the
+    launcher kills workers that outlast its grace period anyway."""
+
+    def __init__(self) -> None:
+        from stratum.dist.launch import is_worker
+        self.received: str | None = None
+        self._escalate = not is_worker()
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            print(f"\nstratum: {self.received}: stopping after this step with a checkpoint"
+                  + (" (again to stop at once)" if self._escalate else ""), file=sys.stderr, flush=True)
+            if self._escalate:
+                self.restore()
+
+
+class CheckpointClock:
+    """Time since the last checkpoint against ``train.ckpt_minutes`` (0 = never due by time)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.seconds = minutes * 60.0
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self.last >= self.seconds
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+def agree(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag true on every rank if it is true on any (the identity without a multi-process group)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its ancestors that do not exist yet, outermost first."""
+    out = []
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out[::-1]
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories in ``created`` (made by the failed run) that hold nothing but empty directories;
+    anything with a file in it stays."""
+    if not created:
+        return
+    top = created[0]
+    if top.is_dir():
+        for root, dirs, _ in os.walk(top, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, d))
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
+def removes_new_empty_out_dir(fn):
+    """Decorate ``fn(cfg, ...)`` (a run writing to ``cfg.train.out_dir``): if it fails, the directories it created
+    for its output and left empty are removed — a run refused for bad input leaves nothing behind. A directory
+    that existed before, or that holds a file, is never touched."""
+    @functools.wraps(fn)
+    def wrapper(cfg, *args, **kwargs):
+        created = _missing_dirs(Path(cfg.train.out_dir).expanduser())
+        try:
+            return fn(cfg, *args, **kwargs)
+        except BaseException:
+            _remove_empty(created)
+            raise
+    return wrapper
