@@ -2,13 +2,47 @@
 
 from __future__ import annotations
 
+import torch
+
 from stratum.config import Config, to_toml
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
 from stratum.model.build import build_model
+from stratum.offload.units import fmt_bytes
 from stratum.runtime.device import describe, resolve_device
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory a run could take on ``device`` now: free GPU memory, or on a CPU the RAM Linux reports available
+    (MemAvailable); ``None`` where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plain_fit(state_bytes: int, available: int | None, device: torch.device) -> str:
+    """Whether the plain engine can hold the training state on ``device`` (activations come on top), and what to
+    do when it cannot: the offload engine under byte budgets."""
+    if available is None:
+        return f"fit: unknown (the memory of {device.type} cannot be read)"
+    where = "GPU memory free" if device.type == "cuda" else "RAM available"
+    if state_bytes < available:
+        return (f"fit: the training state ({fmt_bytes(state_bytes)}) fits in the {fmt_bytes(available)} of "
+                f"{where} (activations come on top)")
+    dev_gb, host_gb = max(1, available // 2 // 10**9), max(1, available // 4 // 10**9)
+    return (f"fit: the training state alone ({fmt_bytes(state_bytes)}) cannot fit in the {fmt_bytes(available)} "
+            f"of {where} on this device; train it with the offload engine under byte budgets (what fits in "
+            f"neither goes to disk), e.g. --set train.engine=offload --set offload.device_budget={dev_gb}GB --set "
+            f"offload.host_budget={host_gb}GB; `stratum plan` with the same settings checks them")
 
 
 def dry_run(cfg: Config) -> dict:
@@ -32,6 +66,8 @@ def dry_run(cfg: Config) -> dict:
         print(f"  {i:>3} {name:<16} {type(model.blocks[i]).__name__:<16} {owned:>14,} params")
     for g in model.tied:
         print(f"  tied: {' = '.join(g.names)}")
+    if cfg.train.engine == "plain":
+        print(plain_fit(state, device_memory_bytes(device), device))
     if cfg.train.engine == "offload":
         from stratum.offload.setup import plan_for
         print(plan_for(cfg, model, device, always_profile=True).describe())
