@@ -106,7 +106,8 @@ def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
         m.zero_grad(set_to_none=True)
     # STEPS AdamW steps with clipping
     named, ref_named = list(model.named_parameters()), list(ref.named_parameters())
-    opt, ref_opt = adamw_for(named, spec(), torch.device("cpu")), make_adamw(ref_named, spec(), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    opt, ref_opt = adamw_for(named, spec(), cpu), make_adamw(ref_named, spec(), cpu)
     out["losses"], out["ref_losses"] = train(model, opt, range(STEPS)), train(ref, ref_opt, range(STEPS))
     out["params"] = {n: full_tensor(p) for n, p in named}
     out["exp_avg"] = {n: full_tensor(opt.state[p]["exp_avg"]) for n, p in named}
@@ -126,6 +127,25 @@ def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
     return out
 
 
+def dropout_spread(mesh) -> tuple[float, float]:
+    """(largest difference between the ranks' outputs, largest difference from the output without dropout) of a
+    split model training with dropout, every rank seeded alike: block outputs must stay replicated for the
+    pipeline and the loss around them, so the ranks must draw the same residual dropout masks."""
+    import torch.distributed as dist
+
+    from stratum.parallel.split import apply_split
+
+    model = build_gpt("tiny", vocab_size=V, seed=5, max_seq_len=64, dropout=0.2)
+    apply_split(model, split_blocks(model), mesh)
+    x = batch(0)[0]
+    torch.manual_seed(7)
+    with torch.no_grad():
+        out, plain = model.train()(x), model.eval()(x)
+    outs = [torch.empty_like(out) for _ in range(mesh.size())]
+    dist.all_gather(outs, out, group=mesh.get_group())
+    return max(float((o - out).abs().max()) for o in outs), float((out - plain).abs().max())
+
+
 def worker(job_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -143,6 +163,7 @@ def worker(job_path: str) -> None:
         t0 = time.perf_counter()
         results[case] = run_case(case, job["hf_paths"], mesh)
         results[case]["wall_s"] = time.perf_counter() - t0
+    results["dropout"] = dropout_spread(mesh)
     if dist.get_rank() == 0:
         torch.save(results, job["out"])
     dist.destroy_process_group()
@@ -244,6 +265,13 @@ def test_unsplit_state_loads_into_a_split_model(results, case):
     assert len(r["resumed"]) == RESUMED
     for k, (a, b) in enumerate(zip(r["resumed"], r["ref_resumed"])):
         assert close(a, b, 1e-5), f"{case} resumed step {k}: loss {a} vs unsplit {b}"
+
+
+@pytest.mark.timeout(150)
+def test_split_ranks_seeded_alike_stay_replicated_under_dropout(results):
+    between_ranks, from_no_dropout = results["dropout"]
+    assert from_no_dropout > 0.0  # dropout is on
+    assert between_ranks == 0.0
 
 
 # ---- check_split without processes ------------------------------------------------------------------------

@@ -9,8 +9,9 @@ Parameter names stay the BlockSeq's own, so checkpoints keep their canonical nam
 
 Two layouts need more than torch's ``ColwiseParallel`` / ``RowwiseParallel``:
 
-- a fused q|k|v projection (Stratum's GPT ``qkv``, GPT-2's ``c_attn``) is sharded ``_StridedShard(split_factor=3)``:
-  each rank gets whole heads of q, of k and of v, and ``full_tensor()`` still gives the unsplit layout;
+- a fused q|k|v projection (Stratum's GPT ``qkv``, GPT-2's ``c_attn``) is sharded
+  ``_StridedShard(split_factor=3)``: each rank gets whole heads of q, of k and of v, and ``full_tensor()``
+  still gives the unsplit layout;
 - transformers' ``Conv1D`` stores its weight (in, out), the transpose of ``nn.Linear``'s, so its shard dims swap.
 
 Known block kinds: Stratum's GPT ``Layer``, transformers ``GPT2Block`` and ``LlamaDecoderLayer`` (as wrapped by
@@ -99,7 +100,7 @@ def _conv1d_rowwise() -> ParallelStyle:
     return _Sharded({"weight": Shard(0), "bias": Replicate()}, colwise=False)
 
 
-# ---- block kinds -------------------------------------------------------------------------------------------------
+# ---- block kinds ---------------------------------------------------------------------------------------------
 class SplitGptLayer(gpt.Layer):
     """Stratum's GPT layer with this rank's heads: ``n_head`` is the local count and the q|k|v width comes from
     the (sharded) projection's output, not from the input's width as in :class:`gpt.Layer`."""
@@ -245,6 +246,8 @@ def apply_split(model: BlockSeq, block_ids: Iterable[int], mesh: DeviceMesh) -> 
         if isinstance(model.blocks[i], REPLICATED_KINDS):
             raise ValueError(f"block {i} ({_kind_name(model.blocks[i])}) stays replicated under split; "
                              "pass split_blocks(model)")
+        if any(isinstance(p, DTensor) for p in model.blocks[i].parameters()):
+            raise ValueError(f"block {i} ({_kind_name(model.blocks[i])}) is split already")
         _check_block(i, model.blocks[i], n)
     for i in ids:
         block = model.blocks[i]
@@ -265,7 +268,7 @@ def grad_sq_norm(params: list[Tensor]) -> Tensor:
         sq = p.grad.detach().to(torch.float64).square().sum()
         if isinstance(sq, DTensor) and any(pl.is_partial() for pl in sq.placements):
             key = (sq.device_mesh, sq.placements)
-            shards[key] = shards[key] + sq.to_local() if key in shards else sq.to_local()
+            shards[key] = shards.get(key, 0.0) + sq.to_local()
         else:
             whole.append(sq.to_local() if isinstance(sq, DTensor) else sq)
     total = torch.stack(whole).sum() if whole else torch.zeros((), dtype=torch.float64)
@@ -318,7 +321,8 @@ def shard_like(full: Tensor, like: Tensor) -> Tensor:
     if not isinstance(like, DTensor):
         return full.detach().to(like.device, copy=True)
     if tuple(full.shape) != tuple(like.shape):
-        raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot take the place of one of {tuple(like.shape)}")
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot take the place of one of "
+                         f"{tuple(like.shape)}")
     d = distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
     return DTensor.from_local(d.to_local().clone(), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
