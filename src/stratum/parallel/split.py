@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
     distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, \
-    parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
+    RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from stratum.errors import StratumError
@@ -157,7 +157,13 @@ def _llama_sizes(block: hf.LlamaStyleLayer) -> dict[str, int]:
 
 
 def _llama_styles(block: hf.LlamaStyleLayer) -> dict[str, ParallelStyle]:
-    return {"layer.self_attn.q_proj": ColwiseParallel(), "layer.self_attn.k_proj": ColwiseParallel(),
+    # q, k, v (and gate, up) read one input: made a replicated DTensor once at the module's entry, its gradient
+    # is all-reduced once in the backward instead of once per projection.
+    once = Replicate()
+    return {"layer.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": once},
+                                                  desired_input_kwarg_layouts={"hidden_states": once}),
+            "layer.mlp": PrepareModuleInput(input_layouts=(once,), desired_input_layouts=(once,)),
+            "layer.self_attn.q_proj": ColwiseParallel(), "layer.self_attn.k_proj": ColwiseParallel(),
             "layer.self_attn.v_proj": ColwiseParallel(), "layer.self_attn.o_proj": RowwiseParallel(),
             "layer.mlp.gate_proj": ColwiseParallel(), "layer.mlp.up_proj": ColwiseParallel(),
             "layer.mlp.down_proj": RowwiseParallel()}
