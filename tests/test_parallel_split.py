@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
@@ -81,6 +82,16 @@ def train(model: BlockSeq, opt: torch.optim.Optimizer, steps: range) -> list[flo
     return losses
 
 
+class CountAllReduces(TorchDispatchMode):
+    """Counts the all-reduces DTensor issues (functional collectives) while active."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops._c10d_functional.all_reduce.default
+        return func(*args, **(kwargs or {}))
+
+
 # ---- the worker -----------------------------------------------------------------------------------------------
 def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
     """Everything rank 0 reports for one model: split and unsplit side by side, as full CPU tensors."""
@@ -95,9 +106,11 @@ def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
                  "ref_names": [n for n, _ in ref.named_parameters()],
                  "sharded": {n: [list(p.to_local().shape), list(p.shape)] for n, p in model.named_parameters()
                              if isinstance(p, DTensor)}}
-    # one forward/backward: loss, every full gradient, the global norm
-    for m in (ref, model):
-        m.loss(*batch(0)).backward()
+    # one forward/backward: loss, every full gradient, the global norm, the all-reduces it takes
+    ref.loss(*batch(0)).backward()
+    with CountAllReduces() as count:
+        model.loss(*batch(0)).backward()
+    out["all_reduces"], out["layers"] = count.n, len(split_blocks(model))
     out["grads"] = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
     out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
     out["sq"] = grad_sq_norm(list(model.parameters())).item()
@@ -240,6 +253,8 @@ def test_split_gradients_and_norm_match_the_unsplit_model(results, case):
     for n, g in r["ref_grads"].items():
         assert rel(r["grads"][n], g) <= 1e-5, f"{case} {n}: gradient differs by {rel(r['grads'][n], g):.2e}"
     assert close(r["sq"], r["ref_norm"] ** 2, 1e-6), f"{case}: {r['sq']} vs clip_grad_norm_ {r['ref_norm'] ** 2}"
+    # Megatron's minimum: one all-reduce after attention and one after the MLP, forward and backward
+    assert r["all_reduces"] == 4 * r["layers"], f"{case}: {r['all_reduces']} all-reduces for {r['layers']} layers"
 
 
 @pytest.mark.timeout(150)
