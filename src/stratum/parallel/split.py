@@ -258,7 +258,10 @@ def apply_split(model: BlockSeq, block_ids: Iterable[int], mesh: DeviceMesh) -> 
     for i in ids:
         block = model.blocks[i]
         kind = _kind(block)
-        parallelize_module(block, mesh, kind.styles(block))
+        styles = kind.styles(block)
+        for path in styles:  # parallelize_module skips a path that matches nothing; a renamed module must fail
+            block.get_submodule(path)
+        parallelize_module(block, mesh, styles)
         kind.localize(block, n)
 
 
