@@ -59,7 +59,8 @@ def _local_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:
 class _Sharded(ParallelStyle):
     """Column- or row-parallel for a linear-like module whose parameters shard as ``placements`` says (by
     parameter name): torch's ColwiseParallel / RowwiseParallel input and output handling, for modules those
-    refuse (transformers' Conv1D) or shard the wrong way (a fused q|k|v weight, which Shard(0) cuts through k)."""
+    refuse (transformers' Conv1D) or shard the wrong way (a fused q|k|v weight, which Shard(0) cuts through k).
+    It reuses those styles' input/output functions and ``_StridedShard``, torch internals (torch is pinned)."""
 
     def __init__(self, placements: dict[str, Placement], *, colwise: bool):
         super().__init__()
@@ -96,7 +97,8 @@ def _conv1d_colwise(fused: int = 1) -> ParallelStyle:
 
 
 def _conv1d_rowwise() -> ParallelStyle:
-    """Conv1D (weight (in, out)): input rows are weight dim 0; the bias is added once, after the all-reduce."""
+    """Conv1D (weight (in, out)): input rows are weight dim 0; the bias stays whole and counts once in the
+    all-reduced output."""
     return _Sharded({"weight": Shard(0), "bias": Replicate()}, colwise=False)
 
 
