@@ -79,6 +79,30 @@ def example_lm(*, vocab_size: int, seq_len: int, d_model: int = 128, n_layer: in
                                                                 d_model=d_model, n_layer=n_layer)))
 
 
+class _TokenBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over the channels of (B, T, C) activations, statistics over batch and positions."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+def batchnorm_lm_blocks(*, vocab_size: int, seq_len: int, d_model: int = 64, n_layer: int = 4,
+                        dropout: float = 0.0) -> list[Callable[[], nn.Module]]:
+    """A small language model whose blocks carry buffers (BatchNorm's running mean, variance and batch count) and,
+    with ``dropout`` > 0, draw from the RNG: what engines must keep exactly as the plain engine does. Its batch
+    statistics mix positions, so it is not causal: a test model, not one to train for text. BatchNorm sits only
+    inside the residual branches: a final one would cancel every per-channel shift of the residual stream, leave
+    the biases feeding it a gradient of rounding noise, and AdamW would turn that noise into full-size steps."""
+    def mix():
+        return _Residual(nn.Sequential(_TokenBatchNorm(d_model), _CausalMix(d_model)))
+
+    def mlp():
+        return _Residual(nn.Sequential(_TokenBatchNorm(d_model), nn.Linear(d_model, 2 * d_model), nn.GELU(),
+                                       nn.Dropout(dropout), nn.Linear(2 * d_model, d_model)))
+    return ([lambda: nn.Embedding(vocab_size, d_model)] + [mix, mlp] * n_layer
+            + [lambda: nn.LayerNorm(d_model), lambda: nn.Linear(d_model, vocab_size)])
+
+
 def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: int, lazy: bool = False,
                         device: torch.device | str = "cpu", name: str = "sequential",
                         loss_fn: LossFn = lm_cross_entropy, vocab_size: int = 0, max_seq_len: int = 0) -> BlockSeq:
