@@ -26,10 +26,19 @@ def _args(corpus_file, cache_dir, out, *extra: str) -> list[str]:
     return ["train"] + [x for s in sets for x in ("--set", s)]
 
 
-def _run_until_steps(argv: list[str], out: Path, steps: int, sig: int) -> tuple[subprocess.CompletedProcess, int]:
-    """Start `stratum <argv>` in a process group of its own, send ``sig`` to the group (as a terminal's Ctrl-C
-    reaches every process of the job) once ``steps`` steps are in metrics.jsonl; (the finished process, the
-    number of steps recorded when the signal was sent)."""
+def to_group(sig: int):
+    """Send ``sig`` to the job's process group, as a terminal's Ctrl-C reaches every process of the job."""
+    return lambda p: os.killpg(p.pid, sig)
+
+
+def to_launcher(sig: int):
+    """Send ``sig`` to the `stratum` process alone, as `kill PID` does."""
+    return lambda p: p.send_signal(sig)
+
+
+def _run_until_steps(argv: list[str], out: Path, steps: int, send) -> tuple[subprocess.CompletedProcess, int]:
+    """Start `stratum <argv>` in a process group of its own, ``send(process)`` a signal once ``steps`` steps are
+    in metrics.jsonl; (the finished process, the number of steps recorded when the signal was sent)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "stratum", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env, start_new_session=True)
@@ -41,7 +50,7 @@ def _run_until_steps(argv: list[str], out: Path, steps: int, sig: int) -> tuple[
             break
         time.sleep(0.05)
     assert p.poll() is None, p.communicate()
-    os.killpg(p.pid, sig)
+    send(p)
     stdout, stderr = p.communicate(timeout=120)
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), seen
 
@@ -50,7 +59,7 @@ def _run_until_steps(argv: list[str], out: Path, steps: int, sig: int) -> tuple[
 def test_a_signal_checkpoints_and_the_same_command_resumes_there(corpus_file, cache_dir, tmp_path, sig):
     out = tmp_path / "run"
     argv = _args(corpus_file, cache_dir, out)
-    res, seen = _run_until_steps(argv, out, 3, sig)
+    res, seen = _run_until_steps(argv, out, 3, to_group(sig))
     assert res.returncode == 130, res.stderr
     assert "Traceback" not in res.stderr and signal.Signals(sig).name in res.stderr
     ckpt = latest_checkpoint(out)
@@ -69,12 +78,15 @@ def test_a_signal_checkpoints_and_the_same_command_resumes_there(corpus_file, ca
 
 
 @pytest.mark.slow
-def test_ctrl_c_to_a_pipeline_run_checkpoints_every_rank_consistently(corpus_file, cache_dir, tmp_path):
-    """Ctrl-C reaches the launcher and both ranks (and the launcher forwards it once more); the ranks agree on
-    the step, rank 0 writes one checkpoint, every process exits cleanly, and the run resumes from it."""
+@pytest.mark.parametrize("send", [to_group(signal.SIGINT), to_launcher(signal.SIGTERM)],
+                         ids=["ctrl-c-to-every-process", "sigterm-to-the-launcher"])
+def test_a_signal_to_a_pipeline_run_checkpoints_every_rank_consistently(corpus_file, cache_dir, tmp_path, send):
+    """Ctrl-C reaches the launcher and both ranks (and the launcher forwards it once more); SIGTERM to the
+    launcher alone is forwarded. The ranks agree on the step, rank 0 writes one checkpoint, every process exits
+    cleanly, and the run resumes from it."""
     out = tmp_path / "run"
     argv = _args(corpus_file, cache_dir, out, "train.engine='pipeline'", "pipeline.ranks=2", "train.grad_accum=2")
-    res, _ = _run_until_steps(argv, out, 2, signal.SIGINT)
+    res, _ = _run_until_steps(argv, out, 2, send)
     assert res.returncode == 130, res.stderr
     assert "Traceback" not in res.stderr
     done = len(read_metrics(out))

@@ -214,6 +214,11 @@ class _ErrorDedup:
             t.join(timeout_s)
 
 
+def _interrupt(signum: int, frame) -> None:
+    """The launcher's SIGTERM handler: stop the job as Ctrl-C does (below)."""
+    raise KeyboardInterrupt
+
+
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None) -> int:
     """Run ``python -m stratum <argv>`` as ``nprocs`` local worker processes and wait for all of them.
 
@@ -237,6 +242,9 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     first_fail: tuple[int, int] | None = None
     deadline = None
     killed_here: set[int] = set()
+    # SIGTERM to the launcher stops the job as Ctrl-C does: forwarded, each rank checkpoints and exits
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -259,12 +267,15 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
-        for p in procs:
+        for p in procs:  # the ranks finish their step and write a checkpoint before they exit
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 p.kill()
         raise
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     errors.join()
     if first_fail is None:
         return 0
