@@ -117,7 +117,7 @@ def render(node: Node) -> str:
     if child is not None and not isinstance(child, Local):
         args.append(render(child))
     name = node_name(node)
-    return f"{name}({', '.join(args)})" if args or not isinstance(node, Local) else name
+    return f"{name}({', '.join(args)})" if args else name
 
 
 @dataclass(frozen=True)
@@ -260,9 +260,13 @@ class _Reader:
         if self.peek() == "(":
             self.take()
             while self.peek() != ")":
+                if self.peek() is None:
+                    raise self.fail("ends too early (a ')' missing?)")
                 self.arg(positional, keywords)
                 if self.peek() == ",":
                     self.take()
+                elif self.peek() is None:
+                    raise self.fail("ends too early (a ')' missing?)")
                 elif self.peek() != ")":
                     raise self.fail(f"expected ',' or ')' after an argument of {name}, got {self.peek()!r}")
             self.take()
@@ -286,6 +290,8 @@ class _Reader:
         values = [p for p in positional if isinstance(p, str)]
         if len(children) > 1:
             raise self.fail(f"{name} holds one child, got {len(children)}")
+        if children and cls not in _MAY_HOLD:
+            raise self.fail(f"{name} is a leaf: it holds no other node")
         kw: dict[str, object] = dict(self.defaults.get(name, {}))
         size_key = {"replicate": "n", "split": "n", "pipeline": "ranks"}.get(name)
         if values:

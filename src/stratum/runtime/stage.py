@@ -252,7 +252,7 @@ class StageRuntime:
         parts = spec.split(":")
         r, st, k = (int(v) for v in parts[:3])
         self._fault_signal = "SIGSTOP" if parts[3:] == ["stop"] else "SIGKILL"
-        return (st, k) if r == self.rank else None
+        return (st, k) if r == self.peers[self.rank] else None  # r is a process rank
 
     def _run_stage(self, s: int, x: Tensor) -> Tensor:
         for b in self.blocks[s]:
@@ -352,7 +352,8 @@ class StageRuntime:
                     shp, dt = (shapes_of[t.mb] if shapes_of else shapes)[
                         t.src_stage if t.tensor == "act" else t.dst_stage]
                     buf = torch.empty(shp, dtype=dt, device=dev)
-                    ops.append((dist.P2POp(dist.irecv, buf, self.peers[t.src_rank], tag=_tag(t, S)), buf, t, True))
+                    ops.append((dist.P2POp(dist.irecv, buf, self.peers[t.src_rank], tag=_tag(t, S)), buf, t,
+                                True))
                 next_post += 1
             return ops
 

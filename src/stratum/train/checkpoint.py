@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from stratum.atomic import atomic_replace_dir, atomic_write_json, atomic_write_text
-from stratum.config import Config
+from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
 from stratum.runtime.engine import TrainState
 
@@ -31,8 +31,10 @@ CKPT_DIR = "checkpoints"
 _MUST_MATCH = {
     "model": None,  # every model field
     "data": ("corpus", "tokenizer", "bpe_vocab_size", "seq_len", "val_fraction"),
-    "train": ("seed", "micro_batch_size", "grad_accum"),
+    "train": ("seed", "micro_batch_size"),
 }
+# grad_accum and the plan may change as long as the global batch (micro × accum × replicas) stays: a run saved
+# under replicate(2) with grad_accum = 2 continues under a plain engine with grad_accum = 4.
 
 
 @dataclass
@@ -152,6 +154,9 @@ def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[s
                 continue
             must = _MUST_MATCH.get(section, ())
             (refused if must is None or key in must else changed).append(f"{section}.{key}: {old!r} → {value!r}")
+    before = config_from_dict(saved)
+    if before.global_batch != cfg.global_batch:
+        refused.append(f"global batch (micro × accum × replicas): {before.global_batch} → {cfg.global_batch}")
     if refused:
         raise StratumError(f"checkpoint {ckpt.path} is from a different model/data setup ({'; '.join(refused)}); "
                            "use the original settings or a new train.out_dir")

@@ -1,0 +1,257 @@
+"""The replicate node: Adasum's arithmetic, ZeRO-2's layout, micro-batch shares, and parity of replicated plans
+with the plain engine on the same global batch — real gloo processes through ``stratum train``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stratum.dist.world import World
+from stratum.errors import StratumError
+from stratum.ir.plan import parse_plan
+from stratum.parallel import adasum
+from stratum.parallel.replicate import even_shares, speed_shares
+from stratum.parallel.shard import ShardedAdamW
+from stratum.runtime.engine import OptimSpec
+from stratum.train.checkpoint import latest_checkpoint, load_checkpoint
+from stratum.train.trainer import read_metrics, train
+
+SPEC = OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+
+
+# ---- Adasum ---------------------------------------------------------------------------------------------------
+def test_adasum_of_two_is_the_formula_and_keeps_its_limits():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64)
+    want = (1 - a @ b / (2 * a @ a)) * a + (1 - a @ b / (2 * b @ b)) * b
+    torch.testing.assert_close(adasum.combine(a, b), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(adasum.combine(a, a), a)  # parallel: averaged
+    e1, e2 = torch.eye(2, dtype=torch.float64)
+    torch.testing.assert_close(adasum.combine(e1, 3 * e2), e1 + 3 * e2)  # orthogonal: added
+    torch.testing.assert_close(adasum.combine(torch.zeros(2, dtype=torch.float64), e1), e1)
+
+
+def test_adasum_tree_splits_at_the_largest_power_of_two_below_n():
+    assert [adasum.split_point(n) for n in (2, 3, 4, 5, 6, 8, 9)] == [1, 2, 2, 4, 4, 4, 8]
+    gs = [torch.randn(7, dtype=torch.float64) for _ in range(5)]
+    c = adasum.combine
+    torch.testing.assert_close(adasum.tree(gs), c(c(c(gs[0], gs[1]), c(gs[2], gs[3])), gs[4]))
+    torch.testing.assert_close(adasum.tree(gs[:3]), c(c(gs[0], gs[1]), gs[2]))
+
+
+# ---- shares and ZeRO-2 layout ---------------------------------------------------------------------------------
+def test_micro_batch_shares_follow_speeds_and_sum_to_the_step():
+    assert even_shares(8, 3) == [3, 3, 2]
+    assert speed_shares(8, [1.0, 1.0]) == [4, 4]
+    assert speed_shares(8, [3.0, 1.0]) == [6, 2]
+    assert speed_shares(5, [1.0, 0.01, 1.0]) == [2, 1, 2]  # everyone takes at least one
+    assert sum(speed_shares(11, [2.5, 1.0, 0.7])) == 11
+    with pytest.raises(StratumError, match="cannot give each of 3 replicas one"):
+        speed_shares(2, [1.0, 1.0, 1.0])
+
+
+def _fake_world(n: int, replica: int) -> World:
+    """A replica's coordinates without a process group: enough to lay out its slice (no collective runs)."""
+    plan = parse_plan(f"replicate({n})")
+    return World(plan=plan, rank=replica, coord=plan.coord(replica), device=torch.device("cpu"), backend="gloo",
+                 timeout_s=5.0, members={"replica": list(range(n)), "stage_rank": [replica], "split": [replica]})
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sharded_state_is_one_nth_plus_at_most_one_tensor(n):
+    from stratum.model.gpt import build_gpt
+    model = build_gpt("tiny", vocab_size=256, seed=0)
+    named = list(model.named_parameters())
+    full = sum(p.numel() for _, p in named) * 8  # two fp32 moments per parameter (plain AdamW)
+    largest = max(p.numel() for _, p in named) * 8
+    total = 0
+    for r in range(n):
+        opt = ShardedAdamW([(k, torch.nn.Parameter(p.detach().clone())) for k, p in named], SPEC, _fake_world(n, r))
+        assert opt.state_bytes() <= full / n + largest
+        total += opt.state_bytes()
+        covered = sum(x.length for x in opt.pieces)
+        assert covered <= opt.shard_len
+    assert full <= total < full + n * 8  # the slices tile the state (the last one padded)
+
+
+# ---- Adasum across processes: every replica gets the tree of all replicas' gradients -----------------------------
+def adasum_worker(job_path: str) -> None:
+    from stratum.dist.world import join_world
+    from stratum.model.gpt import build_gpt
+    from stratum.parallel.replicate import ReplicateEngine
+    from stratum.runtime.plain import PlainEngine
+
+    torch.set_num_threads(1)
+    job = json.loads(Path(job_path).read_text())
+    n = int(os.environ["WORLD_SIZE"])
+    plan = parse_plan(f"replicate({n}, reduce=adasum)")
+    world = join_world(plan, torch.device("cpu"), backend="gloo", timeout_s=60)
+    model = build_gpt("tiny", vocab_size=256, seed=0)
+    child = PlainEngine(model, optim=SPEC, device=torch.device("cpu"))
+    eng = ReplicateEngine(child, node=plan.replicate, world=world)
+    g = torch.Generator().manual_seed(100 + world.rank)  # a different gradient on every replica
+    mine = {k: torch.randn(p.shape, generator=g) for k, p in child.grad_params()}
+    for k, p in child.grad_params():
+        p.grad = mine[k].clone()
+    eng._adasum()
+    torch.save({"mine": mine, "combined": {k: p.grad.clone() for k, p in child.grad_params()}},
+               Path(job["out"]) / f"rank{world.rank}.pt")
+
+
+def _spawn_workers(n: int, job: Path, timeout: float = 120) -> None:
+    from stratum.dist.launch import free_port
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                  OMP_NUM_THREADS="1"))
+             for r in range(n)]
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        assert p.returncode == 0, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_adasum_over_processes_equals_the_tree_in_one_process(tmp_path, n):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path)}))
+    _spawn_workers(n, job)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    for name in res[0]["mine"]:
+        want = adasum.tree([res[r]["mine"][name] for r in range(n)])
+        for r in range(n):
+            torch.testing.assert_close(res[r]["combined"][name], want, rtol=1e-6, atol=1e-7)
+
+
+# ---- parity through `stratum train` ------------------------------------------------------------------------------
+def _stratum(cfg, *extra: str, stop_at: int | None = None, timeout: float = 240) -> str:
+    d, t = cfg.data, cfg.train
+    args = ["train"] + (["--stop-at", str(stop_at)] if stop_at else [])
+    for o in [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
+              f"model.preset={cfg.model.preset!r}", f"model.source={cfg.model.source!r}",
+              f"model.hf_path={cfg.model.hf_path!r}", f"train.micro_batch_size={t.micro_batch_size}",
+              f"train.steps={t.steps}", f"train.eval_interval={t.eval_interval}", f"train.eval_batches={t.eval_batches}",
+              f"optim.warmup_steps={cfg.optim.warmup_steps}", f"optim.lr={cfg.optim.lr}",
+              f"train.out_dir={t.out_dir!r}", *extra]:
+        args += ["--set", o]
+    p = subprocess.run([sys.executable, "-m", "stratum", *args], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def _same_run(got_dir: Path, want_dir: Path, rel: float = 1e-5) -> None:
+    got, want = read_metrics(got_dir), read_metrics(want_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=rel), g["step"]
+        if "eval_loss" in w:
+            assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=rel)
+    a = load_checkpoint(latest_checkpoint(got_dir)).state
+    b = load_checkpoint(latest_checkpoint(want_dir)).state
+    assert a.params.keys() == b.params.keys() and a.optim.keys() == b.optim.keys()
+    # Adam's update is near lr·sign(g) where a gradient is tiny, so summation-order noise in such a gradient
+    # moves its parameter by up to ~lr·1e-3: the absolute tolerance is set by that, the losses carry the oracle
+    for k in b.params:
+        torch.testing.assert_close(a.params[k], b.params[k], rtol=rel, atol=1e-5)
+        torch.testing.assert_close(a.optim[k]["exp_avg"], b.optim[k]["exp_avg"], rtol=1e-3, atol=1e-7)
+
+
+@pytest.fixture
+def hf_gpt2(tmp_path) -> str:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=64,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    d = tmp_path / "gpt2"
+    cfg.save_pretrained(d)
+    return str(d / "config.json")
+
+
+PLANS = [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("replicate(2, pipeline(2))", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("source", ["gpt", "hf"])
+def test_replicated_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path, source, hf_gpt2):
+    model = ["model.source='hf'", f"model.hf_path={hf_gpt2!r}"] if source == "hf" else []
+    common = ["train.steps=10", "train.eval_interval=5", *model]
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
+    for plan, accum in PLANS:
+        out = tmp_path / plan.replace(" ", "").replace("(", "_").replace(")", "").replace(",", "_")
+        stdout = _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", f"train.grad_accum={accum}")
+        assert stdout.count("done:") == 1
+        _same_run(out, tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoints_move_between_plans(make_cfg, tmp_path):
+    """Saved under replicate(2, pipeline(2)), resumed under pipeline(4), then plain: the losses continue as the
+    uninterrupted plain run's; saved under replicate(2, shard=true), resumed under the offload engine."""
+    common = ["train.steps=6", "train.eval_interval=3"]
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
+    chain = make_cfg(*common, out=tmp_path / "chain")
+    _stratum(chain, "parallel.plan='replicate(2, pipeline(2))'", "train.grad_accum=2", stop_at=2)
+    _stratum(chain, "parallel.plan='pipeline(4)'", "train.grad_accum=4", stop_at=4)
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "chain"))
+    _same_run(tmp_path / "chain", tmp_path / "plain")
+    other = make_cfg(*common, out=tmp_path / "other")
+    _stratum(other, "parallel.plan='replicate(2, shard=true)'", "train.grad_accum=2", stop_at=3)
+    train(make_cfg(*common, "train.grad_accum=4", "parallel.plan='offload'", out=tmp_path / "other"))
+    _same_run(tmp_path / "other", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_adasum_trains_the_default_job(make_cfg, tmp_path):
+    cfg = make_cfg("train.steps=30", "optim.lr=3e-3", out=tmp_path / "ada")
+    _stratum(cfg, "parallel.plan='replicate(2, reduce=adasum)'", "train.grad_accum=2")
+    losses = [r["loss"] for r in read_metrics(tmp_path / "ada")]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.5
+
+
+# ---- bad plans: one line before any process starts -----------------------------------------------------------------
+@pytest.mark.parametrize("plan, message", [
+    ("replicate(0)", "replicate(0) must have at least 1 process"),
+    ("split(2, pipeline(2))", "split cannot hold pipeline"),
+    ("pipeline(8)", "needs 8 stages but the model has only 4 blocks"),
+    ("replicate(2, offload(device_budget=25%))", "not supported yet"),
+])
+def test_bad_plans_are_one_line_errors_before_any_process(make_cfg, capsys, plan, message):
+    from stratum.cli import main
+    cfg = make_cfg()
+    t0 = time.perf_counter()
+    code = main(["train", "--set", f"data.corpus={cfg.data.corpus!r}", "--set", f"data.cache_dir={cfg.data.cache_dir!r}",
+                 "--set", "model.preset='tiny'", "--set", f"train.out_dir={cfg.train.out_dir!r}",
+                 "--set", f"parallel.plan={plan!r}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("stratum: error:") and message in err and "\n" not in err
+    assert time.perf_counter() - t0 < 20
+    assert not Path(cfg.train.out_dir).exists()
+
+
+def test_a_launcher_with_another_world_size_is_refused(make_cfg, capsys, monkeypatch):
+    from stratum.cli import main
+    cfg = make_cfg()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code = main(["train", "--set", f"data.corpus={cfg.data.corpus!r}", "--set", f"data.cache_dir={cfg.data.cache_dir!r}",
+                 "--set", "model.preset='tiny'", "--set", f"train.out_dir={cfg.train.out_dir!r}",
+                 "--set", "parallel.plan='replicate(2)'"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "needs 2 processes but the launcher started WORLD_SIZE = 3" in err
+
+
+if __name__ == "__main__":
+    adasum_worker(sys.argv[1])
