@@ -167,27 +167,41 @@ def _same_run(got_dir: Path, want_dir: Path, rel: float = 1e-5) -> None:
         torch.testing.assert_close(a.optim[k]["exp_avg"], b.optim[k]["exp_avg"], rtol=1e-3, atol=1e-7)
 
 
+# (plan, grad_accum): each replica takes grad_accum of the plain run's 4 micro-batches
+PLANS = {
+    "gpt": [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("split(2)", 4), ("replicate(2, pipeline(2))", 2),
+            ("pipeline(2, split(2))", 4)],
+    "gpt2": [("replicate(2)", 2), ("split(2)", 4), ("replicate(2, pipeline(2))", 2)],
+    "llama": [("split(2)", 4)],
+}
+
+
 @pytest.fixture
-def hf_gpt2(tmp_path) -> str:
+def hf_config(tmp_path, request) -> str | None:
+    if request.param is None:
+        return None
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=64,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    d = tmp_path / "gpt2"
+    special = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if request.param == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, **special)
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       **special)
+    d = tmp_path / request.param
     cfg.save_pretrained(d)
     return str(d / "config.json")
 
 
-PLANS = [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("replicate(2, pipeline(2))", 2)]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("source", ["gpt", "hf"])
-def test_replicated_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path, source, hf_gpt2):
-    model = ["model.source='hf'", f"model.hf_path={hf_gpt2!r}"] if source == "hf" else []
+@pytest.mark.parametrize("source, hf_config", [("gpt", None), ("gpt2", "gpt2"), ("llama", "llama")],
+                         indirect=["hf_config"])
+def test_parallel_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path, source, hf_config):
+    model = ["model.source='hf'", f"model.hf_path={hf_config!r}"] if source != "gpt" else []
     common = ["train.steps=10", "train.eval_interval=5", *model]
     train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
-    for plan, accum in PLANS:
+    for plan, accum in PLANS[source]:
         out = tmp_path / plan.replace(" ", "").replace("(", "_").replace(")", "").replace(",", "_")
         stdout = _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", f"train.grad_accum={accum}")
         assert stdout.count("done:") == 1

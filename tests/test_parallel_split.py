@@ -64,7 +64,7 @@ def spec():
 
 def train(model: BlockSeq, opt: torch.optim.Optimizer, steps: range) -> list[float]:
     """The engines' step: loss, backward, clip by the global norm from grad_sq_norm, AdamW."""
-    from stratum.parallel.split import grad_sq_norm, scale_grads_
+    from stratum.runtime.tensors import grad_sq_norm, scale_grads_
     from stratum.runtime.engine import clip_coef
 
     params = list(model.parameters())
@@ -97,7 +97,9 @@ def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
     """Everything rank 0 reports for one model: split and unsplit side by side, as full CPU tensors."""
     from torch.distributed.tensor import DTensor
 
-    from stratum.parallel.split import adamw_for, apply_split, full_tensor, grad_sq_norm, load_full_, shard_state
+    from stratum.parallel.split import apply_split
+    from stratum.runtime.optim import make_adamw as adamw_for
+    from stratum.runtime.tensors import full_tensor, grad_sq_norm, load_full_, shard_state
     from stratum.runtime.optim import make_adamw
 
     ref, model = build(case, hf_paths), build(case, hf_paths)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from stratum.config import Config
 from stratum.dist.launch import resolve_backend
@@ -27,6 +28,7 @@ from stratum.model.placement import build_blocks
 from stratum.offload.setup import make_offload_engine
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.shard import ShardedAdamW
+from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.runtime.engine import Engine, GradEngine
 from stratum.runtime.optim import MakeOptimizer, optim_spec
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
@@ -44,6 +46,9 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     if isinstance(plan.leaf, Offload) and plan.root is not plan.leaf:
         raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs only as the whole plan so far "
                            "(offload(...)); nested under replicate or pipeline it is not supported yet")
+    if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
+        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
+                           "parameters yet; use shard=false with split")
     dev = _device_type(cfg)
     if plan.world_size() > 1:
         resolve_backend(cfg.parallel.backend, dev)
@@ -53,6 +58,8 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
                                "torchrun, or make the plan smaller")
     meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                        device="meta")
+    if plan.split is not None:
+        check_split(meta, plan.split.n)
     return plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum) if plan.pipeline else None
 
 
@@ -87,18 +94,31 @@ def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> 
                                model, world.device)
 
 
+def _split(model: BlockSeq, world: World, held: set[int]) -> None:
+    """Tensor-parallelize the layer blocks this rank holds over its split group."""
+    check_split(model, world.plan.split.n)
+    group = world.group("split")
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, world.device.type)
+        apply_split(model, [i for i in split_blocks(model) if i in held], mesh)
+
+
 def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None) -> Engine:
     """The executor tree of ``world.plan`` over ``model`` (as :func:`rank_model` built it)."""
     plan = world.plan
     spec, precision = optim_spec(cfg), cfg.train.precision
     if isinstance(plan.leaf, Offload):
         return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
+    if plan.pipeline is not None and pipeline_plan is None:
+        pipeline_plan = plan_pipeline(plan.pipeline, model, cfg.train.grad_accum)
+    if plan.split is not None:
+        held = pipeline_plan.blocks_of(world.coord.stage_rank) if pipeline_plan else range(len(model))
+        _split(model, world, set(held))
     make_opt = _optimizer(plan, cfg, world)
     engine: GradEngine
     if plan.pipeline is not None:
         node = plan.pipeline
-        engine = PipelineEngine(model, plan=pipeline_plan or plan_pipeline(node, model, cfg.train.grad_accum),
-                                optim=spec, world=world, precision=precision,
+        engine = PipelineEngine(model, plan=pipeline_plan, optim=spec, world=world, precision=precision,
                                 schedule_for=lambda m: make_schedule(node, m), make_optimizer=make_opt)
     else:
         engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)

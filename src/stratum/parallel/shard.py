@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from stratum.dist.world import World
-from stratum.runtime.engine import OptimSpec, sq_norm
+from stratum.runtime.engine import OptimSpec
+from stratum.runtime.tensors import grad_sq_norm
 from stratum.runtime.optim import Optimizer, decays
 
 
@@ -107,7 +108,7 @@ class ShardedAdamW(Optimizer):
 
     def local_sq_norm(self, counted: set[str]) -> torch.Tensor:
         """Squared norm of this slice's gradients of the ``counted`` parameters."""
-        return sq_norm([x.param.grad for x in self.pieces if x.name in counted and x.param.grad is not None])
+        return grad_sq_norm([x.param for x in self.pieces if x.name in counted])
 
     def step(self, lr: float, coef: torch.Tensor) -> None:
         grads = [x.param.grad for x in self.pieces if x.param.grad is not None]

@@ -17,16 +17,16 @@ Two layouts need more than torch's ``ColwiseParallel`` / ``RowwiseParallel``:
 Known block kinds: Stratum's GPT ``Layer``, transformers ``GPT2Block`` and ``LlamaDecoderLayer`` (as wrapped by
 :mod:`stratum.model.hf`); embedding and head blocks stay replicated; any other block kind is refused by name.
 
-Around the forward: :func:`grad_sq_norm` and :func:`scale_grads_` for clipping, :func:`adamw_for` for the
-optimizer, :func:`full_tensor`, :func:`load_full_` and :func:`shard_state` for placement-independent checkpoints.
-Functions marked *collective* must be called by every rank of the split group, in the same order.
+The engines treat the DTensor parameters like any other through :mod:`stratum.runtime.tensors` (norms, clip
+scaling, whole copies for checkpoints) and :func:`stratum.runtime.optim.make_adamw`. Functions marked
+*collective* must be called by every rank of the split group, in the same order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,6 @@ from stratum.errors import StratumError
 from stratum.model import gpt, hf
 from stratum.model.blockseq import BlockSeq
 
-if TYPE_CHECKING:
-    from stratum.runtime.engine import OptimSpec
 
 REPLICATED_KINDS = (gpt.Embed, gpt.Head, hf.GPT2Embed, hf.TokenEmbed, hf.Head)
 """Embedding and head blocks: split leaves them whole on every rank of the group."""
@@ -103,20 +101,6 @@ def _conv1d_rowwise() -> ParallelStyle:
 
 
 # ---- block kinds ---------------------------------------------------------------------------------------------
-class SplitGptLayer(gpt.Layer):
-    """Stratum's GPT layer with this rank's heads: ``n_head`` is the local count and the q|k|v width comes from
-    the (sharded) projection's output, not from the input's width as in :class:`gpt.Layer`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, -1)))
-        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
-
-
 def _gpt_sizes(block: gpt.Layer) -> dict[str, int]:
     return {"attention heads": block.n_head, "MLP width": block.fc.out_features}
 
@@ -127,10 +111,7 @@ def _gpt_styles(block: gpt.Layer) -> dict[str, ParallelStyle]:
 
 
 def _gpt_localize(block: gpt.Layer, n: int) -> None:
-    # gpt.Layer.forward reads the model width from its input, which stays whole; the subclass reads it from
-    # the sharded projection instead (its forward is the same computation for n = 1).
-    block.n_head //= n
-    block.__class__ = SplitGptLayer
+    block.n_head //= n  # gpt.Layer takes its widths from the (sharded) projections
 
 
 def _gpt2_sizes(block: hf.GPT2Layer) -> dict[str, int]:
@@ -265,92 +246,3 @@ def apply_split(model: BlockSeq, block_ids: Iterable[int], mesh: DeviceMesh) -> 
             block.get_submodule(path)
         parallelize_module(block, mesh, styles)
         kind.localize(block, n)
-
-
-# ---- gradients -----------------------------------------------------------------------------------------------
-def grad_sq_norm(params: list[Tensor]) -> Tensor:
-    """Squared global norm (float64 scalar) of ``params``' gradients as the unsplit model has it (collective):
-    a sharded gradient counts its shards summed over the split group, a replicated or plain one once."""
-    whole: list[Tensor] = []
-    shards: dict[tuple, Tensor] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().to(torch.float64).square().sum()
-        if isinstance(sq, DTensor) and any(pl.is_partial() for pl in sq.placements):
-            key = (sq.device_mesh, sq.placements)
-            shards[key] = shards.get(key, 0.0) + sq.to_local()
-        else:
-            whole.append(sq.to_local() if isinstance(sq, DTensor) else sq)
-    total = torch.stack(whole).sum() if whole else torch.zeros((), dtype=torch.float64)
-    for (mesh, placements), local in shards.items():
-        # one reduction for all sharded gradients of a mesh, not one per tensor: DTensor sums the Partial
-        total = total.to(local.device) + DTensor.from_local(local, mesh, placements).full_tensor()
-    return total
-
-
-def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
-    """Multiply every gradient by ``coef`` (the clip factor): torch's foreach kernels refuse a list that mixes
-    DTensors with plain tensors, so each kind (and device) gets its own call."""
-    groups: dict[tuple[bool, torch.device], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((isinstance(g, DTensor), g.device), []).append(g)
-    for (_, device), gs in groups.items():
-        torch._foreach_mul_(gs, coef.to(device, gs[0].dtype))
-
-
-def adamw_for(named: list[tuple[str, nn.Parameter]], spec: OptimSpec, device: torch.device) -> torch.optim.AdamW:
-    """:func:`stratum.runtime.optim.make_adamw` for a model that may hold DTensor parameters: the same decay rule
-    and fused kernels, with DTensor and plain parameters in separate groups, since fused and foreach AdamW
-    refuse a group mixing the two (torch 2.13), while each kind alone runs fused on CPU."""
-    from stratum.runtime.optim import decays  # here, not at the top: runtime imports engines that import us
-
-    groups = []
-    for decay in (True, False):
-        for sharded in (True, False):
-            ps = [p for n, p in named if decays(n, p) == decay and isinstance(p, DTensor) == sharded]
-            if ps:
-                groups.append({"params": ps, "weight_decay": spec.weight_decay if decay else 0.0})
-    fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(groups, lr=0.0, betas=spec.betas, eps=spec.eps, fused=fused)
-
-
-# ---- placement-independent state ---------------------------------------------------------------------------
-def full_tensor(t: Tensor) -> Tensor:
-    """A CPU copy of the whole tensor: a parameter, a gradient or an AdamW state tensor, DTensor or not
-    (collective for a DTensor)."""
-    t = t.detach()
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.to("cpu", copy=True)
-
-
-def shard_like(full: Tensor, like: Tensor) -> Tensor:
-    """``full`` laid out as ``like``: this rank's shard as a DTensor with ``like``'s placements when ``like`` is a
-    DTensor, else a copy on ``like``'s device. Every rank cuts its piece from its own copy of ``full``, so
-    nothing is communicated; the piece is a fresh tensor that does not keep ``full`` alive."""
-    if not isinstance(like, DTensor):
-        return full.detach().to(like.device, copy=True)
-    if tuple(full.shape) != tuple(like.shape):
-        raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot take the place of one of "
-                         f"{tuple(like.shape)}")
-    d = distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    return DTensor.from_local(d.to_local().clone(), like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
-
-
-def load_full_(param: Tensor, full: Tensor) -> None:
-    """Copy the whole tensor ``full`` into ``param`` (its local shard where ``param`` is a DTensor)."""
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            param.to_local().copy_(shard_like(full, param).to_local())
-        else:
-            param.copy_(full)
-
-
-def shard_state(state: dict[str, Tensor], like: Tensor) -> dict[str, Tensor]:
-    """One parameter's AdamW state as saved whole (``exp_avg``, ``exp_avg_sq`` …, CPU) laid out for loading into
-    an optimizer over the (possibly DTensor) parameter ``like``: tensors of the parameter's shape become its
-    shards; ``step`` stays a plain scalar, as torch's AdamW keeps it for DTensor parameters too."""
-    return {k: shard_like(v, like) if k != "step" and tuple(v.shape) == tuple(like.shape)
-            else v.to(like.device, copy=True) for k, v in state.items()}

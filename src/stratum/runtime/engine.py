@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from stratum.data.tokens import Batch
+from stratum.runtime.tensors import grad_sq_norm
 
 
 @dataclass(kw_only=True)
@@ -135,8 +136,7 @@ class GradEngine(Engine):
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared global norm of the gradients now held, over all ranks of this engine."""
         counted = self.norm_counted()
-        grads = [p.grad for n, p in self.grad_params() if n in counted and p.grad is not None]
-        return self.reduce_sq_norm(sq_norm(grads))
+        return self.reduce_sq_norm(grad_sq_norm([p for n, p in self.grad_params() if n in counted]))
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         n = len(micro_batches)
@@ -144,11 +144,3 @@ class GradEngine(Engine):
         norm = self.grad_sq_norm().sqrt().float()
         self.update(lr, clip_coef(norm, self.spec.grad_clip))
         return StepResult(loss=float(loss_sum) / n, grad_norm=float(norm))
-
-
-def sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of ``tensors`` as a float64 scalar (zero for none)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([x.double() for x in norms]).pow(2).sum()

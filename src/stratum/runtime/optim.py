@@ -7,10 +7,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.runtime.engine import OptimSpec, TrainState
+from stratum.runtime.tensors import full_tensor, load_full_, scale_grads_, shard_state
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -21,12 +23,14 @@ def decays(name: str, p: nn.Parameter) -> bool:
 
 
 def make_adamw(named: list[tuple[str, nn.Parameter]], spec: OptimSpec, device: torch.device) -> torch.optim.AdamW:
-    """torch's AdamW over ``named`` with two groups (decay / no decay); fused kernels where the device has them."""
-    groups = [
-        {"params": [p for n, p in named if decays(n, p)], "weight_decay": spec.weight_decay},
-        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    """torch's AdamW over ``named`` in groups by decay (matrices decay) and, under a split plan, by DTensor or
+    not — fused and foreach AdamW refuse a group that mixes the two (torch 2.13), each kind alone runs fused."""
+    groups = []
+    for decay in (True, False):
+        for sharded in (False, True):
+            ps = [p for n, p in named if decays(n, p) == decay and isinstance(p, DTensor) == sharded]
+            if ps:
+                groups.append({"params": ps, "weight_decay": spec.weight_decay if decay else 0.0})
     # fused=True: one multi-threaded kernel per group; on CPU it is several times the foreach path.
     fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(groups, lr=0.0, betas=spec.betas, eps=spec.eps, fused=fused)
@@ -38,7 +42,7 @@ def export_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter
     for name, p in named:
         st = opt.state.get(p)
         if st:
-            out[name] = {k: st[k].detach().to("cpu", copy=True) for k in _STATE_KEYS if k in st}
+            out[name] = {k: full_tensor(st[k]) for k in _STATE_KEYS if k in st}
     return out
 
 
@@ -48,8 +52,7 @@ def import_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter
     opt.state.clear()
     for name, p in named:
         if name in state:
-            st = state[name]
-            opt.state[p] = {k: st[k].to(p.device, copy=True) for k in _STATE_KEYS if k in st}
+            opt.state[p] = shard_state({k: v for k, v in state[name].items() if k in _STATE_KEYS}, p)
 
 
 class Optimizer(abc.ABC):
@@ -77,9 +80,7 @@ class LocalAdamW(Optimizer):
         self.opt = make_adamw(named, spec, device)
 
     def step(self, lr: float, coef: torch.Tensor) -> None:
-        grads = [p.grad for _, p in self.named if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        scale_grads_([p.grad for _, p in self.named if p.grad is not None], coef)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
@@ -102,9 +103,8 @@ def load_params(named: list[tuple[str, nn.Parameter]], state: TrainState) -> Non
     missing = [n for n, _ in named if n not in state.params]
     if missing:
         raise StratumError(f"the training state lacks parameter(s) {missing[:3]}; it is from another model")
-    with torch.no_grad():
-        for n, p in named:
-            p.copy_(state.params[n])
+    for n, p in named:
+        load_full_(p, state.params[n])
 
 
 def optim_spec(cfg: Config) -> OptimSpec:

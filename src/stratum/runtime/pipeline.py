@@ -42,6 +42,7 @@ from stratum.model.placement import localize
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
+from stratum.runtime.tensors import full_tensor
 from stratum.runtime.stage import StageRuntime
 from stratum.schedule.ir import Action, Schedule
 
@@ -255,7 +256,7 @@ class PipelineEngine(GradEngine):
         return float(red[0]) / n
 
     def state(self) -> TrainState:
-        mine = TrainState(params={n: p.detach().to("cpu", copy=True) for n, p in self.named},
+        mine = TrainState(params={n: full_tensor(p) for n, p in self.named},
                           optim=self.opt.export(),
                           buffers=buffers_to_cpu(self.model, self.my_blocks))  # each rank its own blocks'
         got: list = [None] * self.world if self.rank == 0 else None

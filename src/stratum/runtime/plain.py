@@ -12,6 +12,7 @@ from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
+from stratum.runtime.tensors import full_tensor
 
 
 class PlainEngine(GradEngine):
@@ -61,7 +62,7 @@ class PlainEngine(GradEngine):
         return total / len(batches)
 
     def state(self) -> TrainState:
-        return TrainState(params={n: p.detach().to("cpu", copy=True) for n, p in self.named},
+        return TrainState(params={n: full_tensor(p) for n, p in self.named},
                           optim=self.opt.export(), buffers=buffers_to_cpu(self.model))
 
     def load_state(self, state: TrainState) -> None:
