@@ -90,7 +90,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 200
+    steps: int = 100
     """Optimizer steps of the whole run (the cosine schedule ends here)."""
     micro_batch_size: int = 16
     """Sequences per micro-batch (one forward/backward)."""
