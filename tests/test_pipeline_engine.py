@@ -19,7 +19,7 @@ import torch
 
 from stratum.errors import StratumError
 
-V, T, MB, M, STEPS = 256, 16, 2, 4, 10
+V, T, MB, M, STEPS = 256, 16, 2, 4, 6  # each step runs a whole schedule: 6 show any drift from plain
 KINDS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual": 2}), ("wave", {"waves": 1}),
          ("zb-1f1b", {}), ("zb-wave", {"waves": 1})]
 # A user-written schedule: stage 0 mixes a full B with a split I/W; rank 1 splits its first backward.
