@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("config", help="list every config key with its default and description")
 
+    p = sub.add_parser("run", help="run your own script (stratum.parallelize) as N local processes")
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="processes: the plan's process count")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="grace for the others after one fails")
+    p.add_argument("script", help="a Python script that calls stratum.parallelize")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
     try:
         from stratum.schedule.cli import add_parser as add_schedule
     except ImportError:
@@ -82,6 +88,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from stratum.offload.cli import run as run_plan
         return run_plan(args)
+    if args.command == "run":
+        return _run_script(args)
 
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
@@ -122,12 +130,24 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
     prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
     prepare_out_dir(Path(cfg.train.out_dir).expanduser())
-    argv = ["train"] + (["--config", args.config] if args.config else [])
+    argv = ["-m", "stratum", "train"] + (["--config", args.config] if args.config else [])
     for o in args.overrides:
         argv += ["--set", o]
     if args.stop_at is not None:
         argv += ["--stop-at", str(args.stop_at)]
     return spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5)
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    """``stratum run``: the user's script in ``--nproc`` local worker processes, as torchrun would start them."""
+    from pathlib import Path
+
+    from stratum.dist.launch import spawn_local
+    if args.nproc < 1:
+        raise StratumError("--nproc must be ≥ 1")
+    if not Path(args.script).is_file():
+        raise StratumError(f"script {args.script!r} does not exist")
+    return spawn_local([args.script, *args.script_args], args.nproc, grace_s=args.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

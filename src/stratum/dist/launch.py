@@ -220,7 +220,8 @@ def _interrupt(signum: int, frame) -> None:
 
 
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None) -> int:
-    """Run ``python -m stratum <argv>`` as ``nprocs`` local worker processes and wait for all of them.
+    """Run ``python <argv>`` (``-m stratum train …``, or a user's script and its arguments) as ``nprocs`` local
+    worker processes and wait for all of them.
 
     Returns 0 when every worker succeeded, else the exit code of the first worker that failed. When one fails,
     the others get ``grace_s`` seconds to notice (they stop with their own one-line error), then are killed.
@@ -236,7 +237,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         if "OMP_NUM_THREADS" not in base:
             e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        procs.append(subprocess.Popen([sys.executable, "-m", "stratum", *argv], env=e, preexec_fn=preexec,
+        procs.append(subprocess.Popen([sys.executable, *argv], env=e, preexec_fn=preexec,
                                       stderr=subprocess.PIPE, text=True, bufsize=1))
         errors.follow(procs[-1].stderr)
     first_fail: tuple[int, int] | None = None

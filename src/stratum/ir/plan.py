@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Union
+from typing import Callable, Union
 
 from stratum.errors import StratumError
 
@@ -207,8 +207,39 @@ class Plan:
             seen.setdefault(g[0], g)
         return list(seen.values())
 
+    def table(self, blocks_of: Callable[[int], list[int]]) -> str:
+        """Which process holds what: one row per rank, with the blocks ``blocks_of(pipeline rank)`` returns."""
+        head = f"{'rank':>4}  {'replica':>7}  {'stage rank':>10}  {'split':>5}  {'blocks':<16}  holds"
+        rows = [head, "-" * len(head)]
+        for rank in range(self.world_size()):
+            c = self.coord(rank)
+            rows.append(f"{rank:>4}  {c.replica:>7}  {c.stage_rank:>10}  {c.split:>5}  "
+                        f"{_ranges(blocks_of(c.stage_rank)):<16}  {self._holds(c)}")
+        return "\n".join(rows)
+
+    def _holds(self, c: Coord) -> str:
+        parts = []
+        if self.split is not None and self.split.n > 1:
+            parts.append(f"1/{self.split.n} of each layer's heads and MLP (shard {c.split})")
+        if self.replicate is not None and self.replicate.shard and self.replicate.n > 1:
+            parts.append(f"1/{self.replicate.n} of the gradients and AdamW state (slice {c.replica})")
+        if isinstance(self.leaf, Offload):
+            parts.append("training state over device, host and disk (offload)")
+        return "; ".join(parts) or "whole parameters, gradients and AdamW state"
+
     def __str__(self) -> str:
         return render(self.root)
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2, 5``."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 # ---- parsing --------------------------------------------------------------------------------------------------

@@ -413,34 +413,10 @@ def _flatten_llama_style(model) -> tuple[list[nn.Module], list[str]]:
     return blocks, ["embed"] + [f"layer.{i}" for i in range(len(layers))] + ["head"]
 
 
-def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torch.device | str = "cpu",
-             vocab_size: int | None = None, lazy: bool = False) -> BlockSeq:
-    """Build a local ``transformers`` causal LM as a BlockSeq.
-
-    ``path`` is a ``config.json`` (random init) or a model directory: with weights (``model.safetensors``,
-    ``pytorch_model.bin`` or their sharded indexes) they are loaded, otherwise the model is randomly
-    initialised from ``seed`` (deterministically; the caller's RNG state is left untouched). ``dropout``
-    overrides the config's dropout probabilities. ``vocab_size`` is the tokenizer's vocabulary: with random
-    init it replaces ``config.vocab_size``; with loaded weights it must not exceed it. On the ``meta`` device
-    the structure is built without memory or weights. ``lazy`` (CPU): parameters on the meta device and
-    ``seq.materialize(i)`` gives block i its values — read from the weight files (safetensors, or
-    ``pytorch_model.bin`` memory-mapped; the values ``from_pretrained`` gives) or, for random init, drawn block by
-    block exactly as the eager build draws them — so a model larger than RAM is built one block at a time.
-    Bad input raises :class:`StratumError`.
-    """
-    transformers = _import_transformers()
-    cfg_file, weights_dir = _resolve(path)
-    config = _load_config(transformers, cfg_file)
-    _override(config, dropout=dropout, vocab_size=vocab_size, loading=weights_dir is not None)
-    dev = torch.device(device)
-    weights = _weights_index(weights_dir) if lazy and weights_dir is not None and dev.type == "cpu" else None
-    per_block = weights_dir is None and dev.type != "meta"  # random init, block by block (eager or lazy)
-    model = _make_model(transformers, config, weights_dir, dev,
-                        params_on_meta=weights is not None or per_block)
-    model.train()  # from_pretrained returns eval mode; a BlockSeq starts in train mode like any nn.Module
+def from_transformers(model) -> BlockSeq:
+    """A transformers causal LM (GPT-2 or the Llama layout), already built, as a BlockSeq sharing its modules."""
     config = model.config
     model_type = config.model_type
-
     tie = bool(getattr(config, "tie_word_embeddings", False))
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     if tie and emb.weight is not out.weight:
@@ -466,8 +442,37 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     seq = BlockSeq(blocks, lm_cross_entropy, info, names)
     if tie and not seq.tied:
         raise RuntimeError("tied embedding was not found in both the embed and head blocks")
+    return seq
+
+
+def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torch.device | str = "cpu",
+             vocab_size: int | None = None, lazy: bool = False) -> BlockSeq:
+    """Build a local ``transformers`` causal LM as a BlockSeq.
+
+    ``path`` is a ``config.json`` (random init) or a model directory: with weights (``model.safetensors``,
+    ``pytorch_model.bin`` or their sharded indexes) they are loaded, otherwise the model is randomly
+    initialised from ``seed`` (deterministically; the caller's RNG state is left untouched). ``dropout``
+    overrides the config's dropout probabilities. ``vocab_size`` is the tokenizer's vocabulary: with random
+    init it replaces ``config.vocab_size``; with loaded weights it must not exceed it. On the ``meta`` device
+    the structure is built without memory or weights. ``lazy`` (CPU): parameters on the meta device and
+    ``seq.materialize(i)`` gives block i its values — read from the weight files (safetensors, or
+    ``pytorch_model.bin`` memory-mapped; the values ``from_pretrained`` gives) or, for random init, drawn block by
+    block exactly as the eager build draws them — so a model larger than RAM is built one block at a time.
+    Bad input raises :class:`StratumError`.
+    """
+    transformers = _import_transformers()
+    cfg_file, weights_dir = _resolve(path)
+    config = _load_config(transformers, cfg_file)
+    _override(config, dropout=dropout, vocab_size=vocab_size, loading=weights_dir is not None)
+    dev = torch.device(device)
+    weights = _weights_index(weights_dir) if lazy and weights_dir is not None and dev.type == "cpu" else None
+    per_block = weights_dir is None and dev.type != "meta"  # random init, block by block (eager or lazy)
+    model = _make_model(transformers, config, weights_dir, dev,
+                        params_on_meta=weights is not None or per_block)
+    model.train()  # from_pretrained returns eval mode; a BlockSeq starts in train mode like any nn.Module
+    seq = from_transformers(model)
     if weights is not None:
-        seq.block_init = _block_loader(model, blocks, weights_dir, weights)
+        seq.block_init = _block_loader(model, list(seq.blocks), weights_dir, weights)
     elif per_block:
         seq.block_init = _random_block_init(model, seed)
         if not lazy or dev.type != "cpu":

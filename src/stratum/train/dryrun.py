@@ -7,8 +7,11 @@ import torch
 from stratum.config import Config, to_toml
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
+from stratum.ir.plan import Local, Offload
 from stratum.model.build import build_model
+from stratum.offload.setup import plan_for
 from stratum.offload.units import fmt_bytes
+from stratum.parallel.compose import check_plan
 from stratum.runtime.device import describe, resolve_device
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments
@@ -57,7 +60,7 @@ def dry_run(cfg: Config) -> dict:
     state = 2 * param_bytes + n * ADAMW_STATE_BYTES_PER_PARAM
     print(to_toml(cfg))
     print(cfg.derived_summary())
-    print(f"device {describe(device)}; engine {cfg.train.engine}; corpus {len(corpus.files):,} files, "
+    print(f"device {describe(device)}; plan {cfg.plan}; corpus {len(corpus.files):,} files, "
           f"{corpus.total_bytes:,} bytes; tokenizer {tok.name} (vocab {tok.vocab_size})")
     print(f"model {model.info.name}: {n:,} parameters in {len(model)} blocks; training state (params + grads + "
           f"AdamW) {state / 2**30:.2f} GiB; {model.flops_per_token(cfg.data.seq_len) / 1e9:.3f} GFLOP per token")
@@ -66,9 +69,13 @@ def dry_run(cfg: Config) -> dict:
         print(f"  {i:>3} {name:<16} {type(model.blocks[i]).__name__:<16} {owned:>14,} params")
     for g in model.tied:
         print(f"  tied: {' = '.join(g.names)}")
-    if cfg.train.engine == "plain":
+    plan = cfg.plan
+    stages = check_plan(cfg, tokenizer_vocab=tok.vocab_size)
+    print(f"processes: {plan.world_size()} (replicas × pipeline ranks × splits = "
+          f"{' × '.join(map(str, plan.mesh_shape))})")
+    print(plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))))
+    if isinstance(plan.root, Local):
         print(plain_fit(state, device_memory_bytes(device), device))
-    if cfg.train.engine == "offload":
-        from stratum.offload.setup import plan_for
+    if isinstance(plan.leaf, Offload):
         print(plan_for(cfg, model, device, always_profile=True).describe())
     return {"params": n, "train_state_bytes": state}

@@ -1,0 +1,128 @@
+"""The library API: a user's own training loop runs its own model on any plan, with three added lines.
+
+    import stratum
+    engine = stratum.parallelize(model, plan="replicate(2, pipeline(2))", lr=3e-4)
+    for x, y in batches:                 # the same global batch on every process
+        loss = engine.step(x, y)         # forward, backward, gradient reduction, clipping, AdamW
+
+``model`` is an ``nn.Sequential`` (its children become the blocks; ``loss_fn(output, y)`` ends it, next-token
+cross-entropy by default), a transformers causal LM (GPT-2 or the Llama layout), or a :class:`BlockSeq`.
+
+Runbook
+-------
+- One process: ``python script.py`` with a one-process plan (``local``, ``split(1)`` …).
+- N processes on this machine: ``stratum run --nproc N script.py [args]`` (or ``torchrun --nproc_per_node N
+  script.py``); N must be the plan's process count.
+- Several machines: ``torchrun --nnodes M --nproc_per_node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+  script.py`` on every machine, with a plan of M·N processes.
+
+Every process builds the model the same way; the replicas start from rank 0's values (broadcast here), and each
+process keeps only what the plan gives it (its pipeline stages, its split shards). ``engine.step`` cuts the
+global batch into ``micro_batches × replicas`` micro-batches along the first dimension; the step equals the plain
+engine's on the whole batch (mean reduction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratum.config import Config, ParallelConfig, TrainConfig
+from stratum.data.tokens import Batch
+from stratum.dist.world import World, join_world, leave_world
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
+from stratum.model.hf import from_transformers
+from stratum.model.sequential import from_sequential
+from stratum.parallel.compose import build_engine
+from stratum.runtime.device import resolve_device
+from stratum.runtime.engine import Engine, TrainState
+
+
+def as_blockseq(model: nn.Module, loss_fn: LossFn | None = None) -> BlockSeq:
+    """The BlockSeq every engine runs, from the model kinds the API takes."""
+    if isinstance(model, BlockSeq):
+        return model
+    if isinstance(model, nn.Sequential):
+        return from_sequential(model, name="user", loss_fn=loss_fn or lm_cross_entropy)
+    if hasattr(model, "config") and hasattr(getattr(model, "config"), "model_type"):
+        return from_transformers(model)
+    raise StratumError(f"stratum.parallelize takes an nn.Sequential, a transformers causal LM or a BlockSeq, "
+                       f"not a {type(model).__name__}; wrap your layers in an nn.Sequential")
+
+
+@dataclass
+class Parallel:
+    """A model on a plan: call :meth:`step` once per optimizer step."""
+
+    engine: Engine
+    world: World
+    micro_batches: int
+    lr: float
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that should print and save."""
+        return self.world.is_main
+
+    def _split(self, x: torch.Tensor, y: torch.Tensor) -> list[Batch]:
+        n = self.micro_batches * self.world.plan.replicas
+        if x.shape[0] % n:
+            raise StratumError(f"a batch of {x.shape[0]} rows cannot be cut into {n} equal micro-batches "
+                               f"(micro_batches × replicas); use a multiple of {n}")
+        return [Batch(x=a, y=b) for a, b in zip(x.chunk(n), y.chunk(n))]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
+        """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
+        return self.engine.train_step(self._split(x, y), self.lr if lr is None else lr).loss
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.engine.eval_loss(self._split(x, y))
+
+    def state_dict(self) -> TrainState:
+        """Parameters and AdamW state by canonical name, whole, on rank 0 (call it on every process)."""
+        return self.engine.state()
+
+    def load_state_dict(self, state: TrainState) -> None:
+        self.engine.load_state(state)
+
+    def close(self) -> None:
+        self.engine.close()
+        leave_world(self.world)
+
+
+def _same_start(model: BlockSeq, world: World) -> None:
+    """Every process starts from rank 0's parameters and buffers (each built the model on its own)."""
+    if world.backend == "none":
+        return
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen and t.device.type != "meta":
+            seen.add(id(t))
+            world.wait(dist.broadcast(t.data, src=0, async_op=True), "broadcasting the starting parameters")
+
+
+def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micro_batches: int = 1,
+                loss_fn: LossFn | None = None, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                eps: float = 1e-8, grad_clip: float = 1.0, precision: str = "fp32", device: str = "auto",
+                backend: str = "auto", timeout_s: float = 30.0) -> Parallel:
+    """``model`` on ``plan`` with AdamW (``lr`` unless a step passes its own); see the module docstring."""
+    cfg = Config()
+    cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s)
+    cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
+    cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
+                                    beta2=betas[1], eps=eps, grad_clip=grad_clip)
+    cfg.validate()
+    seq = as_blockseq(model, loss_fn)
+    world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
+    seq.to(world.device)
+    _same_start(seq, world)
+    return Parallel(engine=build_engine(cfg, seq, world), world=world, micro_batches=micro_batches, lr=lr)

@@ -1,0 +1,141 @@
+"""Plans as engines, end to end: what `--dry-run` shows, bad plans refused before any process starts, a dead rank
+stopping a composed plan, two torchrun "nodes" joined by rendezvous, and a user's own script on a plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stratum.dist.launch import free_port
+from stratum.train.trainer import read_metrics, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _base(cfg) -> list[str]:
+    d, t = cfg.data, cfg.train
+    return [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
+            "model.preset='tiny'", f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.steps}",
+            f"train.eval_interval={t.eval_interval}", f"train.eval_batches={t.eval_batches}",
+            f"optim.warmup_steps={cfg.optim.warmup_steps}", f"optim.lr={cfg.optim.lr}", f"train.out_dir={t.out_dir!r}"]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for o in items for a in ("--set", o)]
+
+
+def _same_losses(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=rel)
+
+
+def test_dry_run_prints_the_plan_its_batch_math_and_who_holds_what(make_cfg, capsys):
+    from stratum.cli import main
+    cfg = make_cfg()
+    plan = "replicate(2, pipeline(2, split(2)))"
+    assert main(["train", "--dry-run", *_sets(_base(cfg) + [f"parallel.plan={plan!r}", "train.grad_accum=3"])]) == 0
+    out = capsys.readouterr().out
+    assert "plan replicate(2, pipeline(2, schedule=1f1b, partition=even, split(2))) on 8 process(es)" in out
+    assert "global batch = 4 (micro) × 3 (accum) × 2 (replicas) = 24 sequences" in out
+    assert "processes: 8 (replicas × pipeline ranks × splits = 2 × 2 × 2)" in out
+    rows = [ln.split() for ln in out.splitlines() if "1/2 of each layer's heads" in ln]
+    # rank, replica, pipeline rank, split, blocks: replicas outermost, splits innermost; tiny's 4 blocks in 2 stages
+    assert [r[:5] for r in rows] == [[str(k), str(k // 4), str(k // 2 % 2), str(k % 2), "0-1" if k // 2 % 2 == 0
+                                      else "2-3"] for k in range(8)]
+    assert rows[5][-2:] == ["(shard", "1)"]
+
+
+# ---- bad plans: one line before any process starts -----------------------------------------------------------------
+@pytest.mark.parametrize("plan, message", [
+    ("replicate(0)", "replicate(0) must have at least 1 process"),
+    ("split(2, pipeline(2))", "split cannot hold pipeline"),
+    ("pipeline(8)", "needs 8 stages but the model has only 4 blocks"),
+    ("split(3)", "has 2 attention heads, not divisible by 3"),
+    ("replicate(2, offload(device_budget=25%))", "not supported yet"),
+    ("replicate(2, shard=true, split(2))", "cannot shard split"),
+])
+def test_bad_plans_are_one_line_errors_before_any_process(make_cfg, capsys, plan, message):
+    from stratum.cli import main
+    cfg = make_cfg()
+    t0 = time.perf_counter()
+    code = main(["train", *_sets(_base(cfg) + [f"parallel.plan={plan!r}"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("stratum: error:") and message in err and "\n" not in err, err
+    assert time.perf_counter() - t0 < 20
+    assert not Path(cfg.train.out_dir).exists()
+
+
+def test_a_launcher_with_another_world_size_is_refused(make_cfg, capsys, monkeypatch):
+    from stratum.cli import main
+    cfg = make_cfg()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code = main(["train", *_sets(_base(cfg) + ["parallel.plan='replicate(2)'"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "needs 2 processes but the launcher started WORLD_SIZE = 3" in err
+
+
+# ---- failures and launchers ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_rank_stops_a_replicated_pipeline_naming_the_rank(make_cfg, tmp_path):
+    cfg = make_cfg("train.steps=50", out=tmp_path / "run")
+    mark = tmp_path / "fault_time"
+    p = subprocess.run([sys.executable, "-m", "stratum", "train",
+                        *_sets(_base(cfg) + ["parallel.plan='replicate(2, pipeline(2))'", "train.grad_accum=2",
+                                             "parallel.timeout_s=4"])],
+                       capture_output=True, text=True, timeout=150,
+                       env=dict(os.environ, STRATUM_TEST_FAULT="1:2:1", STRATUM_TEST_FAULT_FILE=str(mark)))
+    assert p.returncode == 3 and mark.exists(), p.stderr
+    assert time.time() - float(mark.read_text()) < 60
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in p.stderr and all(ln.startswith("stratum: error:") for ln in lines), p.stderr
+    assert "stratum: error: rank 1 was killed by SIGKILL" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_torchrun_nodes_joined_by_rendezvous_match_plain(make_cfg, tmp_path):
+    """Two torchrun launches (2 "nodes" × 2 processes) meet at a c10d rendezvous on 127.0.0.1 and train
+    replicate(2, pipeline(2)) like the plain engine on the same global batch."""
+    plain = make_cfg("train.grad_accum=4", out=tmp_path / "plain")
+    train(plain)
+    cfg = make_cfg(out=tmp_path / "nodes")
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stratum-test",
+           "-m", "stratum", "train", *_sets(_base(cfg) + ["parallel.plan='replicate(2, pipeline(2))'",
+                                                          "train.grad_accum=2"])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outs
+    _same_losses(read_metrics(tmp_path / "nodes"), read_metrics(tmp_path / "plain"))
+    assert sum(o.count("done:") for o in outs) == 1  # only rank 0 prints
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_example_script_on_a_plan_matches_one_process(tmp_path):
+    """examples/parallelize.py: the user's own nn.Sequential and loop, three added lines; 4 processes under
+    `stratum run` follow the one-process run's losses."""
+    script = ROOT / "examples" / "parallelize.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, str(script), "--steps", "8", "--out", str(tmp_path / "one.json")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert one.returncode == 0, one.stderr
+    four = subprocess.run([sys.executable, "-m", "stratum", "run", "--nproc", "4", str(script), "--steps", "8",
+                           "--plan", "replicate(2, pipeline(2))", "--out", str(tmp_path / "four.json")],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert four.returncode == 0, four.stderr
+    want, got = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "four.json"))
+    assert len(got) == 8 and got == pytest.approx(want, rel=1e-5)
+    assert want[-1] < want[0] - 1.0
