@@ -113,10 +113,11 @@ def _same_start(model: BlockSeq, world: World) -> None:
 def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micro_batches: int = 1,
                 loss_fn: LossFn | None = None, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                 eps: float = 1e-8, grad_clip: float = 1.0, precision: str = "fp32", device: str = "auto",
-                backend: str = "auto", timeout_s: float = 30.0) -> Parallel:
-    """``model`` on ``plan`` with AdamW (``lr`` unless a step passes its own); see the module docstring."""
+                backend: str = "auto", timeout_s: float = 30.0, speeds: str = "") -> Parallel:
+    """``model`` on ``plan`` with AdamW (``lr`` unless a step passes its own); see the module docstring.
+    ``speeds``: hardware-aware shares, as ``parallel.speeds`` ("" even, "auto" measured, or one per process)."""
     cfg = Config()
-    cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s)
+    cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
     cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
     cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
                                     beta2=betas[1], eps=eps, grad_clip=grad_clip)

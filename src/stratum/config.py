@@ -177,6 +177,10 @@ class ParallelConfig:
     """torch.distributed backend of multi-process plans: auto (nccl with CUDA, else gloo), gloo, or nccl."""
     timeout_s: float = 30.0
     """Longest wait for a peer (messages, collectives, start-up) before the run stops with an error."""
+    speeds: str = ""
+    """Hardware-aware balance (Whale): each process's relative speed — "" = all equal, "auto" = measured at
+    start-up (a matrix-multiply rate per process), or one number per process rank, e.g. "1,1,0.5,0.5". Replicas
+    take micro-batches in proportion to their speed (a replica runs at its slowest process's)."""
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
@@ -310,8 +314,23 @@ class Config:
         _choice("parallel.backend", self.parallel.backend, PIPELINE_BACKENDS)
         _check("parallel.timeout_s", 1.0 <= self.parallel.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
         self.plan  # parses and checks the plan expression
+        self._validate_speeds()
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
         self._validate_offload()
+
+    def _validate_speeds(self) -> None:
+        text = self.parallel.speeds.strip()
+        if text in ("", "auto"):
+            return
+        try:
+            speeds = [float(v) for v in text.split(",")]
+        except ValueError:
+            raise StratumError(f"parallel.speeds = {text!r} must be \"\", \"auto\" or numbers separated by "
+                               "commas, e.g. \"1,0.5\"") from None
+        n = self.plan.world_size()
+        if len(speeds) != n or min(speeds) <= 0:
+            raise StratumError(f"parallel.speeds = {text!r} must give {n} positive numbers, one per process of "
+                               f"the plan")
 
     def _validate_offload(self) -> None:
         from stratum.offload.units import parse_budget, parse_bytes

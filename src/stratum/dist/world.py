@@ -63,6 +63,15 @@ class World:
             self.wait(dist.all_reduce(t, group=grp, async_op=True), what)
         return t
 
+    def gather_floats(self, value: float) -> list[float]:
+        """``value`` of every rank, in rank order (this rank's alone without a process group)."""
+        if self.backend == "none":
+            return [value]
+        out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=self.device)
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.wait(dist.all_gather_into_tensor(out, mine, async_op=True), "gathering the ranks' speeds")
+        return out.tolist()
+
     def subgroup(self, dim: str, positions: list[int]):
         """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),
         created for every slice of the mesh so that every rank takes part; this rank's, or None."""

@@ -29,6 +29,7 @@ from stratum.offload.setup import make_offload_engine
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
+from stratum.runtime.device import compute_rate
 from stratum.runtime.engine import Engine, GradEngine
 from stratum.runtime.optim import MakeOptimizer, optim_spec
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
@@ -80,6 +81,19 @@ def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int) -> tuple[Bloc
     return model, pplan
 
 
+def replica_speeds(cfg: Config, world: World) -> list[float] | None:
+    """Each replica's relative speed from ``parallel.speeds`` (measured now for "auto"): a replica runs at its
+    slowest process's speed. None when speeds are equal by choice."""
+    text = cfg.parallel.speeds.strip()
+    if not text or world.plan.replicas == 1:
+        return None
+    per_rank = (world.gather_floats(compute_rate(world.device)) if text == "auto"
+                else [float(v) for v in text.split(",")])
+    plan = world.plan
+    return [min(per_rank[r] for r in range(plan.world_size()) if plan.coord(r).replica == i)
+            for i in range(plan.replicas)]
+
+
 def _optimizer(plan: Plan, cfg: Config, world: World) -> MakeOptimizer | None:
     """The leaf's optimizer as the plan chooses it: sharded over the replicas, or (None) the leaf's own."""
     if plan.replicate is None or not plan.replicate.shard:
@@ -123,7 +137,7 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     else:
         engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)
     if plan.replicate is not None:
-        engine = ReplicateEngine(engine, node=plan.replicate, world=world)
+        engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(cfg, world))
     engine.name = render(plan.root)
     return engine
 

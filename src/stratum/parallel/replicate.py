@@ -59,14 +59,15 @@ class ReplicateEngine(GradEngine):
 
     name = "replicate"
 
-    def __init__(self, child: GradEngine, *, node: Replicate, world: World, shares: list[float] | None = None):
+    def __init__(self, child: GradEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
         self.child = child
         self.node = node
         self.world = world
         self.spec = child.spec
         self.n, self.index = world.size("replica"), world.coord.replica
         self.group = world.group("replica")
-        self.speeds = shares
+        self.speeds = speeds
+        """Relative speed per replica (hardware-aware shares), or None for even shares."""
         self.sharded = child.opt if isinstance(getattr(child, "opt", None), ShardedAdamW) else None
         if node.shard and self.sharded is None:
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
@@ -163,6 +164,13 @@ class ReplicateEngine(GradEngine):
             off += g.numel()
 
     # ---- Engine ---------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        if self.speeds is None:
+            return self.child.describe()
+        speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
+        return "\n".join(x for x in (f"replica speeds {speeds}: micro-batch shares follow them", self.child.describe())
+                         if x)
+
     def eval_loss(self, batches: list[Batch]) -> float:
         return self.child.eval_loss(batches)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+import time
 
 import torch
 
@@ -73,3 +74,20 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def compute_rate(device: torch.device, seconds: float = 0.3, n: int = 256) -> float:
+    """This process's matrix-multiply rate on ``device`` in GFLOP/s, measured now for about ``seconds`` (with
+    whatever else shares the machine running): how fast a rank is, for hardware-aware balance. Draws no random
+    numbers, so training's RNG streams stay as they are."""
+    a = torch.ones(n, n, device=device)
+    b = torch.full((n, n), 1.0 / n, device=device)
+    a @ b  # warm-up: the first call pays for kernel selection
+    synchronize(device)
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            a = a @ b
+        synchronize(device)
+        done += 8
+    return done * 2 * n**3 / (time.perf_counter() - t0) / 1e9

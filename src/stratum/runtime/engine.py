@@ -86,6 +86,10 @@ class Engine(abc.ABC):
         step waited for data); empty for an engine that keeps its state in one place."""
         return {}
 
+    def describe(self) -> str:
+        """Lines worth printing at start (what the engine measured or chose); empty if none."""
+        return ""
+
     @property
     def predicted_step_s(self) -> float | None:
         """Seconds per step the engine's plan predicts, where it has one."""

@@ -71,6 +71,14 @@ class Optimizer(abc.ABC):
     def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take the state :meth:`export` gave (from any engine); names this optimizer lacks are ignored."""
 
+    @abc.abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes of AdamW state this process holds."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
 
 class LocalAdamW(Optimizer):
     """torch's AdamW over the parameters an engine holds (:func:`make_adamw`)."""
@@ -91,6 +99,9 @@ class LocalAdamW(Optimizer):
 
     def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         import_state(self.opt, self.named, state)
+
+    def state_bytes(self) -> int:
+        return sum(_local(t).nbytes for st in self.opt.state.values() for t in st.values() if t.dim() > 0)
 
 
 MakeOptimizer = Callable[[list[tuple[str, nn.Parameter]]], Optimizer]

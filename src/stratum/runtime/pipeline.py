@@ -283,4 +283,4 @@ class PipelineEngine(GradEngine):
         load_buffers(self.model, state.buffers)  # other ranks' blocks are on meta here: skipped
 
     def memory_stats(self) -> dict[str, int]:
-        return {"peak_device_bytes": peak_memory_bytes(self.device)}
+        return {"peak_device_bytes": peak_memory_bytes(self.device), "optim_state_bytes": self.opt.state_bytes()}

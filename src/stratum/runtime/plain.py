@@ -71,4 +71,4 @@ class PlainEngine(GradEngine):
         load_buffers(self.model, state.buffers)
 
     def memory_stats(self) -> dict[str, int]:
-        return {"peak_device_bytes": peak_memory_bytes(self.device)}
+        return {"peak_device_bytes": peak_memory_bytes(self.device), "optim_state_bytes": self.opt.state_bytes()}

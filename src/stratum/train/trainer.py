@@ -137,6 +137,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
                   f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
     console.print(cfg.derived_summary())
+    if engine.describe():
+        console.print(engine.describe(), highlight=False)
     if world.plan.world_size() > 1:
         console.print(world.plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))),
                       highlight=False)
