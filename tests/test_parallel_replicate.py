@@ -81,6 +81,22 @@ def test_sharded_state_is_one_nth_plus_at_most_one_tensor(n):
     assert full <= total < full + n * 8  # the slices tile the state (the last one padded)
 
 
+def test_replica_speeds_come_from_the_config_or_the_measurement(make_cfg, monkeypatch):
+    from stratum.parallel.compose import replica_speeds
+
+    cfg = make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,0.8,0.5,0.25'")
+    world = _fake_world(2, 0)
+    world.plan = cfg.plan
+    assert replica_speeds(cfg, world) == [0.8, 0.25]  # a replica runs at its slowest process's speed
+    cfg.parallel.speeds = "auto"
+    monkeypatch.setattr(World, "gather_floats", lambda self, v: [3.0, 2.0, 1.5, 6.0])
+    assert replica_speeds(cfg, world) == [2.0, 1.5]
+    cfg.parallel.speeds = ""
+    assert replica_speeds(cfg, world) is None
+    with pytest.raises(StratumError, match="must give 4 positive numbers"):
+        make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,2'")
+
+
 # ---- Adasum across processes: every replica gets the tree of all replicas' gradients -----------------------------
 def adasum_worker(job_path: str) -> None:
     from stratum.dist.world import join_world
@@ -206,6 +222,18 @@ def test_parallel_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path,
         stdout = _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", f"train.grad_accum={accum}")
         assert stdout.count("done:") == 1
         _same_run(out, tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_unequal_shares_by_speed_keep_parity(make_cfg, tmp_path):
+    """Speeds 1 : 0.34 give the replicas 6 and 2 of 8 micro-batches; the step still equals plain's."""
+    common = ["train.steps=6", "train.eval_interval=3"]
+    train(make_cfg(*common, "train.grad_accum=8", out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "fast_slow"), "parallel.plan='replicate(2)'",
+                   "train.grad_accum=4", "parallel.speeds='1,0.34'")
+    assert "replica speeds 1, 0.34" in out
+    _same_run(tmp_path / "fast_slow", tmp_path / "plain")
 
 
 @pytest.mark.slow
