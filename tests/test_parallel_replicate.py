@@ -81,20 +81,28 @@ def test_sharded_state_is_one_nth_plus_at_most_one_tensor(n):
     assert full <= total < full + n * 8  # the slices tile the state (the last one padded)
 
 
-def test_replica_speeds_come_from_the_config_or_the_measurement(make_cfg, monkeypatch):
-    from stratum.parallel.compose import replica_speeds
+def test_speeds_come_from_the_config_or_the_measurement(make_cfg, monkeypatch):
+    from stratum.parallel.compose import rank_speeds, replica_speeds, stage_speeds
 
     cfg = make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,0.8,0.5,0.25'")
     world = _fake_world(2, 0)
     world.plan = cfg.plan
-    assert replica_speeds(cfg, world) == [0.8, 0.25]  # a replica runs at its slowest process's speed
+    speeds = rank_speeds(cfg, world)
+    assert replica_speeds(speeds, cfg.plan) == [0.8, 0.25]  # a replica runs at its slowest process's speed
+    assert stage_speeds(speeds, cfg.plan) == [0.5, 0.25]  # a pipeline rank at its slowest mirror's
     cfg.parallel.speeds = "auto"
     monkeypatch.setattr(World, "gather_floats", lambda self, v: [3.0, 2.0, 1.5, 6.0])
-    assert replica_speeds(cfg, world) == [2.0, 1.5]
+    assert replica_speeds(rank_speeds(cfg, world), cfg.plan) == [2.0, 1.5]
     cfg.parallel.speeds = ""
-    assert replica_speeds(cfg, world) is None
+    assert rank_speeds(cfg, world) is None
     with pytest.raises(StratumError, match="must give 4 positive numbers"):
         make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,2'")
+
+
+def test_a_faster_pipeline_rank_gets_more_blocks():
+    from stratum.runtime.pipeline import balanced_partition
+    assert balanced_partition([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert balanced_partition([1.0] * 8, 2, [3.0, 1.0]) == [range(0, 6), range(6, 8)]
 
 
 # ---- Adasum across processes: every replica gets the tree of all replicas' gradients -----------------------------

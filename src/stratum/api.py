@@ -38,7 +38,7 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
 from stratum.model.hf import from_transformers
 from stratum.model.sequential import from_sequential
-from stratum.parallel.compose import build_engine
+from stratum.parallel.compose import build_engine, rank_speeds
 from stratum.runtime.device import resolve_device
 from stratum.runtime.engine import Engine, TrainState
 
@@ -126,4 +126,5 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
     seq.to(world.device)
     _same_start(seq, world)
-    return Parallel(engine=build_engine(cfg, seq, world), world=world, micro_batches=micro_batches, lr=lr)
+    engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
+    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr)

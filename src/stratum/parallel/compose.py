@@ -64,9 +64,11 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     return plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum) if plan.pipeline else None
 
 
-def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int) -> tuple[BlockSeq, PipelinePlan | None]:
+def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int,
+               speeds: list[float] | None = None) -> tuple[BlockSeq, PipelinePlan | None]:
     """The model this rank runs — only its pipeline stages' blocks materialised where the plan pipelines it,
-    block by block (lazy) under the offload leaf — and the pipeline's stage plan."""
+    block by block (lazy) under the offload leaf — and the pipeline's stage plan (cut by ``speeds``, one per
+    process, where given)."""
     plan, t = world.plan, cfg.train
     if plan.pipeline is None:
         lazy = isinstance(plan.leaf, Offload)
@@ -74,24 +76,37 @@ def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int) -> tuple[Bloc
                            lazy=lazy), None
     meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                        device="meta")
-    pplan = plan_pipeline(plan.pipeline, meta, t.grad_accum)
+    pplan = plan_pipeline(plan.pipeline, meta, t.grad_accum, stage_speeds(speeds, plan))
     keep = set(pplan.blocks_of(world.coord.stage_rank))
     model = build_blocks(cfg.model, keep, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                          device=world.device)
     return model, pplan
 
 
-def replica_speeds(cfg: Config, world: World) -> list[float] | None:
-    """Each replica's relative speed from ``parallel.speeds`` (measured now for "auto"): a replica runs at its
-    slowest process's speed. None when speeds are equal by choice."""
+def rank_speeds(cfg: Config, world: World) -> list[float] | None:
+    """Every process's relative speed from ``parallel.speeds`` (measured now, collectively, for "auto"); None
+    when speeds are equal by choice."""
     text = cfg.parallel.speeds.strip()
-    if not text or world.plan.replicas == 1:
+    if not text or world.plan.world_size() == 1:
         return None
-    per_rank = (world.gather_floats(compute_rate(world.device)) if text == "auto"
-                else [float(v) for v in text.split(",")])
-    plan = world.plan
-    return [min(per_rank[r] for r in range(plan.world_size()) if plan.coord(r).replica == i)
-            for i in range(plan.replicas)]
+    return world.gather_floats(compute_rate(world.device)) if text == "auto" else [float(v) for v in text.split(",")]
+
+
+def _slowest(speeds: list[float], plan: Plan, dim: str, size: int) -> list[float]:
+    """Per index along ``dim``, the slowest process's speed: a replica (or a pipeline rank, over the replicas
+    and splits that mirror it) runs at that pace."""
+    return [min(speeds[r] for r in range(plan.world_size()) if getattr(plan.coord(r), dim) == i)
+            for i in range(size)]
+
+
+def replica_speeds(speeds: list[float] | None, plan: Plan) -> list[float] | None:
+    return None if speeds is None or plan.replicas == 1 else _slowest(speeds, plan, "replica", plan.replicas)
+
+
+def stage_speeds(speeds: list[float] | None, plan: Plan) -> list[float] | None:
+    """One speed per pipeline rank, shared by every replica: their stages must hold the same blocks."""
+    return None if speeds is None or plan.pipeline is None else _slowest(speeds, plan, "stage_rank",
+                                                                           plan.stage_ranks)
 
 
 def _optimizer(plan: Plan, cfg: Config, world: World) -> MakeOptimizer | None:
@@ -117,14 +132,16 @@ def _split(model: BlockSeq, world: World, held: set[int]) -> None:
         apply_split(model, [i for i in split_blocks(model) if i in held], mesh)
 
 
-def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None) -> Engine:
-    """The executor tree of ``world.plan`` over ``model`` (as :func:`rank_model` built it)."""
+def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None,
+                 speeds: list[float] | None = None) -> Engine:
+    """The executor tree of ``world.plan`` over ``model`` (as :func:`rank_model` built it); ``speeds`` (one per
+    process, :func:`rank_speeds`) balances the replicas' shares and the pipeline's cut."""
     plan = world.plan
     spec, precision = optim_spec(cfg), cfg.train.precision
     if isinstance(plan.leaf, Offload):
         return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
     if plan.pipeline is not None and pipeline_plan is None:
-        pipeline_plan = plan_pipeline(plan.pipeline, model, cfg.train.grad_accum)
+        pipeline_plan = plan_pipeline(plan.pipeline, model, cfg.train.grad_accum, stage_speeds(speeds, plan))
     if plan.split is not None:
         held = pipeline_plan.blocks_of(world.coord.stage_rank) if pipeline_plan else range(len(model))
         _split(model, world, set(held))
@@ -137,7 +154,7 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     else:
         engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)
     if plan.replicate is not None:
-        engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(cfg, world))
+        engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan))
     engine.name = render(plan.root)
     return engine
 

@@ -83,9 +83,11 @@ def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
     return sched
 
 
-def balanced_partition(weights: list[float], num_stages: int) -> list[range]:
+def balanced_partition(weights: list[float], num_stages: int, speeds: list[float] | None = None) -> list[range]:
     """Contiguous cut of blocks with ``weights`` into ``num_stages`` non-empty stages minimising the heaviest
-    stage (dynamic programming; ties go to the earliest cut)."""
+    stage's weight divided by its ``speeds`` entry (all 1 by default; dynamic programming, ties go to the
+    earliest cut)."""
+    speeds = speeds or [1.0] * num_stages
     n = len(weights)
     if num_stages < 1 or num_stages > n:
         raise StratumError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
@@ -99,7 +101,7 @@ def balanced_partition(weights: list[float], num_stages: int) -> list[range]:
     for s in range(1, num_stages + 1):
         for j in range(s, n - (num_stages - s) + 1):
             for i in range(s - 1, j):
-                v = max(best[s - 1][i], pre[j] - pre[i])
+                v = max(best[s - 1][i], (pre[j] - pre[i]) / speeds[s - 1])
                 if v < best[s][j]:
                     best[s][j], cut[s][j] = v, i
     out, j = [], n
@@ -110,9 +112,11 @@ def balanced_partition(weights: list[float], num_stages: int) -> list[range]:
     return out[::-1]
 
 
-def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int) -> PipelinePlan:
+def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int,
+                  speeds: list[float] | None = None) -> PipelinePlan:
     """Schedule and stage partition for ``model`` (may live on ``meta``) with ``microbatches`` per step on each
-    pipeline; one-line errors for what cannot run."""
+    pipeline; ``speeds`` (one per pipeline rank) makes the balanced and profiled cuts give faster ranks more.
+    One-line errors for what cannot run."""
     if p.partition not in PARTITIONS and not p.partition.endswith(".json"):
         raise StratumError(f"pipeline partition {p.partition!r} is not one of: {', '.join(PARTITIONS)}, or a "
                            "profile .json file")
@@ -127,7 +131,7 @@ def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int) -> PipelinePl
         stages = even_partition(n, S)
     elif p.partition == "balanced":
         weights = [float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks]
-        stages = balanced_partition(weights, S)
+        stages = balanced_partition(weights, S, [speeds[r] for r in sched.stage_to_rank] if speeds else None)
     else:  # a Profile JSON: every rank reads the same file, so every rank computes the same cut
         from stratum.plan.partition import partition
         from stratum.profile.profile import Profile
@@ -135,7 +139,7 @@ def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int) -> PipelinePl
         if len(prof.blocks) != n:
             raise StratumError(f"pipeline.partition: profile {p.partition} has {len(prof.blocks)} blocks but the "
                                f"model has {n}; profile this model with `stratum profile`")
-        stages = list(partition(prof, sched.stage_to_rank).stages)
+        stages = list(partition(prof, sched.stage_to_rank, speeds=speeds).stages)
     return PipelinePlan(schedule=sched, stages=stages)
 
 

@@ -20,7 +20,7 @@ from stratum.data.prepare import prepare_data
 from stratum.data.tokens import TRAIN, VAL
 from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
-from stratum.parallel.compose import build_engine, rank_model
+from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
                                       save_checkpoint)
@@ -102,7 +102,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
     torch.manual_seed(t.seed)
-    model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size)
+    speeds = rank_speeds(cfg, world)  # measured before any model work, on every rank at once
+    model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
     start = 0
@@ -121,7 +122,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         aside = _set_aside(out_dir / "metrics.jsonl")
         console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
-    engine = build_engine(cfg, model, world, stages)
+    engine = build_engine(cfg, model, world, stages, speeds)
     torch.manual_seed(t.seed)  # the steps' RNG streams start here, whatever the builds and set-up drew before
     if ckpt is not None:
         engine.load_state(ckpt.state)
