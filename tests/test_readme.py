@@ -1,7 +1,7 @@
 """Every shell command in README.md (its ```bash blocks) runs as written and succeeds.
 
 The commands run in README order, one shell each, in a scratch directory laid out like a checkout (links to this
-repository's Makefile, pyproject.toml, .venv, src, configs and docs), so what they write (runs/, profile.json,
+repository's Makefile, pyproject.toml, .venv, src, configs, docs and examples), so what they write (runs/, profile.json,
 timeline.png) lands there and later commands see what earlier ones left, as a reader's would. ``stratum`` is the
 repository's .venv/bin/stratum. One command is not run: ``make test`` is this test suite itself (it would run
 this test again, without end); ``.ci/run`` runs it.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LINKED = ("Makefile", "pyproject.toml", ".venv", "src", "configs", "docs")
+LINKED = ("Makefile", "pyproject.toml", ".venv", "src", "configs", "docs", "examples")
 NOT_RUN = {"make test": "the test suite itself"}
 
 

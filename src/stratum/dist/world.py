@@ -69,7 +69,7 @@ class World:
             return [value]
         out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=self.device)
         mine = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self.wait(dist.all_gather_into_tensor(out, mine, async_op=True), "gathering the ranks' speeds")
+        self.wait(dist.all_gather_single(out, mine, async_op=True), "gathering the ranks' speeds")
         return out.tolist()
 
     def subgroup(self, dim: str, positions: list[int]):

@@ -155,7 +155,7 @@ class ReplicateEngine(GradEngine):
         grads = self._grads()
         flat = torch.cat([g.flatten() for g in grads])
         gathered = torch.empty(self.n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self.world.wait(dist.all_gather_into_tensor(gathered, flat, group=self.group, async_op=True),
+        self.world.wait(dist.all_gather_single(gathered, flat, group=self.group, async_op=True),
                         "the Adasum gradient all-gather")
         per_rank = gathered.view(self.n, -1)
         off = 0

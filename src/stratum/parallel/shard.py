@@ -100,7 +100,7 @@ class ShardedAdamW(Optimizer):
                 self.had_grad.add(name)
                 p.grad = None
         # every replica runs the same model, so every replica has the same parameters without gradients
-        self.world.wait(dist.reduce_scatter_tensor(self.grad, full, group=self.group, async_op=True),
+        self.world.wait(dist.reduce_scatter_single(self.grad, full, group=self.group, async_op=True),
                         "the gradient reduce-scatter")
         for x in self.pieces:
             r = slice(x.offset - self.lo, x.offset - self.lo + x.length)
@@ -120,13 +120,13 @@ class ShardedAdamW(Optimizer):
         for x in self.pieces:
             x.param.grad = None
         mine = self.flat[self.lo:self.lo + self.shard_len].clone()
-        self.world.wait(dist.all_gather_into_tensor(self.flat, mine, group=self.group, async_op=True),
+        self.world.wait(dist.all_gather_single(self.flat, mine, group=self.group, async_op=True),
                         "the parameter all-gather")
 
     # ---- state in canonical form --------------------------------------------------------------------
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.shard_len * self.n, dtype=shard.dtype, device=shard.device)
-        self.world.wait(dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group, async_op=True),
+        self.world.wait(dist.all_gather_single(full, shard.contiguous(), group=self.group, async_op=True),
                         "gathering the optimizer state")
         return full
 
