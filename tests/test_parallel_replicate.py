@@ -99,6 +99,25 @@ def test_speeds_come_from_the_config_or_the_measurement(make_cfg, monkeypatch):
         make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,2'")
 
 
+def test_auto_speeds_follow_the_replicas_measured_pace(monkeypatch):
+    from stratum.model.gpt import build_gpt
+    from stratum.parallel.replicate import ReplicateEngine
+    from stratum.runtime.plain import PlainEngine
+
+    plan = parse_plan("replicate(2, pipeline(2))")
+    world = World(plan=plan, rank=0, coord=plan.coord(0), device=torch.device("cpu"), backend="gloo", timeout_s=5,
+                  members={"replica": [0, 2], "stage_rank": [0, 1], "split": [0]})
+    child = PlainEngine(build_gpt("tiny", vocab_size=256, seed=0), optim=SPEC, device=torch.device("cpu"))
+    eng = ReplicateEngine(child, node=plan.replicate, world=world, speeds=[1.0, 1.0], rebalance=True)
+    paces = iter([[0.1, 0.2, 0.4, 0.4], [0.1, 0.1, 0.4, 0.8], [0.2, 0.1, 0.4, 0.4], [0.1, 0.1, 0.4, 0.4]])
+    monkeypatch.setattr(World, "gather_floats", lambda self, v: next(paces))
+    eng._measure(0.0)  # replica 0 at its slowest rank's 0.2 s per micro-batch, replica 1 at 0.4 s
+    assert eng.speeds == pytest.approx([5.0, 2.5]) and eng.share(12) == [8, 4]
+    for _ in range(3):  # a median of the last three steps: one slow step moves nothing
+        eng._measure(0.0)
+    assert eng.speeds == pytest.approx([10.0, 2.5]) and eng.share(10) == [8, 2]
+
+
 def test_a_faster_pipeline_rank_gets_more_blocks():
     from stratum.runtime.pipeline import balanced_partition
     assert balanced_partition([1.0] * 8, 2) == [range(0, 4), range(4, 8)]

@@ -178,9 +178,10 @@ class ParallelConfig:
     timeout_s: float = 30.0
     """Longest wait for a peer (messages, collectives, start-up) before the run stops with an error."""
     speeds: str = ""
-    """Hardware-aware balance (Whale): each process's relative speed — "" = all equal, "auto" = measured at
-    start-up (a matrix-multiply rate per process), or one number per process rank, e.g. "1,1,0.5,0.5". Replicas
-    take micro-batches in proportion to their speed (a replica runs at its slowest process's)."""
+    """Hardware-aware balance (Whale): each process's relative speed — "" = all equal, "auto" = measured (a
+    matrix-multiply rate per process at start-up, then each replica's own compute time per micro-batch every
+    step), or one number per process rank, e.g. "1,1,0.5,0.5". Replicas take micro-batches in proportion to
+    their speed (a replica runs at its slowest process's); pipeline cuts weigh each stage by its rank's speed."""
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,

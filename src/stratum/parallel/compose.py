@@ -154,7 +154,8 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     else:
         engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)
     if plan.replicate is not None:
-        engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan))
+        engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan),
+                                 rebalance=cfg.parallel.speeds.strip() == "auto")
     engine.name = render(plan.root)
     return engine
 

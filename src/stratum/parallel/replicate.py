@@ -14,6 +14,9 @@ asynchronously, each wait bounded by the world's timeout.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,16 +40,19 @@ def even_shares(total: int, n: int) -> list[int]:
 
 def speed_shares(total: int, speeds: list[float]) -> list[int]:
     """``total`` micro-batches over replicas in proportion to ``speeds`` (largest remainders), at least one
-    each."""
+    each (taken from the largest share)."""
     n = len(speeds)
     if total < n:
         raise StratumError(f"{total} micro-batches cannot give each of {n} replicas one; raise train.grad_accum")
-    spare = total - n
-    exact = [spare * s / sum(speeds) for s in speeds]
+    exact = [total * s / sum(speeds) for s in speeds]
     shares = [int(e) for e in exact]
-    for i in sorted(range(n), key=lambda i: exact[i] - shares[i], reverse=True)[:spare - sum(shares)]:
+    for i in sorted(range(n), key=lambda i: exact[i] - shares[i], reverse=True)[:total - sum(shares)]:
         shares[i] += 1
-    return [1 + s for s in shares]
+    for i in range(n):
+        if shares[i] == 0:
+            shares[max(range(n), key=lambda j: shares[j])] -= 1
+            shares[i] = 1
+    return shares
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,8 @@ class ReplicateEngine(GradEngine):
 
     name = "replicate"
 
-    def __init__(self, child: GradEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
+    def __init__(self, child: GradEngine, *, node: Replicate, world: World, speeds: list[float] | None = None,
+                 rebalance: bool = False):
         self.child = child
         self.node = node
         self.world = world
@@ -68,6 +75,9 @@ class ReplicateEngine(GradEngine):
         self.group = world.group("replica")
         self.speeds = speeds
         """Relative speed per replica (hardware-aware shares), or None for even shares."""
+        self.rebalance = rebalance
+        """Re-measure the speeds every step from the replicas' own compute time (``parallel.speeds = auto``)."""
+        self.pace: list[list[float]] = [[] for _ in range(self.n)]
         self.sharded = child.opt if isinstance(getattr(child, "opt", None), ShardedAdamW) else None
         if node.shard and self.sharded is None:
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
@@ -89,14 +99,30 @@ class ReplicateEngine(GradEngine):
     def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
         mine = self._mine(micro_batches)
         own_scale = 1.0 / len(mine) if self.node.reduce == "adasum" else scale
+        t0 = time.perf_counter()
         loss_sum = self.child.forward_backward(mine, own_scale)
+        busy = time.perf_counter() - t0
         if self.sharded is not None:
             self.sharded.reduce_scatter()
         elif self.node.reduce == "adasum":
             self._adasum()
         else:
             self._all_reduce_buckets()
-        return self.world.all_reduce(loss_sum.clone(), "replica", "the loss all-reduce")
+        loss_sum = self.world.all_reduce(loss_sum.clone(), "replica", "the loss all-reduce")
+        if self.rebalance:
+            self._measure(busy / len(mine))
+        return loss_sum
+
+    def _measure(self, seconds_per_micro_batch: float) -> None:
+        """Speeds from the replicas' compute time per micro-batch over the last three steps (a replica at its
+        slowest process's pace): the next step's shares follow the machine as it is now. Every rank gathers the
+        same numbers, so every rank computes the same shares."""
+        times = self.world.gather_floats(seconds_per_micro_batch)
+        plan = self.world.plan
+        for i in range(self.n):
+            slowest = max(times[r] for r in range(plan.world_size()) if plan.coord(r).replica == i)
+            self.pace[i] = (self.pace[i] + [slowest])[-3:]
+        self.speeds = [1.0 / statistics.median(p) for p in self.pace]
 
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
         return self.child.grad_params()
@@ -168,8 +194,9 @@ class ReplicateEngine(GradEngine):
         if self.speeds is None:
             return self.child.describe()
         speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
-        return "\n".join(x for x in (f"replica speeds {speeds}: micro-batch shares follow them", self.child.describe())
-                         if x)
+        how = ", re-measured every step" if self.rebalance else ""
+        return "\n".join(x for x in (f"replica speeds {speeds}: micro-batch shares follow them{how}",
+                                     self.child.describe()) if x)
 
     def eval_loss(self, batches: list[Batch]) -> float:
         return self.child.eval_loss(batches)
