@@ -15,9 +15,13 @@ def _final_params(out):
     return load_file(str(latest_checkpoint(out) / "state.safetensors"))
 
 
-@pytest.mark.parametrize("extra", [(), ("model.dropout=0.1", "train.grad_accum=2")])
+BN = ("model.source='sequential'", "model.factory='stratum.model.sequential:batchnorm_lm_blocks'")
+
+
+@pytest.mark.parametrize("extra", [(), ("model.dropout=0.1", "train.grad_accum=2"), (*BN, "train.grad_accum=2")])
 def test_resume_is_bit_exact(make_cfg, tmp_path, extra):
-    """N steps in one go == k steps, stop, resume, N−k steps: same losses and weights to the last bit."""
+    """N steps in one go == k steps, stop, resume, N−k steps: same losses, eval losses, weights and buffers (a
+    BatchNorm model's running statistics, ``buffer/<name>``) to the last bit."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(make_cfg("train.steps=10", "train.eval_interval=5", *extra, out=straight))
     first = train(make_cfg("train.steps=10", "train.eval_interval=5", *extra, out=split), stop_at=4)
@@ -28,6 +32,7 @@ def test_resume_is_bit_exact(make_cfg, tmp_path, extra):
     assert [r.get("eval_loss") for r in a] == [r.get("eval_loss") for r in b]
     pa, pb = _final_params(straight), _final_params(split)
     assert pa.keys() == pb.keys()
+    assert any(k.startswith("buffer/") for k in pa) == (BN[0] in extra)
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
 
@@ -101,3 +106,34 @@ def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkey
         train(make_cfg("train.steps=4", out=out))
     assert latest_checkpoint(out).name == "step_00000002"
     assert not list((out / "checkpoints").glob(".tmp*"))
+
+
+def test_a_checkpoint_without_buffers_loads_and_the_model_keeps_its_own(make_cfg, tmp_path):
+    """A checkpoint written before buffers were saved resumes: the engine keeps the model's own statistics."""
+    from safetensors.torch import save_file
+
+    from stratum.model.build import build_model
+    from stratum.model.neutral import persistent_buffers
+    from stratum.runtime.engine import OptimSpec
+    from stratum.runtime.plain import PlainEngine
+    from stratum.train.checkpoint import load_checkpoint
+
+    out = tmp_path / "r"
+    cfg = make_cfg("train.steps=4", *BN, out=out)
+    train(cfg, stop_at=2)
+    path = latest_checkpoint(out) / "state.safetensors"
+    tensors = load_file(str(path))
+    full = load_checkpoint(latest_checkpoint(out)).state
+    save_file({k: v for k, v in tensors.items() if not k.startswith("buffer/")}, str(path))
+    old = load_checkpoint(latest_checkpoint(out)).state
+    assert full.buffers and not old.buffers and old.params.keys() == full.params.keys()
+
+    model = build_model(cfg.model, tokenizer_vocab=256, seq_len=32, seed=cfg.train.seed)
+    own = {n: t.clone() for n, t in persistent_buffers(model).items()}
+    engine = PlainEngine(model, optim=OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0),
+                         device=torch.device("cpu"))
+    engine.load_state(old)
+    assert all(torch.equal(t, own[n]) for n, t in engine.state().buffers.items())
+    engine.load_state(full)
+    assert all(torch.equal(t, full.buffers[n]) for n, t in engine.state().buffers.items())
+    assert train(cfg)["steps_done"] == 4  # the trainer resumes from it too

@@ -107,3 +107,31 @@ def test_profiling_leaves_no_tensor_alive():
     left = [tuple(o.shape) for o in gc.get_objects()
             if isinstance(o, torch.Tensor) and id(o) not in before and not o.is_meta and o.numel() > 64]
     assert left == []
+
+
+def test_profiles_and_probes_leave_rng_and_buffers_as_they_were(tmp_path):
+    """The block profile (full and the offload planner's quick one) and the bandwidth/AdamW probes run under
+    ``neutral``: a model with BatchNorm and dropout keeps its running statistics, and the RNG its state."""
+    from stratum.model.neutral import persistent_buffers
+    from stratum.model.sequential import batchnorm_lm_blocks, from_block_builders
+    from stratum.offload.setup import quick_profile
+    from stratum.offload import tiers
+
+    seq = from_block_builders(batchnorm_lm_blocks(vocab_size=64, seq_len=8, d_model=16, n_layer=1, dropout=0.1),
+                              seed=0)
+    with torch.no_grad():  # statistics a training step would have moved
+        for t in persistent_buffers(seq).values():
+            t.add_(3)
+    before = {n: t.clone() for n, t in persistent_buffers(seq).items()}
+    rng = torch.get_rng_state()
+    cpu = torch.device("cpu")
+    profile_blockseq(seq, micro_batch=2, seq_len=8, device=cpu, runs=1)
+    quick_profile(seq, micro_batch=2, seq_len=8, device=cpu)
+    tiers._measure_adam_here.cache_clear()  # the AdamW probes draw their inputs once per process: draw them here
+    tiers._measure_adam_beside.cache_clear()
+    tiers.measure_bandwidths(cpu, str(tmp_path), probe_bytes=1 << 16)
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = persistent_buffers(seq)
+    assert before.keys() == after.keys() and len(before) == 6  # 2 BatchNorms: running mean, var, count
+    for n, t in before.items():
+        assert torch.equal(after[n], t), n
