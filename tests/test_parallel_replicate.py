@@ -133,6 +133,9 @@ def adasum_worker(job_path: str) -> None:
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
+    if job.get("mode") == "overlap":
+        overlap_worker(job)
+        return
     n = int(os.environ["WORLD_SIZE"])
     plan = parse_plan(f"replicate({n}, reduce=adasum)")
     world = join_world(plan, torch.device("cpu"), backend="gloo", timeout_s=60)
@@ -146,6 +149,32 @@ def adasum_worker(job_path: str) -> None:
     eng._adasum()
     torch.save({"mine": mine, "combined": {k: p.grad.clone() for k, p in child.grad_params()}},
                Path(job["out"]) / f"rank{world.rank}.pt")
+
+
+def overlap_worker(job: dict) -> None:
+    """replicate(2) over the plain engine: every bucket's all-reduce has started before the backward ends."""
+    from stratum.data.tokens import Batch
+    from stratum.dist.world import join_world
+    from stratum.model.gpt import build_gpt
+    from stratum.parallel import buckets
+    from stratum.parallel.replicate import ReplicateEngine
+    from stratum.runtime.plain import PlainEngine
+
+    plan = parse_plan("replicate(2)")
+    world = join_world(plan, torch.device("cpu"), backend="gloo", timeout_s=60)
+    monkey = buckets.BUCKET_BYTES
+    buckets.BUCKET_BYTES = 40_000  # several buckets for a tiny model
+    child = PlainEngine(build_gpt("tiny", vocab_size=256, seed=0), optim=SPEC, device=torch.device("cpu"))
+    eng = ReplicateEngine(child, node=plan.replicate, world=world)
+    buckets.BUCKET_BYTES = monkey
+    seen = []
+    finish = eng.buckets.finish
+    eng.buckets.finish = lambda: (seen.append((len(eng.buckets.started), len(eng.buckets.buckets))), finish())[1]
+    g = torch.Generator().manual_seed(world.rank)
+    mbs = [Batch(x=torch.randint(0, 256, (2, 16), generator=g), y=torch.randint(0, 256, (2, 16), generator=g))
+           for _ in range(4)]
+    eng.train_step(mbs, 1e-3)
+    Path(job["out"], f"overlap{world.rank}.json").write_text(json.dumps(seen))
 
 
 def _spawn_workers(n: int, job: Path, timeout: float = 120) -> None:
@@ -174,6 +203,17 @@ def test_adasum_over_processes_equals_the_tree_in_one_process(tmp_path, n):
         want = adasum.tree([res[r]["mine"][name] for r in range(n)])
         for r in range(n):
             torch.testing.assert_close(res[r]["combined"][name], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_mean_buckets_start_during_the_backward(tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path), "mode": "overlap"}))
+    _spawn_workers(2, job)
+    for r in range(2):
+        [(started, total)] = json.loads((tmp_path / f"overlap{r}.json").read_text())
+        assert total >= 3 and started == total  # every bucket was started by the hooks, none left for finish()
 
 
 # ---- parity through `stratum train` ------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ also when shares are unequal (hardware-aware balance gives faster replicas more 
 layer. With ``shard=true`` the gradients are reduce-scattered and each replica updates its own slice
 (:mod:`stratum.parallel.shard`).
 
-The mean reduction packs gradients into buckets of about :data:`BUCKET_BYTES` and all-reduces them together,
-asynchronously, each wait bounded by the world's timeout.
+The mean reduction sums gradients in buckets whose all-reduces start during the child's backward where they can
+(:mod:`stratum.parallel.buckets`); every wait is bounded by the world's timeout.
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel import adasum
+from stratum.parallel.buckets import GradBuckets, local_part
 from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
-
-BUCKET_BYTES = 25 * 2**20
-"""Gradient bytes per all-reduce: big enough to amortise a collective's latency, small enough to pipeline."""
-
 
 def even_shares(total: int, n: int) -> list[int]:
     """``total`` micro-batches over ``n`` replicas as evenly as possible (earlier replicas take the rest)."""
@@ -55,11 +52,6 @@ def speed_shares(total: int, speeds: list[float]) -> list[int]:
     return shares
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a replica exchanges: a split (DTensor) gradient's own shard, else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class ReplicateEngine(GradEngine):
     """Data parallel over ``world``'s replica group, around ``child`` (see the module docstring)."""
 
@@ -81,6 +73,8 @@ class ReplicateEngine(GradEngine):
         self.sharded = child.opt if isinstance(getattr(child, "opt", None), ShardedAdamW) else None
         if node.shard and self.sharded is None:
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
+        self.buckets = None if node.shard or node.reduce != "mean" else \
+            GradBuckets([p for _, p in child.grad_params()], world, overlap=child.grads_final_in_backward)
 
     def share(self, total: int) -> list[int]:
         """Micro-batches per replica for a step of ``total``."""
@@ -98,6 +92,8 @@ class ReplicateEngine(GradEngine):
     # ---- GradEngine -----------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
         mine = self._mine(micro_batches)
+        if self.buckets is not None:
+            self.buckets.arm(len(mine))
         own_scale = 1.0 / len(mine) if self.node.reduce == "adasum" else scale
         t0 = time.perf_counter()
         loss_sum = self.child.forward_backward(mine, own_scale)
@@ -107,7 +103,7 @@ class ReplicateEngine(GradEngine):
         elif self.node.reduce == "adasum":
             self._adasum()
         else:
-            self._all_reduce_buckets()
+            self.buckets.finish()
         loss_sum = self.world.all_reduce(loss_sum.clone(), "replica", "the loss all-reduce")
         if self.rebalance:
             self._measure(busy / len(mine))
@@ -149,28 +145,8 @@ class ReplicateEngine(GradEngine):
         for _, p in self.child.grad_params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            out.append(_local(p.grad))
+            out.append(local_part(p.grad))
         return out
-
-    def _all_reduce_buckets(self) -> None:
-        if self.group is None:
-            return
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for g in self._grads():
-            if size and size + g.numel() * g.element_size() > BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(g)
-            size += g.numel() * g.element_size()
-        flats = [torch.cat([g.flatten() for g in b]) for b in buckets if b]
-        works = [dist.all_reduce(f, group=self.group, async_op=True) for f in flats]
-        for f, w, b in zip(flats, works, buckets):
-            self.world.wait(w, "the gradient all-reduce")
-            off = 0
-            for g in b:
-                g.copy_(f[off:off + g.numel()].view_as(g))
-                off += g.numel()
 
     def _adasum(self) -> None:
         """Every replica gathers every replica's gradients and combines them layer by layer in the same order,

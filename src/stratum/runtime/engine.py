@@ -113,6 +113,9 @@ class GradEngine(Engine):
     """
 
     spec: OptimSpec
+    grads_final_in_backward: bool = False
+    """True when a parameter's gradient is final as soon as autograd has accumulated it for the step's last
+    micro-batch (so a parent may start reducing it during the backward)."""
 
     @abc.abstractmethod
     def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ from stratum.runtime.tensors import full_tensor
 
 class PlainEngine(GradEngine):
     name = "plain"
+    grads_final_in_backward = True  # one autograd backward per micro-batch, nothing added after it
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, precision: str = "fp32",
                  make_optimizer: MakeOptimizer | None = None):
