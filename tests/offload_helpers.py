@@ -51,14 +51,15 @@ def spec(clip: float = 1.0) -> OptimSpec:
     return OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=clip)
 
 
-def build(source: str, tmp_path) -> BlockSeq:
-    """The same freshly initialised model on every call."""
+def build(source: str, tmp_path, dropout: float | None = None) -> BlockSeq:
+    """The same freshly initialised model on every call; ``dropout`` (gpt, hf) replaces the source's own (gpt: 0,
+    the transformers GPT-2 config: 0.1)."""
     torch.manual_seed(0)
     if source == "gpt":
         from stratum.model import gpt
         shape = gpt.GPTShape(n_layer=LAYERS["gpt"], n_head=2, d_model=64, max_seq_len=64, vocab_size=None)
         gpt.PRESETS.setdefault("offload-test", shape)
-        return gpt.build_gpt("offload-test", vocab_size=V, seed=0)
+        return gpt.build_gpt("offload-test", vocab_size=V, seed=0, dropout=dropout or 0.0)
     if source == "sequential":
         from stratum.model.sequential import example_lm, from_sequential
         return from_sequential(example_lm(vocab_size=V, seq_len=T, d_model=64, n_layer=LAYERS["sequential"]))
@@ -69,7 +70,7 @@ def build(source: str, tmp_path) -> BlockSeq:
         if not d.exists():
             transformers.GPT2Config(n_layer=LAYERS["hf"], n_head=2, n_embd=64, vocab_size=V, n_positions=64,
                                     bos_token_id=1, eos_token_id=2).save_pretrained(d)
-        return build_hf(str(d), seed=0)
+        return build_hf(str(d), seed=0, dropout=dropout)
     raise ValueError(source)
 
 

@@ -9,8 +9,9 @@ import warnings
 import pytest
 import torch
 
-from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, build, lr, plain, plan, profile, run,
-                             spec, state_bytes)
+from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, lr, plain, plan, profile, spec,
+                             state_bytes)
+from offload_helpers import build as build_source
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.planner import Plan
 from stratum.offload.tiers import DEVICE, DISK, HOST
@@ -26,6 +27,25 @@ PLACEMENTS = {
                                                "optimizer_tier": DISK},
 }
 _ref: dict = {}
+DROPOUT = 0.1
+"""Every model here draws dropout masks (the transformers GPT-2 has its config's 0.1): parity must hold with the
+RNG in use, so nothing the engine runs besides the training step may draw from it."""
+
+
+def build(source: str, tmp_path):
+    return build_source(source, tmp_path, dropout=DROPOUT)
+
+
+def step(engine, s: int, n: int = 2):
+    """Step ``s`` of a run, its dropout masks drawn from a seed of its own: engines stepped in turn, or a state
+    resumed in another engine, draw the masks an uninterrupted run draws (as the trainer restores the RNG state
+    with a checkpoint). Within the step every draw is the engine's own: they must match the plain engine's."""
+    torch.manual_seed(10_000 + s)
+    return engine.train_step(batches(s, n), lr(s))
+
+
+def run(engine, steps: int, start: int = 0, n: int = 2):
+    return [step(engine, s, n) for s in range(start, start + steps)]
 
 
 def _reference(source, tmp_path):
@@ -247,8 +267,8 @@ def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement,
         got, want = [], []
         for s in range(6):
             use_p[0] = use_o[0] = s % 2 == 0
-            want.append(ref.train_step(batches(s), lr(s)).loss)
-            got.append(eng.train_step(batches(s), lr(s)).loss)
+            want.append(step(ref, s).loss)
+            got.append(step(eng, s).loss)
         assert_same(got, want)
         a, b = eng.state(), ref.state()
         idle, some = "blocks.3.idle", "blocks.5.sometimes"
@@ -277,7 +297,7 @@ def test_checkpoints_keep_per_parameter_step_counts(shared_tmp):
         out = []
         for s in range(lo, hi):
             use[0] = s % 2 == 0
-            out.append(eng.train_step(batches(s), lr(s)).loss)
+            out.append(step(eng, s).loss)
         return out
     m = model()
     S = state_bytes(m)
@@ -323,8 +343,8 @@ def test_a_block_whose_parameters_all_go_unused_matches_plain(placement, shared_
         got, want = [], []
         for s in range(5):
             skip[0] = s % 2 == 1
-            want.append(ref.train_step(batches(s), lr(s)))
-            got.append(eng.train_step(batches(s), lr(s)))
+            want.append(step(ref, s))
+            got.append(step(eng, s))
         assert_same([r.loss for r in got], [r.loss for r in want])
         assert_same([r.grad_norm for r in got], [r.grad_norm for r in want])
         a, b = eng.state(), ref.state()
