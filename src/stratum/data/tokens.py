@@ -19,6 +19,7 @@ from stratum.atomic import atomic_write_json
 from stratum.data.corpus import Corpus
 from stratum.data.tokenizer import Tokenizer
 from stratum.errors import StratumError
+from stratum.seeds import mix
 
 TRAIN, VAL = 0, 1
 
@@ -61,6 +62,9 @@ class Batch:
 
     x: torch.Tensor
     y: torch.Tensor
+    stream: int | None = None
+    """Dropout stream of this micro-batch (:mod:`stratum.model.streams`): a pure function of (seed, step, index in
+    the step), so every engine draws the same masks for it; None draws from the global RNG."""
 
     @property
     def tokens(self) -> int:
@@ -106,5 +110,5 @@ class BatchSampler:
         accumulation steps, several data-parallel ranks) still see the same sequences.
         """
         full = self.batch(split, step, micro_batch * count)
-        return [Batch(x=full.x[i * micro_batch:(i + 1) * micro_batch],
-                      y=full.y[i * micro_batch:(i + 1) * micro_batch]) for i in range(count)]
+        return [Batch(x=full.x[i * micro_batch:(i + 1) * micro_batch], y=full.y[i * micro_batch:(i + 1) * micro_batch],
+                      stream=mix(self.seed, split, step, i)) for i in range(count)]

@@ -16,6 +16,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+
+from stratum.model.streams import block_stream
 import torch.nn.functional as F
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -146,14 +148,17 @@ class BlockSeq(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ---- compute -------------------------------------------------------------------------------------------
-    def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, x: Tensor, stream: int | None = None) -> Tensor:
+        """The blocks in order; with a dropout ``stream`` (training) each block draws from its own
+        (stream, block) generator, as every engine's blocks do (:mod:`stratum.model.streams`)."""
+        for i, block in enumerate(self.blocks):
+            with block_stream(stream, i, x.device):
+                x = block(x)
         return x
 
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+    def loss(self, x: Tensor, y: Tensor, stream: int | None = None) -> Tensor:
         """Scalar mean loss of inputs ``x`` against targets ``y``."""
-        return self.loss_fn(self(x), y)
+        return self.loss_fn(self(x, stream), y)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6·N plus attention where the source knows it."""

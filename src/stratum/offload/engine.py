@@ -31,6 +31,7 @@ from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import BufferSnapshot, neutral
+from stratum.model.streams import block_stream
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill
 from stratum.offload.belady import NextUse
@@ -254,9 +255,9 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
     def _block_chunks(self, i: int) -> tuple[int, ...]:
         return tuple(self.layout.block_chunks[i])
 
-    def _forward_block(self, i: int, x: Tensor, y: Tensor, last: bool, n: int):
+    def _forward_block(self, i: int, x: Tensor, y: Tensor, last: bool, n: int, stream: int | None = None):
         block = self.model.blocks[i]
-        with autocast(self.device, self.precision):
+        with autocast(self.device, self.precision), block_stream(stream, i, self.device):
             out = block(x)
             if last:
                 out = self.model.loss_fn(out, y)
@@ -312,10 +313,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                         # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a
                         # GPU's attention may pick another kernel and draw other dropout masks), keeping nothing.
                         with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-                            out = self._forward_block(i, xi, y, i == L - 1, n).detach()
+                            out = self._forward_block(i, xi, y, i == L - 1, n, b.stream).detach()
                         outs.append(None)
                     else:
-                        out = self._forward_block(i, xi, y, i == L - 1, n)
+                        out = self._forward_block(i, xi, y, i == L - 1, n, b.stream)
                         outs.append(out)
                     if spill is not None:  # this block's activations are still on the device here
                         self._check()
@@ -348,7 +349,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                         with neutral(self.model.blocks[i], devices=[self.device]):
                             self._set_rng_state(rng[i])
                             bufs[i].restore()
-                            out = self._forward_block(i, ins[i], y, i == L - 1, n)
+                            out = self._forward_block(i, ins[i], y, i == L - 1, n, b.stream)
                         bufs[i] = None
                         self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:

@@ -33,7 +33,7 @@ class PlainEngine(GradEngine):
         x = b.x.to(self.device, non_blocking=True)
         y = b.y.to(self.device, non_blocking=True)
         with autocast(self.device, self.precision):
-            return self.model.loss(x, y)
+            return self.model.loss(x, y, b.stream if self.model.training else None)
 
     def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
         self.model.train()

@@ -40,6 +40,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from stratum.data.tokens import Batch
 from stratum.dist.launch import PeerError, short_reason, wait_until
 from stratum.model.neutral import neutral
+from stratum.model.streams import block_stream
 from stratum.runtime.device import autocast
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.validate import ActionComm, Transfer, comm_plan
@@ -230,6 +231,7 @@ class StageRuntime:
         self.S = len(stage_to_rank)
         self.my_stages = [s for s, r in enumerate(stage_to_rank) if r == rank]
         self.blocks = {s: [blocks[i] for i in stages[s]] for s in self.my_stages}
+        self.block_ids = {s: list(stages[s]) for s in self.my_stages}
         self.stage_params: dict[int, list[nn.Parameter]] = {}
         for s in self.my_stages:
             seen: dict[int, nn.Parameter] = {}
@@ -254,9 +256,10 @@ class StageRuntime:
         self._fault_signal = "SIGSTOP" if parts[3:] == ["stop"] else "SIGKILL"
         return (st, k) if r == self.peers[self.rank] else None  # r is a process rank
 
-    def _run_stage(self, s: int, x: Tensor) -> Tensor:
-        for b in self.blocks[s]:
-            x = b(x)
+    def _run_stage(self, s: int, x: Tensor, stream: int | None = None) -> Tensor:
+        for i, b in zip(self.block_ids[s], self.blocks[s]):
+            with block_stream(stream, i, self.device):
+                x = b(x)
         return x
 
     def _wait(self, work, what: str, deadline: float) -> None:
@@ -425,7 +428,7 @@ class StageRuntime:
                 if training and inp.is_floating_point():
                     inp = inp.detach().requires_grad_(True)
             with torch.set_grad_enabled(training), autocast(self.device, self.precision):
-                out = self._run_stage(s, inp)
+                out = self._run_stage(s, inp, batches[mb].stream if training else None)
                 if last:
                     y = batches[mb].y.to(self.device, non_blocking=True)
                     loss = self.loss_fn(out, y)
