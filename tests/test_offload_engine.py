@@ -121,6 +121,7 @@ def _engine(model, p, clip=1.0, **kw):
     return OffloadEngine(model, optim=spec(clip), device=DEV, plan=p, **kw)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_placements_and_plain(shared_tmp):
     """Save under one placement after 4 steps; resume under another placement and under plain: the next
     steps are those of the uninterrupted run."""
@@ -246,6 +247,7 @@ def _with_idle_params(m, use: list[bool]):
     return m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["all-on-device", "device-25%", "optimizer-on-device-75%",
                                        "params-and-optimizer-on-disk"])
 def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement, shared_tmp):
@@ -284,6 +286,7 @@ def test_parameters_without_gradients_are_skipped_as_plain_skips_them(placement,
         eng.close()
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_per_parameter_step_counts(shared_tmp):
     """A checkpoint taken while parameters have different step counts (one never used, one used every other step)
     resumes under another placement and under the plain engine as the uninterrupted plain run goes on."""
