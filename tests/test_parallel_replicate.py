@@ -292,6 +292,20 @@ def test_parallel_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_plans_draw_the_plain_engines_dropout_masks(make_cfg, tmp_path):
+    """With dropout every block draws from its (step, micro-batch, block) stream, so replicas and pipeline stages
+    on other processes reproduce the plain engine's losses. (Not split: a split rank draws masks for its own
+    heads only.)"""
+    common = ["train.steps=6", "train.eval_interval=3", "model.dropout=0.1"]
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
+    for plan, accum in [("replicate(2)", 2), ("pipeline(2, schedule=zb-1f1b)", 4), ("replicate(2, pipeline(2))", 2)]:
+        out = tmp_path / f"plan{accum}{len(plan)}"
+        _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", f"train.grad_accum={accum}", "model.dropout=0.1")
+        _same_run(out, tmp_path / "plain")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_unequal_shares_by_speed_keep_parity(make_cfg, tmp_path):
     """Speeds 1 : 0.34 give the replicas 6 and 2 of 8 micro-batches; the step still equals plain's."""

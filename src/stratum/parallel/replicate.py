@@ -1,8 +1,8 @@
 """The replicate node: data parallel over the plan's replicas, wrapping whatever executor its child is.
 
 Every replica draws the step's whole list of micro-batches (``grad_accum × replicas``, the same on every rank)
-and runs its share through the child. With ``reduce=mean`` every micro-batch's loss is scaled by one over the
-total count and the replicas' gradients are summed, so the step equals the plain engine's on the whole batch —
+and runs its share through the child. With ``reduce=mean`` every micro-batch's loss is divided by the total
+count and the replicas' gradients are summed, so the step equals the plain engine's on the whole batch —
 also when shares are unequal (hardware-aware balance gives faster replicas more micro-batches). With
 ``reduce=adasum`` each replica's gradient is its own mean and the replicas' gradients combine by Adasum, layer by
 layer. With ``shard=true`` the gradients are reduce-scattered and each replica updates its own slice
@@ -90,13 +90,13 @@ class ReplicateEngine(GradEngine):
         return micro_batches[start:start + counts[self.index]]
 
     # ---- GradEngine -----------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
         mine = self._mine(micro_batches)
         if self.buckets is not None:
             self.buckets.arm(len(mine))
-        own_scale = 1.0 / len(mine) if self.node.reduce == "adasum" else scale
+        own_divisor = len(mine) if self.node.reduce == "adasum" else divisor
         t0 = time.perf_counter()
-        loss_sum = self.child.forward_backward(mine, own_scale)
+        loss_sum = self.child.forward_backward(mine, own_divisor)
         busy = time.perf_counter() - t0
         if self.sharded is not None:
             self.sharded.reduce_scatter()
@@ -126,14 +126,15 @@ class ReplicateEngine(GradEngine):
     def norm_counted(self) -> set[str]:
         return self.child.norm_counted()
 
-    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        return self.child.reduce_sq_norm(local_sq)
+    def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        return self.child.reduce_norm(norms)
 
-    def grad_sq_norm(self) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor:
         if self.sharded is None:  # every replica holds the same reduced gradients: the child's norm is the norm
-            return self.child.grad_sq_norm()
+            return self.child.grad_norm()
         local = self.sharded.local_sq_norm(self.child.norm_counted()).to(self.world.device)
-        return self.child.reduce_sq_norm(self.world.all_reduce(local, "replica", "the gradient-norm all-reduce"))
+        sq = self.world.all_reduce(local, "replica", "the gradient-norm all-reduce")
+        return self.child.reduce_norm(sq.sqrt().float().reshape(1))  # the replicas' slices as one entry
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.child.update(lr, coef)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from stratum.data.tokens import Batch
-from stratum.runtime.tensors import grad_sq_norm
+from stratum.runtime.tensors import grad_norms
 
 
 @dataclass(kw_only=True)
@@ -118,10 +118,10 @@ class GradEngine(Engine):
     micro-batch (so a parent may start reducing it during the backward)."""
 
     @abc.abstractmethod
-    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
-        """Forward and backward over ``micro_batches``, each loss multiplied by ``scale`` before its backward,
-        gradients accumulated in the parameters; the sum of the unscaled losses (float64, equal on every rank
-        of this engine)."""
+    def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
+        """Forward and backward over ``micro_batches``, each loss divided by ``divisor`` (the step's micro-batch
+        count) before its backward, gradients accumulated in the parameters; the sum of the losses (float64,
+        equal on every rank of this engine)."""
 
     @abc.abstractmethod
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -133,21 +133,22 @@ class GradEngine(Engine):
         several ranks counts on one of them)."""
 
     @abc.abstractmethod
-    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        """Sum ``local_sq`` (float64) over this engine's other ranks: the squared global gradient norm."""
+    def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        """The global gradient norm (float32 scalar) from this rank's part of it (:func:`grad_norms`'s vector),
+        combined with this engine's other ranks."""
 
     @abc.abstractmethod
     def update(self, lr: float, coef: torch.Tensor) -> None:
         """Multiply every gradient by ``coef`` (the clip factor), one AdamW step, drop the gradients."""
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        """The squared global norm of the gradients now held, over all ranks of this engine."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of the gradients now held, over all ranks of this engine."""
         counted = self.norm_counted()
-        return self.reduce_sq_norm(grad_sq_norm([p for n, p in self.grad_params() if n in counted]))
+        return self.reduce_norm(grad_norms([p for n, p in self.grad_params() if n in counted]))
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         n = len(micro_batches)
-        loss_sum = self.forward_backward(micro_batches, 1.0 / n)
-        norm = self.grad_sq_norm().sqrt().float()
+        loss_sum = self.forward_backward(micro_batches, n)
+        norm = self.grad_norm()
         self.update(lr, clip_coef(norm, self.spec.grad_clip))
         return StepResult(loss=float(loss_sum) / n, grad_norm=float(norm))

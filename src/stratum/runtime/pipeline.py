@@ -226,9 +226,10 @@ class PipelineEngine(GradEngine):
             self.model.blocks[i].train(training)
 
     # ---- Engine ---------------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
         self._set_mode(True)
-        loss_sum = self.runtime.run(self._schedule(len(micro_batches)), micro_batches, training=True, scale=scale)
+        loss_sum = self.runtime.run(self._schedule(len(micro_batches)), micro_batches, training=True,
+                                    scale=1.0 / divisor)
         for p, grp in self.tied_sync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -241,8 +242,9 @@ class PipelineEngine(GradEngine):
     def norm_counted(self) -> set[str]:
         return {n for n, _ in self.named if n not in self.not_counted}
 
-    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        return self.mesh.all_reduce(local_sq.to(self.device), "stage_rank", "the gradient-norm all-reduce")
+    def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        sq = norms.to(self.device, torch.float64).pow(2).sum()
+        return self.mesh.all_reduce(sq, "stage_rank", "the gradient-norm all-reduce").sqrt().float()
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.opt.step(lr, coef)

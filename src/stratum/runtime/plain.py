@@ -35,14 +35,14 @@ class PlainEngine(GradEngine):
         with autocast(self.device, self.precision):
             return self.model.loss(x, y, b.stream if self.model.training else None)
 
-    def forward_backward(self, micro_batches: list[Batch], scale: float) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
         self.model.train()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros((), device=self.device)
         for b in micro_batches:
             loss = self._loss(b)
-            (loss * scale).backward()
-            total += loss.detach().double()
-        return total
+            (loss / divisor).backward()
+            total += loss.detach().float()
+        return total.double()
 
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
         return self.named
@@ -50,8 +50,8 @@ class PlainEngine(GradEngine):
     def norm_counted(self) -> set[str]:
         return {n for n, _ in self.named}
 
-    def reduce_sq_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        return local_sq
+    def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(norms)  # clip_grad_norm_'s total norm
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.opt.step(lr, coef)

@@ -35,6 +35,18 @@ def grad_sq_norm(params: list[Tensor]) -> Tensor:
     return total
 
 
+def grad_norms(params: list[Tensor]) -> Tensor:
+    """The gradient norms a global norm is made of, as a float32 vector: one per tensor, computed as
+    ``torch.nn.utils.clip_grad_norm_`` computes them (so ``vector_norm`` of the result is its total norm, to the
+    bit); where some gradients are split (DTensor), a single entry, the whole norm (collective)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(1)
+    if any(isinstance(g, DTensor) for g in grads):
+        return grad_sq_norm(params).sqrt().float().reshape(1)
+    return torch.stack([n.to(grads[0].device) for n in torch._foreach_norm(grads, 2.0)])
+
+
 def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
     """Multiply every gradient by ``coef`` (the clip factor): torch's foreach kernels refuse a list that mixes
     DTensors with plain tensors, so each kind (and device) gets its own call."""
