@@ -130,3 +130,13 @@ def test_a_refused_run_leaves_no_empty_out_dir_and_keeps_what_was_there(corpus_f
     (old / "empty-before").mkdir()
     assert main([*_args(corpus_file, cache_dir, old), *bad]) == 2
     assert (old / "notes.txt").read_text() == "mine" and (old / "empty-before").is_dir()
+
+
+@pytest.mark.slow
+def test_a_multi_process_run_refused_by_its_workers_leaves_no_empty_out_dir(corpus_file, cache_dir, tmp_path):
+    """The launcher makes out_dir; the workers find the bad input (building the model) and exit with code 2."""
+    new = tmp_path / "new" / "run"
+    argv = _args(corpus_file, cache_dir, new, "train.engine='pipeline'", "pipeline.ranks=2", "model.vocab_size=100")
+    res = subprocess.run([sys.executable, "-m", "stratum", *argv], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 2 and "smaller than the tokenizer" in res.stderr, res.stderr
+    assert not (tmp_path / "new").exists()

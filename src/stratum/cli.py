@@ -125,17 +125,23 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     from stratum.data.prepare import prepare_data
     from stratum.dist.launch import spawn_local
     from stratum.parallel.compose import check_plan
+    from stratum.train.stopping import missing_dirs, remove_empty_dirs
     from stratum.train.trainer import prepare_out_dir
 
     check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
     prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
-    prepare_out_dir(Path(cfg.train.out_dir).expanduser())
+    out_dir = Path(cfg.train.out_dir).expanduser()
+    made = missing_dirs(out_dir)
+    prepare_out_dir(out_dir)
     argv = ["-m", "stratum", "train"] + (["--config", args.config] if args.config else [])
     for o in args.overrides:
         argv += ["--set", o]
     if args.stop_at is not None:
         argv += ["--stop-at", str(args.stop_at)]
-    return spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5)
+    code = spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5)
+    if code != 0:  # refused by the workers (bad input found there): no empty out_dir left behind
+        remove_empty_dirs(made)
+    return code
 
 
 def _run_script(args: argparse.Namespace) -> int:

@@ -84,7 +84,7 @@ def agree(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def _missing_dirs(path: Path) -> list[Path]:
+def missing_dirs(path: Path) -> list[Path]:
     """``path`` and those of its ancestors that do not exist yet, outermost first."""
     out = []
     p = path.absolute()
@@ -94,7 +94,7 @@ def _missing_dirs(path: Path) -> list[Path]:
     return out[::-1]
 
 
-def _remove_empty(created: list[Path]) -> None:
+def remove_empty_dirs(created: list[Path]) -> None:
     """Remove the directories in ``created`` (made by the failed run) that hold nothing but empty directories;
     anything with a file in it stays."""
     if not created:
@@ -116,10 +116,10 @@ def removes_new_empty_out_dir(fn):
     that existed before, or that holds a file, is never touched."""
     @functools.wraps(fn)
     def wrapper(cfg, *args, **kwargs):
-        created = _missing_dirs(Path(cfg.train.out_dir).expanduser())
+        created = missing_dirs(Path(cfg.train.out_dir).expanduser())
         try:
             return fn(cfg, *args, **kwargs)
         except BaseException:
-            _remove_empty(created)
+            remove_empty_dirs(created)
             raise
     return wrapper
