@@ -107,7 +107,7 @@ def split_backward_side(a) -> dict:
     from stratum.runtime import stage
     from stratum.runtime.stage import StageRuntime
     from stratum.schedule.ir import Action
-    from stratum.sim.pipeline import even_partition
+    from stratum.plan.partition import even_partition
 
     torch.set_num_threads(1)
     split_input = stage._backward_input
@@ -188,7 +188,7 @@ def worker(job_path: str) -> None:
     from stratum.runtime import optim_spec
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate
-    from stratum.sim.pipeline import even_partition
+    from stratum.plan.partition import even_partition
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -377,7 +377,8 @@ def simulate_side(job: dict, profile, world: int, threads: int, message_s: float
     """Per schedule: the makespan with core sharing (the prediction's term 2), and the two bounds."""
     from stratum.plan import evaluate, stage_costs
     from stratum.schedule import generate
-    from stratum.sim.pipeline import even_partition, simulate
+    from stratum.plan.partition import even_partition
+    from stratum.sim.pipeline import simulate
 
     cores = os.cpu_count() or 1
     slots = cores / threads

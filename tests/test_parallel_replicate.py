@@ -119,7 +119,7 @@ def test_auto_speeds_follow_the_replicas_measured_pace(monkeypatch):
 
 
 def test_a_faster_pipeline_rank_gets_more_blocks():
-    from stratum.runtime.pipeline import balanced_partition
+    from stratum.plan.partition import balanced_partition
     assert balanced_partition([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
     assert balanced_partition([1.0] * 8, 2, [3.0, 1.0]) == [range(0, 6), range(6, 8)]
 

@@ -82,7 +82,7 @@ def worker(job_path: str) -> None:
     from stratum.ir.plan import parse_plan
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate, loads
-    from stratum.sim.pipeline import even_partition
+    from stratum.plan.partition import even_partition
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -223,7 +223,7 @@ def test_one_rank_in_process_matches_plain(references, hf_dir):
 
 
 def test_balanced_partition_minimises_the_heaviest_stage():
-    from stratum.runtime.pipeline import balanced_partition
+    from stratum.plan.partition import balanced_partition
 
     assert balanced_partition([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
     assert balanced_partition([8, 1, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 7)]

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \

@@ -1,4 +1,5 @@
-"""Cut a BlockSeq into pipeline stages: balance profiled time over ranks under per-rank memory limits.
+"""Cut a BlockSeq into pipeline stages — the one partitioner module: even cuts, weight-balanced cuts, and the
+profiled cut that balances time over ranks under per-rank memory limits.
 
 Input: a :class:`~stratum.profile.Profile` (per-block ``fwd_s``, ``bwd_s``, parameter/gradient/optimizer bytes,
 ``act_saved_bytes``), a stage→rank map (``Schedule.stage_to_rank``: one stage per rank for GPipe/1F1B, several
@@ -39,6 +40,49 @@ from dataclasses import dataclass
 from stratum.errors import StratumError
 
 DEFAULT_BEAM = 64
+
+
+# ---- cuts without a profile: equal block counts, or weights (parameter counts) over ranks of given speeds ----
+def even_partition(num_blocks: int, num_stages: int) -> list[range]:
+    """Split ``num_blocks`` blocks into ``num_stages`` contiguous ranges whose sizes differ by at most one."""
+    if num_stages < 1 or num_stages > num_blocks:
+        raise StratumError(f"cannot cut {num_blocks} blocks into {num_stages} non-empty stages")
+    q, rem = divmod(num_blocks, num_stages)
+    out, a = [], 0
+    for s in range(num_stages):
+        n = q + (1 if s < rem else 0)
+        out.append(range(a, a + n))
+        a += n
+    return out
+
+
+def balanced_partition(weights: list[float], num_stages: int, speeds: list[float] | None = None) -> list[range]:
+    """Contiguous cut of blocks with ``weights`` into ``num_stages`` non-empty stages minimising the heaviest
+    stage's weight divided by its ``speeds`` entry (all 1 by default; dynamic programming, ties go to the
+    earliest cut)."""
+    speeds = speeds or [1.0] * num_stages
+    n = len(weights)
+    if num_stages < 1 or num_stages > n:
+        raise StratumError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+    pre = [0.0]
+    for w in weights:
+        pre.append(pre[-1] + w)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], (pre[j] - pre[i]) / speeds[s - 1])
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    out, j = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][j]
+        out.append(range(i, j))
+        j = i
+    return out[::-1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +374,7 @@ def _block_arrays(profile):
 def evaluate(profile, stages: Sequence[range | Sequence[int]], stage_to_rank: Sequence[int], *,
              speeds: Sequence[float] | None = None, inflight=None, mem_limits: Sequence[float] | None = None,
              method: str = "given", exact: bool = True) -> Partition:
-    """The :class:`Partition` of given block ranges (e.g. :func:`stratum.sim.pipeline.even_partition`)."""
+    """The :class:`Partition` of given block ranges (e.g. :func:`even_partition`)."""
     n, pre_t, pre_state, pre_act = _block_arrays(profile)
     s2r, P = _check_map(stage_to_rank, n)
     spans = [range(r.start, r.stop) if isinstance(r, range) else range(*r) for r in stages]

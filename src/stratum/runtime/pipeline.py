@@ -21,7 +21,6 @@ engines and between pipeline layouts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +38,8 @@ from stratum.ir.plan import Pipeline
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.model.placement import localize
+from stratum.plan.partition import balanced_partition, even_partition, partition
+from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
@@ -83,35 +84,6 @@ def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
     return sched
 
 
-def balanced_partition(weights: list[float], num_stages: int, speeds: list[float] | None = None) -> list[range]:
-    """Contiguous cut of blocks with ``weights`` into ``num_stages`` non-empty stages minimising the heaviest
-    stage's weight divided by its ``speeds`` entry (all 1 by default; dynamic programming, ties go to the
-    earliest cut)."""
-    speeds = speeds or [1.0] * num_stages
-    n = len(weights)
-    if num_stages < 1 or num_stages > n:
-        raise StratumError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
-    pre = [0.0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for j in range(s, n - (num_stages - s) + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], (pre[j] - pre[i]) / speeds[s - 1])
-                if v < best[s][j]:
-                    best[s][j], cut[s][j] = v, i
-    out, j = [], n
-    for s in range(num_stages, 0, -1):
-        i = cut[s][j]
-        out.append(range(i, j))
-        j = i
-    return out[::-1]
-
-
 def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int,
                   speeds: list[float] | None = None) -> PipelinePlan:
     """Schedule and stage partition for ``model`` (may live on ``meta``) with ``microbatches`` per step on each
@@ -127,14 +99,11 @@ def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int,
             f"pipeline.schedule = {p.schedule!r} on {p.ranks} ranks needs {S} stages but the model has only {n} "
             f"blocks; lower pipeline.ranks (or pipeline.waves / pipeline.virtual) or use a deeper model")
     if p.partition == "even":
-        from stratum.sim.pipeline import even_partition
         stages = even_partition(n, S)
     elif p.partition == "balanced":
         weights = [float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks]
         stages = balanced_partition(weights, S, [speeds[r] for r in sched.stage_to_rank] if speeds else None)
     else:  # a Profile JSON: every rank reads the same file, so every rank computes the same cut
-        from stratum.plan.partition import partition
-        from stratum.profile.profile import Profile
         prof = Profile.load(p.partition)
         if len(prof.blocks) != n:
             raise StratumError(f"pipeline.partition: profile {p.partition} has {len(prof.blocks)} blocks but the "

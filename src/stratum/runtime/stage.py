@@ -334,7 +334,7 @@ class StageRuntime:
         """Run this rank's actions of ``sched`` over ``batches``; the summed (unscaled) loss of the micro-batches
         whose last stage is here (zero elsewhere), as a float64 tensor on the device."""
         plan = self.plan_of(sched)
-        S, where, dev = self.S, self.stage_to_rank, self.device
+        S, dev = self.S, self.device
         shapes = self._ensure_shapes(batches[0].x, training)
         shapes_of = {mb: self._ensure_shapes(b.x, training) for mb, b in enumerate(batches)} \
             if len({tuple(b.x.shape) for b in batches}) > 1 else None

@@ -66,7 +66,8 @@ def _schedule(args) -> Schedule:
 
 def run(args) -> int:
     """Execute ``stratum schedule show|simulate``; returns the exit code."""
-    from stratum.sim.pipeline import Costs, even_partition, simulate
+    from stratum.plan.partition import even_partition
+    from stratum.sim.pipeline import Costs, simulate
 
     sched = _schedule(args)
     if args.schedule_cmd == "show":

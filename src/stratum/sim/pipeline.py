@@ -111,19 +111,6 @@ class Costs:
                    out_bytes=[bs[-1].out_bytes for bs in sel], latency=latency, bandwidth=bandwidth)
 
 
-def even_partition(num_blocks: int, num_stages: int) -> list[range]:
-    """Split ``num_blocks`` blocks into ``num_stages`` contiguous ranges whose sizes differ by at most one."""
-    if num_stages < 1 or num_stages > num_blocks:
-        raise StratumError(f"cannot cut {num_blocks} blocks into {num_stages} non-empty stages")
-    q, rem = divmod(num_blocks, num_stages)
-    out, a = [], 0
-    for s in range(num_stages):
-        n = q + (1 if s < rem else 0)
-        out.append(range(a, a + n))
-        a += n
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class ActionRecord:
     rank: int
