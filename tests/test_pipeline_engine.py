@@ -20,6 +20,7 @@ import torch
 from stratum.errors import StratumError
 
 V, T, MB, M, STEPS = 256, 16, 2, 4, 6  # each step runs a whole schedule: 6 show any drift from plain
+DROPOUT = 0.1  # every block draws from its (micro-batch, block) stream, so ranks draw the plain engine's masks
 KINDS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual": 2}), ("wave", {"waves": 1}),
          ("zb-1f1b", {}), ("zb-wave", {"waves": 1})]
 # A user-written schedule: stage 0 mixes a full B with a split I/W; rank 1 splits its first backward.
@@ -41,9 +42,9 @@ def build(model: str, hf_dir: str | None, seed: int = 11):
     if model == "gpt":
         register_preset()
         from stratum.model.gpt import build_gpt
-        return build_gpt("pipe-test", vocab_size=V, seed=seed)  # 8 blocks: embed, 6 layers, head (tied)
+        return build_gpt("pipe-test", vocab_size=V, seed=seed, dropout=DROPOUT)  # 8 blocks: embed, 6 layers, head
     from stratum.model.hf import build_hf
-    return build_hf(hf_dir, seed=seed, dropout=0.0)  # parity needs no dropout (RNG use differs by placement)
+    return build_hf(hf_dir, seed=seed, dropout=DROPOUT)
 
 
 def batches(step: int):
@@ -53,7 +54,8 @@ def batches(step: int):
     start = torch.randint(0, V, (MB * M, 1), generator=g)
     inc = torch.randint(1, 4, (MB * M, T + 1), generator=g).cumsum(1)
     data = (start + inc) % V
-    return [Batch(x=data[i * MB:(i + 1) * MB, :-1], y=data[i * MB:(i + 1) * MB, 1:]) for i in range(M)]
+    return [Batch(x=data[i * MB:(i + 1) * MB, :-1], y=data[i * MB:(i + 1) * MB, 1:], stream=step * M + i)
+            for i in range(M)]
 
 
 def spec():
