@@ -1,17 +1,17 @@
-"""Processes for multi-process engines: spawn local workers, or join a ``torchrun`` job; one process group.
+"""Processes for multi-process plans: spawn local workers, or join a ``torchrun`` job; the default group.
 
-Three ways a pipeline run gets its processes:
+Three ways a run gets its processes:
 
-- ``stratum train`` with ``train.engine = "pipeline"`` on a plain shell: the CLI checks the config, prepares the
-  data once, then :func:`spawn_local` starts ``pipeline.ranks`` copies of the same command as workers
+- ``stratum train`` with a plan of N > 1 processes (``parallel.plan``) on a plain shell: the CLI checks the plan,
+  prepares the data once, then :func:`spawn_local` starts N copies of the same command as workers
   (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` on a free local port, plus
-  ``STRATUM_WORKER=1``) and waits for them;
+  ``STRATUM_WORKER=1``) and waits for them; ``stratum run --nproc N script.py`` does the same for a user's script;
 - ``torchrun --nproc_per_node N -m stratum train ...`` (also multi-node, with torchrun's rendezvous): torchrun
   sets the same variables, the CLI sees them and runs as a worker directly;
-- in-process with ``pipeline.ranks = 1``: a one-process group on a local store (tests, debugging).
+- a one-process plan needs no group at all (:func:`stratum.dist.world.join_world`).
 
-Every wait has a limit: the process group is created with ``pipeline.timeout_s`` (collectives and start-up), and
-the pipeline runtime waits on its point-to-point messages with the same limit. A peer that dies or hangs
+Every wait has a limit: the process groups are created with ``parallel.timeout_s`` (collectives and start-up),
+and the pipeline runtime waits on its point-to-point messages with the same limit. A peer that dies or hangs
 surfaces as :class:`PeerError` (exit code 3), a one-line message naming the rank and what it waited for.
 """
 

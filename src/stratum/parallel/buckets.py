@@ -17,14 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from stratum.dist.world import World
+from stratum.runtime.tensors import local_part
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bytes per all-reduce: big enough to amortise a collective's latency, small enough to overlap."""
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """What a replica exchanges: a split (DTensor) tensor's own shard, else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class GradBuckets:

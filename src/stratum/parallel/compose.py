@@ -29,16 +29,11 @@ from stratum.offload.setup import make_offload_engine
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
-from stratum.runtime.device import compute_rate
+from stratum.runtime.device import compute_rate, resolve_device
 from stratum.runtime.engine import Engine, GradEngine
 from stratum.runtime.optim import MakeOptimizer, optim_spec
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
 from stratum.runtime.plain import PlainEngine
-
-
-def _device_type(cfg: Config) -> torch.device:
-    d = cfg.train.device
-    return torch.device("cuda" if d.startswith("cuda") or (d == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
@@ -50,7 +45,7 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
         raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
                            "parameters yet; use shard=false with split")
-    dev = _device_type(cfg)
+    dev = resolve_device(cfg.train.device)
     if plan.world_size() > 1:
         resolve_backend(cfg.parallel.backend, dev)
         if dev.type == "cuda" and torch.cuda.is_available() and plan.world_size() > torch.cuda.device_count():

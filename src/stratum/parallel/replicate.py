@@ -26,9 +26,10 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel import adasum
-from stratum.parallel.buckets import GradBuckets, local_part
+from stratum.parallel.buckets import GradBuckets
 from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
+from stratum.runtime.tensors import local_part
 
 def even_shares(total: int, n: int) -> list[int]:
     """``total`` micro-batches over ``n`` replicas as evenly as possible (earlier replicas take the rest)."""

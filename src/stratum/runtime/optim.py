@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.runtime.engine import OptimSpec, TrainState
-from stratum.runtime.tensors import full_tensor, load_full_, scale_grads_, shard_state
+from stratum.runtime.tensors import full_tensor, load_full_, local_part, scale_grads_, shard_state
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -76,10 +76,6 @@ class Optimizer(abc.ABC):
         """Bytes of AdamW state this process holds."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class LocalAdamW(Optimizer):
     """torch's AdamW over the parameters an engine holds (:func:`make_adamw`)."""
 
@@ -101,11 +97,17 @@ class LocalAdamW(Optimizer):
         import_state(self.opt, self.named, state)
 
     def state_bytes(self) -> int:
-        return sum(_local(t).nbytes for st in self.opt.state.values() for t in st.values() if t.dim() > 0)
+        return sum(local_part(t).nbytes for st in self.opt.state.values() for t in st.values() if t.dim() > 0)
 
 
 MakeOptimizer = Callable[[list[tuple[str, nn.Parameter]]], Optimizer]
 """Builds an engine's optimizer over its named parameters (a plan node chooses which)."""
+
+
+def leaf_optimizer(make: MakeOptimizer | None, named: list[tuple[str, nn.Parameter]], spec: OptimSpec,
+                   device: torch.device) -> Optimizer:
+    """The optimizer the plan chose for an engine's parameters, or torch's AdamW where it chose none."""
+    return make(named) if make is not None else LocalAdamW(named, spec, device)
 
 
 def load_params(named: list[tuple[str, nn.Parameter]], state: TrainState) -> None:

@@ -42,7 +42,7 @@ from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
-from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
+from stratum.runtime.optim import MakeOptimizer, leaf_optimizer, load_params
 from stratum.runtime.tensors import full_tensor
 from stratum.runtime.stage import StageRuntime
 from stratum.schedule.ir import Action, Schedule
@@ -173,7 +173,7 @@ class PipelineEngine(GradEngine):
                 self.tied_sync.append((named[g.owner], grp))
                 if self.rank != holders[0]:
                     self.not_counted.add(g.owner)  # its norm is counted on the first holder only
-        self.opt = (make_optimizer or (lambda named: LocalAdamW(named, optim, device)))(self.named)
+        self.opt = leaf_optimizer(make_optimizer, self.named, optim, device)
         self.runtime = StageRuntime(blocks=list(model.blocks), stages=plan.stages, stage_to_rank=where,
                                     loss_fn=model.loss_fn, rank=self.rank, peers=self.peers, device=device,
                                     precision=precision, timeout_s=self.timeout_s, backend=self.backend)

@@ -11,7 +11,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
-from stratum.runtime.optim import LocalAdamW, MakeOptimizer, load_params
+from stratum.runtime.optim import MakeOptimizer, leaf_optimizer, load_params
 from stratum.runtime.tensors import full_tensor
 
 
@@ -27,7 +27,7 @@ class PlainEngine(GradEngine):
         self.model = model.to(device)
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
-        self.opt = (make_optimizer or (lambda named: LocalAdamW(named, optim, device)))(self.named)
+        self.opt = leaf_optimizer(make_optimizer, self.named, optim, device)
 
     def _loss(self, b: Batch) -> torch.Tensor:
         x = b.x.to(self.device, non_blocking=True)

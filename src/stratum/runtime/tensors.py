@@ -14,6 +14,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 # ---- gradients -----------------------------------------------------------------------------------------------
+def local_part(t: Tensor) -> Tensor:
+    """This process's part of ``t``: a DTensor's local shard, else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def grad_sq_norm(params: list[Tensor]) -> Tensor:
     """Squared global norm (float64 scalar) of ``params``' gradients as the unsplit model has it (collective):
     a sharded gradient counts its shards summed over the split group, a replicated or plain one once."""

@@ -106,13 +106,9 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
-    start = 0
-    ckpt = None
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path)
-        for change in check_compatible(ckpt, cfg, fingerprint):
-            console.print(f"note: resuming with changed setting {change}")
-        start = ckpt.step
+    ckpt = _resume_from(ckpt_path, cfg, fingerprint, console)
+    start = ckpt.step if ckpt is not None else 0
+    if ckpt is not None:
         if start >= t.steps:
             console.print(f"the run in {out_dir} is already complete ({start}/{t.steps} steps): nothing to do; "
                           "raise train.steps to continue it, or choose a new train.out_dir")
@@ -130,26 +126,16 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     end = min(t.steps, stop_at) if stop_at is not None else t.steps
 
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
-    n_params = model.num_params()
     if main:
         atomic_write_text(out_dir / "config.toml", to_toml(cfg))
-    console.print(f"model {model.info.name} ({cfg.model.source}): {n_params:,} parameters, {len(model)} blocks; "
-                  f"engine {engine.name} on {describe(device)}, {t.precision}")
-    console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
-                  f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
-    console.print(cfg.derived_summary())
-    if engine.describe():
-        console.print(engine.describe(), highlight=False)
-    if world.plan.world_size() > 1:
-        console.print(world.plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))),
-                      highlight=False)
-    console.print(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
-                  f"output in {out_dir}")
+    _print_start(console, cfg, model=model, engine=engine, world=world, stages=stages, data=data,
+                 start=start, end=end)
 
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start) if main else _Quiet()
     display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
     eval_batches = [b for i in range(t.eval_batches)
                     for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
+    per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
     run_start = time.perf_counter()
     last_ckpt = None
     clock = CheckpointClock(t.ckpt_minutes)
@@ -158,22 +144,10 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     try:
         signals.install()
         for step in range(start, end):
-            lr = lr_at(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.warmup_steps,
-                       total_steps=t.steps)
-            t0 = time.perf_counter()
-            batches = data.sampler.micro_batches(TRAIN, step, t.micro_batch_size, cfg.micro_batches_per_step)
-            res = engine.train_step(batches, lr)
-            synchronize(device)
-            dt = time.perf_counter() - t0
-            tokens = cfg.tokens_per_step
-            rec = {"step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens": tokens,
-                   "step_s": dt, "tokens_per_s": tokens / dt, "tflops": flops_per_token * tokens / dt / 1e12,
-                   **engine.memory_stats(), **engine.step_io()}
+            rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
+                            flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
             done = step + 1
-            if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
-                if cfg.data.val_fraction > 0:
-                    rec["eval_loss"] = engine.eval_loss(eval_batches)
-            if res.loss != res.loss:  # NaN
+            if rec["loss"] != rec["loss"]:  # NaN
                 raise StratumError(f"loss became NaN at step {done}; lower optim.lr or raise optim.warmup_fraction "
                                    f"(last good checkpoint: {latest_checkpoint(out_dir) or 'none'})")
             log.write(rec)
@@ -195,19 +169,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         log.close()
         engine.close()
 
-    wall = time.perf_counter() - run_start
-    recs = log.records
-    evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
-    summary = {
-        "model": model.info.name, "params": n_params, "engine": engine.name, "device": describe(device),
-        "steps_done": end, "steps_total": t.steps, "steps_this_run": end - start,
-        "first_loss": recs[0]["loss"] if recs else None, "final_loss": recs[-1]["loss"] if recs else None,
-        "final_eval_loss": evals[-1] if evals else None,
-        "median_tokens_per_s": median(recs, "tokens_per_s"), "median_tflops": median(recs, "tflops"),
-        "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
-        "wall_s": wall, "checkpoint": str(last_ckpt) if last_ckpt else None, "out_dir": str(out_dir),
-    }
-    summary.update(_io_summary(recs, engine.predicted_step_s))
+    summary = _summary(log.records, model=model, engine=engine, world=world, cfg=cfg, start=start, end=end,
+                       wall=time.perf_counter() - run_start, checkpoint=last_ckpt)
     if main:
         atomic_write_json(out_dir / "summary.json", summary)
         _print_summary(console, summary)
@@ -215,6 +178,71 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         console.print(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of {t.steps}, "
                       "with a checkpoint: run the same command to resume")
         raise Interrupted(f"stopped at step {end}")
+    return summary
+
+
+def _one_step(cfg: Config, engine, data, step: int, *, per_step: int, tokens: int, flops_per_token: float,
+              eval_batches: list, device: torch.device) -> dict:
+    """Train step ``step`` (0-based) and return its metrics record (with the eval loss where one is due)."""
+    t = cfg.train
+    lr = lr_at(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.warmup_steps, total_steps=t.steps)
+    t0 = time.perf_counter()
+    res = engine.train_step(data.sampler.micro_batches(TRAIN, step, t.micro_batch_size, per_step), lr)
+    synchronize(device)
+    dt = time.perf_counter() - t0
+    rec = {"step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens": tokens,
+           "step_s": dt, "tokens_per_s": tokens / dt, "tflops": flops_per_token * tokens / dt / 1e12,
+           **engine.memory_stats(), **engine.step_io()}
+    done = step + 1
+    if ((t.eval_interval and done % t.eval_interval == 0) or done == t.steps) and cfg.data.val_fraction > 0:
+        rec["eval_loss"] = engine.eval_loss(eval_batches)
+    return rec
+
+
+def _resume_from(ckpt_path: Path | None, cfg: Config, fingerprint: dict, console: Console):
+    """The checkpoint a run continues from (refused if it is another model's), noting settings that changed."""
+    if ckpt_path is None:
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    for change in check_compatible(ckpt, cfg, fingerprint):
+        console.print(f"note: resuming with changed setting {change}")
+    return ckpt
+
+
+def _print_start(console: Console, cfg: Config, *, model, engine, world: World, stages, data, start: int,
+                 end: int) -> None:
+    """What the run is about to do: model, engine, data, derived values, the plan's processes, the step range."""
+    t = cfg.train
+    console.print(f"model {model.info.name} ({cfg.model.source}): {model.num_params():,} parameters, {len(model)} "
+                  f"blocks; engine {engine.name} on {describe(world.device)}, {t.precision}")
+    console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
+                  f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
+    console.print(cfg.derived_summary())
+    if engine.describe():
+        console.print(engine.describe(), highlight=False)
+    if world.plan.world_size() > 1:
+        console.print(world.plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))),
+                      highlight=False)
+    console.print(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
+                  f"output in {Path(t.out_dir).expanduser()}")
+
+
+def _summary(recs: list[dict], *, model, engine, world: World, cfg: Config, start: int, end: int, wall: float,
+             checkpoint: Path | None) -> dict:
+    """The run's summary (``summary.json``) from its metrics records."""
+    evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
+    summary = {
+        "model": model.info.name, "params": model.num_params(), "engine": engine.name,
+        "device": describe(world.device), "steps_done": end, "steps_total": cfg.train.steps,
+        "steps_this_run": end - start,
+        "first_loss": recs[0]["loss"] if recs else None, "final_loss": recs[-1]["loss"] if recs else None,
+        "final_eval_loss": evals[-1] if evals else None,
+        "median_tokens_per_s": median(recs, "tokens_per_s"), "median_tflops": median(recs, "tflops"),
+        "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
+        "wall_s": wall, "checkpoint": str(checkpoint) if checkpoint else None,
+        "out_dir": str(Path(cfg.train.out_dir).expanduser()),
+    }
+    summary.update(_io_summary(recs, engine.predicted_step_s))
     return summary
 
 
