@@ -27,11 +27,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", metavar="FILE.json", help="also write the plan as JSON")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="BUDGETS",
                    help="plan these device budgets instead (comma-separated sizes or percentages of the training "
-                        f"state; default {DEFAULT_SWEEP}) and print one row each")
+                        f"state; default {_escape_percent(DEFAULT_SWEEP)}) and print one row each")
     return p
 
 
 DEFAULT_SWEEP = "10%,25%,50%,100%"
+
+
+def _escape_percent(text: str) -> str:
+    """argparse %-formats help strings: a literal ``%`` must be doubled."""
+    return text.replace("%", "%%")
 
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
