@@ -4,6 +4,11 @@ checkpoints and token caches, numbers and text that make no sense."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -29,3 +34,124 @@ def test_every_command_prints_help(flag, capsys):
             main([*path, flag])
         assert exc.value.code == 0, path
         assert "usage: stratum" in capsys.readouterr().out, path
+
+
+# --- files that cannot be written ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _mounted_tmpfs(where: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A real filesystem of ``size`` (tmpfs) at ``where``; skips the test where mounting is not permitted."""
+    where.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: cannot make a small or read-only filesystem here")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({res.stderr.strip() or res.returncode})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(fs: Path, leave: int = 0) -> Path:
+    """Fill ``fs`` until ``leave`` bytes are free; the filler file is returned (delete it to free the space)."""
+    filler = fs / "filler"
+    free = shutil.disk_usage(fs).free - leave
+    with filler.open("wb") as fh:
+        with contextlib.suppress(OSError):
+            fh.write(b"\0" * max(free, 0))
+    return filler
+
+
+@pytest.fixture
+def full_fs(tmp_path) -> Iterator[Path]:
+    with _mounted_tmpfs(tmp_path / "full", "1m") as fs:
+        _fill(fs)
+        yield fs
+
+
+@pytest.fixture
+def ro_fs(tmp_path) -> Iterator[Path]:
+    with _mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as fs:
+        yield fs
+
+
+def _unwritable_targets(tmp_path: Path, full: Path, ro: Path) -> dict[str, Path]:
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    adir = tmp_path / "a-dir"
+    adir.mkdir()
+    return {"parent is a file": afile / "out.json", "target is a directory": adir, "full": full / "out.json",
+            "read-only": ro / "out.json"}
+
+
+def _one_error_line(capsys, *expected: str) -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("stratum: error: "), err
+    assert "Traceback" not in err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def test_every_output_flag_fails_cleanly(tmp_path, full_fs, ro_fs, corpus_file, cache_dir, capsys):
+    """``--save``, ``--trace``, ``--png``, ``--json`` and ``--out`` into a file's child, onto a directory, onto a
+    full and onto a read-only filesystem: one line naming the file, exit code 2, no temp file left."""
+    small = ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
+             "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=2"]
+    profile = tmp_path / "profile.json"
+    assert main(["profile", *small, "--runs", "1", "--out", str(profile)]) == 0
+    capsys.readouterr()
+    commands = {
+        "--save": ["schedule", "show", "--save"],
+        "--trace": ["schedule", "simulate", "--trace"],
+        "--png": ["schedule", "simulate", "--png"],
+        "--json": ["plan", *small, "--profile", str(profile), "--json"],
+        "--out": ["profile", *small, "--runs", "1", "--out"],
+    }
+    for kind, target in _unwritable_targets(tmp_path, full_fs, ro_fs).items():
+        for flag, argv in commands.items():
+            if flag == "--out" and kind in ("parent is a file", "target is a directory"):
+                continue  # the same write path as --json; profiling four more times only costs time
+            assert main([*argv, str(target)]) == 2, (flag, kind)
+            _one_error_line(capsys, "cannot write", str(target))
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_checkpoint_on_a_full_filesystem_stops_cleanly_and_resumes_once_freed(make_cfg, tmp_path):
+    """The checkpoint that does not fit stops the run with one line; the earlier one stays and the run resumes."""
+    from stratum.errors import StratumError
+    from stratum.train.checkpoint import latest_checkpoint, load_checkpoint
+    from stratum.train.trainer import read_metrics, train
+
+    with _mounted_tmpfs(tmp_path / "fs", "4m") as fs:
+        out = fs / "run"
+        cfg = make_cfg("train.steps=4", out=out)
+        train(cfg, stop_at=2)
+        first = latest_checkpoint(out)
+        ckpt_bytes = sum(p.stat().st_size for p in first.iterdir())
+        filler = _fill(fs, leave=ckpt_bytes // 2)  # room for metrics lines, not for a checkpoint
+        with pytest.raises(StratumError, match="cannot write checkpoint .*No space left.*resume"):
+            train(cfg)
+        assert latest_checkpoint(out) == first and load_checkpoint(first).step == 2
+        assert not list((out / "checkpoints").glob(".tmp*"))
+        filler.unlink()
+        summary = train(cfg)
+        assert summary["steps_done"] == 4 and summary["steps_this_run"] == 2
+        assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("where", ["full", "read-only"])
+def test_token_cache_and_out_dir_on_unwritable_filesystems(where, full_fs, ro_fs, corpus_file, tmp_path, capsys):
+    fs = full_fs if where == "full" else ro_fs
+    base = ["train", "--set", f"data.corpus={str(corpus_file)!r}", "--set", "model.preset='tiny'",
+            "--set", "data.seq_len=32"]
+    assert main([*base, "--set", f"data.cache_dir={str(fs / 'cache')!r}",
+                 "--set", f"train.out_dir={str(tmp_path / 'run')!r}"]) == 2
+    _one_error_line(capsys, "token cache")
+    assert main([*base, "--set", f"train.out_dir={str(fs / 'run')!r}"]) == 2
+    _one_error_line(capsys, "train.out_dir", "not writable")
+    assert [p.name for p in fs.iterdir()] == (["filler"] if where == "full" else [])

@@ -1,10 +1,13 @@
 """Atomic file writes: write a temp file beside the target, fsync, then rename over it.
 
-A reader (or a resumed run after a kill) sees either the old file or the new one, never half of one.
+A reader (or a resumed run after a kill) sees either the old file or the new one, never half of one. A write that
+the filesystem refuses (full, read-only, the target a directory, a parent a file) is a one-line
+:class:`~stratum.errors.StratumError` naming the file, and leaves no temp file behind.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,20 +15,57 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stratum.errors import StratumError
+
+# What to do about each way a write fails; anything else gets the generic advice.
+_ADVICE = {
+    errno.ENOSPC: "the filesystem is full: free space there or write elsewhere",
+    errno.EDQUOT: "the disk quota is used up: free space there or write elsewhere",
+    errno.EROFS: "the filesystem is read-only: write to a writable location",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOTDIR: "a parent of it is a file, not a directory: choose another path",
+    errno.EEXIST: "a parent of it is a file, not a directory: choose another path",
+    errno.EACCES: "permission denied: choose a location you can write to",
+    errno.EPERM: "permission denied: choose a location you can write to",
+}
+
+
+class WriteError(StratumError):
+    """A file could not be written; ``reason`` is the operating system's word for why."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def write_error(path: str | os.PathLike, err: OSError, what: str = "") -> WriteError:
+    """The one-line error for ``err`` raised while writing ``path`` (``what`` names the file's role)."""
+    # mkdir reports a parent that is a file as EEXIST ("File exists"), which reads as the opposite
+    reason = "Not a directory" if err.errno == errno.EEXIST else err.strerror or str(err)
+    advice = _ADVICE.get(err.errno or 0, "check the path and the space left")
+    return WriteError(f"cannot write {what + ' ' if what else ''}{os.fsdecode(path)!r} ({reason}); {advice}",
+                      reason)
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``)."""
+    """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``); a refused write is a
+    :class:`StratumError` naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
         raise
 
 

@@ -7,6 +7,7 @@ sees exactly the batches the reference run saw. The last ``val_fraction`` of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from stratum.data.corpus import Corpus
 from stratum.data.tokenizer import Tokenizer
 from stratum.errors import StratumError
 from stratum.seeds import mix
+from stratum.train.stopping import missing_dirs, remove_empty_dirs
 
 TRAIN, VAL = 0, 1
 
@@ -35,9 +37,10 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> 
     meta_path = path.with_suffix(".json")
     dtype = _token_dtype(tokenizer.vocab_size)
     if not (path.exists() and meta_path.exists()):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        made = missing_dirs(cache_dir)
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             n = 0
             with tmp.open("wb") as fh:
                 for data in corpus.iter_bytes():
@@ -46,8 +49,11 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> 
                     n += len(ids)
             os.replace(tmp, path)
         except OSError as e:
+            with contextlib.suppress(OSError):  # there is no temp file when its directory could not be made
+                tmp.unlink()
+            remove_empty_dirs(made)
             raise StratumError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
-                               "set data.cache_dir to a writable directory") from None
+                               "set data.cache_dir to a writable directory with space") from None
         atomic_write_json(meta_path, {"tokens": n, "dtype": dtype.name, "tokenizer": tokenizer.name,
                                       "corpus": corpus.spec, "files": len(corpus.files)})
     meta = json.loads(meta_path.read_text())

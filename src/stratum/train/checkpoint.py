@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from stratum.atomic import atomic_replace_dir, atomic_write_json, atomic_write_text
+from stratum.atomic import WriteError, atomic_replace_dir, atomic_write_json, atomic_write_text
 from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
 from stratum.runtime.engine import TrainState
@@ -70,20 +70,21 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config, fingerprint: dict,
                     keep: int) -> Path:
     """Write the checkpoint after ``step`` completed steps; keep the ``keep`` newest. Returns its directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     root = Path(out_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     tensors = {f"param/{n}": t.contiguous() for n, t in state.params.items()}
     for n, st in state.optim.items():
         tensors.update({f"optim/{n}/{k}": v.contiguous() for k, v in st.items()})
     tensors.update({f"buffer/{n}": t.contiguous() for n, t in state.buffers.items()})
     tensors.update(_rng_state())
     try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "state.safetensors"))
         atomic_write_json(tmp / "meta.json", {
             "format_version": FORMAT_VERSION, "step": step, "config": cfg.to_dict(),
@@ -91,10 +92,12 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
         })
         atomic_replace_dir(tmp, final)
         atomic_write_text(root / "latest", final.name + "\n")
-    except OSError as e:
+    except (OSError, SafetensorError, WriteError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StratumError(f"cannot write checkpoint to {root} ({e.strerror}); free disk space or change "
-                           "train.out_dir — the previous checkpoint is untouched") from None
+        reason = e.strerror if isinstance(e, OSError) else e.reason if isinstance(e, WriteError) else str(e)
+        raise StratumError(f"cannot write checkpoint to {root} ({reason}); free disk space or change "
+                           "train.out_dir, then run the same command to resume — the previous checkpoint is "
+                           "untouched") from None
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

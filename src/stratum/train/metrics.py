@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from pathlib import Path
 
-from stratum.atomic import atomic_write_text
+from stratum.atomic import atomic_write_text, write_error
 
 
 class MetricsLog:
@@ -25,15 +26,23 @@ class MetricsLog:
                     break  # a torn last line from a kill: everything before it stands
             atomic_write_text(path, "".join(k + "\n" for k in kept))
         self.records = [json.loads(k) for k in kept]
-        self._fh = path.open("a")
+        try:
+            self._fh = path.open("a")
+        except OSError as e:
+            raise write_error(path, e, "metrics") from None
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        except OSError as e:
+            raise write_error(self.path, e, "metrics") from None
 
     def close(self) -> None:
-        self._fh.close()
+        # a failed write has been reported already; its torn line is dropped on resume
+        with contextlib.suppress(OSError):
+            self._fh.close()
 
 
 def median(records: list[dict], key: str, skip_first: int = 1) -> float | None:

@@ -32,11 +32,13 @@ from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, ag
 
 def prepare_out_dir(out_dir: Path) -> None:
     """Create ``out_dir`` and prove it is writable before any work starts."""
+    probe = out_dir / f".write-test-{os.getpid()}"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        try:
+            probe.write_text("ok")
+        finally:  # a full filesystem creates the file, then refuses its bytes
+            probe.unlink(missing_ok=True)
     except OSError as e:
         raise StratumError(f"train.out_dir {str(out_dir)!r} is not writable ({e.strerror}); "
                            "choose a directory you can write to") from None
