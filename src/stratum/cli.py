@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_schedule(sub)
     from stratum.offload.cli import add_parser as add_plan
     add_plan(sub)
+    from stratum.sweep.cli import add_parser as add_sweep
+    add_sweep(sub)
+    from stratum.train.sample_cli import add_parser as add_sample
+    add_sample(sub)
+    from stratum.train.export_cli import add_parser as add_export
+    add_export(sub)
     return parser
 
 
@@ -90,6 +96,15 @@ def _run(args: argparse.Namespace) -> int:
         return run_plan(args)
     if args.command == "run":
         return _run_script(args)
+    if args.command == "sweep":
+        from stratum.sweep.cli import run as run_sweep
+        return run_sweep(args)
+    if args.command == "sample":
+        from stratum.train.sample_cli import run as run_sample
+        return run_sample(args)
+    if args.command == "export":
+        from stratum.train.export_cli import run as run_export
+        return run_export(args)
 
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":

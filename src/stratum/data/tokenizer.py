@@ -70,3 +70,7 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def to_json(self) -> str:
+        """The trained tokenizer in the ``tokenizers`` JSON format (a ``tokenizer.json`` transformers reads)."""
+        return self._tok.to_str()

@@ -20,10 +20,12 @@ Nothing touches the network: paths must be local and every load runs with ``loca
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -151,15 +153,29 @@ class LlamaStyleLayer(nn.Module):
 
 
 # ---- loading -------------------------------------------------------------------------------------------------
-def _import_transformers():
+def import_transformers(purpose: str = "model.source = 'hf'"):
+    """The ``transformers`` module, offline; a one-line error naming ``purpose`` where it is not installed."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         import transformers
     except ImportError:
-        raise StratumError("model.source = 'hf' needs the transformers package; "
+        raise StratumError(f"{purpose} needs the transformers package; "
                            "install the hf extra: pip install 'stratum[hf]'") from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_progress_bars(transformers) -> Iterator[None]:
+    """transformers' loading and saving bars off inside (they would interleave with Stratum's own output)."""
+    hf_logging = transformers.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _resolve(path: str) -> tuple[Path, Path | None]:
@@ -359,10 +375,7 @@ def _make_model(transformers, config, weights_dir: Path | None, device: torch.de
     """The transformers model: weights loaded from ``weights_dir``, or built from the config with parameters on
     the meta device (``params_on_meta``: they get storage and values block by block) or entirely on meta."""
     Auto = transformers.AutoModelForCausalLM
-    hf_logging = transformers.utils.logging
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_progress_bars(transformers):
         if weights_dir is not None and not params_on_meta and device.type != "meta":
             try:
                 model = Auto.from_pretrained(str(weights_dir), config=config, local_files_only=True,
@@ -378,9 +391,6 @@ def _make_model(transformers, config, weights_dir: Path | None, device: torch.de
         except (ValueError, AssertionError, TypeError, KeyError, IndexError) as e:
             raise StratumError(f"model.hf_path: cannot build a {config.model_type} model from this "
                                f"config: {_first_line(e)}") from None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 # ---- flattening --------------------------------------------------------------------------------------------
@@ -460,7 +470,7 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
     block exactly as the eager build draws them — so a model larger than RAM is built one block at a time.
     Bad input raises :class:`StratumError`.
     """
-    transformers = _import_transformers()
+    transformers = import_transformers()
     cfg_file, weights_dir = _resolve(path)
     config = _load_config(transformers, cfg_file)
     _override(config, dropout=dropout, vocab_size=vocab_size, loading=weights_dir is not None)
