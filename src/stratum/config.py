@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stratum.errors import StratumError
+from stratum.extras import require
 from stratum.ir.plan import Plan, parse_plan
 
 SOURCES = ("gpt", "sequential", "hf")
@@ -123,6 +124,12 @@ class TrainConfig:
     """Where metrics.jsonl, summary.json and checkpoints/ go."""
     resume: bool = True
     """Continue from the latest checkpoint in out_dir if there is one."""
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard scalars under <out_dir>/tensorboard (needs the tensorboard
+    extra: pip install 'stratum[tensorboard]')."""
+    wandb_project: str = ""
+    """Also log every step's metrics to this Weights & Biases project; "" = off (needs the wandb extra; set
+    WANDB_MODE=offline to log without a network)."""
 
 
 @dataclass(kw_only=True)
@@ -305,6 +312,10 @@ class Config:
         _check("train.log_interval", t.log_interval >= 1, "must be ≥ 1")
         _check("train.keep_checkpoints", t.keep_checkpoints >= 1, "must be ≥ 1")
         _check("train.out_dir", bool(t.out_dir.strip()), "must not be empty")
+        if t.tensorboard:
+            require("tensorboard", "train.tensorboard")
+        if t.wandb_project.strip():
+            require("wandb", "train.wandb_project")
         pp = self.pipeline
         _check("pipeline.ranks", pp.ranks >= 1, "must be ≥ 1")
         _check("pipeline.virtual", pp.virtual >= 1, "must be ≥ 1")

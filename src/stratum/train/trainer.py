@@ -25,8 +25,9 @@ from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
                                       save_checkpoint)
 from stratum.train.lr import lr_at
-from stratum.train.metrics import MetricsLog, median
+from stratum.train.metrics import median
 from stratum.train.progress import StepDisplay, make_console
+from stratum.train.scalars import metrics_log
 from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
 
 
@@ -133,7 +134,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     _print_start(console, cfg, model=model, engine=engine, world=world, stages=stages, data=data,
                  start=start, end=end)
 
-    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start) if main else _Quiet()
+    log = metrics_log(cfg, out_dir, resume_step=start) if main else _Quiet()
     display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
     eval_batches = [b for i in range(t.eval_batches)
                     for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
