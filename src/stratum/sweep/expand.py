@@ -1,0 +1,120 @@
+"""Grid × random expansion of a sweep into jobs, each an ordinary training config with its own out_dir.
+
+Job ``i`` is the i-th grid point (keys in file order, the last one varying fastest) with, when
+[sweep.random] has keys, ``sweep.samples`` draws from a generator seeded by ``sweep.seed`` — so the same file
+always gives the same jobs, and a resumed sweep finds the jobs it had.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratum.config import Config, load_config
+from stratum.errors import StratumError
+from stratum.sweep.spec import RandomKey, SweepSpec, toml_literal
+
+
+@dataclass(kw_only=True, frozen=True)
+class Job:
+    """One training run of the sweep."""
+
+    id: str
+    """Stable name, also its directory under jobs/: j000, j001, …"""
+    index: int
+    """Position in the sweep (fifo order)."""
+    values: tuple[tuple[str, Any], ...]
+    """The swept keys and this job's values, in file order."""
+
+    @property
+    def overrides(self) -> list[str]:
+        """The job's values as ``section.key=value`` overrides (`stratum train --set` form)."""
+        return [f"{k}={toml_literal(v)}" for k, v in self.values]
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k.partition('.')[2]}={_short(v)}" for k, v in self.values)
+
+
+def _short(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def expand(spec: SweepSpec) -> list[Job]:
+    """Every job of the sweep, in order."""
+    grid_keys = list(spec.grid)
+    points = list(itertools.product(*(spec.grid[k] for k in grid_keys))) if grid_keys else [()]
+    samples = spec.settings.samples or (1 if spec.random else 0)
+    rng = random.Random(spec.settings.seed)
+    jobs = []
+    for point in points:
+        base = list(zip(grid_keys, point))
+        draws = [base + [(k, _draw(rng, r)) for k, r in spec.random.items()] for _ in range(samples)] \
+            if spec.random else [base]
+        for values in draws:
+            i = len(jobs)
+            jobs.append(Job(id=f"j{i:03d}", index=i, values=tuple(values)))
+    return jobs
+
+
+def _draw(rng: random.Random, r: RandomKey) -> Any:
+    if r.kind == "choice":
+        return rng.choice(r.values)
+    lo, hi = r.values
+    if r.kind == "int":
+        return rng.randint(lo, hi)
+    if r.kind == "log_uniform":
+        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    return rng.uniform(lo, hi)
+
+
+def job_out_dir(sweep_dir: Path, job: Job) -> Path:
+    return sweep_dir / "jobs" / job.id
+
+
+def job_config(spec: SweepSpec, job: Job, sweep_dir: Path) -> Config:
+    """The job's full training config: sweep.base ← the file's sections ← the job's values ← its out_dir."""
+    out = f"train.out_dir={toml_literal(str(job_out_dir(sweep_dir, job)))}"
+    try:
+        return load_config(spec.base_path, spec.base_overrides + job.overrides + [out])
+    except StratumError as e:
+        raise StratumError(f"sweep job {job.id} ({job.label}): {e}") from None
+
+
+def check_jobs(spec: SweepSpec, jobs: list[Job], sweep_dir: Path) -> list[Config]:
+    """Every job's config, checked before any job starts; and the slots against the devices that exist."""
+    if not jobs:
+        raise StratumError(f"{spec.path}: the sweep has no jobs; give [sweep.grid] values or sweep.samples ≥ 1")
+    configs = [job_config(spec, j, sweep_dir) for j in jobs]
+    for cfg, job in zip(configs, jobs):
+        if cfg.plan.world_size() > 1:
+            raise StratumError(f"sweep job {job.id}: parallel plans over several processes are not run by sweeps "
+                               f"yet (plan {cfg.plan}); use one process per job")
+    check_devices(spec, configs[0])
+    return configs
+
+
+def check_devices(spec: SweepSpec, cfg: Config) -> None:
+    """More slots than this machine has devices (CPU cores, GPUs) is an error, not a slow surprise."""
+    s = spec.settings
+    devices = s.devices or [cfg.train.device] * s.slots
+    cores = os.cpu_count() or 1
+    gpus = torch.cuda.device_count()
+    cpu_slots = sum(1 for d in devices if d == "cpu" or (d == "auto" and gpus == 0))
+    if cpu_slots > cores:
+        raise StratumError(f"sweep.slots = {s.slots} CPU slots but this machine has {cores} cores; "
+                           f"set sweep.slots ≤ {cores}")
+    for d in devices:
+        if d.startswith("cuda"):
+            n = int(d[5:]) + 1 if d.startswith("cuda:") and d[5:].isdigit() else 1
+            if n > gpus:
+                raise StratumError(f"sweep device {d!r} does not exist: this machine has {gpus} CUDA device(s)")
+        elif d not in ("cpu", "auto"):
+            raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")

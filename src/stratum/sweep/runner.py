@@ -1,0 +1,374 @@
+"""Run a sweep: expand it, record it, and keep every slot busy with job segments until all jobs are final.
+
+The loop polls the workers (every ``POLL_S``), records each segment's outcome in the state database, and gives
+each free slot the next task: an ASHA promotion first, else the scheduler's pick among the pending jobs. A
+failed segment (non-zero exit, dead worker, non-finite loss, over ``sweep.job_timeout_s``) is retried from the
+job's checkpoint up to ``sweep.retries`` times; the other jobs go on regardless.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.config import Config, to_toml
+from stratum.data.prepare import prepare_data
+from stratum.errors import StratumError
+from stratum.profile.profile import Profile
+from stratum.profile.profiler import profile_from_config
+from stratum.sweep.asha import Asha
+from stratum.sweep.expand import Job, check_jobs, expand, job_out_dir
+from stratum.sweep.local import INTERRUPTED_EXIT, Segment, diverged, failure_reason, segment_records, start_segment, stop_segment
+from stratum.sweep.results import write_results
+from stratum.sweep.schedulers import Policy, make_policy
+from stratum.sweep.spec import SweepSpec, load_sweep
+from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, SweepState, spec_fingerprint
+
+POLL_S = 0.2
+STOP_GRACE_S = 60.0
+
+
+@dataclass(kw_only=True)
+class Sweep:
+    """A loaded, checked sweep and its state."""
+
+    spec: SweepSpec
+    """The parsed sweep file."""
+    jobs: dict[str, Job]
+    """Job id → job, in sweep order."""
+    configs: dict[str, Config]
+    """Job id → its training config."""
+    dir: Path
+    """The sweep directory."""
+    state: SweepState
+    """state.db."""
+    say: Callable[[str], None]
+    """Where progress lines go."""
+    asha: Asha | None = None
+    """The rung bookkeeping when sweep.early_stop = asha."""
+    running: dict[int, Segment] = field(default_factory=dict)
+    """Slot → the segment running there."""
+    predicted_end: dict[int, float] = field(default_factory=dict)
+    """Slot → the predicted end (seconds since the sweep started) of its segment (planned scheduler)."""
+
+
+def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
+    """Parse, expand and check the sweep; create or reopen its state (one-line errors before any job starts)."""
+    spec = load_sweep(path)
+    jobs = expand(spec)
+    sweep_dir = Path(spec.settings.out_dir).expanduser()
+    configs = check_jobs(spec, jobs, sweep_dir)
+    if spec.settings.early_stop == "asha":
+        _check_asha(spec, jobs, configs)
+    for cfg in _distinct_data(configs):
+        prepare_data(cfg)  # corpus errors before anything is written; and the workers find the caches ready
+    state = SweepState(sweep_dir)
+    fingerprint = spec_fingerprint({j.id: j.overrides for j in jobs}, spec.base_overrides)
+    recorded = state.meta("jobs")
+    if recorded is not None and recorded != fingerprint:
+        raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
+                           "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
+    if recorded is None:
+        state.set_meta("jobs", fingerprint)
+    state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
+    sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
+                  dir=sweep_dir, state=state, say=say)
+    if spec.settings.early_stop == "asha":
+        sweep.asha = _asha_from_state(spec, state)
+    return sweep
+
+
+def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
+    s = spec.settings
+    for job, cfg in zip(jobs, configs):
+        ev = cfg.train.eval_interval
+        if ev == 0 or s.asha_min_steps % ev:
+            raise StratumError(f"sweep job {job.id}: asha compares eval losses at rungs, so train.eval_interval "
+                               f"({ev}) must divide sweep.asha_min_steps ({s.asha_min_steps}); e.g. set "
+                               f"train.eval_interval = {s.asha_min_steps}")
+
+
+def _asha_from_state(spec: SweepSpec, state: SweepState) -> Asha:
+    """The rung results recorded so far; a job that reported at a rung and is no longer paused (or stopped)
+    there was promoted from it."""
+    asha = Asha(min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
+    status = {j.id: (j.status, j.step) for j in state.jobs()}
+    for job, step, metric in state.rungs():
+        asha.report(job, step, metric)
+        st, at = status[job]
+        if not (st in (PAUSED, STOPPED) and at == step):
+            asha.promote(job, step)
+    return asha
+
+
+def threads_per_job(sweep: Sweep) -> int:
+    s = sweep.spec.settings
+    return s.threads_per_job or max(1, (os.cpu_count() or 1) // s.slots)
+
+
+def slot_device(sweep: Sweep, slot: int) -> str | None:
+    """The device a slot's jobs run on; None = the job's own train.device."""
+    devices = sweep.spec.settings.devices
+    return devices[slot] if devices else None
+
+
+# ---- predictions (planned scheduler) ------------------------------------------------------------------------
+def job_profiles(sweep: Sweep) -> dict[str, Profile]:
+    """One profile per distinct (model, micro-batch, seq_len, precision, device) of the jobs, measured with the
+    workers' thread count and kept in <sweep dir>/profiles/ (a resumed sweep plans with the same numbers)."""
+    out: dict[str, Profile] = {}
+    by_key: dict[str, Profile] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_job(sweep))
+    try:
+        for job_id, cfg in sweep.configs.items():
+            key = json.dumps([cfg.to_dict()["model"], cfg.train.micro_batch_size, cfg.data.seq_len,
+                              cfg.train.precision, cfg.train.device], sort_keys=True)
+            if key not in by_key:
+                path = sweep.dir / "profiles" / f"p{len(by_key):03d}.json"
+                if path.exists() and json.loads(path.read_text()).get("key") == key:
+                    by_key[key] = Profile.from_dict(json.loads(path.read_text())["profile"])
+                else:
+                    by_key[key] = profile_from_config(cfg, runs=1)
+                    atomic_write_text(path, json.dumps({"key": key, "profile": by_key[key].to_dict()}))
+            out[job_id] = by_key[key]
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
+    """Compute time of ``steps`` optimizer steps from the profile: forward + backward of every micro-batch (no
+    process start-up, data or optimizer time: a lower bound that orders jobs correctly)."""
+    return profile.step_s * cfg.micro_batches_per_step * steps
+
+
+def make_predict(sweep: Sweep, profiles: dict[str, Profile]) -> Callable[[str], dict[str, float]]:
+    """Job → its candidate strategies' predicted seconds for what remains of it."""
+    def predict(job_id: str) -> dict[str, float]:
+        row = sweep.state.job(job_id)
+        return {"plain": predicted_seconds(profiles[job_id], sweep.configs[job_id], row.steps - row.step)}
+    return predict
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------
+def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
+    """Run (or resume) the sweep in ``path`` to the end (or its time budget); returns the finished Sweep."""
+    sweep = open_sweep(path, say=say)
+    lock = _lock(sweep.dir)
+    try:
+        interrupted = sweep.state.requeue_interrupted()
+        for job_id in interrupted:
+            say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
+        _wait_gone(interrupted)
+        _write_job_configs(sweep)
+        predict = make_predict(sweep, job_profiles(sweep)) if sweep.spec.settings.scheduler == "planned" else None
+        policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
+                             time_limit_s=sweep.spec.settings.plan_time_limit_s)
+        _loop(sweep, policy, predict)
+        write_results(sweep.dir, sweep.state.jobs(), say=say)
+    finally:
+        lock.close()
+    return sweep
+
+
+def _lock(sweep_dir: Path):
+    """Hold an exclusive lock on the sweep directory: two sweeps must not run the same jobs."""
+    fh = open(sweep_dir / ".lock", "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise StratumError(f"another sweep is running in {sweep_dir}; wait for it, or use "
+                           "`stratum sweep status DIR` to watch it") from None
+    return fh
+
+
+def _wait_gone(pids: dict[str, int | None], timeout_s: float = 30.0) -> None:
+    """The workers of a killed sweep die with it (PR_SET_PDEATHSIG) but may take a moment; a job must not be
+    started while its old worker still writes to its directory."""
+    deadline = time.monotonic() + timeout_s
+    for job_id, pid in pids.items():
+        while pid is not None and _alive(pid):
+            if time.monotonic() > deadline:
+                raise StratumError(f"{job_id}: the worker of the stopped sweep (pid {pid}) is still running; stop "
+                                   "it, then run the same command again")
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie lingers where PID 1 does not reap)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _write_job_configs(sweep: Sweep) -> None:
+    for job_id, cfg in sweep.configs.items():
+        path = job_out_dir(sweep.dir, sweep.jobs[job_id]) / "job.toml"
+        text = to_toml(cfg)
+        if not path.exists() or path.read_text() != text:
+            atomic_write_text(path, text)
+
+
+def _distinct_data(configs) -> list[Config]:
+    seen, out = set(), []
+    for cfg in configs:
+        key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
+
+
+def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float]] | None) -> None:
+    s = sweep.spec.settings
+    t0 = time.monotonic()
+    try:
+        while True:
+            _harvest(sweep)
+            if s.time_budget_s and time.monotonic() - t0 > s.time_budget_s:
+                sweep.say(f"time budget of {s.time_budget_s:g} s spent: stopping the running jobs with a "
+                          "checkpoint; run the same command to go on")
+                _stop_all(sweep)
+                return
+            for slot in range(s.slots):
+                if slot not in sweep.running:
+                    _fill(sweep, slot, policy, predict, time.monotonic() - t0)
+            if not sweep.running:
+                if _pending(sweep):
+                    raise RuntimeError("pending jobs but the scheduler started none with every slot free")
+                _stop_paused(sweep)
+                return
+            time.sleep(POLL_S)
+    except BaseException:  # Ctrl-C or an error: the workers stop with a checkpoint and their jobs stay resumable
+        _stop_all(sweep)
+        raise
+
+
+def _pending(sweep: Sweep) -> list[str]:
+    return [j.id for j in sweep.state.jobs() if j.status == PENDING]
+
+
+def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
+    """Start the next task on a free slot: an ASHA promotion, else the scheduler's pick."""
+    task = None
+    if sweep.asha is not None and (promo := sweep.asha.promotable()) is not None:
+        job_id, rung = promo
+        sweep.asha.promote(job_id, rung)
+        sweep.say(f"{job_id}: promoted at step {rung} (among the best 1/{sweep.asha.eta} there)")
+        task = job_id
+    if task is None:
+        running = {sl: (seg.job, sweep.predicted_end.get(sl, now)) for sl, seg in sweep.running.items()}
+        task = policy.pick(slot, _pending(sweep), running, now)
+    if task is None:
+        return
+    row = sweep.state.job(task)
+    stop_at = sweep.asha.next_stop(row.step, row.steps) if sweep.asha is not None else row.steps
+    cfg = sweep.configs[task]
+    out = Path(cfg.train.out_dir)
+    seg = start_segment(job=task, slot=slot, config_path=out / "job.toml", stop_at=stop_at,
+                        device=slot_device(sweep, slot), threads=threads_per_job(sweep), log_path=out / "worker.log")
+    sweep.running[slot] = seg
+    if predict is not None:
+        sweep.predicted_end[slot] = now + min(predict(task).values())
+    sweep.state.update(task, status=RUNNING, slot=slot, pid=seg.proc.pid)
+    sweep.say(f"{task}: started on slot {slot} ({sweep.jobs[task].label}), steps {row.step} → {stop_at}"
+              + (f", attempt {row.attempts + 1}" if row.attempts else ""))
+
+
+def _harvest(sweep: Sweep) -> None:
+    """Record every segment that ended (or ran past sweep.job_timeout_s)."""
+    limit = sweep.spec.settings.job_timeout_s
+    for slot, seg in list(sweep.running.items()):
+        rc = seg.poll()
+        timed_out = rc is None and limit and time.monotonic() - seg.started > limit
+        if timed_out:
+            stop_segment(seg, grace_s=STOP_GRACE_S)
+        elif rc is None:
+            continue
+        del sweep.running[slot]
+        sweep.predicted_end.pop(slot, None)
+        _record(sweep, seg, f"timed out after {limit:g} s (sweep.job_timeout_s)" if timed_out else None)
+
+
+def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
+    sweep.state.update(seg.job, pid=None)
+    row = sweep.state.job(seg.job)
+    records = segment_records(sweep.configs[seg.job])
+    run_s = row.run_s + time.monotonic() - seg.started
+    rc = seg.poll()
+    reason = forced_reason or (failure_reason(rc, seg.log_path) if rc != 0 else diverged(records))
+    if rc == INTERRUPTED_EXIT and forced_reason is None:
+        sweep.state.update(seg.job, status=PENDING, run_s=run_s, step=_last_step(records))
+        sweep.say(f"{seg.job}: stopped by a signal with a checkpoint; it resumes on the next run")
+        return
+    if reason is not None:
+        attempts = row.attempts + 1
+        retry = attempts <= sweep.spec.settings.retries
+        # the step stays the last recorded good one: the retry resumes from the checkpoint, not the failure
+        sweep.state.update(seg.job, status=PENDING if retry else FAILED, attempts=attempts, reason=reason,
+                           run_s=run_s)
+        sweep.say(f"{seg.job}: failed: {reason}; " + (f"retry {attempts} of {sweep.spec.settings.retries} from "
+                                                      "its last checkpoint" if retry else "no retries left"))
+        return
+    last = records[-1]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    seg_recs = [r["tokens_per_s"] for r in records if r["step"] > row.step][1:] or [last["tokens_per_s"]]
+    values = dict(step=last["step"], loss=last["loss"], eval_loss=evals[-1] if evals else None, run_s=run_s,
+                  tokens_per_s=sorted(seg_recs)[len(seg_recs) // 2], reason="")
+    if last["step"] >= row.steps:
+        sweep.state.update(seg.job, status=DONE, **values)
+        sweep.say(f"{seg.job}: done, loss {last['loss']:.4f}"
+                  + (f", eval loss {evals[-1]:.4f}" if evals else ""))
+        return
+    rung = last["step"]
+    if "eval_loss" not in last:
+        raise RuntimeError(f"{seg.job}: no eval loss at rung {rung}")  # _check_asha makes eval steps cover rungs
+    assert sweep.asha is not None
+    sweep.asha.report(seg.job, rung, last["eval_loss"])
+    sweep.state.add_rung(seg.job, rung, last["eval_loss"], status=PAUSED, **values)
+    sweep.say(f"{seg.job}: at rung {rung}, eval loss {last['eval_loss']:.4f}")
+
+
+def _last_step(records: list[dict]) -> int:
+    return records[-1]["step"] if records else 0
+
+
+def _stop_all(sweep: Sweep) -> None:
+    """Stop every running segment (SIGTERM: a checkpoint, then exit) and record them as pending."""
+    for seg in sweep.running.values():
+        if seg.poll() is None:
+            seg.proc.terminate()
+    for slot, seg in list(sweep.running.items()):
+        stop_segment(seg, grace_s=STOP_GRACE_S)
+        row = sweep.state.job(seg.job)
+        sweep.state.update(seg.job, status=PENDING, step=_last_step(segment_records(sweep.configs[seg.job])),
+                           run_s=row.run_s + time.monotonic() - seg.started)
+        del sweep.running[slot]
+
+
+def _stop_paused(sweep: Sweep) -> None:
+    """Nothing left to run: the jobs still paused at a rung were never among its best; they stop there."""
+    if sweep.asha is None:
+        return
+    for row in sweep.state.jobs():
+        if row.status == PAUSED:
+            sweep.state.update(row.id, status=STOPPED, reason=f"asha: not in the best 1/{sweep.asha.eta} at "
+                                                              f"step {row.step}")
+            sweep.say(f"{row.id}: stopped at step {row.step} (asha)")

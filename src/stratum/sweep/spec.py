@@ -1,0 +1,300 @@
+"""The sweep file: a ``[sweep]`` table (scheduler, slots, early stop, search space) plus a base training config.
+
+A sweep file is a training config with one more section::
+
+    [sweep]
+    out_dir = "runs/sweep"          # state.db, jobs/<id>/ (each an ordinary run directory), results.csv
+    slots = 2                       # jobs at once
+    scheduler = "fifo"              # fifo | planned
+
+    [sweep.grid]                    # every combination
+    "optim.lr" = [1e-3, 3e-3]
+    "model.preset" = ["tiny", "mini"]
+
+    [sweep.random]                  # sweep.samples draws per grid point
+    "optim.min_lr" = {log_uniform = [1e-5, 1e-4]}
+
+    [train]                         # the base config every job starts from (as in `stratum train --config`)
+    steps = 100
+
+Everything is checked here and in :mod:`stratum.sweep.expand` before any job starts; a mistake is a one-line
+:class:`~stratum.errors.StratumError` that names the key and says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratum.config import SECTIONS
+from stratum.errors import StratumError
+
+SCHEDULERS = ("fifo", "planned")
+BACKENDS = ("local",)
+EARLY_STOPS = ("", "asha")
+RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
+
+
+@dataclass(kw_only=True)
+class SweepSettings:
+    """The ``[sweep]`` table's scalar keys."""
+
+    out_dir: str = "runs/sweep"
+    """The sweep directory: state.db (jobs, attempts, results), jobs/<id>/ (each job's run directory),
+    results.csv; relative paths are relative to the current directory, as train.out_dir is."""
+    base: str = ""
+    """A training config file the jobs start from (relative to the sweep file); this file's own sections apply on
+    top of it, then each job's values. "" = the defaults."""
+    scheduler: str = "fifo"
+    """Which job a freed slot takes: fifo (sweep order, one job per slot) or planned (a makespan-minimising
+    assignment of jobs to slots from profiled step times, solved as a MILP with PuLP, greedy without it)."""
+    backend: str = "local"
+    """Where jobs run: local (worker processes on this machine)."""
+    slots: int = 1
+    """Jobs that run at once (each a worker process); at most the CPU cores for CPU jobs."""
+    devices: list[str] = field(default_factory=list)
+    """The device of each slot, e.g. ["cuda:0", "cuda:1"] (then sweep.slots is their number); [] = sweep.slots
+    slots on train.device of the base config."""
+    threads_per_job: int = 0
+    """Torch CPU threads of each job's process; 0 = CPU cores // slots (at least 1), so jobs do not fight over
+    cores."""
+    retries: int = 1
+    """How often a failed job (NaN loss, dead worker) is run again from its last checkpoint before it is marked
+    failed for good."""
+    time_budget_s: float = 0.0
+    """Wall-clock seconds the sweep may run; then running jobs stop with a checkpoint (resumable by running the
+    same command again) and no new job starts. 0 = no limit."""
+    job_timeout_s: float = 0.0
+    """Longest a single job attempt may run before it is killed and counted as failed; 0 = no limit."""
+    samples: int = 0
+    """Random draws per grid point from [sweep.random]; 0 = 1 when [sweep.random] has keys, else none."""
+    seed: int = 0
+    """Seed of the random search (the jobs' own train.seed is a config key like any other)."""
+    early_stop: str = ""
+    """"" (off) or asha: stop the worst jobs at rungs by successive halving on the eval loss."""
+    asha_min_steps: int = 0
+    """asha: the first rung, in steps (must be a multiple of train.eval_interval); rungs are min_steps·eta^k
+    below train.steps."""
+    asha_eta: int = 3
+    """asha: reduction factor; the best 1/eta of the jobs at a rung go on to the next."""
+    plan_time_limit_s: float = 10.0
+    """planned: the MILP solver's time limit; past it the best plan found so far is used (greedy if none)."""
+
+
+@dataclass(kw_only=True)
+class RandomKey:
+    """One key of [sweep.random]: how its values are drawn."""
+
+    kind: str
+    """choice, uniform, log_uniform or int (inclusive bounds)."""
+    values: list[Any]
+    """The choices (kind = choice) or the two bounds."""
+
+
+@dataclass(kw_only=True)
+class SweepSpec:
+    """A parsed sweep file."""
+
+    path: Path
+    """The sweep file."""
+    settings: SweepSettings
+    """The [sweep] table's scalar keys."""
+    base_overrides: list[str]
+    """This file's own training sections, as ``section.key=value`` overrides over sweep.base."""
+    grid: dict[str, list[Any]]
+    """[sweep.grid]: each key's values (lists and ranges expanded), in file order."""
+    random: dict[str, RandomKey]
+    """[sweep.random]: each key's distribution."""
+
+    @property
+    def base_path(self) -> Path | None:
+        """The base training config file, resolved against the sweep file's directory."""
+        b = self.settings.base.strip()
+        return (self.path.parent / b) if b else None
+
+
+def toml_literal(value: Any) -> str:
+    """A value as TOML, for ``section.key=value`` overrides (strings quoted, so '123' stays a string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (int, float)):
+        return repr(value)
+    raise StratumError(f"value {value!r} is not a string, number or boolean")
+
+
+def load_sweep(path: str | os.PathLike) -> SweepSpec:
+    """Read and check a sweep file (keys, types, ranges); the jobs' configs are checked by the expansion."""
+    p = Path(path)
+    if not p.is_file():
+        raise StratumError(f"sweep file {p} does not exist")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise StratumError(f"sweep file {p} is not valid TOML: {e}") from None
+    table = doc.pop("sweep", None)
+    if not isinstance(table, dict):
+        raise StratumError(f"{p} has no [sweep] table; add one with at least a [sweep.grid] or [sweep.random]")
+    grid_doc = table.pop("grid", {})
+    random_doc = table.pop("random", {})
+    settings = _settings(table, p)
+    grid = {k: _grid_values(k, v) for k, v in _flat_keys(grid_doc, "sweep.grid").items()}
+    random = {k: _random_key(k, v) for k, v in _flat_keys(random_doc, "sweep.random").items()}
+    if not grid and not random:
+        raise StratumError(f"{p}: [sweep.grid] and [sweep.random] are both empty; give at least one key with "
+                           "values, e.g. \"optim.lr\" = [1e-3, 3e-3]")
+    both = set(grid) & set(random)
+    if both:
+        raise StratumError(f"{p}: {sorted(both)[0]} is in both [sweep.grid] and [sweep.random]; keep it in one")
+    base_overrides = []
+    for section, values in doc.items():
+        if not isinstance(values, dict):
+            raise StratumError(f"{p}: top-level key {section!r} must be a [section]; sections are: sweep, "
+                               f"{', '.join(SECTIONS)}")
+        base_overrides += [f"{section}.{k}={toml_literal(v)}" for k, v in values.items()]
+    return SweepSpec(path=p, settings=settings, base_overrides=base_overrides, grid=grid, random=random)
+
+
+def _settings(table: dict[str, Any], p: Path) -> SweepSettings:
+    """The [sweep] table's scalar keys, typed and range-checked."""
+    fields = {f.name: f for f in dataclasses.fields(SweepSettings)}
+    s = SweepSettings()
+    for key, value in table.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields) + ["grid", "random"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StratumError(f"{p}: unknown key sweep.{key}{hint}; see docs/sweep.md for the [sweep] keys")
+        setattr(s, key, _typed(f"sweep.{key}", value, type(getattr(s, key))))
+    _check_settings(s)
+    return s
+
+
+def _typed(key: str, value: Any, typ: type) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise StratumError(f"{key} must be a list of device names, e.g. [\"cuda:0\", \"cuda:1\"]")
+        return value
+    if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
+        what = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[typ]
+        raise StratumError(f"{key} must be {what}, got {value!r}")
+    return value
+
+
+def _check_settings(s: SweepSettings) -> None:
+    if s.scheduler not in SCHEDULERS:
+        raise StratumError(f"sweep.scheduler = {s.scheduler!r} is not one of: {', '.join(SCHEDULERS)}")
+    if s.backend not in BACKENDS:
+        raise StratumError(f"sweep.backend = {s.backend!r} is not one of: {', '.join(BACKENDS)}")
+    if s.early_stop not in EARLY_STOPS:
+        raise StratumError(f"sweep.early_stop = {s.early_stop!r} is not \"\" (off) or \"asha\"")
+    if not s.out_dir.strip():
+        raise StratumError("sweep.out_dir must not be empty")
+    checks = [("slots", s.slots >= 1, "must be ≥ 1"), ("threads_per_job", s.threads_per_job >= 0, "must be ≥ 0"),
+              ("retries", s.retries >= 0, "must be ≥ 0"), ("time_budget_s", s.time_budget_s >= 0, "must be ≥ 0"),
+              ("job_timeout_s", s.job_timeout_s >= 0, "must be ≥ 0"), ("samples", s.samples >= 0, "must be ≥ 0"),
+              ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
+              ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
+              ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0")]
+    for key, ok, what in checks:
+        if not ok:
+            raise StratumError(f"sweep.{key} {what}")
+    if s.early_stop == "asha" and s.asha_min_steps < 1:
+        raise StratumError("sweep.early_stop = \"asha\" needs sweep.asha_min_steps ≥ 1 (the first rung, in steps)")
+    if s.devices:
+        s.slots = len(s.devices)
+
+
+def _flat_keys(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """``{"optim.lr": v}`` and ``{"optim": {"lr": v}}`` (TOML's dotted keys) both become ``{"optim.lr": v}``;
+    every key must name a config field."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        if "." in k:
+            out[k] = v
+        elif isinstance(v, dict) and k in SECTIONS:
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    for key in out:
+        _check_key(key, where)
+    return out
+
+
+def _check_key(key: str, where: str) -> None:
+    section, _, name = key.partition(".")
+    known = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise StratumError(f"[{where}]: unknown key {key!r}{hint}; keys look like section.key — run `stratum "
+                           "config` to list them")
+    if key == "train.out_dir":
+        raise StratumError(f"[{where}]: train.out_dir cannot be swept; each job's out_dir is "
+                           "<sweep.out_dir>/jobs/<id>")
+
+
+def _grid_values(key: str, spec: Any) -> list[Any]:
+    """A grid key's values: a list, or a range {start, stop, step} (inclusive) or {start, stop, num, log}."""
+    if isinstance(spec, list):
+        if not spec:
+            raise StratumError(f"[sweep.grid]: {key} has an empty list; give at least one value")
+        return spec
+    if isinstance(spec, dict):
+        return _range_values(key, spec)
+    return [spec]
+
+
+def _range_values(key: str, spec: dict[str, Any]) -> list[Any]:
+    allowed = {"start", "stop", "step", "num", "log"}
+    bad = set(spec) - allowed
+    nums = [spec.get(k) for k in ("start", "stop")]
+    if bad or None in nums or ("step" in spec) == ("num" in spec) \
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in nums):
+        raise StratumError(f"[sweep.grid]: {key} = {spec!r} must be a list or a range {{start, stop, step}} or "
+                           "{start, stop, num, log = true|false}")
+    start, stop = nums
+    if "step" in spec:
+        step = spec["step"]
+        if not isinstance(step, (int, float)) or step <= 0 or stop < start:
+            raise StratumError(f"[sweep.grid]: {key}: step must be > 0 and stop ≥ start")
+        n = int((stop - start) / step + 1e-9) + 1
+        return [start + i * step for i in range(n)]
+    num, log = spec["num"], spec.get("log", False)
+    if not isinstance(num, int) or num < 1 or not isinstance(log, bool) or (log and min(start, stop) <= 0):
+        raise StratumError(f"[sweep.grid]: {key}: num must be an integer ≥ 1, log true or false (and bounds > 0 "
+                           "with log = true)")
+    if num == 1:
+        return [float(start)]
+    if log:
+        ratio = (stop / start) ** (1 / (num - 1))
+        return [start * ratio**i for i in range(num)]
+    return [start + (stop - start) * i / (num - 1) for i in range(num)]
+
+
+def _random_key(key: str, spec: Any) -> RandomKey:
+    """A random key's distribution: a list (= choice) or {choice | uniform | log_uniform | int = [...]}."""
+    if isinstance(spec, list):
+        spec = {"choice": spec}
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in RANDOM_KINDS:
+        raise StratumError(f"[sweep.random]: {key} = {spec!r} must be a list or one of "
+                           f"{{{' | '.join(k + ' = [...]' for k in RANDOM_KINDS)}}}")
+    kind, values = next(iter(spec.items()))
+    if not isinstance(values, list) or not values:
+        raise StratumError(f"[sweep.random]: {key}: {kind} needs a non-empty list")
+    if kind != "choice":
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if len(values) != 2 or not numeric or values[0] > values[1] \
+                or (kind == "int" and not all(isinstance(v, int) for v in values)) \
+                or (kind == "log_uniform" and values[0] <= 0):
+            raise StratumError(f"[sweep.random]: {key}: {kind} needs [low, high] with low ≤ high"
+                               + (" (integers)" if kind == "int" else "") + (" and low > 0" if kind ==
+                                                                               "log_uniform" else ""))
+    return RandomKey(kind=kind, values=values)

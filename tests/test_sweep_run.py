@@ -1,0 +1,209 @@
+"""Real sweeps on local worker processes: parity with `stratum train`, resume after kill -9, failed and killed
+jobs, ASHA, results and status."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stratum.cli import main
+from stratum.sweep.expand import expand, job_config
+from stratum.sweep.runner import run_sweep
+from stratum.sweep.spec import load_sweep
+from stratum.train.trainer import read_metrics, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def sweep_file(tmp_path: Path, corpus: Path, cache: Path, *, sweep: str, grid: str, steps: int, extra: str = "",
+               name: str = "sweep.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(f"""[sweep]
+out_dir = "{tmp_path / 'sw'}"
+slots = 2
+{sweep}
+[sweep.grid]
+{grid}
+[model]
+preset = "tiny"
+[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+seq_len = 32
+[train]
+steps = {steps}
+micro_batch_size = 4
+eval_batches = 2
+ckpt_minutes = 0.0
+{extra}
+[optim]
+warmup_steps = 2
+min_lr = 1e-6
+""")
+    return p
+
+
+def standalone_losses(path: Path, job_id: str, tmp_path: Path) -> list[float]:
+    """The job's config run alone, in this process, as `stratum train` runs it (same thread count as a worker)."""
+    spec = load_sweep(path)
+    job = next(j for j in expand(spec) if j.id == job_id)
+    cfg = job_config(spec, job, tmp_path / "alone")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.settings.slots))
+    try:
+        train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return [r["loss"] for r in read_metrics(cfg.train.out_dir)]
+
+
+def job_losses(sweep_dir: Path, job_id: str) -> list[float]:
+    recs = read_metrics(sweep_dir / "jobs" / job_id)
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))  # every step once
+    return [r["loss"] for r in recs]
+
+
+def rows(sweep_dir: Path) -> dict[str, dict]:
+    db = sqlite3.connect(sweep_dir / "state.db")
+    db.row_factory = sqlite3.Row
+    out = {r["id"]: dict(r) for r in db.execute("SELECT * FROM jobs")}
+    db.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_jobs(tmp_path_factory, corpus_file, cache_dir):
+    tmp = tmp_path_factory.mktemp("sweep4")
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep="", grid='"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]',
+                      steps=6, extra="eval_interval = 3")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    return path, tmp, lines
+
+
+def test_four_jobs_on_two_slots_each_equal_to_its_stratum_train(four_jobs, tmp_path):
+    path, tmp, lines = four_jobs
+    got = rows(tmp / "sw")
+    assert sorted(got) == ["j000", "j001", "j002", "j003"]
+    assert all(r["status"] == "done" and r["step"] == 6 for r in got.values())
+    assert {r["slot"] for r in got.values()} == {0, 1}  # both slots used
+    for job_id in got:
+        assert job_losses(tmp / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id)
+
+
+def test_results_table_csv_png_and_status_command(four_jobs, capsys):
+    path, tmp, lines = four_jobs
+    with open(tmp / "sw" / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    evals = [float(r["eval_loss"]) for r in table]
+    assert evals == sorted(evals) and len(table) == 4
+    assert (tmp / "sw" / "losses.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["sweep", "status", str(tmp / "sw")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith(table[0]["id"]) and "4 done" in out
+
+
+def test_a_finished_sweep_run_again_reruns_nothing(four_jobs):
+    path, tmp, _ = four_jobs
+    before = {j: (tmp / "sw" / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in rows(tmp / "sw")}
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    assert not any("started" in ln for ln in lines)
+    assert before == {j: (tmp / "sw" / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in rows(tmp / "sw")}
+
+
+def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="retries = 1",
+                      grid='"optim.lr" = [3e-3, 1e5, 2e-3]', steps=60, extra="eval_interval = 0\nckpt_interval = 5")
+    sweep_dir = tmp_path / "sw"
+    killed: list[int] = []
+
+    def kill_j002_midway() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            r = rows(sweep_dir).get("j002") if (sweep_dir / "state.db").exists() else None
+            if r and r["status"] == "running" and r["pid"] and len(read_metrics(sweep_dir / "jobs" / "j002")) >= 12:
+                os.kill(r["pid"], signal.SIGKILL)
+                killed.append(r["pid"])
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_j002_midway)
+    killer.start()
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    killer.join()
+    got = rows(sweep_dir)
+    assert killed, "the test never saw j002 running"
+    assert got["j000"]["status"] == "done" and got["j000"]["attempts"] == 0
+    assert got["j001"]["status"] == "failed" and got["j001"]["attempts"] == 2 and "NaN" in got["j001"]["reason"]
+    assert got["j002"]["status"] == "done" and got["j002"]["attempts"] == 1
+    assert any("j002: failed: worker died (SIGKILL)" in ln for ln in lines)
+    # the retry resumed from its checkpoint and still trained exactly the standalone run
+    assert job_losses(sweep_dir, "j002") == standalone_losses(path, "j002", tmp_path)
+
+
+def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="",
+                      grid='"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]', steps=40,
+                      extra="eval_interval = 20\nckpt_interval = 4")
+    sweep_dir = tmp_path / "sw"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = rows(sweep_dir) if (sweep_dir / "state.db").exists() else {}
+            done = [j for j, r in got.items() if r["status"] == "done"]
+            mid = [j for j, r in got.items() if r["status"] == "running"
+                   and len(read_metrics(sweep_dir / "jobs" / j)) >= 10]
+            if done and mid:
+                break
+            assert proc.poll() is None, "the sweep ended before it could be killed"
+            time.sleep(0.05)
+        else:
+            pytest.fail("no job finished within 120 s")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    done_before = {j: (sweep_dir / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in done}
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    got = rows(sweep_dir)
+    assert all(r["status"] == "done" for r in got.values())
+    assert any(f"{mid[0]}: was running when the sweep stopped" in ln for ln in lines)
+    assert not any(f"{j}: started" in ln for j in done for ln in lines)  # finished jobs are not rerun
+    assert done_before == {j: (sweep_dir / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in done}
+    for job_id in got:  # equal to an uninterrupted run of each job
+        assert job_losses(sweep_dir, job_id) == standalone_losses(path, job_id, tmp_path / job_id)
+
+
+def test_asha_stops_the_worse_jobs_at_the_rung_and_promoted_jobs_keep_parity(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='early_stop = "asha"\nasha_min_steps = 3\nasha_eta = 2\nscheduler = "planned"',
+                      grid='"optim.lr" = [1e-4, 3e-3, 1e-3, 3e-5]', steps=6, extra="eval_interval = 3")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    got = rows(tmp_path / "sw")
+    db = sqlite3.connect(tmp_path / "sw" / "state.db")
+    rung3 = dict(db.execute("SELECT job, metric FROM rungs WHERE step = 3").fetchall())
+    db.close()
+    assert sorted(rung3) == ["j000", "j001", "j002", "j003"]
+    stopped = [j for j, r in got.items() if r["status"] == "stopped"]
+    finished = [j for j, r in got.items() if r["status"] == "done"]
+    assert stopped and finished and len(stopped) + len(finished) == 4
+    assert all(got[j]["step"] == 3 and "asha" in got[j]["reason"] for j in stopped)
+    # the slowest learner (lr 3e-5) is never among the best half at step 3
+    assert "j003" in stopped and rung3["j003"] == max(rung3.values())
+    for j in finished:
+        assert job_losses(tmp_path / "sw", j) == standalone_losses(path, j, tmp_path / j)

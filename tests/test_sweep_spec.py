@@ -1,0 +1,136 @@
+"""Sweep files: parsing, grid × random expansion, and one-line errors before any job starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stratum.cli import main
+from stratum.errors import StratumError
+from stratum.sweep.expand import check_jobs, expand, job_config
+from stratum.sweep.spec import load_sweep
+
+
+def write(tmp_path: Path, text: str, name: str = "sweep.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+BASE = """
+[model]
+preset = "tiny"
+[train]
+steps = 4
+"""
+
+
+def test_grid_is_the_product_in_file_order_and_ranges_expand(tmp_path):
+    p = write(tmp_path, f"""
+[sweep]
+out_dir = "{tmp_path / 'sw'}"
+[sweep.grid]
+"optim.lr" = [1e-3, 3e-3]
+data.seq_len = {{start = 16, stop = 48, step = 16}}
+"optim.min_lr" = {{start = 1e-5, stop = 1e-3, num = 3, log = true}}
+{BASE}""")
+    spec = load_sweep(p)
+    assert spec.grid["data.seq_len"] == [16, 32, 48]
+    assert spec.grid["optim.min_lr"] == pytest.approx([1e-5, 1e-4, 1e-3])
+    jobs = expand(spec)
+    assert len(jobs) == 2 * 3 * 3 and [j.id for j in jobs[:2]] == ["j000", "j001"]
+    assert jobs[0].values[:2] == (("optim.lr", 1e-3), ("data.seq_len", 16))
+    assert jobs[1].values[1] == ("data.seq_len", 16) and jobs[1].values[2][1] == pytest.approx(1e-4)
+    assert jobs[-1].values[0] == ("optim.lr", 3e-3)
+    cfg = job_config(spec, jobs[4], tmp_path / "sw")
+    assert (cfg.optim.lr, cfg.data.seq_len, cfg.model.preset, cfg.train.steps) == (1e-3, 32, "tiny", 4)
+    assert Path(cfg.train.out_dir) == tmp_path / "sw" / "jobs" / "j004"
+
+
+def test_random_search_is_seeded_and_in_bounds_and_base_file_applies_under_the_sweep_file(tmp_path):
+    write(tmp_path, "[train]\nsteps = 9\nmicro_batch_size = 2\n", "base.toml")
+    text = f"""
+[sweep]
+out_dir = "{tmp_path / 'sw'}"
+base = "base.toml"
+samples = 5
+seed = 7
+[sweep.grid]
+"model.preset" = ["tiny", "mini"]
+[sweep.random]
+"optim.lr" = {{log_uniform = [1e-4, 1e-2]}}
+"train.micro_batch_size" = {{int = [2, 8]}}
+"model.dropout" = [0.0, 0.1]
+[train]
+steps = 3
+"""
+    spec = load_sweep(write(tmp_path, text))
+    jobs = expand(spec)
+    assert len(jobs) == 2 * 5
+    assert jobs == expand(load_sweep(write(tmp_path, text, "again.toml")))  # same file → same jobs
+    for j in jobs:
+        v = dict(j.values)
+        assert 1e-4 <= v["optim.lr"] <= 1e-2 and 2 <= v["train.micro_batch_size"] <= 8
+        assert v["model.dropout"] in (0.0, 0.1)
+    assert len({dict(j.values)["optim.lr"] for j in jobs}) == 10
+    cfg = job_config(spec, jobs[0], tmp_path / "sw")
+    assert cfg.train.steps == 3  # the sweep file's sections override the base file's
+    assert cfg.train.micro_batch_size == dict(jobs[0].values)["train.micro_batch_size"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("[sweep.grid]\n\"optim.lrr\" = [1e-3]", "unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    ("[sweep.grid]\n\"optim.lr\" = []", "optim.lr has an empty list"),
+    ("", "[sweep.grid] and [sweep.random] are both empty"),
+    ("schedular = \"fifo\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "unknown key sweep.schedular"),
+    ("scheduler = \"lifo\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.scheduler = 'lifo' is not one of"),
+    ("slots = \"2\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.slots must be an integer, got '2'"),
+    ("[sweep.grid]\n\"optim.lr\" = [\"fast\"]", "sweep job j000 (lr=fast): optim.lr must be a float"),
+    ("[sweep.grid]\n\"train.steps\" = [4, 0]", "j001 (steps=0): train.steps must be ≥ 1"),
+    ("[sweep.grid]\n\"train.out_dir\" = [\"a\"]", "train.out_dir cannot be swept"),
+    ("[sweep.random]\n\"optim.lr\" = {uniform = [1e-2, 1e-3]}", "uniform needs [low, high] with low ≤ high"),
+    ("[sweep.random]\n\"optim.lr\" = {normal = [0, 1]}", "must be a list or one of"),
+    ("slots = 100000\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "CPU slots but this machine has"),
+    ("devices = [\"cuda:7\"]\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "does not exist"),
+    ("early_stop = \"asha\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "needs sweep.asha_min_steps ≥ 1"),
+])
+def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
+    p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")
+    with pytest.raises(StratumError, match=None) as e:
+        spec = load_sweep(p)
+        check_jobs(spec, expand(spec), tmp_path / "sw")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert main(["sweep", "--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stratum: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "sw").exists()  # nothing written before the sweep is known to be good
+
+
+def test_asha_rungs_must_be_eval_steps_and_a_changed_sweep_is_refused(tmp_path, corpus_file, cache_dir):
+    head = f"""[sweep]
+out_dir = "{tmp_path / 'sw'}"
+early_stop = "asha"
+asha_min_steps = 4
+[data]
+corpus = "{corpus_file}"
+cache_dir = "{cache_dir}"
+{BASE}
+eval_interval = 3
+"""
+    p = write(tmp_path, head + "[sweep.grid]\n\"optim.lr\" = [1e-3]\n")
+    assert main(["sweep", "--config", str(p)]) == 2  # rung 4 is not an eval step (every 3)
+    from stratum.sweep.runner import open_sweep
+    p = write(tmp_path, head.replace("eval_interval = 3", "eval_interval = 2") + "[sweep.grid]\n\"optim.lr\" = [1e-3]\n")
+    open_sweep(p, say=lambda _: None).state.close()
+    p2 = write(tmp_path, head.replace("eval_interval = 3", "eval_interval = 2")
+               + "[sweep.grid]\n\"optim.lr\" = [2e-3]\n", "other.toml")
+    with pytest.raises(StratumError, match="holds another sweep"):
+        open_sweep(p2, say=lambda _: None)
+
+
+def test_status_of_a_directory_without_a_sweep_is_an_error(tmp_path, capsys):
+    assert main(["sweep", "status", str(tmp_path)]) == 2
+    assert "holds no sweep" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
