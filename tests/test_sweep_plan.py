@@ -12,7 +12,6 @@ import pytest
 from stratum.sweep import makespan
 from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.makespan import greedy_plan, plan_makespan, slot_ends
-from stratum.sweep.schedulers import Fifo, Planned
 from stratum.sweep.simulate import simulate
 
 needs_pulp = pytest.mark.skipif(not makespan.pulp_available(), reason="PuLP (the sweep extra) is not installed")
@@ -89,15 +88,29 @@ def test_greedy_fallback_without_pulp(monkeypatch):
 
 
 def test_simulated_fifo_and_planned_on_a_hand_computed_case():
-    # sweep order: 2, 2, 2, 3, 3 on 2 slots. fifo: slot0 2,2,3 → 7... by events:
-    # t=0 slot0←a(2) slot1←b(2); t=2 slot0←c(2) slot1←d(3); t=4 slot0←e(3) → ends 7; makespan 7.
-    seconds = {"a": 2.0, "b": 2.0, "c": 2.0, "d": 3.0, "e": 3.0}
-    order = list(seconds)
-    fifo = simulate(seconds, order, 2, Fifo())
-    assert fifo.runs == {"a": (0, 0, 2), "b": (1, 0, 2), "c": (0, 2, 4), "d": (1, 2, 5), "e": (0, 4, 7)}
+    # sweep order: 2, 2, 2, 3, 3 seconds on 2 slots. fifo: t=0 slot0←a slot1←b; t=2 slot0←c slot1←d;
+    # t=4 slot0←e → ends at 7. planned: {a, b, c} | {d, e} → 6.
+    steps = {"a": 2, "b": 2, "c": 2, "d": 3, "e": 3}
+    step_s = dict.fromkeys(steps, 1.0)
+    fifo = simulate("fifo", steps, step_s, slots=2)
+    assert fifo.runs == [(0, 0, "a", 2), (0, 1, "b", 2), (2, 0, "c", 4), (2, 1, "d", 5), (4, 0, "e", 7)]
     assert fifo.makespan == 7.0 and fifo.utilisation == pytest.approx(12 / 14)
-    planned = simulate(seconds, order, 2, Planned(lambda j: {"plain": seconds[j]}, 2, time_limit_s=5))
+    planned = simulate("planned", steps, step_s, slots=2)
     assert planned.makespan == 6.0 and planned.utilisation == pytest.approx(1.0)
+
+
+def test_lrtf_gives_a_freed_slot_the_job_with_the_longest_remaining_time_as_a_table():
+    # jobs of 2, 2 and 4 one-second steps, in that order, slices of 1 step, 2 slots. At every instant the two
+    # slots take the two longest remaining jobs (ties: sweep order):
+    #   t=0: remaining a2 b2 c4 → c, a      t=1: a1 b2 c3 → c, b
+    #   t=2: a1 b1 c2 → c, a                t=3: b1 c1 → b, c   (tie: sweep order puts b first)
+    steps, step_s = {"a": 2, "b": 2, "c": 4}, {"a": 1.0, "b": 1.0, "c": 1.0}
+    lrtf = simulate("lrtf", steps, step_s, slots=2, segment_steps=1)
+    table = [(t, slot, job) for t, slot, job, _ in lrtf.runs]
+    assert table == [(0, 0, "c"), (0, 1, "a"), (1, 0, "c"), (1, 1, "b"), (2, 0, "c"), (2, 1, "a"),
+                     (3, 0, "b"), (3, 1, "c")]
+    assert lrtf.makespan == 4.0  # the work bound 8 s / 2 slots; fifo needs 6 (c starts after a)
+    assert simulate("fifo", steps, step_s, slots=2).makespan == 6.0
 
 
 def test_asha_promotes_the_top_third_and_stops_the_worst_at_each_rung():

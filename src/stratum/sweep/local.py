@@ -13,6 +13,7 @@ sweep dies), so a killed sweep never leaves a job writing to its directory behin
 from __future__ import annotations
 
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
@@ -25,6 +26,7 @@ import torch
 
 from stratum.config import Config, load_config
 from stratum.errors import StratumError
+from stratum.train.checkpoint import latest_checkpoint
 from stratum.train.trainer import read_metrics, train
 
 _PR_SET_PDEATHSIG = 1
@@ -76,6 +78,8 @@ class Segment:
     """Job id."""
     slot: int
     """The slot it occupies."""
+    start_step: int
+    """The step of the checkpoint it resumes from (0: none)."""
     stop_at: int
     """The step it stops at (a rung, or the job's train.steps)."""
     proc: multiprocessing.process.BaseProcess
@@ -90,13 +94,13 @@ class Segment:
         return self.proc.exitcode
 
 
-def start_segment(*, job: str, slot: int, config_path: Path, stop_at: int, device: str | None, threads: int,
-                  log_path: Path) -> Segment:
+def start_segment(*, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
+                  threads: int, log_path: Path) -> Segment:
     """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``."""
     proc = _context().Process(target=worker_main, name=f"stratum-sweep-{job}", daemon=False,
                               args=(str(config_path), stop_at, device, threads, str(log_path)))
     proc.start()
-    return Segment(job=job, slot=slot, stop_at=stop_at, proc=proc, log_path=log_path, started=time.monotonic())
+    return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at, proc=proc, log_path=log_path, started=time.monotonic())
 
 
 def stop_segment(seg: Segment, *, grace_s: float) -> int | None:
@@ -130,6 +134,12 @@ def diverged(records: list[dict]) -> str | None:
         if not (abs(r["loss"]) < float("inf")):
             return f"loss became {r['loss']} at step {r['step']}"
     return None
+
+
+def checkpoint_step(out_dir: Path) -> int:
+    """The step of the job's latest checkpoint (where its next segment resumes), 0 without one."""
+    ckpt = latest_checkpoint(out_dir)
+    return json.loads((ckpt / "meta.json").read_text())["step"] if ckpt is not None else 0
 
 
 def segment_records(cfg: Config) -> list[dict]:

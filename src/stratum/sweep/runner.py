@@ -26,7 +26,8 @@ from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, expand, job_out_dir
-from stratum.sweep.local import INTERRUPTED_EXIT, Segment, diverged, failure_reason, segment_records, start_segment, stop_segment
+from stratum.sweep.local import (INTERRUPTED_EXIT, Segment, checkpoint_step, diverged, failure_reason,
+                                 segment_records, start_segment, stop_segment)
 from stratum.sweep.results import write_results
 from stratum.sweep.schedulers import Policy, make_policy
 from stratum.sweep.spec import SweepSpec, load_sweep
@@ -170,7 +171,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
             say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
         _wait_gone(interrupted)
         _write_job_configs(sweep)
-        predict = make_predict(sweep, job_profiles(sweep)) if sweep.spec.settings.scheduler == "planned" else None
+        needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
+        predict = make_predict(sweep, job_profiles(sweep)) if needs_predictions else None
         policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
                              time_limit_s=sweep.spec.settings.plan_time_limit_s)
         _loop(sweep, policy, predict)
@@ -279,10 +281,11 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     if task is None:
         return
     row = sweep.state.job(task)
-    stop_at = sweep.asha.next_stop(row.step, row.steps) if sweep.asha is not None else row.steps
     cfg = sweep.configs[task]
     out = Path(cfg.train.out_dir)
-    seg = start_segment(job=task, slot=slot, config_path=out / "job.toml", stop_at=stop_at,
+    start = checkpoint_step(out)
+    stop_at = _stop_at(sweep, start, row.steps)
+    seg = start_segment(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
                         device=slot_device(sweep, slot), threads=threads_per_job(sweep), log_path=out / "worker.log")
     sweep.running[slot] = seg
     if predict is not None:
@@ -290,6 +293,13 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     sweep.state.update(task, status=RUNNING, slot=slot, pid=seg.proc.pid)
     sweep.say(f"{task}: started on slot {slot} ({sweep.jobs[task].label}), steps {row.step} → {stop_at}"
               + (f", attempt {row.attempts + 1}" if row.attempts else ""))
+
+
+def _stop_at(sweep: Sweep, step: int, steps: int) -> int:
+    """Where a job's next segment ends: its end, its next ASHA rung or the end of a time slice, whichever first."""
+    stop = sweep.asha.next_stop(step, steps) if sweep.asha is not None else steps
+    seg = sweep.spec.settings.segment_steps
+    return min(stop, step + seg) if seg else stop
 
 
 def _harvest(sweep: Sweep) -> None:
@@ -329,7 +339,7 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
         return
     last = records[-1]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    seg_recs = [r["tokens_per_s"] for r in records if r["step"] > row.step][1:] or [last["tokens_per_s"]]
+    seg_recs = [r["tokens_per_s"] for r in records if r["step"] > seg.start_step][1:] or [last["tokens_per_s"]]
     values = dict(step=last["step"], loss=last["loss"], eval_loss=evals[-1] if evals else None, run_s=run_s,
                   tokens_per_s=sorted(seg_recs)[len(seg_recs) // 2], reason="")
     if last["step"] >= row.steps:
@@ -338,6 +348,9 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
                   + (f", eval loss {evals[-1]:.4f}" if evals else ""))
         return
     rung = last["step"]
+    if sweep.asha is None or sweep.asha.next_stop(seg.start_step, row.steps) != rung:  # a time slice ended
+        sweep.state.update(seg.job, status=PENDING, **values)
+        return
     if "eval_loss" not in last:
         raise RuntimeError(f"{seg.job}: no eval loss at rung {rung}")  # _check_asha makes eval steps cover rungs
     assert sweep.asha is not None

@@ -1,4 +1,5 @@
-"""Which job a freed slot takes: ``fifo`` (sweep order) or ``planned`` (the makespan plan's queue for that slot).
+"""Which job a freed slot takes: ``fifo`` (sweep order), ``lrtf`` (longest remaining time first) or ``planned``
+(the makespan plan's queue for that slot).
 
 A policy sees the pending jobs (in sweep order), what runs where with its predicted end, and the time; the real
 runner and the simulator call the same policies, so a simulated makespan and a measured one share their choices.
@@ -21,6 +22,20 @@ class Fifo:
 
     def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
         return pending[0] if pending else None
+
+
+class Lrtf:
+    """The pending job with the longest remaining predicted time (ties: sweep order) — Hydra's rule, applied to
+    time slices of whole jobs (segments of sweep.segment_steps steps) rather than to shards of layers."""
+
+    def __init__(self, predict: Callable[[str], dict[str, float]]):
+        self.predict = predict
+
+    def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
+        if not pending:
+            return None
+        remaining = {j: min(self.predict(j).values()) for j in pending}
+        return max(pending, key=lambda j: (remaining[j], -pending.index(j)))
 
 
 class Planned:
@@ -52,6 +67,9 @@ def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None,
                 time_limit_s: float) -> Policy:
     if name == "fifo":
         return Fifo()
+    if name == "lrtf":
+        assert predict is not None
+        return Lrtf(predict)
     if name == "planned":
         assert predict is not None
         return Planned(predict, slots, time_limit_s=time_limit_s)

@@ -1,6 +1,7 @@
-"""SIMULATED sweeps: the schedulers' choices over predicted job times, as a discrete-event simulation.
+"""SIMULATED sweeps: the schedulers' choices over predicted step times, as a discrete-event simulation.
 
-Nothing runs: each job takes exactly its predicted seconds. The runner's real makespan is checked against this
+Nothing runs: each step of a job takes exactly its predicted seconds. Jobs run in segments of ``segment_steps``
+(0 = whole jobs), as the real runner gives them out; the real runner's makespan is checked against this
 prediction (benchmarks/sweep_bench.py).
 """
 
@@ -8,39 +9,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stratum.sweep.schedulers import Policy
+from stratum.sweep.schedulers import make_policy
 
 
 @dataclass(kw_only=True)
 class SimResult:
     """A simulated sweep (SIMULATED: predicted times, not measurements)."""
 
-    runs: dict[str, tuple[int, float, float]]
-    """Job → (slot, start, end) in seconds."""
+    runs: list[tuple[float, int, str, float]]
+    """Every segment as (start, slot, job, end) seconds, in start order."""
     makespan: float
-    """End of the last job."""
+    """End of the last segment."""
     utilisation: float
     """Busy slot-seconds over slots × makespan."""
 
 
-def simulate(seconds: dict[str, float], order: list[str], slots: int, policy: Policy) -> SimResult:
-    """Run ``policy`` over jobs of known duration (``order``: sweep order) on ``slots`` identical slots."""
-    pending = list(order)
+def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *, slots: int,
+             segment_steps: int = 0, time_limit_s: float = 10.0) -> SimResult:
+    """Run ``scheduler`` over jobs (in sweep order: ``steps``' order) on ``slots`` identical slots."""
+    remaining = dict(steps)
+    policy = make_policy(scheduler, predict=lambda j: {"plain": remaining[j] * step_s[j]}, slots=slots,
+                         time_limit_s=time_limit_s)
+    pending = [j for j in steps if remaining[j] > 0]
     running: dict[int, tuple[str, float]] = {}
-    runs: dict[str, tuple[int, float, float]] = {}
+    runs: list[tuple[float, int, str, float]] = []
     now = 0.0
     while pending or running:
         for s in range(slots):
             if s not in running and pending:
                 job = policy.pick(s, pending, running, now)
                 if job is not None:
+                    n = min(segment_steps or remaining[job], remaining[job])
                     pending.remove(job)
-                    running[s] = (job, now + seconds[job])
-                    runs[job] = (s, now, now + seconds[job])
+                    running[s] = (job, now + n * step_s[job])
+                    runs.append((now, s, job, now + n * step_s[job]))
+                    remaining[job] -= n
         if not running:
             raise RuntimeError(f"the policy left {len(pending)} job(s) unscheduled with every slot free")
-        s_done = min(running, key=lambda s: (running[s][1], s))
-        now = running.pop(s_done)[1]
-    makespan = max((e for _, _, e in runs.values()), default=0.0)
-    busy = sum(e - b for _, b, e in runs.values())
+        now = min(end for _, end in running.values())
+        for s in [s for s, (_, end) in running.items() if end == now]:  # every segment ending now, then picks
+            job = running.pop(s)[0]
+            if remaining[job] > 0:
+                pending.append(job)
+                pending.sort(key=list(steps).index)
+    makespan = max((e for *_, e in runs), default=0.0)
+    busy = sum(e - b for b, _, _, e in runs)
     return SimResult(runs=runs, makespan=makespan, utilisation=busy / (slots * makespan) if makespan else 0.0)

@@ -5,7 +5,7 @@ A sweep file is a training config with one more section::
     [sweep]
     out_dir = "runs/sweep"          # state.db, jobs/<id>/ (each an ordinary run directory), results.csv
     slots = 2                       # jobs at once
-    scheduler = "fifo"              # fifo | planned
+    scheduler = "fifo"              # fifo | lrtf | planned
 
     [sweep.grid]                    # every combination
     "optim.lr" = [1e-3, 3e-3]
@@ -34,7 +34,7 @@ from typing import Any
 from stratum.config import SECTIONS
 from stratum.errors import StratumError
 
-SCHEDULERS = ("fifo", "planned")
+SCHEDULERS = ("fifo", "lrtf", "planned")
 BACKENDS = ("local",)
 EARLY_STOPS = ("", "asha")
 RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
@@ -51,8 +51,10 @@ class SweepSettings:
     """A training config file the jobs start from (relative to the sweep file); this file's own sections apply on
     top of it, then each job's values. "" = the defaults."""
     scheduler: str = "fifo"
-    """Which job a freed slot takes: fifo (sweep order, one job per slot) or planned (a makespan-minimising
-    assignment of jobs to slots from profiled step times, solved as a MILP with PuLP, greedy without it)."""
+    """Which job a freed slot takes: fifo (sweep order, one job per slot); lrtf (the job with the longest
+    remaining predicted time, time-sliced in segments of sweep.segment_steps steps, its state in its checkpoint
+    between segments); or planned (a makespan-minimising assignment of jobs to slots from profiled step times,
+    solved as a MILP with PuLP, greedy without it)."""
     backend: str = "local"
     """Where jobs run: local (worker processes on this machine)."""
     slots: int = 1
@@ -71,6 +73,9 @@ class SweepSettings:
     same command again) and no new job starts. 0 = no limit."""
     job_timeout_s: float = 0.0
     """Longest a single job attempt may run before it is killed and counted as failed; 0 = no limit."""
+    segment_steps: int = 0
+    """Steps per segment: a job stops with a checkpoint every this many steps and its slot is given out again
+    (lrtf needs it ≥ 1); 0 = a job runs to its end (or its next ASHA rung) once started."""
     samples: int = 0
     """Random draws per grid point from [sweep.random]; 0 = 1 when [sweep.random] has keys, else none."""
     seed: int = 0
@@ -199,13 +204,17 @@ def _check_settings(s: SweepSettings) -> None:
         raise StratumError("sweep.out_dir must not be empty")
     checks = [("slots", s.slots >= 1, "must be ≥ 1"), ("threads_per_job", s.threads_per_job >= 0, "must be ≥ 0"),
               ("retries", s.retries >= 0, "must be ≥ 0"), ("time_budget_s", s.time_budget_s >= 0, "must be ≥ 0"),
-              ("job_timeout_s", s.job_timeout_s >= 0, "must be ≥ 0"), ("samples", s.samples >= 0, "must be ≥ 0"),
+              ("job_timeout_s", s.job_timeout_s >= 0, "must be ≥ 0"),
+              ("segment_steps", s.segment_steps >= 0, "must be ≥ 0"), ("samples", s.samples >= 0, "must be ≥ 0"),
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
               ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0")]
     for key, ok, what in checks:
         if not ok:
             raise StratumError(f"sweep.{key} {what}")
+    if s.scheduler == "lrtf" and s.segment_steps < 1:
+        raise StratumError("sweep.scheduler = \"lrtf\" time-slices jobs: set sweep.segment_steps ≥ 1 (steps per "
+                           "slice; each slice ends with a checkpoint)")
     if s.early_stop == "asha" and s.asha_min_steps < 1:
         raise StratumError("sweep.early_stop = \"asha\" needs sweep.asha_min_steps ≥ 1 (the first rung, in steps)")
     if s.devices:
