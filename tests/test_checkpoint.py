@@ -1,5 +1,6 @@
 """Checkpoints: bit-exact resume, atomic writes, refusal of a checkpoint from another setup."""
 
+import logging
 import shutil
 
 import pytest
@@ -47,11 +48,12 @@ def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_completed_run_is_not_repeated(make_cfg, tmp_path, capsys):
+def test_completed_run_is_not_repeated(make_cfg, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="stratum")
     out = tmp_path / "r"
     s1 = train(make_cfg(out=out))
     s2 = train(make_cfg(out=out))
-    assert "already complete" in capsys.readouterr().out
+    assert "already complete" in caplog.text
     assert s2["final_loss"] == s1["final_loss"]
     extended = train(make_cfg("train.steps=10", out=out))  # raising steps continues the run
     assert extended["steps_done"] == 10 and len(read_metrics(out)) == 10

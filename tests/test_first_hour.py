@@ -3,6 +3,8 @@ labelled as units, a dry run that says when the plain engine cannot fit, and a w
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import pytest
 
@@ -84,10 +86,11 @@ def test_bad_warmup_or_checkpoint_time_is_refused(setting, capsys):
     assert setting.split("=")[0] in capsys.readouterr().err
 
 
-def test_the_run_uses_the_derived_warmup(make_cfg, capsys):
+def test_the_run_uses_the_derived_warmup(make_cfg, caplog):
+    caplog.set_level(logging.INFO, logger="stratum")
     cfg = make_cfg("optim.warmup_steps=-1", "optim.warmup_fraction=0.5", "train.steps=6")
     train(cfg, stop_at=5)
     lr = cfg.optim.lr
     lrs = [r["lr"] for r in read_metrics(cfg.train.out_dir)]
     assert lrs[:4] == pytest.approx([lr / 3, 2 * lr / 3, lr, lr]) and lrs[4] < lr  # 3 warm-up steps, decay
-    assert "warm-up = 0.5 × 6 steps = 3 steps" in capsys.readouterr().out
+    assert "warm-up = 0.5 × 6 steps = 3 steps" in caplog.text

@@ -31,6 +31,7 @@ import os
 import sys
 
 from stratum.errors import StratumError
+from stratum.log import console
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["train", *(argv if argv is not None else sys.argv[1:])])
     try:
-        return _run(args)
+        with console():  # library messages (the stratum logger) shown as the command's output
+            return _run(args)
     except StratumError as e:
         sys.stderr.write(f"stratum: error: {e}\n")  # one write: lines of several ranks do not interleave
         sys.stderr.flush()

@@ -46,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
     if not (out / "tokenizer.json").exists():
         log.info("the %s tokenizer has no transformers form: token ids are %s", trained.tokenizer.name,
                  "byte values" if trained.tokenizer.name == "byte" else "the tokenizer's")
-    print(out)
     return 0
 
 

@@ -1,11 +1,15 @@
-"""What a person watching the run sees: a rich progress bar on a terminal, plain lines otherwise."""
+"""What a person watching the run sees: a rich progress bar on a terminal, plain lines otherwise (through the
+``stratum.train.progress`` logger, so a log file or a launcher's log collects them)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+logger = logging.getLogger(__name__)
 
 
 class StepDisplay:
@@ -29,7 +33,7 @@ class StepDisplay:
                 self._bar.console.print(f"step {rec['step']:>6}: eval loss {rec['eval_loss']:.4f}")
         elif rec["step"] % self.log_interval == 0 or rec["step"] == self.total or "eval_loss" in rec \
                 or rec["step"] == 1:
-            print(f"step {rec['step']:>6}/{self.total}  lr {rec['lr']:.2e}  {info}", flush=True)
+            logger.info(f"step {rec['step']:>6}/{self.total}  lr {rec['lr']:.2e}  {info}")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -8,9 +8,7 @@ This module imports nothing heavy at load, so building the CLI's parser stays qu
 from __future__ import annotations
 
 import argparse
-import logging
-
-log = logging.getLogger(__name__)
+import sys
 
 DEFAULT_TOKENS = 200
 DEFAULT_TEMPERATURE = 0.8
@@ -47,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     trained = load_trained(args.run)
     tok = trained.tokenizer
     prompt = [int(i) for i in tok.encode(args.prompt.encode("utf-8", errors="surrogateescape"))]
-    log.info("sampling %s (%s source, step %d) from %s", trained.model.info.name, trained.cfg.model.source,
-             trained.step, trained.path)
+    # on stderr: standard output holds the samples alone, ready to redirect
+    print(f"sampling {trained.model.info.name} ({trained.cfg.model.source} source, step {trained.step}) from "
+          f"{trained.path}", file=sys.stderr)
     out = generate(trained.model, prompt, spec, window=trained.cfg.data.seq_len, vocab=tok.vocab_size)
     for i, row in enumerate(out.tolist()):
         if spec.num_samples > 1:

@@ -7,6 +7,7 @@ tensors live and how a step's forward, backward and update run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from stratum.data.prepare import prepare_data
 from stratum.data.tokens import TRAIN, VAL
 from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
+from stratum.log import console_unless_configured
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
@@ -29,6 +31,8 @@ from stratum.train.metrics import median
 from stratum.train.progress import StepDisplay, make_console
 from stratum.train.scalars import metrics_log
 from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_out_dir(out_dir: Path) -> None:
@@ -77,13 +81,17 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
     A plan over several processes (``parallel.plan``): every rank runs this same loop on the same batches (the
     process groups are joined here, from the launcher's environment); only rank 0 prints and writes metrics,
     summary and checkpoints, and every rank reads the checkpoint it resumes from.
+
+    What the run says (its set-up, notes, summary) goes to the ``stratum.train.trainer`` logger, with a console
+    on top where logging is left unconfigured (:mod:`stratum.log`); ``console`` is where the progress bar draws.
     """
-    world = join_world(cfg.plan, resolve_device(cfg.train.device), backend=cfg.parallel.backend,
-                       timeout_s=cfg.parallel.timeout_s)
-    if not world.is_main:
-        console = Console(file=open(os.devnull, "w"), highlight=False)
-    summary = _train(cfg, stop_at=stop_at, console=console, world=world)
-    leave_world(world)
+    with console_unless_configured():
+        world = join_world(cfg.plan, resolve_device(cfg.train.device), backend=cfg.parallel.backend,
+                           timeout_s=cfg.parallel.timeout_s)
+        if not world.is_main:
+            console = Console(file=open(os.devnull, "w"), highlight=False)
+        summary = _train(cfg, stop_at=stop_at, console=console, world=world)
+        leave_world(world)
     return summary
 
 
@@ -109,17 +117,17 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
-    ckpt = _resume_from(ckpt_path, cfg, fingerprint, console)
+    ckpt = _resume_from(ckpt_path, cfg, fingerprint)
     start = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
         if start >= t.steps:
-            console.print(f"the run in {out_dir} is already complete ({start}/{t.steps} steps): nothing to do; "
-                          "raise train.steps to continue it, or choose a new train.out_dir")
+            logger.info(f"the run in {out_dir} is already complete ({start}/{t.steps} steps): nothing to do; "
+                        "raise train.steps to continue it, or choose a new train.out_dir")
             summary_path = out_dir / "summary.json"
             return json.loads(summary_path.read_text()) if summary_path.exists() else {"steps_done": start}
     elif main and (out_dir / "metrics.jsonl").exists():
         aside = _set_aside(out_dir / "metrics.jsonl")
-        console.print(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
+        logger.info(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
     engine = build_engine(cfg, model, world, stages, speeds)
     torch.manual_seed(t.seed)  # the steps' RNG streams start here, whatever the builds and set-up drew before
@@ -131,8 +139,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     if main:
         atomic_write_text(out_dir / "config.toml", to_toml(cfg))
-    _print_start(console, cfg, model=model, engine=engine, world=world, stages=stages, data=data,
-                 start=start, end=end)
+    _log_start(cfg, model=model, engine=engine, world=world, stages=stages, data=data,
+               start=start, end=end)
 
     log = metrics_log(cfg, out_dir, resume_step=start) if main else _Quiet()
     display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
@@ -176,10 +184,10 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
                        wall=time.perf_counter() - run_start, checkpoint=last_ckpt)
     if main:
         atomic_write_json(out_dir / "summary.json", summary)
-        _print_summary(console, summary)
+        _log_summary(summary)
     if stopped and end < t.steps:
-        console.print(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of {t.steps}, "
-                      "with a checkpoint: run the same command to resume")
+        logger.info(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of {t.steps}, "
+                    "with a checkpoint: run the same command to resume")
         raise Interrupted(f"stopped at step {end}")
     return summary
 
@@ -202,32 +210,31 @@ def _one_step(cfg: Config, engine, data, step: int, *, per_step: int, tokens: in
     return rec
 
 
-def _resume_from(ckpt_path: Path | None, cfg: Config, fingerprint: dict, console: Console):
+def _resume_from(ckpt_path: Path | None, cfg: Config, fingerprint: dict):
     """The checkpoint a run continues from (refused if it is another model's), noting settings that changed."""
     if ckpt_path is None:
         return None
     ckpt = load_checkpoint(ckpt_path)
     for change in check_compatible(ckpt, cfg, fingerprint):
-        console.print(f"note: resuming with changed setting {change}")
+        logger.info(f"note: resuming with changed setting {change}")
     return ckpt
 
 
-def _print_start(console: Console, cfg: Config, *, model, engine, world: World, stages, data, start: int,
-                 end: int) -> None:
+def _log_start(cfg: Config, *, model, engine, world: World, stages, data, start: int,
+               end: int) -> None:
     """What the run is about to do: model, engine, data, derived values, the plan's processes, the step range."""
     t = cfg.train
-    console.print(f"model {model.info.name} ({cfg.model.source}): {model.num_params():,} parameters, {len(model)} "
-                  f"blocks; engine {engine.name} on {describe(world.device)}, {t.precision}")
-    console.print(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
-                  f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
-    console.print(cfg.derived_summary())
+    logger.info(f"model {model.info.name} ({cfg.model.source}): {model.num_params():,} parameters, {len(model)} "
+                f"blocks; engine {engine.name} on {describe(world.device)}, {t.precision}")
+    logger.info(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
+                f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
+    logger.info(cfg.derived_summary())
     if engine.describe():
-        console.print(engine.describe(), highlight=False)
+        logger.info(engine.describe())
     if world.plan.world_size() > 1:
-        console.print(world.plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))),
-                      highlight=False)
-    console.print(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
-                  f"output in {Path(t.out_dir).expanduser()}")
+        logger.info(world.plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))))
+    logger.info(("resuming at" if start else "starting at") + f" step {start}, running to {end} of {t.steps}; "
+                f"output in {Path(t.out_dir).expanduser()}")
 
 
 def _summary(recs: list[dict], *, model, engine, world: World, cfg: Config, start: int, end: int, wall: float,
@@ -262,11 +269,11 @@ def _io_summary(recs: list[dict], predicted_step_s: float | None) -> dict:
     return out
 
 
-def _print_summary(console: Console, s: dict) -> None:
+def _log_summary(s: dict) -> None:
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
-    console.print(
+    logger.info(
         f"done: {s['steps_done']}/{s['steps_total']} steps ({s['steps_this_run']} this run) in {s['wall_s']:.1f} s; "
         f"loss {fmt(s['first_loss'], '.4f')} → {fmt(s['final_loss'], '.4f')}, eval loss "
         f"{fmt(s['final_eval_loss'], '.4f')}; median {fmt(s['median_tokens_per_s'], ',.0f')} tokens/s, "
@@ -274,13 +281,13 @@ def _print_summary(console: Console, s: dict) -> None:
     )
     if "median_moved_h2d_bytes" in s:
         mib = {k: s[f"median_moved_{k}_bytes"] / 2**20 for k in ("h2d", "d2h", "disk_read", "disk_write")}
-        console.print(f"moved per step (median): host→device {mib['h2d']:,.1f} MiB, device→host "
-                      f"{mib['d2h']:,.1f} MiB, disk read {mib['disk_read']:,.1f} MiB, disk write "
-                      f"{mib['disk_write']:,.1f} MiB; waiting for data {s['median_wait_s'] * 1e3:.1f} ms")
+        logger.info(f"moved per step (median): host→device {mib['h2d']:,.1f} MiB, device→host "
+                    f"{mib['d2h']:,.1f} MiB, disk read {mib['disk_read']:,.1f} MiB, disk write "
+                    f"{mib['disk_write']:,.1f} MiB; waiting for data {s['median_wait_s'] * 1e3:.1f} ms")
     if "predicted_step_s" in s:
-        console.print(f"step time: {fmt(s['median_step_s'], '.3f')} s measured (median), {s['predicted_step_s']:.3f} s "
-                      "predicted by the plan")
-    console.print(f"metrics: {s['out_dir']}/metrics.jsonl  checkpoint: {s['checkpoint']}")
+        logger.info(f"step time: {fmt(s['median_step_s'], '.3f')} s measured (median), {s['predicted_step_s']:.3f} s "
+                    "predicted by the plan")
+    logger.info(f"metrics: {s['out_dir']}/metrics.jsonl  checkpoint: {s['checkpoint']}")
 
 
 def read_metrics(out_dir: str | Path) -> list[dict]:
