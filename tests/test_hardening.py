@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -97,13 +101,24 @@ def _one_error_line(capsys, *expected: str) -> str:
     return lines[0]
 
 
-def test_every_output_flag_fails_cleanly(tmp_path, full_fs, ro_fs, corpus_file, cache_dir, capsys):
+@pytest.fixture
+def small(corpus_file, cache_dir) -> list[str]:
+    """Config flags of a tiny model on the test corpus."""
+    return ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
+            "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=2"]
+
+
+@pytest.fixture
+def profile(small, tmp_path) -> Path:
+    """A `stratum profile` of the tiny model, so `stratum plan` need not profile again."""
+    path = tmp_path / "profile.json"
+    assert main(["profile", *small, "--runs", "1", "--out", str(path)]) == 0
+    return path
+
+
+def test_every_output_flag_fails_cleanly(tmp_path, full_fs, ro_fs, small, profile, capsys):
     """``--save``, ``--trace``, ``--png``, ``--json`` and ``--out`` into a file's child, onto a directory, onto a
     full and onto a read-only filesystem: one line naming the file, exit code 2, no temp file left."""
-    small = ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
-             "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=2"]
-    profile = tmp_path / "profile.json"
-    assert main(["profile", *small, "--runs", "1", "--out", str(profile)]) == 0
     capsys.readouterr()
     commands = {
         "--save": ["schedule", "show", "--save"],
@@ -155,3 +170,50 @@ def test_token_cache_and_out_dir_on_unwritable_filesystems(where, full_fs, ro_fs
     assert main([*base, "--set", f"train.out_dir={str(fs / 'run')!r}"]) == 2
     _one_error_line(capsys, "train.out_dir", "not writable")
     assert [p.name for p in fs.iterdir()] == (["filler"] if where == "full" else [])
+
+
+# --- the disk tier leaves nothing behind ---------------------------------------------------------------------
+
+
+def _open_files_under(pid: int, where: Path) -> list[str]:
+    """What the descriptors of process ``pid`` point at under ``where`` (unlinked files included)."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    targets = []
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            targets.append(os.readlink(fd))
+    return [t for t in targets if t.startswith(str(where))]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the run's open files")
+def test_kill_9_during_the_disk_tier_leaves_no_file(corpus_file, cache_dir, tmp_path):
+    disk, out = tmp_path / "disk", tmp_path / "run"
+    sets = [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}", "model.preset='tiny'",
+            "data.seq_len=32", "train.micro_batch_size=2", "train.steps=1000", "train.eval_interval=0",
+            "train.engine='offload'", "offload.optimizer_tier='disk'", f"offload.disk_dir={str(disk)!r}",
+            f"train.out_dir={str(out)!r}"]
+    p = subprocess.Popen([sys.executable, "-m", "stratum", "train", *[a for s in sets for a in ("--set", s)]],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+            time.sleep(0.05)
+        assert p.poll() is None, p.communicate()[1]
+        held = _open_files_under(p.pid, disk)
+        assert held and all(t.endswith("(deleted)") for t in held), held  # the tier is in use, its files nameless
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    assert not list(disk.iterdir())
+
+
+@pytest.mark.parametrize("where", ["full", "read-only"])
+def test_disk_tier_on_a_full_or_read_only_disk_is_one_line(where, full_fs, ro_fs, small, profile, capsys):
+    """The disk tier's start-up (the writability check, the bandwidth probe, the plan) on a disk without room."""
+    fs = full_fs if where == "full" else ro_fs
+    capsys.readouterr()
+    argv = ["plan", *small, "--profile", str(profile), "--set", "offload.optimizer_tier='disk'",
+            "--set", f"offload.disk_dir={str(fs)!r}"]
+    assert main(argv) == 2
+    _one_error_line(capsys, "offload.disk_dir")

@@ -117,7 +117,7 @@ def test_full_disk_is_a_clear_error_and_files_are_removed(tmp_path, monkeypatch)
     """ENOSPC while writing a chunk file is a one-line StratumError, not a corrupt run; close() removes the files."""
     import errno
 
-    from stratum.offload.tiers import DiskStore, Tier
+    from stratum.offload.tiers import ALIGN, DiskStore, Tier
 
     store = DiskStore(tmp_path, Tier("disk", None))
     store.create("ok", torch.ones(8))
@@ -136,9 +136,9 @@ def test_full_disk_is_a_clear_error_and_files_are_removed(tmp_path, monkeypatch)
         store.write_range("ok", 0, torch.zeros(2))
     monkeypatch.setattr(os, "pwritev", real)
     assert torch.equal(store.read("ok", torch.empty(8)), torch.ones(8))  # the failed writes corrupted nothing
-    d = store.dir
+    assert store.file_bytes() == store.tier.used == 2 * ALIGN and not list(tmp_path.iterdir())  # nameless files
     store.close()
-    assert not d.exists()
+    assert store.tier.used == 0 and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -152,7 +152,7 @@ def test_disk_ranges_aligned_and_not_round_trip(tmp_path, direct):
     src = aligned_empty(n)
     src.copy_(torch.arange(n, dtype=torch.float32))
     store.create("a", src)
-    assert (tmp_path / store.dir.name / "a.bin").stat().st_size == 3 * ALIGN
+    assert store.file_bytes() == 3 * ALIGN
     got = store.read("a", aligned_empty(n))
     assert torch.equal(got, src) and store.bounce_bytes == 0  # the hot path never bounces
     store.write_range("a", 5, torch.full((7,), -1.0))  # unaligned offset and length

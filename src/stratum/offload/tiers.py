@@ -1,17 +1,21 @@
 """Memory tiers (device → host → disk): byte budgets, exact accounting, bandwidths measured at start-up.
 
 On a CUDA machine the device tier is GPU memory and the host tier pinned RAM; on a CPU-only machine the device
-tier is RAM under the device budget and the host tier RAM under the host budget. The disk tier is files under a
-private directory (removed at exit) read and written by a thread pool; a full disk is a :class:`StratumError`.
-Bandwidths are measured by timing real copies (never hard-coded) and cached per process.
+tier is RAM under the device budget and the host tier RAM under the host budget. The disk tier is files under
+``offload.disk_dir`` read and written by a thread pool; a full disk is a :class:`StratumError`. Every file the
+disk tier and its probes make has no name (``O_TMPFILE``, or unlinked the moment it is opened): the kernel frees
+it when the process ends, however it ends, so a killed run leaves nothing behind. Bandwidths are measured by
+timing real copies (never hard-coded) and cached per process.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import functools
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -134,6 +138,10 @@ def _measure_copy(device_str: str, nbytes: int) -> tuple[float, float]:
     return _best_rate(h2d, nbytes), _best_rate(d2h, nbytes)
 
 
+MIN_DISK_PROBE = 64 << 10
+"""Bytes per probe request below which the disk is too full to measure (or to hold a chunk)."""
+
+
 @functools.lru_cache(maxsize=4)
 def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, float]:
     """Sustained read and write bytes/s of the disk store's own I/O path (direct where the file system allows
@@ -141,13 +149,18 @@ def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, fl
     streams chunks. A single request measures the disk's burst rate instead: best-of-several 32 MiB writes gave
     2.4-3.5 GB/s where 256 MiB streamed at 1.6-1.9 and training got about as much, and the planner then
     expected a disk-bound backward to be compute-bound."""
-    nbytes = round_up(nbytes)
+    base = Path(dirname)
+    # a nearly full disk gets a smaller probe (at most half its free space), and none below MIN_DISK_PROBE: its
+    # rate reads as 0, and the planner, which also sees the free bytes, keeps the training state off it
+    nbytes = min(round_up(nbytes), disk_free_bytes(base) // (2 * pieces) // ALIGN * ALIGN)
+    if nbytes < MIN_DISK_PROBE:
+        return 0.0, 0.0
+    total = pieces * nbytes
     buf = aligned_empty(nbytes, torch.uint8)
     buf.fill_(1)
-    path = Path(dirname) / f".bw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    direct = direct_io_works(Path(dirname))
+    direct = direct_io_works(base)
     try:
-        fd = _open(path, os.O_RDWR | os.O_CREAT, direct)
+        fd = anonymous_file(base, direct)
         try:
             t0 = time.perf_counter()
             for k in range(pieces):
@@ -164,9 +177,9 @@ def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, fl
             t2 = time.perf_counter()
         finally:
             os.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-    total = pieces * nbytes
+    except OSError as e:
+        raise StratumError(f"cannot measure the disk under offload.disk_dir {dirname!r} ({e.strerror}); free space "
+                           "there or point offload.disk_dir at a writable disk with room") from None
     return total / max(t2 - t1, 1e-9), total / max(t1 - t0, 1e-9)
 
 
@@ -216,9 +229,11 @@ def resolve_disk_dir(disk_dir: str) -> Path:
     base = Path(disk_dir).expanduser() if disk_dir else Path(tempfile.gettempdir())
     try:
         base.mkdir(parents=True, exist_ok=True)
-        probe = base / f".stratum-write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        fd = anonymous_file(base, direct=False)
+        try:
+            os.pwrite(fd, b"ok", 0)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise StratumError(f"offload.disk_dir {str(base)!r} is not writable ({e.strerror}); "
                            "choose a directory you can write to") from None
@@ -258,8 +273,29 @@ def _bytes(t: Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def _open(path: Path, flags: int, direct: bool) -> int:
-    return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600)
+def anonymous_file(base: Path, direct: bool) -> int:
+    """A descriptor of a new read-write file on ``base``'s filesystem that has no name: the kernel frees it when
+    its last descriptor closes, so no kill leaves it behind. ``O_TMPFILE`` where the filesystem has it; else a
+    file created and unlinked at once (a kill between the two calls is the only way one can stay)."""
+    flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(base, flags | os.O_TMPFILE, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):  # only "no O_TMPFILE here" falls back
+                raise
+    path = base / f".stratum-offload-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def _raise_open_file_limit() -> None:
+    """Lift the soft limit on open descriptors to the hard one: the disk tier holds one per file."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _pread_all(fd: int, t: Tensor, offset: int) -> int:
@@ -284,11 +320,10 @@ def direct_io_works(base: Path) -> bool:
     """Whether files under ``base`` accept O_DIRECT reads and writes (not tmpfs, not every network file system)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    path = base / f".stratum-direct-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     buf = aligned_empty(ALIGN, torch.uint8)
     buf.fill_(7)
     try:
-        fd = _open(path, os.O_RDWR | os.O_CREAT, True)
+        fd = anonymous_file(base, direct=True)
         try:
             _pwrite_all(fd, buf, 0)
             buf.zero_()
@@ -297,12 +332,11 @@ def direct_io_works(base: Path) -> bool:
             os.close(fd)
     except OSError:
         return False
-    finally:
-        path.unlink(missing_ok=True)
 
 
 class DiskStore:
-    """Flat tensors as files in a private directory, read/written by a thread pool; removed at close/exit.
+    """Flat tensors as nameless files under ``base`` (:func:`anonymous_file`), read/written by a thread pool; an
+    open descriptor per file is all that holds one, so the files go when the store closes or the process ends.
 
     Where the file system allows it, files are opened with O_DIRECT: the data moves between the disk and the
     caller's buffer by DMA. Through the page cache every byte is also copied by a core, and that copy competes
@@ -314,9 +348,9 @@ class DiskStore:
     """
 
     def __init__(self, base: Path, tier: Tier, workers: int = 2):
-        self.dir = Path(tempfile.mkdtemp(prefix=f"stratum-offload-{os.getpid()}-", dir=base))
+        self.dir = Path(base)
         self.tier = tier
-        self.direct = direct_io_works(base)  # the same file system as self.dir; probed once per directory
+        self.direct = direct_io_works(self.dir)  # probed once per directory
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stratum-disk")
         self.sizes: dict[str, int] = {}
         self.bounce_bytes = 0
@@ -324,16 +358,40 @@ class DiskStore:
         """Bytes read from and written to the store's files so far (what was asked for, not block padding)."""
         self.bytes_written = 0
         self._count = threading.Lock()  # reads and writes run on the store's threads and the caller's
-        self._finalizer = weakref.finalize(self, DiskStore._cleanup, self.dir, self.pool)
+        self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()
+        _raise_open_file_limit()
+        self._finalizer = weakref.finalize(self, DiskStore._cleanup, self._fds, self.pool)
         atexit.register(self._finalizer)
 
     @staticmethod
-    def _cleanup(d: Path, pool: ThreadPoolExecutor) -> None:
+    def _cleanup(fds: dict[str, int], pool: ThreadPoolExecutor) -> None:
         pool.shutdown(wait=True)
-        shutil.rmtree(d, ignore_errors=True)
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fds.clear()
 
-    def _path(self, key: str) -> Path:
-        return self.dir / f"{key}.bin"
+    def _where(self, key: str) -> str:
+        return f"{key} under {self.dir}"
+
+    @contextlib.contextmanager
+    def _fd(self, key: str):
+        """A private duplicate of ``key``'s descriptor for one read or write: a concurrent :meth:`remove` closes
+        the original, never the one in use (whose number the kernel could otherwise hand to another file)."""
+        with self._fds_lock:
+            if key not in self._fds:
+                raise KeyError(f"offload file {self._where(key)} does not exist")
+            fd = os.dup(self._fds[key])
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def file_bytes(self) -> int:
+        """Bytes the store's files take on the disk, as the file system reports their sizes."""
+        with self._fds_lock:
+            return sum(os.fstat(fd).st_size for fd in self._fds.values())
 
     def create(self, key: str, t: torch.Tensor) -> None:
         """Create a file for ``key`` holding ``t`` (charged to the disk tier, rounded up to ALIGN bytes),
@@ -342,20 +400,31 @@ class DiskStore:
         self.tier.charge(nbytes, f"file {key}")
         self.sizes[key] = nbytes
         try:
-            fd = _open(self._path(key), os.O_RDWR | os.O_CREAT | os.O_TRUNC, False)
+            fd = anonymous_file(self.dir, self.direct)
             try:
                 os.ftruncate(fd, nbytes)  # the tail block exists, so a direct write of it needs no extension
-            finally:
+            except OSError:
                 os.close(fd)
+                raise
         except OSError as e:
+            self.sizes.pop(key)
+            self.tier.release(nbytes)
             raise self._write_error(key, e) from None
+        with self._fds_lock:
+            old = self._fds.pop(key, None)
+            self._fds[key] = fd
+        if old is not None:
+            os.close(old)
         self.write(key, t)
 
     def _write_error(self, key: str, e: OSError) -> StratumError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return StratumError(f"the disk under offload.disk_dir ({self.dir.parent}) is full; free space or "
+            return StratumError(f"the disk under offload.disk_dir ({self.dir}) is full; free space or "
                                 "point offload.disk_dir at a larger disk")
-        return StratumError(f"cannot write offload file {self._path(key)} ({e.strerror})")
+        if e.errno == errno.EMFILE:
+            return StratumError("the disk tier holds more files than this process may open; raise the limit "
+                                "(ulimit -n) or offload.chunk_size")
+        return StratumError(f"cannot write offload file {self._where(key)} ({e.strerror})")
 
     def write(self, key: str, t: torch.Tensor) -> None:
         """Overwrite ``key``'s file in place: never truncated, so its size (the tier's charge) stays exact while
@@ -371,18 +440,15 @@ class DiskStore:
         dtype)."""
         at = offset * into.element_size()
         n = into.numel() * into.element_size()
-        fd = _open(self._path(key), os.O_RDONLY, self.direct)
-        try:
+        with self._fd(key) as fd:
             if not self.direct or _is_aligned(into, at):
                 got = _pread_all(fd, into, at)
             else:
                 lo, buf = self._bounce(at, n)
                 got = min(_pread_all(fd, buf, lo) - (at - lo), n)
                 into.view(torch.uint8).reshape(-1).copy_(buf[at - lo:at - lo + n])
-        finally:
-            os.close(fd)
         if got != n:
-            raise StratumError(f"offload file {self._path(key)} is truncated ({got} of {n} bytes at byte {at}); "
+            raise StratumError(f"offload file {self._where(key)} is truncated ({got} of {n} bytes at byte {at}); "
                                "the disk run is corrupt")
         with self._count:
             self.bytes_read += n
@@ -394,8 +460,7 @@ class DiskStore:
         at = offset * data.element_size()
         n = data.numel() * data.element_size()
         try:
-            fd = _open(self._path(key), os.O_RDWR, self.direct)
-            try:
+            with self._fd(key) as fd:
                 if not self.direct or _is_aligned(data, at):
                     _pwrite_all(fd, data, at)
                 else:  # read-modify-write of the aligned span: its first and last blocks keep their other bytes
@@ -403,8 +468,6 @@ class DiskStore:
                     _pread_all(fd, buf, lo)
                     buf[at - lo:at - lo + n].copy_(data.view(torch.uint8).reshape(-1))
                     _pwrite_all(fd, buf, lo)
-            finally:
-                os.close(fd)
         except OSError as e:
             raise self._write_error(key, e) from None
         with self._count:
@@ -427,7 +490,10 @@ class DiskStore:
     def remove(self, key: str) -> None:
         n = self.sizes.pop(key, None)
         if n is not None:
-            self._path(key).unlink(missing_ok=True)
+            with self._fds_lock:
+                fd = self._fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
             self.tier.release(n)
 
     def write_async(self, key: str, t: torch.Tensor) -> Future:
