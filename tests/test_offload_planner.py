@@ -3,6 +3,7 @@ config and CLI errors are one line; `stratum plan` and the dry run print the pla
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -225,12 +226,13 @@ def test_trainer_with_offload_matches_plain_and_resumes_under_plain(make_cfg, tm
     assert not any(k.startswith("moved_") for r in recs[3:] for k in r)
 
 
-def test_the_summary_reports_data_moved_and_the_predicted_step_time(make_cfg, tmp_path, capsys):
+def test_the_summary_reports_data_moved_and_the_predicted_step_time(make_cfg, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="stratum")
     cfg = make_cfg("train.steps=4", "train.engine='offload'", "offload.device_budget='1.5MB'", out=tmp_path / "o")
     summary = train(cfg)
     assert summary["median_moved_h2d_bytes"] > 0 and summary["median_wait_s"] >= 0
     assert summary["predicted_step_s"] > 0 and summary["median_step_s"] > 0
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "moved per step (median): host→device" in out and "predicted by the plan" in out
     plain = train(make_cfg("train.steps=2", out=tmp_path / "p"))
     assert "predicted_step_s" not in plain and "median_moved_h2d_bytes" not in plain
