@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -172,7 +173,17 @@ def test_token_cache_and_out_dir_on_unwritable_filesystems(where, full_fs, ro_fs
     assert [p.name for p in fs.iterdir()] == (["filler"] if where == "full" else [])
 
 
-# --- the disk tier leaves nothing behind ---------------------------------------------------------------------
+def _snapshot(root: Path, skip: str = "") -> dict[str, bytes]:
+    """Every file under ``root`` (but ``skip``) by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != skip}
+
+
+def _without(snapshot: dict[str, bytes], name: str) -> dict[str, bytes]:
+    return {k: v for k, v in snapshot.items() if Path(k).name != name}
+
+
+# --- the disk tier leaves nothing behind; one run per out_dir ---------------------------------------------------------------------
 
 
 def _open_files_under(pid: int, where: Path) -> list[str]:
@@ -186,7 +197,8 @@ def _open_files_under(pid: int, where: Path) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the run's open files")
-def test_kill_9_during_the_disk_tier_leaves_no_file(corpus_file, cache_dir, tmp_path):
+def test_kill_9_during_the_disk_tier_leaves_no_file_and_a_second_run_is_refused(corpus_file, cache_dir, tmp_path,
+                                                                                 capsys):
     disk, out = tmp_path / "disk", tmp_path / "run"
     sets = [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}", "model.preset='tiny'",
             "data.seq_len=32", "train.micro_batch_size=2", "train.steps=1000", "train.eval_interval=0",
@@ -201,11 +213,19 @@ def test_kill_9_during_the_disk_tier_leaves_no_file(corpus_file, cache_dir, tmp_
         assert p.poll() is None, p.communicate()[1]
         held = _open_files_under(p.pid, disk)
         assert held and all(t.endswith("(deleted)") for t in held), held  # the tier is in use, its files nameless
+        # a second run into the live run's out_dir is refused, and touches nothing there
+        before = _snapshot(out)
+        assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+        _one_error_line(capsys, "in use by another stratum run")
+        assert p.poll() is None and _snapshot(out, skip="metrics.jsonl") == _without(before, "metrics.jsonl")
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=60)
     assert p.returncode == -signal.SIGKILL
     assert not list(disk.iterdir())
+    # the kernel dropped the dead run's lock: the next run proceeds
+    plain = [*sets, "train.engine='plain'"]  # faster, and the run's engine is free to change
+    assert main(["train", *[a for s in plain for a in ("--set", s)], "--stop-at", "1"]) == 0
 
 
 @pytest.mark.parametrize("where", ["full", "read-only"])
@@ -217,3 +237,53 @@ def test_disk_tier_on_a_full_or_read_only_disk_is_one_line(where, full_fs, ro_fs
             "--set", f"offload.disk_dir={str(fs)!r}"]
     assert main(argv) == 2
     _one_error_line(capsys, "offload.disk_dir")
+
+
+def test_a_held_out_dir_is_refused_in_one_line(make_cfg, tmp_path):
+    from stratum.errors import StratumError
+    from stratum.train.lock import hold_out_dir
+    from stratum.train.trainer import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with hold_out_dir(out):
+        with pytest.raises(StratumError, match="in use by another stratum run"):
+            train(make_cfg(out=out))
+        assert not list(out.iterdir())
+    assert train(make_cfg("train.steps=2", out=out))["steps_done"] == 2  # released on leaving
+
+
+def test_resume_clears_what_a_killed_checkpoint_write_left(make_cfg, tmp_path):
+    """Temp files and an unrenamed checkpoint directory go; a checkpoint set aside for a replacement that never
+    arrived is put back and resumed from."""
+    from stratum.train.checkpoint import latest_checkpoint
+    from stratum.train.trainer import read_metrics, train
+
+    out = tmp_path / "run"
+    cfg = make_cfg("train.steps=4", "train.ckpt_interval=1", out=out)
+    train(cfg, stop_at=2)
+    root = out / "checkpoints"
+    os.replace(root / "step_00000002", root / ".step_00000002.old")  # killed inside atomic_replace_dir
+    (root / ".tmp_step_00000003").mkdir()
+    (root / ".tmp_step_00000003" / "state.safetensors").write_bytes(b"half")
+    for leftover in (root / ".latest.x1.tmp", out / ".summary.json.x2.tmp", out / ".metrics.jsonl.x3.tmp"):
+        leftover.write_text("half")
+    summary = train(cfg)
+    assert summary["steps_this_run"] == 2 and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert latest_checkpoint(out).name == "step_00000004"
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp") or p.name.startswith((".tmp", ".step"))]
+
+
+def test_stop_at_below_the_checkpoint_leaves_the_summary(make_cfg, tmp_path, capsys):
+    import json
+
+    from stratum.train.trainer import train
+
+    out = tmp_path / "run"
+    cfg = make_cfg("train.steps=6", out=out)
+    train(cfg, stop_at=4)
+    before = (out / "summary.json").read_text()
+    summary = train(cfg, stop_at=2)
+    assert (out / "summary.json").read_text() == before and summary == json.loads(before)
+    assert summary["steps_done"] == 4 and summary["steps_this_run"] == 4
+

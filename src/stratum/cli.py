@@ -141,6 +141,7 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     from stratum.data.prepare import prepare_data
     from stratum.dist.launch import spawn_local
     from stratum.parallel.compose import check_plan
+    from stratum.train.lock import hold_out_dir, inherited_lock_env
     from stratum.train.stopping import missing_dirs, remove_empty_dirs
     from stratum.train.trainer import prepare_out_dir
 
@@ -154,7 +155,9 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
         argv += ["--set", o]
     if args.stop_at is not None:
         argv += ["--stop-at", str(args.stop_at)]
-    code = spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5)
+    with hold_out_dir(out_dir):  # for the ranks: rank 0 finds it held by its launcher (inherited_lock_env)
+        code = spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5,
+                           env=inherited_lock_env(out_dir))
     if code != 0:  # refused by the workers (bad input found there): no empty out_dir left behind
         remove_empty_dirs(made)
     return code

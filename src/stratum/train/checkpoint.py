@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,26 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def remove_partial_writes(out_dir: Path) -> None:
+    """Clear what a killed run left half-written in ``out_dir``: temp files of atomic writes and checkpoint
+    directories not yet renamed into place; a checkpoint set aside for its replacement (``atomic_replace_dir``)
+    goes back where the replacement never arrived. Only a run holding ``out_dir`` may call this: another live
+    run's temp files would look the same."""
+    root = Path(out_dir) / CKPT_DIR
+    for aside in root.glob(".step_*.old"):
+        final = root / aside.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+    for tmp in root.glob(".tmp_step_*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for where in (Path(out_dir), root):
+        for tmp in where.glob(".*.tmp"):
+            if tmp.is_file():
+                tmp.unlink(missing_ok=True)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

@@ -6,6 +6,7 @@ tensors live and how a step's forward, backward and update run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,8 +25,9 @@ from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.runtime.device import describe, resolve_device, synchronize
-from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, restore_rng,
-                                      save_checkpoint)
+from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
+                                      remove_partial_writes, restore_rng, save_checkpoint)
+from stratum.train.lock import hold_out_dir
 from stratum.train.lr import lr_at
 from stratum.train.metrics import median
 from stratum.train.progress import StepDisplay, make_console
@@ -72,6 +74,7 @@ class _Quiet:
         pass
 
 
+@removes_new_empty_out_dir
 def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = None) -> dict:
     """Run (or resume) the configured training; returns the summary also written to ``summary.json``.
 
@@ -90,20 +93,23 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
                            timeout_s=cfg.parallel.timeout_s)
         if not world.is_main:
             console = Console(file=open(os.devnull, "w"), highlight=False)
-        summary = _train(cfg, stop_at=stop_at, console=console, world=world)
+        out_dir = Path(cfg.train.out_dir).expanduser()
+        if world.is_main:
+            prepare_out_dir(out_dir)
+        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext():
+            summary = _train(cfg, stop_at=stop_at, console=console, world=world)
         leave_world(world)
     return summary
 
 
-@removes_new_empty_out_dir
 def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World) -> dict:
     console = console or make_console()
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
     main, device = world.is_main, world.device
-    if main:
-        prepare_out_dir(out_dir)
 
+    if main:
+        remove_partial_writes(out_dir)  # this run holds out_dir: any temp file in it is a killed run's
     ckpt_path = latest_checkpoint(out_dir)
     if ckpt_path is not None and not t.resume:
         raise StratumError(f"train.out_dir {str(out_dir)!r} already holds checkpoints; set train.resume = true "
@@ -123,8 +129,10 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         if start >= t.steps:
             logger.info(f"the run in {out_dir} is already complete ({start}/{t.steps} steps): nothing to do; "
                         "raise train.steps to continue it, or choose a new train.out_dir")
-            summary_path = out_dir / "summary.json"
-            return json.loads(summary_path.read_text()) if summary_path.exists() else {"steps_done": start}
+            return _saved_summary(out_dir, start)
+        if stop_at is not None and start >= stop_at:  # nothing to run: the summary of the run so far stands
+            logger.info(f"the run in {out_dir} is at step {start}, at or past --stop-at {stop_at}: nothing to do")
+            return _saved_summary(out_dir, start)
     elif main and (out_dir / "metrics.jsonl").exists():
         aside = _set_aside(out_dir / "metrics.jsonl")
         logger.info(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
@@ -190,6 +198,14 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
                     "with a checkpoint: run the same command to resume")
         raise Interrupted(f"stopped at step {end}")
     return summary
+
+
+def _saved_summary(out_dir: Path, steps_done: int) -> dict:
+    """The summary an earlier invocation wrote (a minimal one where it is missing or unreadable)."""
+    try:
+        return json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {"steps_done": steps_done}
 
 
 def _one_step(cfg: Config, engine, data, step: int, *, per_step: int, tokens: int, flops_per_token: float,
