@@ -24,6 +24,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config field (repeatable), e.g. --set offload.device_budget=2GB")
     p.add_argument("--profile", metavar="FILE.json", help="use this `stratum profile` output instead of profiling")
+    p.add_argument("--estimate", action="store_true",
+                   help="bytes per tier from the model's shapes alone, in seconds: no block is run or timed, so no "
+                        "step time is predicted")
     p.add_argument("--json", dest="json_out", metavar="FILE.json", help="also write the plan as JSON")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="BUDGETS",
                    help="plan these device budgets instead (comma-separated sizes or percentages of the training "
@@ -60,14 +63,17 @@ def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     return out
 
 
-def planning_inputs(cfg, profile_path: str | None = None):
-    """(``make_plan``'s keyword arguments for ``cfg``, the model on the meta device): the model profiled block by
-    block (or ``profile_path`` read) and the bandwidths measured once."""
+def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
+    """(``make_plan``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
+    once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
+    on a small batch and scaled — cached per architecture, device and batch shape (:mod:`stratum.profile.fast`)."""
     from stratum.data.corpus import resolve_corpus
     from stratum.data.prepare import make_tokenizer
     from stratum.model.build import build_model
+    from stratum.offload.host_alloc import tune_allocator
     from stratum.offload.setup import plan_inputs
     from stratum.profile import Profile
+    from stratum.profile.fast import cached_profile, shape_profile
     from stratum.runtime.device import resolve_device
 
     device = resolve_device(cfg.train.device)
@@ -79,14 +85,19 @@ def planning_inputs(cfg, profile_path: str | None = None):
         if len(prof.blocks) != len(model):
             raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
                                "re-run `stratum profile` with this config")
+    elif estimate:
+        prof = shape_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+                             precision=cfg.train.precision)
     else:
-        prof = None  # measured by plan_inputs: each distinct block once
+        tune_allocator()  # blocks are measured under the allocator policy training runs with
+        prof = cached_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
+                              cache_dir=cfg.cache_dir, precision=cfg.train.precision, seed=cfg.train.seed)
     return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
 
 
-def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]]) -> None:
+def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool = True) -> None:
     """Plan each device budget with the same profile and bandwidths (``inputs``: ``planning_inputs``); print a row
-    per budget."""
+    per budget (``timed`` False: without the step time, which an estimate does not predict)."""
     from stratum.offload.planner import make_plan
     from stratum.offload.tiers import DEVICE
     from stratum.offload.units import fmt_bytes
@@ -106,7 +117,17 @@ def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]]) -> None:
         print(f"{name:>18} {p.param_tier:>6} {p.optimizer_tier:>6} {slots:>5} {p.activations:>11} "
               f"{fmt_bytes(pk['device']):>12} {fmt_bytes(pk['host']):>11} {fmt_bytes(pk['disk']):>10} "
               f"{fmt_bytes(tr['h2d']):>10} {fmt_bytes(tr['d2h']):>10} "
-              f"{fmt_bytes(tr['disk_read'] + tr['disk_write']):>10} {p.predicted_step_s:>9.3f}")
+              f"{fmt_bytes(tr['disk_read'] + tr['disk_write']):>10} "
+              + (f"{p.predicted_step_s:>9.3f}" if timed else f"{'-':>9}"))
+
+
+def untimed(plan) -> str:
+    """The plan's description with its step-time line replaced by what an estimate knows: activation bytes."""
+    from stratum.offload.units import fmt_bytes
+    lines = [line for line in plan.describe().splitlines() if not line.startswith("  predicted step time")]
+    lines.append(f"  activations {fmt_bytes(plan.act_bytes)} per micro-batch (from the shapes); step time not "
+                 "predicted: --estimate runs nothing (leave it out to measure the blocks)")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,11 +136,15 @@ def run(args: argparse.Namespace) -> int:
     from stratum.offload.units import fmt_bytes
 
     cfg = load_config(args.config, args.overrides)
+    if args.estimate and args.profile:
+        raise StratumError("--estimate plans from the model's shapes and --profile from measured costs; give one")
     if args.sweep is not None:
         if args.json_out:
             raise StratumError("--json writes one plan; leave it out with --sweep")
         sweep_budgets(args.sweep, 1)  # bad input is refused before the model is profiled
-    inputs, model = planning_inputs(cfg, args.profile)
+    inputs, model = planning_inputs(cfg, args.profile, estimate=args.estimate)
+    if args.estimate:
+        inputs["bandwidths"] = None  # bytes only: placements are compared by the bytes they move
     n = model.num_params()
     print(f"model {model.info.name}: {n:,} parameters; training state (params + grads + AdamW) "
           f"{fmt_bytes(16 * n)}; micro-batch {cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, "
@@ -127,10 +152,10 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep is not None:
         budgets = sweep_budgets(args.sweep, 16 * n)
         print(f"host budget {fmt_bytes(inputs['host_budget'])} in every row (offload.host_budget)")
-        print_sweep(model, inputs, budgets)
+        print_sweep(model, inputs, budgets, timed=not args.estimate)
         return 0
     plan = make_plan(model, **inputs)
-    print(plan.describe())
+    print(untimed(plan) if args.estimate else plan.describe())
     if args.json_out:
         from stratum.atomic import atomic_write_json
         atomic_write_json(args.json_out, plan.to_dict())

@@ -1,0 +1,101 @@
+"""A fast `stratum plan`: bytes from shapes without running the model, block times measured on a small batch,
+scaled, and cached per architecture, device and batch shape, with a line per measured block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stratum.profile.fast as fast
+from stratum.cli import main
+from stratum.model.gpt import build_gpt
+from stratum.profile.profiler import profile_blockseq
+
+CPU = torch.device("cpu")
+
+
+def _no_measuring(*args, **kwargs):
+    raise AssertionError("a block was run")
+
+
+def test_shape_profile_gives_the_bytes_without_running_a_block(monkeypatch):
+    measured = profile_blockseq(build_gpt("tiny", vocab_size=256, seed=0), micro_batch=4, seq_len=32, device=CPU,
+                                runs=1)
+    monkeypatch.setattr(fast, "_measure_block", _no_measuring)
+    shapes = fast.shape_profile(build_gpt("tiny", vocab_size=256, seed=0, device="meta"), micro_batch=4, seq_len=32)
+    assert len(shapes.blocks) == len(measured.blocks)
+    for s, m in zip(shapes.blocks, measured.blocks):
+        assert (s.n_params, s.param_bytes, s.grad_bytes, s.optim_bytes, s.out_bytes) == \
+               (m.n_params, m.param_bytes, m.grad_bytes, m.optim_bytes, m.out_bytes)
+        # meta kernels may save a little more than the CPU's (attention: about 6 % on GPT)
+        assert m.act_saved_bytes <= s.act_saved_bytes <= 1.1 * m.act_saved_bytes, s.name
+        assert s.fwd_s == s.bwd_s == 0.0
+
+
+def test_the_probe_batch_shrinks_with_the_model():
+    assert fast.probe_batch(build_gpt("tiny", vocab_size=256, seed=0, device="meta"), 16, 128) == 16
+    big = build_gpt("gpt-6.7b", vocab_size=None, seed=0, device="meta")
+    assert fast.probe_batch(big, 16, 128) == 1 and fast.probe_batch(big, 16, 2048) == 1
+
+
+def test_a_scaled_profile_has_the_full_batchs_bytes(monkeypatch):
+    model = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    monkeypatch.setattr(fast, "PROBE_FLOPS", 6 * 49_984 * 64 * 4)  # the largest block (a layer) on 4 sequences
+    assert fast.probe_batch(model, 16, 64) == 4
+    scaled = fast.scaled_profile(model, micro_batch=16, seq_len=64, device=CPU)
+    full = profile_blockseq(model, micro_batch=16, seq_len=64, device=CPU, runs=1)
+    assert scaled.micro_batch == 16 and scaled.runs == fast.PROBE_RUNS
+    for s, f in zip(scaled.blocks, full.blocks):
+        assert (s.out_bytes, s.param_bytes) == (f.out_bytes, f.param_bytes) and s.fwd_s > 0 and s.bwd_s > 0
+        if s.kind == "Layer":  # all of a layer's saved bytes grow with the batch
+            assert (s.act_saved_bytes, s.spill_bytes) == (f.act_saved_bytes, f.spill_bytes)
+        else:  # the embedding also saves its position ids, one copy whatever the batch: scaled, an upper bound
+            assert f.act_saved_bytes <= s.act_saved_bytes <= 1.2 * f.act_saved_bytes
+    assert all(p.is_meta for p in model.parameters())  # measured on copies: the model itself stays unbuilt
+
+
+def test_the_profile_is_cached_per_batch_shape(tmp_path, monkeypatch, caplog):
+    model = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    kw = dict(seq_len=32, device=CPU, cache_dir=tmp_path)
+    first = fast.cached_profile(model, micro_batch=4, **kw)
+    files = list((tmp_path / fast.CACHE_SUBDIR).iterdir())
+    assert len(files) == 1
+    monkeypatch.setattr(fast, "_measure_block", _no_measuring)
+    assert fast.cached_profile(build_gpt("tiny", vocab_size=256, seed=1, device="meta"), micro_batch=4,
+                               **kw) == first  # other weights, same architecture: the same costs
+    with pytest.raises(AssertionError, match="a block was run"):
+        fast.cached_profile(model, micro_batch=8, **kw)  # another batch shape is measured anew
+    files[0].write_text("{not json")
+    with pytest.raises(AssertionError, match="a block was run"):
+        fast.cached_profile(model, micro_batch=4, **kw)  # an unreadable cache is measured again
+    assert "ignoring the unreadable cached profile" in caplog.text
+
+
+def _plan_args(corpus_file, cache_dir, *extra):
+    sets = [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}", "data.seq_len=32",
+            "model.preset='tiny'", "train.micro_batch_size=4", "offload.device_budget='2MB'", *extra]
+    return ["plan"] + [a for s in sets for a in ("--set", s)]
+
+
+def test_plan_estimate_answers_from_shapes_alone(corpus_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(fast, "_measure_block", _no_measuring)
+    monkeypatch.setattr("stratum.offload.setup.quick_profile", _no_measuring)
+    assert main([*_plan_args(corpus_file, tmp_path), "--estimate"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and "from the shapes); step time not predicted" in out
+    assert "predicted step time" not in out and not (tmp_path / fast.CACHE_SUBDIR).exists()
+    assert main([*_plan_args(corpus_file, tmp_path), "--estimate", "--sweep", "200%,400%"]) == 0
+    rows = capsys.readouterr().out.splitlines()[-2:]
+    assert all(r.split()[-1] == "-" for r in rows)  # no step time in an estimate's rows
+    assert main([*_plan_args(corpus_file, tmp_path), "--estimate", "--profile", "p.json"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_plan_measures_once_with_a_line_per_block_then_reads_the_cache(corpus_file, tmp_path, capsys):
+    assert main(_plan_args(corpus_file, tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "measuring tiny's blocks on 4 × 32 tokens" in out and "measuring block layer.0 (2 of ~3 distinct)" in out
+    assert "predicted step time" in out
+    assert main(_plan_args(corpus_file, tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "block costs from the cached profile" in out and "measuring block" not in out
