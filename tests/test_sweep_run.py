@@ -181,7 +181,7 @@ def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpu
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     got = rows(sweep_dir)
-    assert all(r["status"] == "done" for r in got.values())
+    assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert any(f"{mid[0]}: was running when the sweep stopped" in ln for ln in lines)
     assert not any(f"{j}: started" in ln for j in done for ln in lines)  # finished jobs are not rerun
     assert done_before == {j: (sweep_dir / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in done}
@@ -208,3 +208,21 @@ def test_asha_stops_the_worse_jobs_at_the_rung_and_promoted_jobs_keep_parity(tmp
     assert "j003" in stopped and rung3["j003"] == max(rung3.values())
     for j in finished:
         assert job_losses(tmp_path / "sw", j) == standalone_losses(path, j, tmp_path / j)
+
+
+def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_path, corpus_file, cache_dir):
+    # tiny (~2 MiB of state) fits 6 MB; mini (~14 MiB) does not and is spilled by the offload engine
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "6MB"',
+                      grid='"model.preset" = ["tiny", "mini"]', steps=4, extra="eval_interval = 0")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    got = rows(tmp_path / "sw")
+    assert all(r["status"] == "done" for r in got.values())
+    assert any("j001: needs" in ln and "offload engine" in ln for ln in lines)
+    assert not any("j000: needs" in ln for ln in lines)
+    job_cfg = (tmp_path / "sw" / "jobs" / "j001" / "job.toml").read_text()
+    assert 'engine = "offload"' in job_cfg and 'device_budget = "6MB"' in job_cfg
+    recs = read_metrics(tmp_path / "sw" / "jobs" / "j001")
+    assert max(r["offload_device_peak_bytes"] for r in recs) <= 6_000_000
+    # the offload engine reproduces the plain engine's losses (to float rounding of its chunked AdamW)
+    assert job_losses(tmp_path / "sw", "j001") == pytest.approx(standalone_losses(path, "j001", tmp_path), rel=1e-6)

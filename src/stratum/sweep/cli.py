@@ -18,12 +18,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, as every subcommand's engine is in stratum/cli.py: building the parser stays free of torch
-    from stratum.sweep.results import table
-    from stratum.sweep.runner import run_sweep
-    from stratum.sweep.state import SweepState
-
+    # imported here, as every subcommand's engine is in stratum/cli.py: the parser and `status` stay free of torch
     if args.action == "status":
+        from stratum.sweep.results import table
+        from stratum.sweep.state import SweepState
+
         if not args.dir:
             raise StratumError("stratum sweep status needs the sweep directory, e.g. stratum sweep status runs/sweep")
         if not (Path(args.dir) / "state.db").is_file():
@@ -34,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")
+    from stratum.sweep.runner import run_sweep
     sweep = run_sweep(args.config, say=lambda line: print(line, flush=True))
     rows = sweep.state.jobs()
     return 0 if all(r.status in ("done", "stopped") for r in rows) else 1

@@ -79,11 +79,12 @@ def job_out_dir(sweep_dir: Path, job: Job) -> Path:
     return sweep_dir / "jobs" / job.id
 
 
-def job_config(spec: SweepSpec, job: Job, sweep_dir: Path) -> Config:
-    """The job's full training config: sweep.base ← the file's sections ← the job's values ← its out_dir."""
+def job_config(spec: SweepSpec, job: Job, sweep_dir: Path, extra: list[str] = ()) -> Config:
+    """The job's full training config: sweep.base ← the file's sections ← the job's values ← its out_dir ←
+    ``extra`` (what the sweep decides for it, e.g. the offload engine under sweep.device_budget)."""
     out = f"train.out_dir={toml_literal(str(job_out_dir(sweep_dir, job)))}"
     try:
-        return load_config(spec.base_path, spec.base_overrides + job.overrides + [out])
+        return load_config(spec.base_path, spec.base_overrides + job.overrides + [out, *extra])
     except StratumError as e:
         raise StratumError(f"sweep job {job.id} ({job.label}): {e}") from None
 

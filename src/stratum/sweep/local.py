@@ -13,8 +13,10 @@ sweep dies), so a killed sweep never leaves a job writing to its directory behin
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -31,6 +33,7 @@ from stratum.train.trainer import read_metrics, train
 
 _PR_SET_PDEATHSIG = 1
 INTERRUPTED_EXIT = 130  # stopped by SIGINT/SIGTERM after a checkpoint, as `stratum train` exits then
+LOCK_TIMEOUT_S = 60.0
 
 
 def _die_with_parent() -> None:
@@ -47,10 +50,46 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> None:
+def warm_up() -> None:
+    """Start the forkserver now (its imports take seconds), so it is ready by the first segment."""
+    _context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _sweep_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _lock_job_dir(job_dir: Path, timeout_s: float) -> int:
+    """Hold an exclusive lock on the job's directory for this process's life (the kernel drops it when the
+    process dies, however it dies): a worker left over from a killed sweep and its successor never train the same
+    job at once. Waits up to ``timeout_s`` for a predecessor to go."""
+    fd = os.open(job_dir / ".worker.lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise StratumError(f"another worker still trains the job in {job_dir} after {timeout_s:g} s; stop "
+                                   "it, then run the sweep again") from None
+            time.sleep(0.1)
+
+
+def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
+                sweep_pid: int) -> None:
     """A segment's process: output to the job's worker.log, then train; exit 0, 2 (bad input, NaN loss, as
     ``stratum train``) or 130 (stopped by a signal after a checkpoint)."""
     _die_with_parent()
+    if not _sweep_alive(sweep_pid):  # the sweep died before the death signal was armed: nobody waits for us
+        os._exit(1)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -58,6 +97,7 @@ def worker_main(config_path: str, stop_at: int, device: str | None, threads: int
     torch.set_num_threads(threads)
     code = 0
     try:
+        _lock_job_dir(Path(config_path).parent, LOCK_TIMEOUT_S)
         cfg = load_config(config_path, [f"train.device={device!r}"] if device is not None else [])
         train(cfg, stop_at=stop_at)
     except StratumError as e:
@@ -98,7 +138,7 @@ def start_segment(*, job: str, slot: int, config_path: Path, start_step: int, st
                   threads: int, log_path: Path) -> Segment:
     """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``."""
     proc = _context().Process(target=worker_main, name=f"stratum-sweep-{job}", daemon=False,
-                              args=(str(config_path), stop_at, device, threads, str(log_path)))
+                              args=(str(config_path), stop_at, device, threads, str(log_path), os.getpid()))
     proc.start()
     return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at, proc=proc, log_path=log_path, started=time.monotonic())
 

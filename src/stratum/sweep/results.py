@@ -1,17 +1,13 @@
-"""What a sweep leaves for people: a table of jobs (sorted by eval loss), ``results.csv`` and a PNG of every
-job's loss curve (with matplotlib, the ``plot`` extra)."""
+"""What a sweep leaves for people: a table of jobs (sorted by eval loss) and ``results.csv``. Light on
+imports: ``stratum sweep status`` uses it without torch."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
-from pathlib import Path
-from typing import Callable
 
-from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.sweep.state import JobRow
-from stratum.train.trainer import read_metrics
 
 COLUMNS = ("id", "status", "step", "steps", "loss", "eval_loss", "tokens_per_s", "slot", "attempts", "run_s",
            "label", "reason")
@@ -58,35 +54,3 @@ def results_csv(rows: list[JobRow]) -> str:
     for r in ranked(rows):
         w.writerow([getattr(r, c) if getattr(r, c) is not None else "" for c in COLUMNS])
     return buf.getvalue()
-
-
-def loss_png(sweep_dir: Path, rows: list[JobRow]) -> bytes | None:
-    """Every job's training loss curve in one PNG; None without matplotlib."""
-    try:
-        import matplotlib  # optional extra (plot)
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        recs = read_metrics(sweep_dir / "jobs" / r.id)
-        if recs:
-            ax.plot([x["step"] for x in recs], [x["loss"] for x in recs], label=f"{r.id} {r.label}", lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.legend(fontsize=6)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def write_results(sweep_dir: Path, rows: list[JobRow], *, say: Callable[[str], None]) -> None:
-    """results.csv, losses.png (with matplotlib) and the table."""
-    atomic_write_text(sweep_dir / "results.csv", results_csv(rows))
-    png = loss_png(sweep_dir, rows)
-    if png is not None:
-        atomic_write_bytes(sweep_dir / "losses.png", png)
-    say(table(rows))
-    say(f"results: {sweep_dir / 'results.csv'}" + (f", loss curves: {sweep_dir / 'losses.png'}" if png else ""))

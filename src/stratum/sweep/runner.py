@@ -18,20 +18,24 @@ from typing import Callable
 
 import torch
 
-from stratum.atomic import atomic_write_text
+from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
+from stratum.offload.units import fmt_bytes, parse_budget
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
 from stratum.sweep.asha import Asha
-from stratum.sweep.expand import Job, check_jobs, expand, job_out_dir
+from stratum.sweep.expand import Job, check_jobs, expand, job_config, job_out_dir
 from stratum.sweep.local import (INTERRUPTED_EXIT, Segment, checkpoint_step, diverged, failure_reason,
-                                 segment_records, start_segment, stop_segment)
-from stratum.sweep.results import write_results
+                                 segment_records, start_segment, stop_segment, warm_up)
+from stratum.sweep.plot import loss_png
+from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
 from stratum.sweep.spec import SweepSpec, load_sweep
-from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, SweepState, spec_fingerprint
+from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
+                                 spec_fingerprint)
+from stratum.train.metrics import median
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0
@@ -59,6 +63,8 @@ class Sweep:
     """Slot → the segment running there."""
     predicted_end: dict[int, float] = field(default_factory=dict)
     """Slot → the predicted end (seconds since the sweep started) of its segment (planned scheduler)."""
+    makespan_s: float = 0.0
+    """Wall seconds of this invocation's scheduling loop: first segment start to last segment end."""
 
 
 def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
@@ -84,7 +90,32 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
                   dir=sweep_dir, state=state, say=say)
     if spec.settings.early_stop == "asha":
         sweep.asha = _asha_from_state(spec, state)
+    if spec.settings.device_budget.strip():
+        fit_to_budget(sweep)
     return sweep
+
+
+def memory_need(profile: Profile) -> int:
+    """Bytes a plain run holds on its device: training state (parameters, gradients, AdamW moments) and one
+    micro-batch's saved activations."""
+    return profile.train_state_bytes + profile.act_saved_bytes
+
+
+def fit_to_budget(sweep: Sweep) -> None:
+    """Jobs that would not fit a slot's sweep.device_budget under the plain engine run under the offload engine
+    with that budget (their state on the host and disk tiers between uses); jobs with their own engine or plan
+    are left as they are (the trainer checks those against their own budgets)."""
+    budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
+    profiles = job_profiles(sweep)
+    for job_id, cfg in list(sweep.configs.items()):
+        need = memory_need(profiles[job_id])
+        if need <= budget or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
+            continue
+        text = sweep.spec.settings.device_budget.strip()
+        sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, [
+            "train.engine='offload'", f"offload.device_budget={text!r}"])
+        sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, over sweep.device_budget = {text}: it runs "
+                  "under the offload engine")
 
 
 def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
@@ -153,10 +184,21 @@ def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
 
 
 def make_predict(sweep: Sweep, profiles: dict[str, Profile]) -> Callable[[str], dict[str, float]]:
-    """Job → its candidate strategies' predicted seconds for what remains of it."""
+    """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
+    time once it has run, else its profiled time scaled by how far measured jobs ran from their profiles (so
+    started and unstarted jobs are compared in the same units)."""
+    def step_s(job_id: str) -> tuple[float, float | None]:
+        profiled = predicted_seconds(profiles[job_id], sweep.configs[job_id], 1)
+        recs = segment_records(sweep.configs[job_id])
+        return profiled, (median(recs, "step_s") if len(recs) > 1 else None)
+
     def predict(job_id: str) -> dict[str, float]:
         row = sweep.state.job(job_id)
-        return {"plain": predicted_seconds(profiles[job_id], sweep.configs[job_id], row.steps - row.step)}
+        profiled, measured = step_s(job_id)
+        if measured is None:
+            ratios = [m / p for p, m in map(step_s, sweep.configs) if m is not None and p > 0]
+            measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)
+        return {"plain": measured * (row.steps - row.step)}
     return predict
 
 
@@ -171,11 +213,14 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
             say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
         _wait_gone(interrupted)
         _write_job_configs(sweep)
+        warm_up()  # the worker server imports torch while the planner profiles
         needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
         predict = make_predict(sweep, job_profiles(sweep)) if needs_predictions else None
         policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
                              time_limit_s=sweep.spec.settings.plan_time_limit_s)
+        t0 = time.monotonic()
         _loop(sweep, policy, predict)
+        sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
     finally:
         lock.close()
@@ -385,3 +430,13 @@ def _stop_paused(sweep: Sweep) -> None:
             sweep.state.update(row.id, status=STOPPED, reason=f"asha: not in the best 1/{sweep.asha.eta} at "
                                                               f"step {row.step}")
             sweep.say(f"{row.id}: stopped at step {row.step} (asha)")
+
+
+def write_results(sweep_dir: Path, rows: list[JobRow], *, say: Callable[[str], None]) -> None:
+    """results.csv, losses.png (with matplotlib) and the table."""
+    atomic_write_text(sweep_dir / "results.csv", results_csv(rows))
+    png = loss_png(sweep_dir, rows)
+    if png is not None:
+        atomic_write_bytes(sweep_dir / "losses.png", png)
+    say(table(rows))
+    say(f"results: {sweep_dir / 'results.csv'}" + (f", loss curves: {sweep_dir / 'losses.png'}" if png else ""))

@@ -33,6 +33,7 @@ from typing import Any
 
 from stratum.config import SECTIONS
 from stratum.errors import StratumError
+from stratum.offload.units import parse_budget
 
 SCHEDULERS = ("fifo", "lrtf", "planned")
 BACKENDS = ("local",)
@@ -62,6 +63,10 @@ class SweepSettings:
     devices: list[str] = field(default_factory=list)
     """The device of each slot, e.g. ["cuda:0", "cuda:1"] (then sweep.slots is their number); [] = sweep.slots
     slots on train.device of the base config."""
+    device_budget: str = ""
+    """Device memory per slot, e.g. "2GB" (GPU memory; RAM on a CPU-only machine): a job whose training state plus
+    one micro-batch's activations (from its profile) exceed it runs under the offload engine with this device
+    budget, its state spilled to host and disk between uses; "" = no limit."""
     threads_per_job: int = 0
     """Torch CPU threads of each job's process; 0 = CPU cores // slots (at least 1), so jobs do not fight over
     cores."""
@@ -200,6 +205,9 @@ def _check_settings(s: SweepSettings) -> None:
         raise StratumError(f"sweep.backend = {s.backend!r} is not one of: {', '.join(BACKENDS)}")
     if s.early_stop not in EARLY_STOPS:
         raise StratumError(f"sweep.early_stop = {s.early_stop!r} is not \"\" (off) or \"asha\"")
+    parse_budget(s.device_budget, "sweep.device_budget")
+    if s.device_budget.strip().endswith("%"):
+        raise StratumError("sweep.device_budget must be a size, e.g. \"2GB\" (a percentage depends on the job)")
     if not s.out_dir.strip():
         raise StratumError("sweep.out_dir must not be empty")
     checks = [("slots", s.slots >= 1, "must be ≥ 1"), ("threads_per_job", s.threads_per_job >= 0, "must be ≥ 0"),

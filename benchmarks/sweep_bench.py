@@ -1,0 +1,120 @@
+"""Benchmark: one sweep of 8 jobs on 2 local slots under each scheduler (fifo, lrtf, planned), measured, beside
+the simulator's prediction of the same schedule.
+
+The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.seq_len ∈ {32, 64}, in that grid
+order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
+same sweep file in its own directory, one after another, in this process (one worker server for all).
+
+Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job
+end) and two SIMULATED predictions of it: from the profiled forward+backward times the planner uses, and from
+each job's measured median step time (which separates the cost model's error from the scheduling model's).
+
+Runbook::
+
+    python benchmarks/sweep_bench.py                       # a few minutes on 2 cores
+    python benchmarks/sweep_bench.py --steps 10 --out /tmp/sweep.json
+
+Writes ``benchmarks/results/sweep.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from stratum.sweep.runner import job_profiles, open_sweep, predicted_seconds, run_sweep
+from stratum.sweep.simulate import simulate
+from stratum.train.trainer import read_metrics
+from stratum.train.metrics import median
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "sweep.json"
+SCHEDULERS = ("fifo", "lrtf", "planned")
+
+
+def sweep_text(out_dir: Path, scheduler: str, *, steps: int, segment_steps: int, corpus: str, cache: str) -> str:
+    return f"""[sweep]
+out_dir = "{out_dir}"
+slots = 2
+scheduler = "{scheduler}"
+segment_steps = {segment_steps if scheduler == "lrtf" else 0}
+[sweep.grid]
+"model.preset" = ["mini", "small"]
+"optim.lr" = [1e-3, 3e-3]
+"data.seq_len" = [32, 64]
+[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+[train]
+steps = {steps}
+micro_batch_size = 4
+eval_interval = 0
+eval_batches = 2
+ckpt_minutes = 0.0
+"""
+
+
+def one(scheduler: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
+    path = root / f"{scheduler}.toml"
+    path.write_text(sweep_text(root / scheduler, scheduler, steps=args.steps, segment_steps=args.segment_steps,
+                               corpus=corpus, cache=str(root / "cache")))
+    sweep = run_sweep(path, say=lambda line: None)
+    rows = sweep.state.jobs()
+    assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
+    profiles = job_profiles(open_sweep(path, say=lambda line: None))
+    steps = {r.id: r.steps for r in rows}
+    prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
+    meas_step_s = {j: median(read_metrics(root / scheduler / "jobs" / j), "step_s") for j in steps}
+    seg = args.segment_steps if scheduler == "lrtf" else 0
+    sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
+    sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
+    return {"measured_makespan_s": sweep.makespan_s, "measured_busy_s": sum(r.run_s for r in rows),
+            "simulated_makespan_s_profile": sim_prof.makespan, "simulated_makespan_s_measured_steps": sim_meas.makespan,
+            "simulated_utilisation_profile": sim_prof.utilisation,
+            "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
+                            "profiled_step_s": prof_step_s[r.id], "eval_loss": r.eval_loss} for r in rows}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--segment-steps", type=int, default=5, help="lrtf's time slice, in steps")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
+    root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
+    try:
+        results = {}
+        for s in SCHEDULERS:
+            t0 = time.perf_counter()
+            results[s] = one(s, root, args, corpus)
+            r = results[s]
+            print(f"{s:8} makespan {r['measured_makespan_s']:7.1f} s measured; SIMULATED "
+                  f"{r['simulated_makespan_s_profile']:7.1f} s (profiled step times), "
+                  f"{r['simulated_makespan_s_measured_steps']:7.1f} s (measured step times)  "
+                  f"[{time.perf_counter() - t0:.0f} s with profiling]", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    fifo = results["fifo"]["measured_makespan_s"]
+    summary = {s: {"speedup_vs_fifo": fifo / results[s]["measured_makespan_s"],
+                   "measured_over_simulated_measured_steps": results[s]["measured_makespan_s"]
+                   / results[s]["simulated_makespan_s_measured_steps"],
+                   "measured_over_simulated_profile": results[s]["measured_makespan_s"]
+                   / results[s]["simulated_makespan_s_profile"]} for s in SCHEDULERS}
+    for s, v in summary.items():
+        print(f"{s:8} {v['speedup_vs_fifo']:.2f}x fifo's throughput; measured / simulated: "
+              f"{v['measured_over_simulated_measured_steps']:.2f} (measured step times), "
+              f"{v['measured_over_simulated_profile']:.2f} (profiled)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
+                                    "results": results, "summary": summary}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
