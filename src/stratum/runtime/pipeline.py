@@ -61,9 +61,9 @@ class PipelinePlan:
 
 def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
     """The schedule the pipeline node names (a generator kind or a text file) for ``microbatches``."""
-    from stratum.schedule.generators import KINDS, generate
+    from stratum.schedule.generators import KINDS, generate, is_kind
 
-    if p.schedule in KINDS:
+    if is_kind(p.schedule):
         try:
             return generate(p.schedule, ranks=p.ranks, microbatches=microbatches, virtual=p.virtual,
                             waves=p.waves)

@@ -10,7 +10,7 @@ import argparse
 import math
 
 from stratum.errors import StratumError
-from stratum.schedule.generators import KINDS, generate
+from stratum.schedule.generators import KINDS, TORCH_PREFIX, generate, is_kind
 from stratum.schedule.ir import Schedule
 from stratum.schedule.textio import load
 from stratum.schedule.validate import validate
@@ -19,11 +19,21 @@ from stratum.schedule.validate import validate
 VALID = "valid: every action present once, dependencies hold, no deadlock"
 
 
+def _kind(text: str) -> str:
+    """argparse type of ``--kind``: a generator name or ``torch:NAME``."""
+    if not is_kind(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KINDS)} or {TORCH_PREFIX}NAME")
+    return text
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=KINDS, default="1f1b", help="schedule generator (default 1f1b)")
+    p.add_argument("--kind", type=_kind, default="1f1b", metavar="KIND",
+                   help=f"schedule generator: {', '.join(KINDS)}, or {TORCH_PREFIX}NAME for a "
+                   "torch.distributed.pipelining schedule class, e.g. torch:ZBVZeroBubble (default 1f1b)")
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks P (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step (default 8)")
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank for --kind interleaved (default 2)")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank for --kind interleaved and torch's "
+                   "multi-stage classes (default 2)")
     p.add_argument("--waves", type=int, default=1, help="waves W for --kind wave/zb-wave (default 1)")
     p.add_argument("--file", default=None, help="read the schedule from this text file instead of generating")
 

@@ -20,7 +20,8 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
   in the steady state only, which leave slack for messages) and the order with the least makespan with free messages, then with messages costing
   ``NOMINAL_MSG`` of a rank's forward, is kept.
   zb-wave runs I in B's place, defers W to fill bubbles and keeps the candidate with the least regret over
-  the two link models, within 1F1B's P micro-batches too.
+  the two link models, within 1F1B's P micro-batches too; for W=1 only among the candidates no longer with
+  free messages than the fill-first V order (:mod:`stratum.schedule.vfill`), which sits on the V's lower bound.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from stratum.errors import StratumError
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.validate import _deadlock, validate
+from stratum.schedule.vfill import fill_first_order
 
 
 def _check_pm(ranks: int, microbatches: int) -> None:
@@ -460,13 +462,13 @@ def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg:
     delay ``msg``, with the simulator's semantics (an action starts when its rank is free and its inputs are
     there). The same numbers as :func:`stratum.sim.simulate` with ``Costs.unit`` (times v), much faster."""
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    S = len(stage_to_rank)
-    end: dict[tuple[str, int, int], float] = {}
+    S, m = len(stage_to_rank), 1 + max(a.mb for o in order for a in o)
+    never = math.inf
+    f_end = [[never] * m for _ in range(S)]
+    b_end = [[never] * m for _ in range(S)]          # B, or I when the order splits its backwards
     ptr = [0] * len(order)
     free = [0.0] * len(order)
     total = sum(len(o) for o in order)
-    split = any(a.kind == "I" for o in order for a in o)
-    bk = "I" if split else "B"
     n = 0
     while n < total:
         progressed = False
@@ -475,31 +477,41 @@ def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg:
                 a = acts[ptr[r]]
                 kind, s, k = a.kind, a.stage, a.mb
                 if kind == "F":
-                    deps = [("F", s - 1, k)] if s > 0 else []
+                    deps = ((f_end[s - 1][k], s - 1),) if s > 0 else ()
                 elif kind == "W":
-                    deps = [("I", s, k)]
+                    deps = ((b_end[s][k], s),)
                 else:
-                    deps = [("F", s, k)] + ([(bk, s + 1, k)] if s + 1 < S else [])
-                if any(d not in end for d in deps):
-                    break
+                    deps = ((f_end[s][k], s),) + (((b_end[s + 1][k], s + 1),) if s + 1 < S else ())
                 start = free[r]
-                for d in deps:
-                    x = end[d] + (msg if stage_to_rank[d[1]] != r else 0.0)
+                for t, ds in deps:
+                    x = t + (msg if stage_to_rank[ds] != r else 0.0)
                     if x > start:
                         start = x
-                free[r] = end[(kind, s, k)] = start + cost[kind]
+                if start == never:
+                    break
+                free[r] = start + cost[kind]
+                if kind == "F":
+                    f_end[s][k] = free[r]
+                elif kind != "W":
+                    b_end[s][k] = free[r]
                 ptr[r] += 1
                 n += 1
                 progressed = True
         if not progressed:
             raise StratumError("wave generator produced an order that cannot run")  # pragma: no cover
+    return max(free), _order_peak(order)
+
+
+def _order_peak(order: list[list[Action]]) -> int:
+    """Max per-rank live stage activations: +1 at F, -1 at the action that frees it (W if split, else B)."""
+    frees = "W" if any(a.kind == "I" for o in order for a in o) else "B"
     peak = 0
     for acts in order:
         cur = 0
         for a in acts:
-            cur += 1 if a.kind == "F" else (-1 if a.kind in ("W" if split else "B") else 0)
+            cur += 1 if a.kind == "F" else (-1 if a.kind == frees else 0)
             peak = max(peak, cur)
-    return max(free), peak
+    return peak
 
 
 # Rule parameters the wave generators try: (pace / v, b_off / (v/2), f_ties[, top - cap for zb-wave]) for
@@ -552,44 +564,68 @@ def _wave_grid(v: int, top: int, split: bool, span: float = 0.0) -> list[dict]:
     return out
 
 
+def _zb_bound(P: int, m: int, v: int) -> float:
+    """zb-wave's activation bound in micro-batches: min(interleaved v's peak, 1F1B's P). For m >= P it is P:
+    interleaved's rank 0 starts min(2(P-1) + (v-1)P + 1, vm) forwards of 1/v micro-batch before its first
+    backward ends (its warm-up only grows), both counts >= vP, so only m < P needs interleaved's schedule."""
+    return float(P) if m >= P else min(_interleaved_peak(P, m, v), float(P))
+
+
+def _free_scores(s2r: tuple[int, ...], orders: list, top: int) -> list[tuple]:
+    """(over the activation bound, free-message makespan, peak, idx, order) of every order that exists; those
+    within the bound, or all of them if none is."""
+    scored = []
+    for idx, order in enumerate(orders):
+        if order is not None:
+            mk0, peak = _order_times(s2r, order, 0.0)
+            scored.append((peak > top, round(mk0, 9), peak, idx, order))
+    return [x for x in scored if not x[0]] or scored
+
+
+def _with_msg(s2r: tuple[int, ...], fits: list[tuple], v: int) -> list[tuple]:
+    """(free-message makespan, NOMINAL_MSG makespan, peak, idx, order) of scored orders."""
+    return [(x[1], round(_order_times(s2r, x[4], NOMINAL_MSG * v)[0], 9), x[2], x[3], x[4]) for x in fits]
+
+
+def _least_regret(scored: list[tuple]) -> list[list[Action]]:
+    """zb-wave's pick among :func:`_with_msg` scores: the least regret over the two link models (its W fillers
+    trade free-message packing for slack on the links)."""
+    b0, b1 = min(x[0] for x in scored), min(x[1] for x in scored)
+    return min(scored, key=lambda x: (round(max(x[0] / b0, x[1] / b1), 9), x[0] + x[1], x[2], x[3]))[-1]
+
+
 def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
     """Orders from :func:`_capped_list_schedule` over a short list of rule parameters; keep, among those within
     the activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P micro-batches), for the wave the
     smallest unit-cost makespan with free messages, then with messages costing ``NOMINAL_MSG`` of a rank's
-    forward; for zb-wave the least regret over those two link models (deadlock-free by construction,
-    validated)."""
+    forward; for zb-wave the least regret over those two link models among the orders no longer with free
+    messages than the fill-first V order (:mod:`stratum.schedule.vfill`, W = 1: never longer than torch's ZBV);
+    deadlock-free by construction, validated."""
     _check_pm(ranks, microbatches)
     _check_waves(waves)
     P, m, v = ranks, microbatches, 2 * waves
     s2r = wave_stage_to_rank(P, waves)
-    bound = min(_interleaved_peak(P, m, v), float(P)) if split else _interleaved_peak(P, m, v)
+    bound = _zb_bound(P, m, v) if split else _interleaved_peak(P, m, v)
     top = max(1, int(bound * v + 1e-9))               # stage activations of 1/v micro-batch each
-    scored = []
     grid = _wave_grid(v, top, split, span=3 * v * m + 3 * (P - 1))
-    for idx, kw in enumerate(grid):
-        order = _capped_list_schedule(s2r, m, split=split, **kw)
-        if order is None:
-            continue
-        mk0, peak = _order_times(s2r, order, 0.0)
-        mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
-        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, idx, order))
+    orders = [_capped_list_schedule(s2r, m, split=split, **kw) for kw in grid]
     if not split:
         # With m close to P the step is all warm-up and cool-down; there, admitting whole micro-batches
         # oldest-first (scheduled with split backwards, then fused) packs tighter than the paced rule at W=2
         # (it reaches the m = P bound of docs/schedules.md, the paced rule ends a quarter forward later).
         sc = _fuse_backward(_list_schedule(name, s2r, m, split=True, limits=[P] * P, f_key=_wave_key,
                                            policy="b-first"), name)
-        order = [list(a) for a in sc.actions]
-        mk0, peak = _order_times(s2r, order, 0.0)
-        mk1, _ = _order_times(s2r, order, NOMINAL_MSG * v)
-        scored.append((peak > top, round(mk0, 9), round(mk1, 9), peak, len(grid), order))
-    fits = [x for x in scored if not x[0]] or scored
+        orders.append([list(a) for a in sc.actions])
+    elif waves == 1:
+        orders.append(fill_first_order(s2r, m, top))
+    fits = _free_scores(s2r, orders, top)
     if split:
-        # zb-wave: least regret over the two link models (its W fillers trade free-message packing for slack)
-        b0, b1 = min(x[1] for x in fits), min(x[2] for x in fits)
-        best = min(fits, key=lambda x: (round(max(x[1] / b0, x[2] / b1), 9), x[1] + x[2], x[3], x[4]))[-1]
+        # W=1: the fill-first order (index len(grid)) is the floor no pick may exceed with free messages
+        floor = min([x[1] for x in fits if waves == 1 and x[3] == len(grid)], default=math.inf)
+        best = _least_regret(_with_msg(s2r, [x for x in fits if x[1] <= floor] or fits, v))
     else:
-        best = min(fits, key=lambda x: x[:5])[-1]
+        shortest = min(x[1] for x in fits)
+        best = min(_with_msg(s2r, [x for x in fits if x[1] == shortest], v), key=lambda x: x[:4])[-1]
     s = Schedule(name=name, stage_to_rank=s2r, num_microbatches=m, actions=best)
     validate(s)
     return s
@@ -611,10 +647,30 @@ def zb_wave(ranks: int, microbatches: int, waves: int = 1) -> Schedule:
 
 KINDS = ("gpipe", "1f1b", "interleaved", "wave", "zb-1f1b", "zb-wave")
 """Generator names accepted by :func:`generate` and the CLI's ``--kind``."""
+TORCH_PREFIX = "torch:"
+"""``torch:NAME`` names a schedule class of torch.distributed.pipelining (:mod:`stratum.schedule.torch_import`)."""
+
+
+def is_kind(kind: str) -> bool:
+    """True when :func:`generate` knows ``kind``: one of :data:`KINDS` or ``torch:NAME``."""
+    return kind in KINDS or kind.startswith(TORCH_PREFIX)
+
+
+def _torch_schedule(name: str, ranks: int, microbatches: int, virtual: int) -> Schedule:
+    # torch.distributed.pipelining takes seconds to import; only the torch: kinds pay for it
+    from stratum.schedule.torch_import import from_torch
+
+    _check_pm(ranks, microbatches)
+    if not isinstance(virtual, int) or virtual < 1:
+        raise StratumError(f"virtual (stages per rank) must be an integer >= 1, got {virtual!r}")
+    return from_torch(name, ranks=ranks, microbatches=microbatches, virtual=virtual)
 
 
 def generate(kind: str, *, ranks: int, microbatches: int, virtual: int = 2, waves: int = 1) -> Schedule:
-    """Build a schedule by name (one of :data:`KINDS`); ``virtual`` is for interleaved, ``waves`` for wave."""
+    """Build a schedule by name (one of :data:`KINDS`, or ``torch:NAME``); ``virtual`` is for interleaved and
+    torch's multi-stage classes, ``waves`` for wave."""
+    if kind.startswith(TORCH_PREFIX):
+        return _torch_schedule(kind[len(TORCH_PREFIX):], ranks, microbatches, virtual)
     if kind == "gpipe":
         return gpipe(ranks, microbatches)
     if kind == "1f1b":
@@ -627,4 +683,5 @@ def generate(kind: str, *, ranks: int, microbatches: int, virtual: int = 2, wave
         return zb_1f1b(ranks, microbatches)
     if kind == "zb-wave":
         return zb_wave(ranks, microbatches, waves)
-    raise StratumError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
+    raise StratumError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)} or torch:NAME "
+                       "(a torch.distributed.pipelining schedule, e.g. torch:ZBVZeroBubble)")

@@ -102,8 +102,8 @@ class Schedule:
                 raise StratumError(
                     f"stage {s} is mapped to rank {r}, but the schedule has ranks 0..{self.num_ranks - 1}"
                 )
-        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
-            raise StratumError(f"schedule name {self.name!r} must be one word of letters, digits, _ . + -")
+        if not re.fullmatch(r"[A-Za-z0-9_.+:-]+", self.name):
+            raise StratumError(f"schedule name {self.name!r} must be one word of letters, digits, _ . + - :")
 
     # ---- shape --------------------------------------------------------------------------------------------
     @property
