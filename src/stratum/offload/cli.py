@@ -63,6 +63,20 @@ def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     return out
 
 
+def planning_profile(cfg, model, device, *, estimate: bool = False):
+    """The block costs a plan of ``model`` (built on meta) is made from: its shapes alone (``estimate``), or
+    measured on a small batch, scaled and cached (:mod:`stratum.profile.fast`)."""
+    from stratum.offload.host_alloc import tune_allocator
+    from stratum.profile.fast import cached_profile, shape_profile
+
+    t = cfg.train
+    if estimate:
+        return shape_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, precision=t.precision)
+    tune_allocator()  # blocks are measured under the allocator policy training runs with
+    return cached_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
+                          cache_dir=cfg.cache_dir, precision=t.precision, seed=t.seed)
+
+
 def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
     """(``make_plan``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
     once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
@@ -70,10 +84,8 @@ def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False
     from stratum.data.corpus import resolve_corpus
     from stratum.data.prepare import make_tokenizer
     from stratum.model.build import build_model
-    from stratum.offload.host_alloc import tune_allocator
     from stratum.offload.setup import plan_inputs
     from stratum.profile import Profile
-    from stratum.profile.fast import cached_profile, shape_profile
     from stratum.runtime.device import resolve_device
 
     device = resolve_device(cfg.train.device)
@@ -85,13 +97,8 @@ def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False
         if len(prof.blocks) != len(model):
             raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
                                "re-run `stratum profile` with this config")
-    elif estimate:
-        prof = shape_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-                             precision=cfg.train.precision)
     else:
-        tune_allocator()  # blocks are measured under the allocator policy training runs with
-        prof = cached_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
-                              cache_dir=cfg.cache_dir, precision=cfg.train.precision, seed=cfg.train.seed)
+        prof = planning_profile(cfg, model, device, estimate=estimate)
     return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
 
 
