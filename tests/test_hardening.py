@@ -287,3 +287,107 @@ def test_stop_at_below_the_checkpoint_leaves_the_summary(make_cfg, tmp_path, cap
     assert (out / "summary.json").read_text() == before and summary == json.loads(before)
     assert summary["steps_done"] == 4 and summary["steps_this_run"] == 4
 
+
+# --- corrupt files are detected, not trained on --------------------------------------------------------------
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 100])
+
+
+def _edit_meta(ckpt: Path, **fields) -> None:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, **fields}))
+
+
+def _rewrite_state(ckpt: Path, change) -> None:
+    """Rewrite the tensors with ``change`` applied and record the new file's checksum: a deliberate edit that
+    only the structural checks can catch."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from stratum.atomic import file_digest
+
+    path = ckpt / "state.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(path), metadata=header)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    _edit_meta(ckpt, files={**meta["files"], "state.safetensors": file_digest(path)})
+
+
+def _drop_a_moment(tensors: dict) -> None:
+    del tensors[next(k for k in sorted(tensors) if k.startswith("optim/") and k.endswith("/exp_avg"))]
+
+
+def _reshape_a_matrix(tensors: dict) -> None:
+    name = next(k for k in sorted(tensors) if k.startswith("param/") and tensors[k].dim() == 2)
+    tensors[name] = tensors[name].reshape(tensors[name].shape[1], tensors[name].shape[0]).contiguous()
+
+
+CHECKPOINT_CORRUPTIONS = {
+    "flipped bit": (lambda d: _flip_bit(d / "state.safetensors"), "state.safetensors", "SHA-256"),
+    "truncated tensors": (lambda d: _truncate(d / "state.safetensors"), "state.safetensors", "bytes where"),
+    "meta step disagrees": (lambda d: _edit_meta(d, step=3), "meta.json", "says step 3, its tensors are of step 2"),
+    "garbage meta": (lambda d: (d / "meta.json").write_text("{\"step\": 2,"), "meta.json", "unreadable"),
+    "meta without checksum": (lambda d: _edit_meta(d, files={}), "meta.json", "checksum is missing"),
+    "missing optimizer tensor": (lambda d: _rewrite_state(d, _drop_a_moment), "state.safetensors", "is missing"),
+    "reshaped parameter": (lambda d: _rewrite_state(d, _reshape_a_matrix), "state.safetensors", "has shape"),
+}
+
+
+def test_corrupt_checkpoints_are_refused_naming_the_file(make_cfg, tmp_path):
+    from stratum.errors import StratumError
+    from stratum.train.checkpoint import latest_checkpoint
+    from stratum.train.trainer import train
+
+    good = tmp_path / "good"
+    train(make_cfg("train.steps=4", out=good), stop_at=2)
+    for case, (corrupt, file, text) in CHECKPOINT_CORRUPTIONS.items():
+        out = tmp_path / case.replace(" ", "-")
+        shutil.copytree(good, out)
+        corrupt(latest_checkpoint(out))
+        before = _snapshot(out)
+        with pytest.raises(StratumError) as exc:
+            train(make_cfg("train.steps=4", out=out))
+        msg = str(exc.value)
+        assert file in msg and text in msg and "\n" not in msg, (case, msg)
+        assert _snapshot(out) == before, case  # nothing trained, nothing rewritten
+    assert train(make_cfg("train.steps=4", out=good))["steps_done"] == 4  # the intact copy resumes
+
+
+def test_corrupt_token_cache_and_tokenizer_are_refused_naming_the_file(make_cfg, tmp_path):
+    from stratum.data.prepare import prepare_data
+    from stratum.errors import StratumError
+
+    cache = tmp_path / "cache"
+    cfg = make_cfg(f"data.cache_dir={str(cache)!r}", "data.tokenizer='bpe'", "data.bpe_vocab_size=300",
+                   "model.vocab_size=300")
+    prepare_data(cfg)
+    tokens = next(cache.glob("tokens-*.bin"))
+    meta = tokens.with_suffix(".json")
+    tokenizer = next(cache.glob("bpe-*.json"))
+    pristine = {p: p.read_bytes() for p in (tokens, meta, tokenizer)}
+    cases = {
+        "flipped bit": (lambda: _flip_bit(tokens), tokens, "SHA-256"),
+        "truncated": (lambda: _truncate(tokens), tokens, "bytes where"),
+        "garbage metadata": (lambda: meta.write_text("[1, 2"), meta, "unreadable"),
+        "metadata without a count": (lambda: meta.write_text("{}"), meta, "tokens or dtype"),
+        "garbage tokenizer": (lambda: tokenizer.write_text("{\"model\": 7}"), tokenizer, "delete it"),
+    }
+    for case, (corrupt, file, text) in cases.items():
+        corrupt()
+        with pytest.raises(StratumError) as exc:
+            prepare_data(cfg)
+        msg = str(exc.value)
+        assert str(file) in msg and text in msg and "\n" not in msg, (case, msg)
+        for p, data in pristine.items():
+            p.write_bytes(data)
+    assert prepare_data(cfg).n_tokens > 0

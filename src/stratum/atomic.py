@@ -8,6 +8,7 @@ the filesystem refuses (full, read-only, the target a directory, a parent a file
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -92,3 +93,20 @@ def atomic_replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike)
     os.replace(tmp_dir, final_dir)
     if aside.exists():
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def file_digest(path: str | os.PathLike) -> dict:
+    """Size and SHA-256 of a file, as checkpoints and the token cache record them to detect corruption."""
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def digest_mismatch(path: str | os.PathLike, want: dict) -> str | None:
+    """Why ``path`` is not the file ``want`` (a :func:`file_digest`) describes; None when it is."""
+    size = os.stat(path).st_size
+    if size != want.get("bytes"):
+        written = want.get("bytes")
+        return f"{size:,} bytes where {f'{written:,}' if isinstance(written, int) else repr(written)} were written"
+    if file_digest(path)["sha256"] != want.get("sha256"):
+        return "its SHA-256 differs from the one recorded when it was written"
+    return None

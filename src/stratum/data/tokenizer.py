@@ -62,7 +62,12 @@ class BPETokenizer:
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
             tok.train_from_iterator(texts, trainer=trainer)
             atomic_write_text(path, tok.to_str())
-        return cls(HFTokenizer.from_file(str(path)), path)
+        try:
+            loaded = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises a bare Exception for a malformed file
+            raise StratumError(f"tokenizer file {path} is corrupt ({str(e).splitlines()[0]}); delete it and run "
+                               "again to retrain it") from None
+        return cls(loaded, path)
 
     def encode(self, data: bytes) -> np.ndarray:
         ids = self._tok.encode(data.decode("utf-8", errors="replace")).ids

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stratum.atomic import atomic_write_json
+from stratum.atomic import atomic_write_json, digest_mismatch, file_digest
 from stratum.data.corpus import Corpus
 from stratum.data.tokenizer import Tokenizer
 from stratum.errors import StratumError
@@ -55,11 +55,33 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> 
             raise StratumError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
                                "set data.cache_dir to a writable directory with space") from None
         atomic_write_json(meta_path, {"tokens": n, "dtype": dtype.name, "tokenizer": tokenizer.name,
-                                      "corpus": corpus.spec, "files": len(corpus.files)})
-    meta = json.loads(meta_path.read_text())
+                                      "corpus": corpus.spec, "files": len(corpus.files), **file_digest(path)})
+    meta = _verified_meta(path, meta_path)
     if meta["tokens"] == 0:
         raise StratumError(f"data.corpus {corpus.spec!r} gave no tokens")
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
+
+
+def _verified_meta(path: Path, meta_path: Path) -> dict:
+    """The token cache's metadata, after checking that ``path`` is the file it describes (size and SHA-256)."""
+    def corrupt(file: Path, why: str) -> StratumError:
+        return StratumError(f"token cache file {file} is corrupt ({why}); delete {path.name} and {meta_path.name} "
+                            f"in {path.parent} and run again to rebuild it")
+
+    try:
+        meta = json.loads(meta_path.read_text())
+        ok = (isinstance(meta, dict) and isinstance(meta.get("tokens"), int) and meta["tokens"] >= 0
+              and meta.get("dtype") in ("uint8", "uint16", "uint32"))
+    except (OSError, ValueError) as e:
+        raise corrupt(meta_path, f"unreadable: {e}") from None
+    if not ok:
+        raise corrupt(meta_path, "its tokens or dtype field is missing or wrong")
+    if "sha256" in meta:  # caches written before checksums were recorded are checked for size only
+        if (why := digest_mismatch(path, meta)) is not None:
+            raise corrupt(path, why)
+    elif path.stat().st_size != meta["tokens"] * np.dtype(meta["dtype"]).itemsize:
+        raise corrupt(path, f"{path.stat().st_size:,} bytes for {meta['tokens']:,} {meta['dtype']} tokens")
+    return meta
 
 
 @dataclass

@@ -6,8 +6,11 @@ replaced atomically afterwards, so a kill at any moment leaves the previous chec
 
 Tensors (safetensors): ``param/<name>``, ``optim/<name>/<key>``, ``buffer/<name>`` (persistent buffers such as
 running statistics; a checkpoint without them loads, and the model keeps its own), ``rng/cpu``, ``rng/cuda<i>``.
-``meta.json`` holds the step, the full config and the model fingerprint (parameter names and shapes), which a
-resume compares against the current run.
+``meta.json`` holds the step, the full config, the model fingerprint (parameter names and shapes), which a
+resume compares against the current run, and the size and SHA-256 of ``state.safetensors``; the tensor file's
+own header repeats the step. A load verifies all of it, and that the tensors are the model's (every parameter in
+its shape, every AdamW moment beside it): a flipped bit, a truncated file, a hand-edited ``meta.json`` or a
+rewritten tensor file is a one-line error naming the file, never a silently wrong resume.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from pathlib import Path
 
 import torch
 
-from stratum.atomic import WriteError, atomic_replace_dir, atomic_write_json, atomic_write_text
+from stratum.atomic import (WriteError, atomic_replace_dir, atomic_write_json, atomic_write_text, digest_mismatch,
+                            file_digest)
 from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
 from stratum.runtime.engine import TrainState
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+"""Format 1 had no checksums: it loads with the structural checks only."""
+STATE_FILE = "state.safetensors"
 CKPT_DIR = "checkpoints"
 # Fields whose change makes a resumed run a different run: refuse them. Others (steps, lr, intervals) may change.
 _MUST_MATCH = {
@@ -86,10 +93,11 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / "state.safetensors"))
+        save_file(tensors, str(tmp / STATE_FILE), metadata={"step": str(step)})
         atomic_write_json(tmp / "meta.json", {
             "format_version": FORMAT_VERSION, "step": step, "config": cfg.to_dict(),
             "fingerprint": fingerprint, "fingerprint_hash": fingerprint_hash(fingerprint),
+            "files": {STATE_FILE: file_digest(tmp / STATE_FILE)},
         })
         atomic_replace_dir(tmp, final)
         atomic_write_text(root / "latest", final.name + "\n")
@@ -136,20 +144,22 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint directory; an unreadable one is a one-line error naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Read and verify a checkpoint directory; an unreadable or corrupt one is a one-line error naming the file."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    meta = _read_meta(path)
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        tensors = load_file(str(path / "state.safetensors"))
-    except (OSError, ValueError, SafetensorError) as e:
-        raise StratumError(f"checkpoint {path} is unreadable ({e}); remove it to fall back to an older one, "
-                           "or start in a new train.out_dir") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StratumError(f"checkpoint {path} has format {meta.get('format_version')!r}, "
-                           f"this Stratum reads {FORMAT_VERSION}")
+        for name, want in meta.get("files", {}).items():
+            if (why := digest_mismatch(path / name, want)) is not None:
+                raise _corrupt(path / name, why)
+        with safe_open(str(path / STATE_FILE), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise _corrupt(path / STATE_FILE, f"unreadable: {e}") from None
+    if "step" in header and header["step"] != str(meta["step"]):
+        raise _corrupt(path / "meta.json", f"it says step {meta['step']}, its tensors are of step {header['step']}")
     params, optim, buffers, rng = {}, {}, {}, {}
     for k, v in tensors.items():
         kind, _, rest = k.partition("/")
@@ -162,8 +172,62 @@ def load_checkpoint(path: Path) -> Checkpoint:
             buffers[rest] = v
         else:
             rng[k] = v
+    if "rng/cpu" not in rng:
+        raise _corrupt(path / STATE_FILE, "it has no rng/cpu tensor")
     state = TrainState(params=params, optim=optim, buffers=buffers)
-    return Checkpoint(path=path, step=int(meta["step"]), meta=meta, state=state, rng=rng)
+    return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=rng)
+
+
+def _corrupt(file: Path, why: str) -> StratumError:
+    return StratumError(f"checkpoint file {file} is corrupt ({why}); remove {file.parent} to resume from the "
+                        "checkpoint before it, or start in a new train.out_dir")
+
+
+def _read_meta(path: Path) -> dict:
+    """``meta.json`` of checkpoint ``path``, its fields checked for type."""
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise _corrupt(file, f"unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise _corrupt(file, "not a JSON object")
+    if meta.get("format_version") not in READABLE_FORMATS:
+        raise StratumError(f"checkpoint {path} has format {meta.get('format_version')!r}, this Stratum reads "
+                           f"{', '.join(map(str, READABLE_FORMATS))}; use the Stratum that wrote it")
+    types = {"step": int, "config": dict, "fingerprint_hash": str, "files": dict}
+    for key, kind in types.items():
+        if (key in meta or key != "files") and not isinstance(meta.get(key), kind):
+            raise _corrupt(file, f"its {key!r} is missing or not a {kind.__name__}")
+    if meta["step"] < 0 or (meta["format_version"] >= 2 and STATE_FILE not in meta.get("files", {})):
+        raise _corrupt(file, "its step is negative or the state file's checksum is missing")
+    return meta
+
+
+def check_tensors(ckpt: Checkpoint, fingerprint: dict) -> None:
+    """Refuse tensors that are not the model's: a parameter missing, extra or of another shape, or an AdamW
+    moment missing or of another shape than its parameter."""
+    want = {n: list(s) for n, s in fingerprint["params"].items()}
+    state = ckpt.state
+    file = ckpt.path / STATE_FILE
+    if missing := sorted(want.keys() - state.params.keys()):
+        raise _corrupt(file, f"parameter {missing[0]} is missing")
+    for name, t in state.params.items():
+        if name not in want:
+            raise _corrupt(file, f"it holds parameter {name}, which the model has not")
+        if list(t.shape) != want[name]:
+            raise _corrupt(file, f"parameter {name} has shape {list(t.shape)}, the model's is {want[name]}")
+    keys = {k for st in state.optim.values() for k in st}
+    for name, st in state.optim.items():  # a parameter that never had a gradient has no state: not checked
+        if name not in want:
+            raise _corrupt(file, f"it holds optimizer state of {name}, a parameter the model has not")
+        if lacking := sorted(keys - st.keys()):
+            raise _corrupt(file, f"optimizer tensor optim/{name}/{lacking[0]} is missing")
+        for key, t in st.items():
+            shape = want[name]
+            if key != "step" and list(t.shape) != shape:
+                raise _corrupt(file, f"optimizer tensor optim/{name}/{key} has shape {list(t.shape)}, "
+                                     f"its parameter's is {shape}")
 
 
 def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[str]:
@@ -187,4 +251,5 @@ def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[s
     if fingerprint_hash(fingerprint) != ckpt.meta.get("fingerprint_hash"):
         raise StratumError(f"checkpoint {ckpt.path} holds a different model architecture than the one configured "
                            "(parameter names or shapes differ); use a new train.out_dir")
+    check_tensors(ckpt, fingerprint)
     return changed
