@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stratum.errors import StratumError
+
 DEFAULT_TOKENS = 200
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_K = 200
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     trained = load_trained(args.run)
     tok = trained.tokenizer
     prompt = [int(i) for i in tok.encode(args.prompt.encode("utf-8", errors="surrogateescape"))]
+    if not prompt:
+        raise StratumError("the prompt encodes to no tokens; give a non-empty --prompt")
     # on stderr: standard output holds the samples alone, ready to redirect
     print(f"sampling {trained.model.info.name} ({trained.cfg.model.source} source, step {trained.step}) from "
           f"{trained.path}", file=sys.stderr)
