@@ -61,6 +61,15 @@ def test_import_keeps_torchs_order_of_compute_actions():
             assert [f"{a.stage}{a.kind}{a.mb}" for a in mine.actions[r]] == [str(x) for x in theirs]
 
 
+@pytest.mark.parametrize("P, v", [(2, 2), (3, 3), (4, 2), (4, 4)])
+def test_stratum_interleaved_is_torchs_interleaved_1f1b(P, v):
+    """Megatron's order both ways: at m a multiple of P the two lists agree action for action."""
+    for m in (P, 2 * P, 3 * P):
+        ours = generate("interleaved", ranks=P, microbatches=m, virtual=v)
+        theirs = generate("torch:Interleaved1F1B", ranks=P, microbatches=m, virtual=v)
+        assert ours.stage_to_rank == theirs.stage_to_rank and ours.actions == theirs.actions, (P, m, v)
+
+
 def test_torch_refusals_are_one_line_errors():
     with pytest.raises(StratumError, match="no schedule 'Nope'; choose one of torch:1F1B") as e:
         generate("torch:Nope", ranks=2, microbatches=4)
