@@ -98,7 +98,8 @@ def check_jobs(spec: SweepSpec, jobs: list[Job], sweep_dir: Path) -> list[Config
         if cfg.plan.world_size() > 1:
             raise StratumError(f"sweep job {job.id}: parallel plans over several processes are not run by sweeps "
                                f"yet (plan {cfg.plan}); use one process per job")
-    check_devices(spec, configs[0])
+    if spec.settings.backend == "local":  # Ray places slots on its cluster's resources (or says it cannot)
+        check_devices(spec, configs[0])
     return configs
 
 

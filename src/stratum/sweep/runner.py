@@ -27,8 +27,10 @@ from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, expand, job_config, job_out_dir
-from stratum.sweep.local import (INTERRUPTED_EXIT, Segment, checkpoint_step, diverged, failure_reason,
-                                 segment_records, start_segment, stop_segment, warm_up)
+from stratum.sweep.local import LocalBackend
+from stratum.sweep.ray_backend import RayBackend
+from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
+                                   segment_records, stop_segment)
 from stratum.sweep.plot import loss_png
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
@@ -63,6 +65,8 @@ class Sweep:
     """Slot → the segment running there."""
     predicted_end: dict[int, float] = field(default_factory=dict)
     """Slot → the predicted end (seconds since the sweep started) of its segment (planned scheduler)."""
+    backend: Backend | None = None
+    """Where segments run (set by :func:`run_sweep`)."""
     makespan_s: float = 0.0
     """Wall seconds of this invocation's scheduling loop: first segment start to last segment end."""
 
@@ -208,12 +212,13 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
     sweep = open_sweep(path, say=say)
     lock = _lock(sweep.dir)
     try:
+        sweep.backend = make_backend(sweep)
         interrupted = sweep.state.requeue_interrupted()
         for job_id in interrupted:
             say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
         _wait_gone(interrupted)
         _write_job_configs(sweep)
-        warm_up()  # the worker server imports torch while the planner profiles
+        sweep.backend.warm_up()  # workers import torch while the planner profiles
         needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
         predict = make_predict(sweep, job_profiles(sweep)) if needs_predictions else None
         policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
@@ -223,8 +228,18 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
         sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
     finally:
+        if sweep.backend is not None:
+            sweep.backend.close()
         lock.close()
     return sweep
+
+
+def make_backend(sweep: Sweep) -> Backend:
+    s = sweep.spec.settings
+    if s.backend == "ray":
+        gpu_slots = {i for i in range(s.slots) if (slot_device(sweep, i) or "").startswith("cuda")}
+        return RayBackend(address=s.ray_address, slots=s.slots, threads=threads_per_job(sweep), gpu_slots=gpu_slots)
+    return LocalBackend()
 
 
 def _lock(sweep_dir: Path):
@@ -330,12 +345,12 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     out = Path(cfg.train.out_dir)
     start = checkpoint_step(out)
     stop_at = _stop_at(sweep, start, row.steps)
-    seg = start_segment(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
+    seg = sweep.backend.start(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
                         device=slot_device(sweep, slot), threads=threads_per_job(sweep), log_path=out / "worker.log")
     sweep.running[slot] = seg
     if predict is not None:
         sweep.predicted_end[slot] = now + min(predict(task).values())
-    sweep.state.update(task, status=RUNNING, slot=slot, pid=seg.proc.pid)
+    sweep.state.update(task, status=RUNNING, slot=slot, pid=seg.worker.pid)
     sweep.say(f"{task}: started on slot {slot} ({sweep.jobs[task].label}), steps {row.step} → {stop_at}"
               + (f", attempt {row.attempts + 1}" if row.attempts else ""))
 
@@ -411,8 +426,7 @@ def _last_step(records: list[dict]) -> int:
 def _stop_all(sweep: Sweep) -> None:
     """Stop every running segment (SIGTERM: a checkpoint, then exit) and record them as pending."""
     for seg in sweep.running.values():
-        if seg.poll() is None:
-            seg.proc.terminate()
+        seg.worker.terminate()
     for slot, seg in list(sweep.running.items()):
         stop_segment(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from stratum.errors import StratumError
 from stratum.offload.units import parse_budget
 
 SCHEDULERS = ("fifo", "lrtf", "planned")
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 EARLY_STOPS = ("", "asha")
 RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
 
@@ -57,7 +58,9 @@ class SweepSettings:
     between segments); or planned (a makespan-minimising assignment of jobs to slots from profiled step times,
     solved as a MILP with PuLP, greedy without it)."""
     backend: str = "local"
-    """Where jobs run: local (worker processes on this machine)."""
+    """Where jobs run: local (worker processes on this machine) or ray (one Ray actor per slot; the ray extra)."""
+    ray_address: str = ""
+    """backend = ray: the cluster to join (ray.init(address=...)); "" = start a local Ray instance."""
     slots: int = 1
     """Jobs that run at once (each a worker process); at most the CPU cores for CPU jobs."""
     devices: list[str] = field(default_factory=list)
@@ -203,6 +206,8 @@ def _check_settings(s: SweepSettings) -> None:
         raise StratumError(f"sweep.scheduler = {s.scheduler!r} is not one of: {', '.join(SCHEDULERS)}")
     if s.backend not in BACKENDS:
         raise StratumError(f"sweep.backend = {s.backend!r} is not one of: {', '.join(BACKENDS)}")
+    if s.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise StratumError("sweep.backend = \"ray\" needs Ray: pip install 'stratum[ray]' (or use the local backend)")
     if s.early_stop not in EARLY_STOPS:
         raise StratumError(f"sweep.early_stop = {s.early_stop!r} is not \"\" (off) or \"asha\"")
     parse_budget(s.device_budget, "sweep.device_budget")

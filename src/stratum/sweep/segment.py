@@ -1,0 +1,183 @@
+"""One segment of a job — its training from its last checkpoint to ``stop_at`` — and what every backend's worker
+shares: the body that runs it (:func:`run_segment`), the handle the runner polls (:class:`Segment`), and how an
+ended segment is read (exit code, log, metrics, checkpoint).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from stratum.config import Config, load_config
+from stratum.errors import StratumError
+from stratum.train.checkpoint import latest_checkpoint
+from stratum.train.trainer import read_metrics, train
+
+INTERRUPTED_EXIT = 130  # stopped by SIGINT/SIGTERM after a checkpoint, as `stratum train` exits then
+LOCK_TIMEOUT_S = 60.0
+
+
+def _lock_job_dir(job_dir: Path, timeout_s: float) -> int:
+    """Take an exclusive lock on the job's directory (the kernel drops it when its holder dies, however it dies):
+    a worker left over from a killed sweep and its successor never train the same job at once. Waits up to
+    ``timeout_s`` for a predecessor to go."""
+    fd = os.open(job_dir / ".worker.lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise StratumError(f"another worker still trains the job in {job_dir} after {timeout_s:g} s; stop "
+                                   "it, then run the sweep again") from None
+            time.sleep(0.1)
+
+
+def run_segment(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> int:
+    """Train the job of ``config_path`` from its last checkpoint to ``stop_at``, as ``stratum train --config
+    config_path --stop-at stop_at`` does, with output to ``log_path`` and ``threads`` torch threads. Returns the
+    exit code ``stratum train`` would have: 0, 2 (bad input, NaN loss) or 130 (stopped by a signal after a
+    checkpoint). Leaves the process as it found it (output, threads, lock), so a long-lived worker can run
+    another segment next."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    lock = None
+    code = 0
+    try:
+        lock = _lock_job_dir(Path(config_path).parent, LOCK_TIMEOUT_S)
+        cfg = load_config(config_path, [f"train.device={device!r}"] if device is not None else [])
+        train(cfg, stop_at=stop_at)
+    except StratumError as e:
+        print(f"stratum: error: {e}", file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = INTERRUPTED_EXIT
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if lock is not None:
+            os.close(lock)
+        for target, fd_saved in zip((1, 2), saved):
+            os.dup2(fd_saved, target)
+            os.close(fd_saved)
+        torch.set_num_threads(threads_before)
+    return code
+
+
+class Worker(Protocol):
+    """What the runner needs of a backend's running segment."""
+
+    pid: int | None
+    """Its process id on this machine (None on another machine)."""
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
+
+    def terminate(self) -> None:
+        """Ask it to stop after its current step, with a checkpoint."""
+
+    def kill(self) -> None:
+        """Stop it now."""
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for it to end."""
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """A worker running one job from its last checkpoint to ``stop_at``."""
+
+    job: str
+    """Job id."""
+    slot: int
+    """The slot it occupies."""
+    start_step: int
+    """The step of the checkpoint it resumes from (0: none)."""
+    stop_at: int
+    """The step it stops at (a rung, a time slice's end, or the job's train.steps)."""
+    worker: Worker
+    """The backend's handle on it."""
+    log_path: Path
+    """Its stdout and stderr."""
+    started: float
+    """time.monotonic() at launch."""
+
+    def poll(self) -> int | None:
+        return self.worker.poll()
+
+
+class Backend(Protocol):
+    """Where segments run: local worker processes or Ray actors."""
+
+    def warm_up(self) -> None:
+        """Get workers ready (imports, actors) before the first segment."""
+
+    def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
+              threads: int, log_path: Path) -> Segment:
+        """Start a segment of ``job`` on ``slot``."""
+
+    def close(self) -> None:
+        """Release the workers."""
+
+
+def stop_segment(seg: Segment, *, grace_s: float) -> int | None:
+    """Ask it to stop (the trainer checkpoints after its current step and exits), then kill it after
+    ``grace_s``."""
+    if seg.poll() is None:
+        seg.worker.terminate()
+        seg.worker.join(grace_s)
+        if seg.poll() is None:
+            seg.worker.kill()
+            seg.worker.join(grace_s)
+    return seg.poll()
+
+
+def failure_reason(returncode: int, log_path: Path) -> str:
+    """Why a worker ended badly, in one line: its signal, or the error line it printed."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"worker died ({name})"
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    errors = [ln.removeprefix("stratum: error:") for ln in lines if ln.startswith("stratum: error:")]
+    last = errors[-1] if errors else (lines[-1] if lines else "")
+    return f"exit code {returncode}: {last.strip()[:200]}"
+
+
+def diverged(records: list[dict]) -> str | None:
+    """The first non-finite training loss of a run's records, as a reason, or None."""
+    for r in records:
+        if not (abs(r["loss"]) < float("inf")):
+            return f"loss became {r['loss']} at step {r['step']}"
+    return None
+
+
+def checkpoint_step(out_dir: Path) -> int:
+    """The step of the job's latest checkpoint (where its next segment resumes), 0 without one."""
+    ckpt = latest_checkpoint(out_dir)
+    return json.loads((ckpt / "meta.json").read_text())["step"] if ckpt is not None else 0
+
+
+def segment_records(cfg: Config) -> list[dict]:
+    """The job's metrics records so far (one consistent run: the trainer drops records past a checkpoint)."""
+    return read_metrics(Path(cfg.train.out_dir))
