@@ -391,3 +391,57 @@ def test_corrupt_token_cache_and_tokenizer_are_refused_naming_the_file(make_cfg,
         for p, data in pristine.items():
             p.write_bytes(data)
     assert prepare_data(cfg).n_tokens > 0
+
+
+# --- numbers and text that make no sense ---------------------------------------------------------------------
+
+# (argv, text the one error line holds): each is refused before any work
+NONSENSE = {
+    "lr inf": (["train", "--set", "optim.lr=inf"], "optim.lr must be a finite number"),
+    "eps inf": (["train", "--set", "optim.eps=inf"], "optim.eps must be a finite number"),
+    "lr nan": (["train", "--set", "optim.lr=nan"], "optim.lr must be a finite number"),
+    "latency nan": (["schedule", "simulate", "--latency", "nan"], "--latency must be a finite number"),
+    "latency inf": (["schedule", "simulate", "--latency", "inf"], "--latency must be a finite number"),
+    "bandwidth nan": (["schedule", "simulate", "--bandwidth", "nan"], "--bandwidth a number > 0"),
+    "seed too large": (["train", "--set", f"train.seed={2**63}"], "train.seed must be in [0, 2**63 - 1"),
+    "huge schedule": (["schedule", "show", "--ranks", "2000", "--microbatches", "2000"], "use fewer ranks"),
+    "undecodable out_dir": (["train", "--set", "train.out_dir=r\udcff"], "not valid UTF-8"),
+    "undecodable cache_dir": (["plan", "--set", "data.cache_dir=c\udcfe"], "data.cache_dir holds bytes"),
+    "undecodable disk_dir": (["train", "--set", "offload.disk_dir=d\udcfd"], "offload.disk_dir holds bytes"),
+    "no such user": (["train", "--set", "train.out_dir='~nosuchuser-stratum/x'"], "names no user"),
+    "non-ASCII digit": (["train", "--set", "train.device='cuda:\u0663'"], "is not auto, cpu, cuda or cuda:N"),
+    "superscript digit": (["profile", "--set", "train.device='cuda:\u00b2'"], "is not auto, cpu, cuda or cuda:N"),
+    "unused pipeline schedule": (["train", "--set", "pipeline.schedule='xxxx'"], "neither a schedule kind"),
+}
+
+
+@pytest.mark.parametrize("case", list(NONSENSE))
+def test_nonsense_is_one_line(case, capsys):
+    argv, text = NONSENSE[case]
+    assert main(argv) == 2
+    _one_error_line(capsys, text)
+
+
+def test_deeply_nested_toml_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[train]\nsteps = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    assert main(["train", "--config", str(deep)]) == 2
+    _one_error_line(capsys, "nests arrays or tables too deeply")
+
+
+def test_a_loss_that_turns_nan_stops_the_run_naming_the_step(make_cfg, tmp_path):
+    from stratum.errors import StratumError
+    from stratum.train.checkpoint import latest_checkpoint
+    from stratum.train.trainer import read_metrics, train
+
+    out = tmp_path / "run"
+    with pytest.raises(StratumError, match=r"the loss became nan at step 2; .*no checkpoint of this state"):
+        train(make_cfg("optim.lr=1e30", "optim.min_lr=0", "optim.warmup_steps=0", "train.ckpt_interval=1", out=out))
+    assert latest_checkpoint(out).name == "step_00000001" and [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_no_validation_split_means_no_evaluation(make_cfg, tmp_path):
+    from stratum.train.trainer import train
+
+    summary = train(make_cfg("data.val_fraction=0", "train.steps=2", out=tmp_path / "run"))
+    assert summary["steps_done"] == 2 and summary["final_eval_loss"] is None

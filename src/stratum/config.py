@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,8 @@ OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
 OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
+SEED_MAX = 2**63 - 1
+"""The largest seed torch's generators take (a signed 64-bit integer)."""
 
 
 @dataclass(kw_only=True)
@@ -301,10 +305,10 @@ class Config:
         _check("train.steps", t.steps >= 1, "must be ≥ 1")
         _check("train.micro_batch_size", t.micro_batch_size >= 1, "must be ≥ 1")
         _check("train.grad_accum", t.grad_accum >= 1, "must be ≥ 1")
-        _check("train.seed", t.seed >= 0, "must be ≥ 0")
+        _check("train.seed", 0 <= t.seed <= SEED_MAX, f"must be in [0, 2**63 - 1 = {SEED_MAX}]")
         _choice("train.precision", t.precision, PRECISIONS)
-        if not (t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit())):
-            raise StratumError(f"train.device = {t.device!r} is not auto, cpu, cuda or cuda:N")
+        if not (t.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", t.device)):
+            raise StratumError(f"train.device = {_show(t.device)} is not auto, cpu, cuda or cuda:N")
         _choice("train.engine", t.engine, ENGINES)
         for key in ("eval_interval", "ckpt_interval"):
             _check(f"train.{key}", getattr(t, key) >= 0, "must be ≥ 0 (0 = only at the end)")
@@ -313,6 +317,11 @@ class Config:
         _check("train.log_interval", t.log_interval >= 1, "must be ≥ 1")
         _check("train.keep_checkpoints", t.keep_checkpoints >= 1, "must be ≥ 1")
         _check("train.out_dir", bool(t.out_dir.strip()), "must not be empty")
+        for key, value in (("train.out_dir", t.out_dir), ("data.cache_dir", d.cache_dir),
+                           ("offload.disk_dir", self.offload.disk_dir), ("data.corpus", d.corpus),
+                           ("model.hf_path", m.hf_path), ("pipeline.schedule", self.pipeline.schedule),
+                           ("pipeline.partition", self.pipeline.partition)):
+            _check_home(key, value)
         if t.tensorboard:
             require("tensorboard", "train.tensorboard")
         if t.wandb_project.strip():
@@ -329,7 +338,16 @@ class Config:
         self.plan  # parses and checks the plan expression
         self._validate_speeds()
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
+        self._validate_schedule()
         self._validate_offload()
+
+    def _validate_schedule(self) -> None:
+        """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""
+        from stratum.schedule.generators import KINDS
+        text = self.pipeline.schedule.strip()
+        if text not in KINDS and not Path(text).expanduser().is_file():
+            raise StratumError(f"pipeline.schedule = {text!r} is neither a schedule kind ({', '.join(KINDS)}) nor "
+                               "an existing schedule file")
 
     def _validate_speeds(self) -> None:
         text = self.parallel.speeds.strip()
@@ -359,6 +377,15 @@ class Config:
         _check("offload.prefetch_depth", o.prefetch_depth >= -1, "must be ≥ 0, or -1 for the planner's choice")
 
 
+def _check_home(key: str, value: str) -> None:
+    """A path starting ``~user`` names a user this system has (expanduser cannot resolve it otherwise)."""
+    try:
+        Path(value).expanduser()
+    except RuntimeError:
+        raise StratumError(f"{key} = {value!r} starts with ~ but names no user of this system; "
+                           "give the path in full") from None
+
+
 def _check(key: str, ok: bool, what: str) -> None:
     if not ok:
         raise StratumError(f"{key} {what}")
@@ -366,7 +393,7 @@ def _check(key: str, ok: bool, what: str) -> None:
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise StratumError(f"{key} = {value!r} is not one of: {', '.join(choices)}")
+        raise StratumError(f"{key} = {_show(value)} is not one of: {', '.join(choices)}")
 
 
 # ---- building a Config from TOML and --set --------------------------------------------------------------
@@ -375,17 +402,39 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     """Check one value against its field type; ints are accepted for floats."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise StratumError(f"{key} must be a finite number, got {_show(value)}")
+    if typ is str and isinstance(value, str) and not _is_utf8(value):
+        raw = value.encode("utf-8", "surrogateescape")
+        raise StratumError(f"{key} holds bytes that are not valid UTF-8 ({_show(raw)}); use a name in UTF-8")
+    if typ is str and isinstance(value, str) and "\0" in value:
+        raise StratumError(f"{key} holds a NUL character, which no path or name may contain")
     if typ is bool and not isinstance(value, bool):
-        raise StratumError(f"{key} must be true or false, got {value!r}")
+        raise StratumError(f"{key} must be true or false, got {_show(value)}")
     if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise StratumError(f"{key} must be an integer, got {value!r}")
+        raise StratumError(f"{key} must be an integer, got {_show(value)}")
     if not isinstance(value, typ):
-        raise StratumError(f"{key} must be a {typ.__name__}, got {value!r}")
+        raise StratumError(f"{key} must be a {typ.__name__}, got {_show(value)}")
     return value
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text with lone surrogates: bytes that did not decode (a command-line argument, a path)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _field_types(cls: type) -> dict[str, type]:
@@ -413,7 +462,7 @@ def parse_set(item: str) -> tuple[str, str, Any]:
         raise StratumError(f"--set {item!r} must look like section.key=value, e.g. train.steps=100")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = raw.strip()
     return section, key, value
 
@@ -429,6 +478,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             doc = tomllib.loads(p.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise StratumError(f"config file {p} is not valid TOML: {e}") from None
+        except RecursionError:
+            raise StratumError(f"config file {p} nests arrays or tables too deeply to read; a Stratum config "
+                               "has one level of [section] tables") from None
+        except OSError as e:
+            raise StratumError(f"config file {p} cannot be read ({e.strerror})") from None
         for section, table in doc.items():
             if not isinstance(table, dict):
                 raise StratumError(f"{p}: top-level key {section!r} must be a [section]; "

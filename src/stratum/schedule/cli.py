@@ -16,6 +16,8 @@ from stratum.schedule.textio import load
 from stratum.schedule.validate import validate
 
 
+MAX_GENERATED = 100_000
+"""Largest ranks × micro-batches × virtual × waves generated: 200 × 200 × 2 takes seconds, 2000 × 2000 hours."""
 VALID = "valid: every action present once, dependencies hold, no deadlock"
 
 
@@ -68,6 +70,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _schedule(args) -> Schedule:
     if args.file:
         return load(args.file)  # validates
+    size = args.ranks * args.microbatches * args.virtual * args.waves
+    if size > MAX_GENERATED:
+        raise StratumError(f"--ranks × --microbatches × --virtual × --waves = {size:,} is more than the "
+                           f"{MAX_GENERATED:,} a schedule is generated, checked and shown for in seconds; "
+                           "use fewer ranks or micro-batches")
     s = generate(args.kind, ranks=args.ranks, microbatches=args.microbatches, virtual=args.virtual,
                  waves=args.waves)
     validate(s)
@@ -96,8 +103,8 @@ def run(args) -> int:
         return 0
     if args.schedule_cmd != "simulate":
         raise StratumError(f"unknown schedule command {args.schedule_cmd!r}; use show, validate or simulate")
-    if args.latency < 0 or not args.bandwidth > 0:
-        raise StratumError("--latency must be >= 0 seconds and --bandwidth > 0 bytes/s")
+    if not (0 <= args.latency < math.inf and args.bandwidth > 0):  # NaN fails both comparisons
+        raise StratumError("--latency must be a finite number ≥ 0 seconds and --bandwidth a number > 0 bytes/s")
     S = sched.num_stages
     if args.profile:
         from stratum.profile import Profile

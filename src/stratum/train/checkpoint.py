@@ -81,6 +81,9 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    if (bad := _first_non_finite(state.params)) is not None:
+        raise StratumError(f"parameter {bad} holds NaN or inf after step {step}; this state is not saved (the last "
+                           "good checkpoint stays): lower optim.lr or raise optim.warmup_fraction")
     root = Path(out_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
@@ -110,6 +113,11 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity; None when there is none."""
+    return next((n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
 
 
 def remove_partial_writes(out_dir: Path) -> None:

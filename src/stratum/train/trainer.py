@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -152,7 +153,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
 
     log = metrics_log(cfg, out_dir, resume_step=start) if main else _Quiet()
     display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
-    eval_batches = [b for i in range(t.eval_batches)
+    eval_batches = [b for i in range(t.eval_batches) if cfg.data.val_fraction > 0  # no split: no evaluation
                     for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
     per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
     run_start = time.perf_counter()
@@ -166,9 +167,10 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
             rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
                             flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
             done = step + 1
-            if rec["loss"] != rec["loss"]:  # NaN
-                raise StratumError(f"loss became NaN at step {done}; lower optim.lr or raise optim.warmup_fraction "
-                                   f"(last good checkpoint: {latest_checkpoint(out_dir) or 'none'})")
+            if broken := _non_finite(rec):  # this step's update may have spoilt the state: it is not saved
+                raise StratumError(f"the {broken} became {rec[broken]} at step {done}; lower optim.lr or raise "
+                                   "optim.warmup_fraction — no checkpoint of this state was written (last good "
+                                   f"checkpoint: {latest_checkpoint(out_dir) or 'none'})")
             log.write(rec)
             display.step(rec)
             # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
@@ -198,6 +200,11 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
                     "with a checkpoint: run the same command to resume")
         raise Interrupted(f"stopped at step {end}")
     return summary
+
+
+def _non_finite(rec: dict) -> str | None:
+    """The first of a step record's loss and gradient norm that is NaN or infinite; None when both are finite."""
+    return next((k for k in ("loss", "grad_norm") if not math.isfinite(rec[k])), None)
 
 
 def _saved_summary(out_dir: Path, steps_done: int) -> dict:
