@@ -156,9 +156,11 @@ class PipelineConfig:
 class OffloadConfig:
     device_budget: str = ""
     """train.engine = offload: bytes the device tier may hold (GPU memory; RAM on a CPU-only machine), e.g.
-    "2GB" or "512MiB"; "" = no limit."""
+    "2GB", "512MiB", or "25%" of the training state (parameters, gradients and AdamW moments in fp32);
+    "" = no limit."""
     host_budget: str = ""
-    """Bytes of (pinned, with a GPU) host RAM the offload engine may use below the device; "" = no limit; what
+    """Bytes of (pinned, with a GPU) host RAM the offload engine may use below the device (a size or a percentage
+    of the training state, as device_budget); "" = no limit; what
     fits in neither budget goes to files under offload.disk_dir."""
     disk_dir: str = ""
     """Directory for the disk tier's files (nameless: freed when the process ends, however it ends); "" = the

@@ -9,6 +9,7 @@ from the plan alone, and a rank keeps the ones it belongs to.
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,21 @@ class World:
         mine = torch.tensor([value], dtype=torch.float64, device=self.device)
         self.wait(dist.all_gather_single(out, mine, async_op=True), "gathering the ranks' speeds")
         return out.tolist()
+
+    def share_object(self, obj: object, dim: str, what: str) -> object:
+        """The first member's ``obj`` along ``dim``, on every member (``obj`` itself when this rank is alone):
+        what each rank derived from its own measurements (a plan, a cut) becomes one choice they all run."""
+        grp = self.group(dim)
+        if grp is None:
+            return obj
+        src = self.members[dim][0]
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)  # (NCCL: device tensors only)
+        self.wait(dist.broadcast(size, src=src, group=grp, async_op=True), f"sharing {what} (size)")
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if self.rank == src
+               else torch.empty(int(size), dtype=torch.uint8, device=self.device))
+        self.wait(dist.broadcast(buf, src=src, group=grp, async_op=True), f"sharing {what}")
+        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
 
     def subgroup(self, dim: str, positions: list[int]):
         """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),

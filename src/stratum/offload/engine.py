@@ -22,6 +22,7 @@ run after the backward. That costs gradient traffic but is exact: the same norm,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -131,6 +132,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         """id(parameter) whose target already holds a contribution this step (see _take_grad)."""
         self._pending_after = None
         """The last host update queued before the updates left to the next fetches (ChunkState.pending)."""
+        self.reducer: Callable[[list[str], list[Tensor], str], None] | None = None
+        """A parent's reduction of one chunk's gradients (names, gradients, what for messages; in place): over the
+        replicas, or of a tensor tied to another pipeline rank. It runs as the chunk's gradient completes, before
+        its norm and its update; None alone."""
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
         self._grad_hooks = [] if self._all_on_device else [
@@ -264,18 +269,15 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         return out
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
-        moved0, wait0 = self.traffic(), self.stall_s
-        self.model.train()
-        self._lr = lr
-        self._deferred = self.spec.grad_clip > 0
-        self._grad_norms: dict[str, Tensor] = {}
-        self._spill_futs: dict[int, Future] = {}
-        self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
-        for c in self.chunks:
-            c.grad = None
-        self._fresh.clear()
-        first = self.trace.recorded is None
-        self.trace.begin_step()
+        loss_sum, norm = self.train_share(micro_batches, lr, len(micro_batches))
+        return StepResult(loss=loss_sum.item() / len(micro_batches), grad_norm=float(norm))
+
+    def train_share(self, micro_batches: list[Batch], lr: float, divisor: int) -> tuple[Tensor, Tensor]:
+        """One optimizer step over this engine's part of the step's micro-batches, each loss divided by
+        ``divisor`` (the step's micro-batch count over all replicas) before its backward; each chunk's gradient
+        goes through :attr:`reducer` as it completes, before its norm and update. The sum of the losses and the
+        global gradient norm (0-d tensors)."""
+        self.begin_step(lr)
         L = len(self.model)
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
@@ -353,7 +355,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                         bufs[i] = None
                         self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:
-                        (out / n).backward()
+                        (out / divisor).backward()
                     else:
                         torch.autograd.backward(out, ins[i + 1].grad)
                     outs[i] = None
@@ -378,15 +380,34 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
         total_norm = self._update_after_backward()
+        self.end_step()
+        return total, total_norm
+
+    def begin_step(self, lr: float) -> None:
+        """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""
+        self._moved0, self._wait0 = self.traffic(), self.stall_s
+        self.model.train()
+        self._lr = lr
+        self._deferred = self.spec.grad_clip > 0
+        self._grad_norms: dict[str, Tensor] = {}
+        self._spill_futs: dict[int, Future] = {}
+        self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
+        for c in self.chunks:
+            c.grad = None
+        self._fresh.clear()
+        self._first_step = self.trace.recorded is None
+        self.trace.begin_step()
+
+    def end_step(self) -> None:
+        """After a step's updates are queued: the recorded access sequence becomes the eviction oracle."""
         self.trace.end_step()
         if self.device.type == "cpu":
             self._heap_trim.step_end()
-        if first:
+        if self._first_step:
             self._nxt = NextUse(self.trace.recorded)
         self._check()
-        self.last_step_traffic = {k: v - moved0[k] for k, v in self.traffic().items()}
-        self.last_step_wait_s = self.stall_s - wait0
-        return StepResult(loss=total.item() / n, grad_norm=float(total_norm))
+        self.last_step_traffic = {k: v - self._moved0[k] for k, v in self.traffic().items()}
+        self.last_step_wait_s = self.stall_s - self._wait0
 
     def _rng_state(self) -> tuple:
         """The RNG states a block's forward draws from (dropout): the CPU's, and the GPU's on a GPU."""

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import neutral
+from stratum.offload.engine import OffloadEngine
+from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.planner import Plan, make_plan
 from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.offload.units import parse_budget, parse_bytes
+from stratum.profile.profile import Profile
+from stratum.profile.profiler import _measure_block, block_static_bytes
+from stratum.runtime.device import describe
+from stratum.runtime.optim import optim_spec
 
 
 def overrides(cfg: Config) -> dict:
@@ -35,12 +43,6 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
     A 36-layer GPT is measured as embedding + one layer + head: the planner gets per-block activation bytes
     and times at a small fraction of a full ``stratum profile`` (which it accepts too, via ``--profile``).
     """
-    import dataclasses
-
-    from stratum.profile.profile import Profile
-    from stratum.profile.profiler import _measure_block, block_static_bytes
-    from stratum.runtime.device import describe
-
     with neutral(devices=[device]):  # the blocks' own measurements are neutral too (_measure_block)
         gen = torch.Generator().manual_seed(seed)
         vocab = max(model.info.vocab_size, 1)
@@ -75,11 +77,11 @@ def plan_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=N
                 always_profile=False) -> dict:
     """``make_plan``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
     profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
-    from stratum.offload.host_alloc import tune_allocator
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
-    dev_b = parse_budget(o.device_budget, "offload.device_budget")
-    host_b = parse_budget(o.host_budget, "offload.host_budget")
+    state = 16 * sum(p.numel() for p in model.parameters())  # params, grads, exp_avg, exp_avg_sq in fp32
+    dev_b = parse_budget(o.device_budget, "offload.device_budget", state)
+    host_b = parse_budget(o.host_budget, "offload.host_budget", state)
     kw = overrides(cfg)
     disk = resolve_disk_dir(o.disk_dir)
     bw = measure_bandwidths(device, str(disk))
@@ -91,9 +93,12 @@ def plan_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=N
 
 
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
-    from stratum.offload.engine import OffloadEngine
-    from stratum.runtime import optim_spec
-    plan = plan_for(cfg, model, device, always_profile=True)
+    """The offload engine of ``cfg`` over ``model``, planned here (the plan printed)."""
+    return offload_engine(cfg, model, device, plan_for(cfg, model, device, always_profile=True))
+
+
+def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, plan: Plan):
+    """The offload engine of ``cfg`` over ``model`` running ``plan`` (printed)."""
     print(plan.describe())
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, plan=plan, precision=cfg.train.precision,
                          disk_dir=cfg.offload.disk_dir)

@@ -55,14 +55,31 @@ class Size(int):
         return bool(m) and m.group(2).lower().endswith("ib")
 
 
-def parse_budget(text: str, key: str) -> Size | None:
-    """A budget: ``""`` (or ``"auto"``) means unlimited (``None``); otherwise a positive size that keeps its text."""
+def parse_budget(text: str, key: str, state_bytes: int | None = None) -> Size | None:
+    """A budget: ``""`` (or ``"auto"``) means unlimited (``None``); otherwise a positive size that keeps its text,
+    or a percentage of ``state_bytes`` (the training state: parameters, gradients and AdamW moments in fp32) —
+    only checked for its range where the state is not known yet (``None``)."""
     if text.strip().lower() in ("", "auto"):
         return None
+    if text.strip().endswith("%"):
+        pct = parse_percent(text, key)
+        return Size(max(1, int(state_bytes * pct / 100)) if state_bytes is not None else 1, text)
     n = parse_bytes(text, key)
     if n <= 0:
         raise StratumError(f"{key} = {text!r} must be a positive size, or \"\" for no limit")
     return Size(n, text)
+
+
+def parse_percent(text: str, key: str) -> float:
+    """``"25%"`` → 25.0: a percentage of the training state in (0, 1000]."""
+    try:
+        pct = float(text.strip()[:-1])
+    except ValueError:
+        pct = -1.0
+    if not 0 < pct <= 1000:
+        raise StratumError(f"{key} = {text!r} is not a percentage of the training state in (0, 1000]; "
+                           "write e.g. \"25%\" or a size such as \"2GB\"")
+    return pct
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -42,6 +42,12 @@ class Updates:
             self._fresh.add(k)
         param.grad = None
 
+    def _reduce(self, c: ChunkState, entries: list, grad_of) -> None:
+        """The complete gradients of ``c``'s ``entries`` (``grad_of(entry)``; those that got one) through the
+        parent's reduction."""
+        if self.reducer is not None:
+            self.reducer([e.name for e in entries], [grad_of(e) for e in entries], f"chunk {c.i}")
+
     def _home_grads(self, c: ChunkState) -> bool:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
         return self._grads_home and not c.pinned
@@ -66,12 +72,18 @@ class Updates:
     def _grad_complete(self, c: ChunkState) -> None:
         """All of this step's gradient of ``c`` is in its slot."""
         if self._all_on_device:  # all chunks are updated together after the backward
+            self._reduce(c, [e for e in c.spec.entries if e.param.grad is not None], lambda e: e.param.grad)
             return
         if self._home_grads(c):
             c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
             c.live = [g is not None for g in c.held]
+            grads = dict(zip((e.name for e in c.spec.entries), c.held))
+            self._reduce(c, [e for e in c.spec.entries if grads[e.name] is not None], lambda e: grads[e.name])
         else:
             c.live = [id(e.param) in self._fresh for e in c.spec.entries]
+            g = c.g()
+            self._reduce(c, [e for e, ok in zip(c.spec.entries, c.live) if ok],
+                         lambda e: g[e.offset:e.offset + e.numel])
         self._norms([c])
         if self.plan.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -299,20 +311,28 @@ class Updates:
 
     def _update_after_backward(self) -> Tensor:
         """After the last micro-batch's backward: the global gradient norm (returned, a 0-d tensor) from the
-        per-parameter norms in the plain engine's order, then the updates that waited for it (all of them with
-        clipping; on a CPU the clipped host updates run here, elsewhere they are queued) or for the next forward
-        (the plan's deferred chunks)."""
-        t_upd = time.perf_counter()
+        per-parameter norms in the plain engine's order, then the updates that waited for it."""
+        total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in self.grad_norms_now()]), 2.0)
+        coef = None
+        if self._deferred:
+            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+        self.apply_updates(coef)
+        return total_norm
+
+    def grad_norms_now(self) -> list[tuple[str, Tensor]]:
+        """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
+        backward; the norms of streamed chunks were taken as each completed)."""
         if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
             live = [e for c in self.chunks for e in c.spec.entries if e.param.grad is not None]
             for e, nrm in zip(live, torch._foreach_norm([e.param.grad for e in live], 2.0)):
                 self._grad_norms[e.name] = nrm
-        order = [self.where[nm][1] for nm in self.names if nm in self._grad_norms]
-        norms = [self._grad_norms[e.name] for e in order]
-        total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        coef = None
-        if self._deferred:
-            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+        return [(nm, self._grad_norms[nm]) for nm in self.names if nm in self._grad_norms]
+
+    def apply_updates(self, coef: Tensor | None) -> None:
+        """The updates that waited for the end of the backward — all of them, multiplied by the clip ``coef``,
+        when updates wait for the global norm (on a CPU the clipped host updates run here, elsewhere they are
+        queued) — or for the next forward (the plan's deferred chunks)."""
+        t_upd = time.perf_counter()
         if self._all_on_device:
             self._update_params(coef)
         elif self._deferred and self.plan.optimizer_tier == DEVICE:
@@ -343,7 +363,6 @@ class Updates:
             def note_pass() -> None:
                 self.phase_s["update_pass"] += time.perf_counter() - t_upd
             self.opt_pool.submit(note_pass)
-        return total_norm
 
     # ---- tied gradients ----------------------------------------------------------------------------------------
     def _tied_grads_begin(self) -> list:

@@ -12,7 +12,6 @@ backend — is checked by :func:`check_plan` before any process starts.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,8 +24,11 @@ from stratum.ir.plan import Offload, Plan, render
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.model.placement import build_blocks
-from stratum.offload.setup import make_offload_engine
+from stratum.offload.engine import OffloadEngine
+from stratum.offload.setup import offload_engine, plan_for
+from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
 from stratum.parallel.replicate import ReplicateEngine
+from stratum.parallel.replicate_offload import ReplicatedOffload
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.runtime.device import compute_rate, resolve_device
@@ -39,9 +41,12 @@ from stratum.runtime.plain import PlainEngine
 def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
-    if isinstance(plan.leaf, Offload) and plan.root is not plan.leaf:
-        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs only as the whole plan so far "
-                           "(offload(...)); nested under replicate or pipeline it is not supported yet")
+    if isinstance(plan.leaf, Offload) and (plan.split is not None or (plan.pipeline and plan.replicate)):
+        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs alone, under replicate or under "
+                           "pipeline so far (not under split, nor under both replicate and pipeline)")
+    if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.replicate.shard:
+        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) over the offload leaf is not "
+                           "supported yet; use replicate(n, offload(...)) (each replica holds all chunks)")
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
         raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
                            "parameters yet; use shard=false with split")
@@ -56,7 +61,12 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
                        device="meta")
     if plan.split is not None:
         check_split(meta, plan.split.n)
-    return plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum) if plan.pipeline else None
+    if plan.pipeline is None:
+        return None
+    pplan = plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum)
+    if isinstance(plan.leaf, Offload):
+        check_schedule(pplan.schedule)
+    return pplan
 
 
 def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int,
@@ -112,10 +122,12 @@ def _optimizer(plan: Plan, cfg: Config, world: World) -> MakeOptimizer | None:
     return lambda named: ShardedAdamW(named, spec, world)
 
 
-def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> Engine:
-    budgets = {k: v for k, v in dataclasses.asdict(leaf).items() if v}
-    return make_offload_engine(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets)),
-                               model, world.device)
+def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> OffloadEngine:
+    """The memory engine under the leaf's budgets, running the first replica's plan (every replica must run the
+    same chunk layout: it orders the gradient reductions)."""
+    cfg = leaf_config(cfg, leaf)
+    plan = world.share_object(plan_for(cfg, model, world.device, always_profile=True), "replica", "the offload plan")
+    return offload_engine(cfg, model, world.device, plan)
 
 
 def _split(model: BlockSeq, world: World, held: set[int]) -> None:
@@ -133,7 +145,12 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     process, :func:`rank_speeds`) balances the replicas' shares and the pipeline's cut."""
     plan = world.plan
     spec, precision = optim_spec(cfg), cfg.train.precision
-    if isinstance(plan.leaf, Offload):
+    if isinstance(plan.leaf, Offload) and plan.replicate is not None:
+        engine = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate, world=world,
+                                   speeds=replica_speeds(speeds, plan))
+        engine.name = render(plan.root)
+        return engine
+    if isinstance(plan.leaf, Offload) and plan.pipeline is None:
         return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
     if plan.pipeline is not None and pipeline_plan is None:
         pipeline_plan = plan_pipeline(plan.pipeline, model, cfg.train.grad_accum, stage_speeds(speeds, plan))
@@ -142,7 +159,11 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         _split(model, world, set(held))
     make_opt = _optimizer(plan, cfg, world)
     engine: GradEngine
-    if plan.pipeline is not None:
+    if plan.pipeline is not None and isinstance(plan.leaf, Offload):
+        node = plan.pipeline
+        engine = OffloadPipelineEngine(model, cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
+                                       precision=precision, schedule_for=lambda m: make_schedule(node, m))
+    elif plan.pipeline is not None:
         node = plan.pipeline
         engine = PipelineEngine(model, plan=pipeline_plan, optim=spec, world=world, precision=precision,
                                 schedule_for=lambda m: make_schedule(node, m), make_optimizer=make_opt)

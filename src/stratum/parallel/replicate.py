@@ -18,15 +18,14 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stratum.data.tokens import Batch
 from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
-from stratum.parallel import adasum
 from stratum.parallel.buckets import GradBuckets
+from stratum.parallel.reduce import adasum_over
 from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
 from stratum.runtime.tensors import local_part
@@ -53,6 +52,22 @@ def speed_shares(total: int, speeds: list[float]) -> list[int]:
     return shares
 
 
+def shares(total: int, n: int, speeds: list[float] | None) -> list[int]:
+    """Micro-batches per replica for a step of ``total``: in proportion to ``speeds`` where given, else even."""
+    if speeds is not None:
+        return speed_shares(total, speeds)
+    if total < n:
+        raise StratumError(f"{total} micro-batches per step cannot give each of {n} replicas one")
+    return even_shares(total, n)
+
+
+def my_part(micro_batches: list[Batch], n: int, index: int, speeds: list[float] | None) -> list[Batch]:
+    """Replica ``index``'s consecutive run of the step's micro-batches (:func:`shares`)."""
+    counts = shares(len(micro_batches), n, speeds)
+    start = sum(counts[:index])
+    return micro_batches[start:start + counts[index]]
+
+
 class ReplicateEngine(GradEngine):
     """Data parallel over ``world``'s replica group, around ``child`` (see the module docstring)."""
 
@@ -74,25 +89,17 @@ class ReplicateEngine(GradEngine):
         self.sharded = child.opt if isinstance(getattr(child, "opt", None), ShardedAdamW) else None
         if node.shard and self.sharded is None:
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
+        self.adasum = adasum_over(world)
         self.buckets = None if node.shard or node.reduce != "mean" else \
             GradBuckets([p for _, p in child.grad_params()], world, overlap=child.grads_final_in_backward)
 
     def share(self, total: int) -> list[int]:
         """Micro-batches per replica for a step of ``total``."""
-        if self.speeds is None:
-            if total < self.n:
-                raise StratumError(f"{total} micro-batches per step cannot give each of {self.n} replicas one")
-            return even_shares(total, self.n)
-        return speed_shares(total, self.speeds)
-
-    def _mine(self, micro_batches: list[Batch]) -> list[Batch]:
-        counts = self.share(len(micro_batches))
-        start = sum(counts[:self.index])
-        return micro_batches[start:start + counts[self.index]]
+        return shares(total, self.n, self.speeds)
 
     # ---- GradEngine -----------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
-        mine = self._mine(micro_batches)
+        mine = my_part(micro_batches, self.n, self.index, self.speeds)
         if self.buckets is not None:
             self.buckets.arm(len(mine))
         own_divisor = len(mine) if self.node.reduce == "adasum" else divisor
@@ -151,21 +158,7 @@ class ReplicateEngine(GradEngine):
         return out
 
     def _adasum(self) -> None:
-        """Every replica gathers every replica's gradients and combines them layer by layer in the same order,
-        so all get the same result. Gathering costs n× the bandwidth of Horovod's halving-doubling exchange;
-        it keeps the arithmetic one function (:func:`adasum.tree`) for any number of replicas."""
-        if self.group is None:
-            return
-        grads = self._grads()
-        flat = torch.cat([g.flatten() for g in grads])
-        gathered = torch.empty(self.n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self.world.wait(dist.all_gather_single(gathered, flat, group=self.group, async_op=True),
-                        "the Adasum gradient all-gather")
-        per_rank = gathered.view(self.n, -1)
-        off = 0
-        for g in grads:
-            g.copy_(adasum.tree([per_rank[r, off:off + g.numel()] for r in range(self.n)]).view_as(g))
-            off += g.numel()
+        self.adasum([n for n, _ in self.child.grad_params()], self._grads(), "the replicas' gradients")
 
     # ---- Engine ---------------------------------------------------------------------------------------
     def describe(self) -> str:

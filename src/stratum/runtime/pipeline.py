@@ -42,9 +42,9 @@ from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
-from stratum.runtime.optim import MakeOptimizer, leaf_optimizer, load_params
+from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.tensors import full_tensor
-from stratum.runtime.stage import StageRuntime
+from stratum.runtime.stage import StageBlocks, StageRuntime
 from stratum.schedule.ir import Action, Schedule
 
 
@@ -173,10 +173,27 @@ class PipelineEngine(GradEngine):
                 self.tied_sync.append((named[g.owner], grp))
                 if self.rank != holders[0]:
                     self.not_counted.add(g.owner)  # its norm is counted on the first holder only
-        self.opt = leaf_optimizer(make_optimizer, self.named, optim, device)
+        self.opt = self._leaf_optimizer(make_optimizer)
         self.runtime = StageRuntime(blocks=list(model.blocks), stages=plan.stages, stage_to_rank=where,
                                     loss_fn=model.loss_fn, rank=self.rank, peers=self.peers, device=device,
-                                    precision=precision, timeout_s=self.timeout_s, backend=self.backend)
+                                    precision=precision, timeout_s=self.timeout_s, backend=self.backend,
+                                    runner=self._stage_runner())
+
+    # ---- the leaf: what runs this rank's blocks and updates their parameters ---------------------------------
+    def _leaf_optimizer(self, make_optimizer: MakeOptimizer | None) -> Optimizer | None:
+        """The optimizer over this rank's parameters (the plan's, or the local AdamW)."""
+        return leaf_optimizer(make_optimizer, self.named, self.spec, self.device)
+
+    def _stage_runner(self) -> StageBlocks | None:
+        """How this rank's blocks run (None: as modules on the device)."""
+        return None
+
+    def _sync_tied(self) -> None:
+        """Sum the gradients of tensors tied across pipeline ranks, after the schedule has run."""
+        for p, grp in self.tied_sync:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.mesh.wait(dist.all_reduce(p.grad, group=grp, async_op=True), "summing a tied gradient")
 
     def _schedule(self, m: int) -> Schedule:
         sched = self.schedules.get(m)
@@ -199,10 +216,7 @@ class PipelineEngine(GradEngine):
         self._set_mode(True)
         loss_sum = self.runtime.run(self._schedule(len(micro_batches)), micro_batches, training=True,
                                     scale=1.0 / divisor)
-        for p, grp in self.tied_sync:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.mesh.wait(dist.all_reduce(p.grad, group=grp, async_op=True), "summing a tied gradient")
+        self._sync_tied()
         return self.mesh.all_reduce(loss_sum.to(torch.float64), "stage_rank", "the loss all-reduce")
 
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -230,10 +244,13 @@ class PipelineEngine(GradEngine):
         red = self.mesh.all_reduce(loss_sum.reshape(1).clone(), "stage_rank", "the eval-loss all-reduce")
         return float(red[0]) / n
 
+    def _local_state(self) -> TrainState:
+        """This rank's parameters, optimizer state and its own blocks' buffers, under canonical names."""
+        return TrainState(params={n: full_tensor(p) for n, p in self.named}, optim=self.opt.export(),
+                          buffers=buffers_to_cpu(self.model, self.my_blocks))
+
     def state(self) -> TrainState:
-        mine = TrainState(params={n: full_tensor(p) for n, p in self.named},
-                          optim=self.opt.export(),
-                          buffers=buffers_to_cpu(self.model, self.my_blocks))  # each rank its own blocks'
+        mine = self._local_state()
         got: list = [None] * self.world if self.rank == 0 else None
         try:  # to the first rank of this pipeline (each replica's pipeline holds a whole copy)
             if self.group is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -212,12 +213,42 @@ def _key(t: Transfer) -> tuple[str, int, int]:
     return (t.tensor, t.src_stage if t.tensor == "act" else t.dst_stage, t.mb)
 
 
+class StageBlocks(Protocol):
+    """How a rank runs its stages' blocks: the runtime decides when, this decides how (where the weights are)."""
+
+    def forward(self, s: int, mb: int, x: Tensor, stream: int | None, training: bool) -> Tensor:
+        """Stage ``s``'s blocks on ``x`` for micro-batch ``mb`` (autograd records when ``training``)."""
+
+    def backward(self, s: int, mb: int, out: Tensor, grad: Tensor | None) -> None:
+        """Back-propagate stage ``s``'s micro-batch ``mb`` from ``out`` (its output, or its scaled loss) with
+        ``grad``: weight gradients accumulate, the input gets its ``.grad``."""
+
+
+class LocalBlocks:
+    """The stages' blocks as ordinary modules on the device: a forward is a call, a backward one autograd pass."""
+
+    def __init__(self, blocks: dict[int, list[nn.Module]], block_ids: dict[int, list[int]], device: torch.device):
+        self.blocks = blocks
+        self.block_ids = block_ids
+        self.device = device
+
+    def forward(self, s: int, mb: int, x: Tensor, stream: int | None, training: bool) -> Tensor:
+        for i, b in zip(self.block_ids[s], self.blocks[s]):
+            with block_stream(stream, i, self.device):
+                x = b(x)
+        return x
+
+    def backward(self, s: int, mb: int, out: Tensor, grad: Tensor | None) -> None:
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+
+
 class StageRuntime:
     """Runs one rank's share of pipeline steps: its stages' blocks, its actions, its messages."""
 
     def __init__(self, *, blocks: list[nn.Module], stages: list[range], stage_to_rank: tuple[int, ...],
                  loss_fn, rank: int, device: torch.device, precision: str, timeout_s: float, backend: str,
-                 peers: tuple[int, ...] | None = None, lookahead: int = 2):
+                 peers: tuple[int, ...] | None = None, lookahead: int = 2, runner: StageBlocks | None = None):
         self.rank = rank
         # pipeline rank -> process rank: each replica's (and split's) pipeline is one slice of the process mesh
         self.peers = tuple(peers) if peers is not None else tuple(range(max(stage_to_rank) + 1))
@@ -232,6 +263,7 @@ class StageRuntime:
         self.my_stages = [s for s, r in enumerate(stage_to_rank) if r == rank]
         self.blocks = {s: [blocks[i] for i in stages[s]] for s in self.my_stages}
         self.block_ids = {s: list(stages[s]) for s in self.my_stages}
+        self.runner: StageBlocks = runner or LocalBlocks(self.blocks, self.block_ids, device)
         self.stage_params: dict[int, list[nn.Parameter]] = {}
         for s in self.my_stages:
             seen: dict[int, nn.Parameter] = {}
@@ -255,12 +287,6 @@ class StageRuntime:
         r, st, k = (int(v) for v in parts[:3])
         self._fault_signal = "SIGSTOP" if parts[3:] == ["stop"] else "SIGKILL"
         return (st, k) if r == self.peers[self.rank] else None  # r is a process rank
-
-    def _run_stage(self, s: int, x: Tensor, stream: int | None = None) -> Tensor:
-        for i, b in zip(self.block_ids[s], self.blocks[s]):
-            with block_stream(stream, i, self.device):
-                x = b(x)
-        return x
 
     def _wait(self, work, what: str, deadline: float) -> None:
         t0 = time.perf_counter()
@@ -315,7 +341,7 @@ class StageRuntime:
                 if s == self.S - 1:
                     continue
                 with autocast(self.device, self.precision):
-                    out = self._run_stage(s, inp)
+                    out = self.runner.forward(s, -1, inp, None, False)
                 shapes[s] = (out.shape, out.dtype)
                 if where[s + 1] != self.rank:
                     if out.dim() > _HDR_LEN - 2 or out.dtype not in _DTYPES:
@@ -428,7 +454,7 @@ class StageRuntime:
                 if training and inp.is_floating_point():
                     inp = inp.detach().requires_grad_(True)
             with torch.set_grad_enabled(training), autocast(self.device, self.precision):
-                out = self._run_stage(s, inp, batches[mb].stream if training else None)
+                out = self.runner.forward(s, mb, inp, batches[mb].stream if training else None, training)
                 if last:
                     y = batches[mb].y.to(self.device, non_blocking=True)
                     loss = self.loss_fn(out, y)
@@ -442,9 +468,7 @@ class StageRuntime:
             return [out.detach()]
         if a.kind == "B":
             sv = saved.pop((s, mb))
-            grad = None if last else inputs[0]
-            if sv.out.requires_grad:
-                torch.autograd.backward(sv.out, grad)
+            self.runner.backward(s, mb, sv.out, None if last else inputs[0])
             return [self._input_grad(sv)] if s > 0 else []
         if a.kind == "I":
             sv = saved[(s, mb)]

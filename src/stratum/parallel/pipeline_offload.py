@@ -1,0 +1,177 @@
+"""The pipeline node over the offload leaf: each pipeline rank keeps its stages' training state in chunks over its
+own device, host and disk tiers, under the leaf's budgets.
+
+Each rank's blocks form a BlockSeq of their own (``blocks.<k>`` there is block ``blocks_of(rank)[k]`` of the
+whole model) that the memory engine packs and plans; its blocks run through
+:class:`~stratum.offload.stage_blocks.OffloadBlocks` when the schedule says. The plan comes from the whole
+model's per-block profile (a block another rank holds is measured as a temporary copy), cut to this rank's
+blocks, with each block's activation bytes multiplied by the micro-batches its stage holds at once under the
+schedule — the memory engine keeps a pipeline's activations on the device. A tensor tied to another pipeline
+rank (the GPT embedding ↔ head) is summed with the other holders when the schedule has run, as the pipeline does
+for its local leaf; the global gradient norm is the pipeline's (each rank's part of it, summed over the ranks).
+Checkpoints use the whole model's names, so they move to and from every other plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from stratum.config import Config
+from stratum.data.tokens import Batch
+from stratum.errors import StratumError
+from stratum.ir.plan import Offload
+from stratum.model.blockseq import BlockSeq
+from stratum.offload.setup import offload_engine, plan_for, quick_profile
+from stratum.offload.stage_blocks import OffloadBlocks
+from stratum.plan.partition import inflight_from_schedule
+from stratum.runtime.engine import StepResult, TrainState
+from stratum.runtime.optim import MakeOptimizer, Optimizer
+from stratum.runtime.pipeline import PipelineEngine
+from stratum.runtime.stage import StageBlocks
+from stratum.schedule.ir import Schedule
+
+
+def leaf_config(cfg: Config, leaf: Offload) -> Config:
+    """``cfg`` with the leaf's budgets in ``[offload]`` (an empty one keeps the section's)."""
+    budgets = {k: v for k, v in dataclasses.asdict(leaf).items() if v}
+    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets))
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Refuse a schedule the offload leaf cannot run: one that splits the backward (its W would need the chunks
+    of a block whose gradient the engine has already handed home)."""
+    if any(a.kind in "IW" for acts in schedule.actions for a in acts):
+        raise StratumError(f"schedule {schedule.name} splits the backward (I/W), which the offload leaf does not "
+                           "run; use gpipe, 1f1b, interleaved or wave under pipeline(…, offload(…))")
+
+
+class OffloadPipelineEngine(PipelineEngine):
+    """A pipeline whose ranks run their blocks through the memory engine (see the module docstring)."""
+
+    def __init__(self, model: BlockSeq, *, cfg: Config, leaf: Offload, **kw):
+        self.cfg = leaf_config(cfg, leaf)
+        super().__init__(model, **kw)
+        check_schedule(self.plan.schedule)
+
+    # ---- the leaf ---------------------------------------------------------------------------------------------
+    def _leaf_optimizer(self, make_optimizer: MakeOptimizer | None) -> Optimizer | None:
+        if make_optimizer is not None:
+            raise StratumError("a sharded optimizer cannot run over the offload leaf; its chunks carry AdamW")
+        return None  # every chunk carries its own AdamW state
+
+    def _stage_runner(self) -> StageBlocks:
+        model, plan = self.model, self.plan
+        mine = self.my_blocks
+        sub = BlockSeq([model.blocks[g] for g in mine], model.loss_fn, model.info,
+                       block_names=[model.block_names[g] for g in mine])
+        self.sub = sub
+        alias = {n: g.owner for g in model.tied for n in g.names}
+        self.to_global = {}
+        """Canonical name in this rank's BlockSeq → canonical name in the whole model."""
+        for k, g in enumerate(mine):
+            for name, _ in model.blocks[g].named_parameters(remove_duplicate=False):
+                self.to_global.setdefault(f"blocks.{k}.{name}", alias.get(f"blocks.{g}.{name}", f"blocks.{g}.{name}"))
+            for name, _ in model.blocks[g].named_buffers():
+                self.to_global[f"blocks.{k}.{name}"] = f"blocks.{g}.{name}"
+        self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
+        cfg = dataclasses.replace(self.cfg, offload=dataclasses.replace(self.cfg.offload, activations="keep"))
+        placement = self._agreed(lambda: plan_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
+        self.leaf = offload_engine(cfg, sub, self.device, placement)
+        tied = {id(p): grp for p, grp in self.tied_sync}
+        groups = {ln: tied[id(p)] for ln, p in sub.named_parameters() if id(p) in tied}
+        self.leaf.reducer = self._tied_reducer(groups)
+        late = {self.leaf.where[ln][0].i for ln in groups}
+        local = {g: k for k, g in enumerate(mine)}
+        stages = {s: list(plan.stages[s]) for s in plan.schedule.stages_of(self.rank)}
+        self.runner = OffloadBlocks(self.leaf, stage_blocks=stages, local=local, late=late)
+        return self.runner
+
+    def _agreed(self, make_placement):
+        """``make_placement()`` on every rank; a rank whose budget cannot fit says why and every other rank stops
+        with one line too, instead of waiting for it."""
+        try:
+            placement, failure = make_placement(), None
+        except StratumError as e:
+            placement, failure = None, e
+        failed = [r for r, f in enumerate(self.mesh.gather_floats(float(failure is not None))) if f]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise StratumError(f"process(es) {', '.join(map(str, failed))} found no offload placement for their "
+                               "pipeline stages (their message says why); stopping")
+        return placement
+
+    def _rank_profile(self, cfg: Config, sub: BlockSeq):
+        """This rank's blocks' costs, each block's activations times the micro-batches its stage holds at once."""
+        prof = quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+                             device=self.device, precision=cfg.train.precision, seed=cfg.train.seed)
+        inflight = inflight_from_schedule(self.plan.schedule)
+        stage_of = {i: s for s, r in enumerate(self.plan.stages) for i in r}
+        blocks = []
+        for k, g in enumerate(self.my_blocks):
+            b, n = prof.blocks[g], inflight[stage_of[g]]
+            blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=b.act_saved_bytes * n,
+                                              spill_bytes=b.spill_bytes * n, out_bytes=b.out_bytes * n))
+        return dataclasses.replace(prof, blocks=blocks, tied=[list(t.names) for t in sub.tied])
+
+    def _tied_reducer(self, groups: dict[str, object]):
+        """Sum the gradients of tensors tied to other pipeline ranks (``groups``: local name → its group)."""
+
+        def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
+            for name, g in zip(names, grads):
+                grp = groups.get(name)
+                if grp is not None:
+                    work = torch.distributed.all_reduce(g, group=grp, async_op=True)
+                    self.mesh.wait(work, f"summing the tied gradient {self.to_global[name]}")
+        return reduce
+
+    def _sync_tied(self) -> None:
+        self.runner.finish()
+
+    # ---- GradEngine ---------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        self.runner.begin_step(lr, len(micro_batches))
+        return super().train_step(micro_batches, lr)
+
+    def grad_norm(self) -> torch.Tensor:
+        counted = self.norm_counted()
+        norms = [n for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
+        return self.reduce_norm(torch.stack(norms) if norms else torch.zeros(0, device=self.device))
+
+    def update(self, lr: float, coef: torch.Tensor) -> None:
+        self.leaf.apply_updates(coef if self.leaf._deferred else None)
+        self.leaf.end_step()
+
+    def grad_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.named
+
+    # ---- Engine -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> float:
+        self.leaf.drain()
+        return super().eval_loss(batches)
+
+    def _local_state(self) -> TrainState:
+        st = self.leaf.state()
+        return TrainState(params={self.to_global[n]: t for n, t in st.params.items()},
+                          optim={self.to_global[n]: s for n, s in st.optim.items()},
+                          buffers={self.to_global[n]: t for n, t in st.buffers.items()})
+
+    def load_state(self, state: TrainState) -> None:
+        mine = TrainState(params={ln: state.params[gn] for gn, ln in self.to_local.items() if gn in state.params},
+                          optim={ln: state.optim[gn] for gn, ln in self.to_local.items() if gn in state.optim},
+                          buffers={ln: state.buffers[gn] for gn, ln in self.to_local.items() if gn in state.buffers})
+        self.leaf.load_state(mine)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.leaf.memory_stats()
+
+    def step_io(self) -> dict[str, float]:
+        return self.leaf.step_io()
+
+    def close(self) -> None:
+        self.leaf.close()
+        super().close()
