@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stratum.sweep.runner import job_profiles, open_sweep, predicted_seconds, run_sweep
+from stratum.sweep.runner import predicted_seconds, run_sweep, sweep_profiles
 from stratum.sweep.simulate import simulate
 from stratum.train.trainer import read_metrics
 from stratum.train.metrics import median
@@ -66,7 +66,7 @@ def one(scheduler: str, root: Path, args: argparse.Namespace, corpus: str) -> di
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
-    profiles = job_profiles(open_sweep(path, say=lambda line: None))
+    profiles = sweep_profiles(sweep)  # cached by the run (lrtf, planned) or measured now (fifo)
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
     meas_step_s = {j: median(read_metrics(root / scheduler / "jobs" / j), "step_s") for j in steps}
