@@ -3,16 +3,21 @@ the simulated schedulers, and ASHA's promotions on fake metric streams."""
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
 import random
 import time
 
 import pytest
+from rich.console import Console
 
 from stratum.sweep import makespan
 from stratum.sweep.asha import Asha, rung_steps
+from stratum.sweep.live import LiveTable, last_record
 from stratum.sweep.makespan import greedy_plan, plan_makespan, slot_ends
 from stratum.sweep.simulate import simulate
+from stratum.sweep.state import SweepState
 
 needs_pulp = pytest.mark.skipif(not makespan.pulp_available(), reason="PuLP (the sweep extra) is not installed")
 
@@ -145,3 +150,20 @@ def test_asha_asynchronous_promotions_follow_the_rule_as_a_table():
             asha.promote(*got)
     # b was promoted with 2 results in; with 5 in, the top ⌊5/2⌋ = {d, b}: the stopped a, c, e are the worst three
     assert sorted(j for j in "abcde" if asha.is_paused(j)) == ["a", "c", "e"]
+
+
+def test_the_live_table_reads_running_jobs_last_complete_record(tmp_path):
+    state = SweepState(tmp_path)
+    state.add_jobs([("j000", 0, "lr=0.001", 10), ("j001", 1, "lr=0.003", 10)])
+    state.update("j000", status="running", slot=0)
+    metrics = tmp_path / "jobs" / "j000" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    recs = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0 + s} for s in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')  # a line being written
+    assert last_record(metrics) == recs[-1]
+    out = io.StringIO()
+    live = LiveTable(Console(file=out, force_terminal=True, width=120))
+    live.tick(state.jobs(), tmp_path)
+    live.close()
+    text = out.getvalue()
+    assert "3/10" in text and "4.7000" in text and "1,003" in text and "0/10" in text  # j000 live, j001 pending

@@ -134,3 +134,24 @@ def test_status_of_a_directory_without_a_sweep_is_an_error(tmp_path, capsys):
     assert main(["sweep", "status", str(tmp_path)]) == 2
     assert "holds no sweep" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_simulate_prints_every_scheduler_labelled_and_writes_no_sweep(tmp_path, corpus_file, cache_dir, capsys):
+    p = write(tmp_path, f"""[sweep]
+out_dir = "{tmp_path / 'sw'}"
+slots = 2
+[sweep.grid]
+"train.steps" = [2, 2, 6]
+[data]
+corpus = "{corpus_file}"
+cache_dir = "{cache_dir}"
+seq_len = 16
+{BASE}""")
+    assert main(["sweep", "simulate", "--config", str(p), "--png", str(tmp_path / "g.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SIMULATED: 3 jobs on 2 slot(s)")
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:4]}
+    assert set(lines) == {"fifo", "lrtf", "planned"}
+    # fifo runs the 6-step job last (2 | 2, then 6): 8 step-times; lrtf and planned start it first: 6
+    assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"]
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "sw").exists()

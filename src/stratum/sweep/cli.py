@@ -11,10 +11,12 @@ from stratum.errors import StratumError
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="train many configs at once (grid / random search, fifo or planned, asha); "
                                      "`stratum sweep status DIR` shows a sweep's jobs")
-    p.add_argument("action", nargs="?", choices=("run", "status"), default="run",
-                   help="run (default): run or resume the sweep of --config; status: print DIR's table")
+    p.add_argument("action", nargs="?", choices=("run", "status", "simulate"), default="run",
+                   help="run (default): run or resume the sweep of --config; status: print DIR's table; "
+                        "simulate: every scheduler's SIMULATED makespan for --config, from profiles, nothing run")
     p.add_argument("dir", nargs="?", help="status: the sweep directory (sweep.out_dir)")
     p.add_argument("--config", metavar="SWEEP.toml", help="the sweep file (see docs/sweep.md)")
+    p.add_argument("--png", metavar="FILE.png", help="simulate: also write the schedules as a Gantt chart")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +35,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")
+    if args.action == "simulate":
+        from stratum.sweep.runner import simulate_sweep
+        simulate_sweep(args.config, png=Path(args.png) if args.png else None)
+        return 0
     from stratum.sweep.runner import run_sweep
-    sweep = run_sweep(args.config, say=lambda line: print(line, flush=True))
+    from stratum.train.progress import make_console
+    console = make_console()
+    if not console.is_terminal:
+        sweep = run_sweep(args.config, say=lambda line: print(line, flush=True))
+    else:
+        from stratum.sweep.live import LiveTable
+        live = LiveTable(console)
+        try:
+            sweep = run_sweep(args.config, say=live.say, tick=lambda sw: live.tick(sw.state.jobs(), sw.dir))
+        finally:
+            live.close()
     rows = sweep.state.jobs()
     return 0 if all(r.status in ("done", "stopped") for r in rows) else 1

@@ -29,3 +29,30 @@ def loss_png(sweep_dir: Path, rows: list[JobRow]) -> bytes | None:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
+
+
+def gantt_png(runs: dict[str, list[tuple[float, int, str, float]]], slots: int) -> bytes | None:
+    """SIMULATED schedules as Gantt charts, one panel per scheduler (segments as bars per slot); None without
+    matplotlib."""
+    try:
+        import matplotlib  # optional extra (plot)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.2 + 0.6 * slots * len(runs)), squeeze=False)
+    jobs = sorted({job for segs in runs.values() for _, _, job, _ in segs})
+    colours = {j: plt.cm.tab20(i % 20) for i, j in enumerate(jobs)}
+    for ax, (name, segs) in zip(axes[:, 0], runs.items()):
+        for start, slot, job, end in segs:
+            ax.barh(slot, end - start, left=start, color=colours[job], edgecolor="black", linewidth=0.3)
+            ax.text((start + end) / 2, slot, job, ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(slots))
+        ax.set_ylabel("slot")
+        ax.set_title(f"{name} (SIMULATED)", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()

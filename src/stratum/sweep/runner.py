@@ -31,10 +31,11 @@ from stratum.sweep.local import LocalBackend
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
                                    segment_records, stop_segment)
-from stratum.sweep.plot import loss_png
+from stratum.sweep.plot import gantt_png, loss_png
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
-from stratum.sweep.spec import SweepSpec, load_sweep
+from stratum.sweep.simulate import simulate
+from stratum.sweep.spec import SCHEDULERS, SweepSettings, SweepSpec, load_sweep
 from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
                                  spec_fingerprint)
 from stratum.train.metrics import median
@@ -110,7 +111,7 @@ def fit_to_budget(sweep: Sweep) -> None:
     with that budget (their state on the host and disk tiers between uses); jobs with their own engine or plan
     are left as they are (the trainer checks those against their own budgets)."""
     budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
-    profiles = job_profiles(sweep)
+    profiles = sweep_profiles(sweep)
     for job_id, cfg in list(sweep.configs.items()):
         need = memory_need(profiles[job_id])
         if need <= budget or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
@@ -145,8 +146,8 @@ def _asha_from_state(spec: SweepSpec, state: SweepState) -> Asha:
     return asha
 
 
-def threads_per_job(sweep: Sweep) -> int:
-    s = sweep.spec.settings
+def threads_per_job(s: SweepSettings) -> int:
+    """Torch threads of each job: sweep.threads_per_job, or the cores shared out over the slots."""
     return s.threads_per_job or max(1, (os.cpu_count() or 1) // s.slots)
 
 
@@ -157,28 +158,40 @@ def slot_device(sweep: Sweep, slot: int) -> str | None:
 
 
 # ---- predictions (planned scheduler) ------------------------------------------------------------------------
-def job_profiles(sweep: Sweep) -> dict[str, Profile]:
+def job_profiles(configs: dict[str, Config], *, threads: int, cache_dir: Path | None) -> dict[str, Profile]:
     """One profile per distinct (model, micro-batch, seq_len, precision, device) of the jobs, measured with the
-    workers' thread count and kept in <sweep dir>/profiles/ (a resumed sweep plans with the same numbers)."""
+    workers' thread count; kept in ``cache_dir`` if given (a resumed sweep plans with the same numbers)."""
     out: dict[str, Profile] = {}
     by_key: dict[str, Profile] = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads_per_job(sweep))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        for job_id, cfg in sweep.configs.items():
+        for job_id, cfg in configs.items():
             key = json.dumps([cfg.to_dict()["model"], cfg.train.micro_batch_size, cfg.data.seq_len,
                               cfg.train.precision, cfg.train.device], sort_keys=True)
             if key not in by_key:
-                path = sweep.dir / "profiles" / f"p{len(by_key):03d}.json"
-                if path.exists() and json.loads(path.read_text()).get("key") == key:
-                    by_key[key] = Profile.from_dict(json.loads(path.read_text())["profile"])
-                else:
-                    by_key[key] = profile_from_config(cfg, runs=1)
-                    atomic_write_text(path, json.dumps({"key": key, "profile": by_key[key].to_dict()}))
+                by_key[key] = _cached_profile(cfg, key, cache_dir / f"p{len(by_key):03d}.json" if cache_dir else None)
             out[job_id] = by_key[key]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads_before)
     return out
+
+
+def _cached_profile(cfg: Config, key: str, path: Path | None) -> Profile:
+    if path is not None and path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return Profile.from_dict(doc["profile"])
+    prof = profile_from_config(cfg, runs=1)
+    if path is not None:
+        atomic_write_text(path, json.dumps({"key": key, "profile": prof.to_dict()}))
+    return prof
+
+
+def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
+    """The sweep's job profiles, cached in <sweep dir>/profiles/."""
+    return job_profiles(sweep.configs, threads=threads_per_job(sweep.spec.settings),
+                        cache_dir=sweep.dir / "profiles")
 
 
 def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
@@ -207,8 +220,10 @@ def make_predict(sweep: Sweep, profiles: dict[str, Profile]) -> Callable[[str], 
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
-def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
-    """Run (or resume) the sweep in ``path`` to the end (or its time budget); returns the finished Sweep."""
+def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
+              tick: Callable[[Sweep], None] | None = None) -> Sweep:
+    """Run (or resume) the sweep in ``path`` to the end (or its time budget); returns the finished Sweep.
+    ``tick`` is called at every poll (a live display)."""
     sweep = open_sweep(path, say=say)
     lock = _lock(sweep.dir)
     try:
@@ -220,11 +235,11 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
         _write_job_configs(sweep)
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
-        predict = make_predict(sweep, job_profiles(sweep)) if needs_predictions else None
+        predict = make_predict(sweep, sweep_profiles(sweep)) if needs_predictions else None
         policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
                              time_limit_s=sweep.spec.settings.plan_time_limit_s)
         t0 = time.monotonic()
-        _loop(sweep, policy, predict)
+        _loop(sweep, policy, predict, tick)
         sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
     finally:
@@ -234,11 +249,42 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) ->
     return sweep
 
 
+def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[str], None] = print) -> dict:
+    """SIMULATED: the sweep under every scheduler on its slots, each job taking its profiled step time × steps
+    (a lower bound: no optimizer step, data or start-up), without running a job or writing to the sweep
+    directory. Prints makespan and utilisation per scheduler; writes a Gantt PNG of the schedules if asked."""
+    spec = load_sweep(path)
+    s = spec.settings
+    jobs = expand(spec)
+    configs = {j.id: c for j, c in zip(jobs, check_jobs(spec, jobs, Path(s.out_dir).expanduser()))}
+    for cfg in _distinct_data(configs.values()):
+        prepare_data(cfg)
+    profiles = job_profiles(configs, threads=threads_per_job(s), cache_dir=None)
+    steps = {j: c.train.steps for j, c in configs.items()}
+    step_s = {j: predicted_seconds(profiles[j], c, 1) for j, c in configs.items()}
+    seg = s.segment_steps or max(1, min(steps.values()) // 4)
+    results = {name: simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
+                              time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}
+    say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf slices of "
+        f"{seg} steps); nothing was run")
+    fifo = results["fifo"].makespan
+    for name, r in results.items():
+        say(f"{name:8} makespan {r.makespan:9.2f} s  utilisation {r.utilisation:6.1%}  "
+            f"{fifo / r.makespan if r.makespan else 0:.2f}x fifo's throughput")
+    if png is not None:
+        data = gantt_png({n: r.runs for n, r in results.items()}, s.slots)
+        if data is None:
+            raise StratumError("--png needs matplotlib: pip install 'stratum[plot]'")
+        atomic_write_bytes(png, data)
+        say(f"wrote {png}")
+    return {n: {"makespan_s": r.makespan, "utilisation": r.utilisation} for n, r in results.items()}
+
+
 def make_backend(sweep: Sweep) -> Backend:
     s = sweep.spec.settings
     if s.backend == "ray":
         gpu_slots = {i for i in range(s.slots) if (slot_device(sweep, i) or "").startswith("cuda")}
-        return RayBackend(address=s.ray_address, slots=s.slots, threads=threads_per_job(sweep), gpu_slots=gpu_slots)
+        return RayBackend(address=s.ray_address, slots=s.slots, threads=threads_per_job(s), gpu_slots=gpu_slots)
     return LocalBackend()
 
 
@@ -298,7 +344,8 @@ def _distinct_data(configs) -> list[Config]:
     return out
 
 
-def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float]] | None) -> None:
+def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float]] | None,
+          tick: Callable[[Sweep], None] | None) -> None:
     s = sweep.spec.settings
     t0 = time.monotonic()
     try:
@@ -317,6 +364,8 @@ def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float
                     raise RuntimeError("pending jobs but the scheduler started none with every slot free")
                 _stop_paused(sweep)
                 return
+            if tick is not None:
+                tick(sweep)
             time.sleep(POLL_S)
     except BaseException:  # Ctrl-C or an error: the workers stop with a checkpoint and their jobs stay resumable
         _stop_all(sweep)
@@ -346,7 +395,8 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     start = checkpoint_step(out)
     stop_at = _stop_at(sweep, start, row.steps)
     seg = sweep.backend.start(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
-                        device=slot_device(sweep, slot), threads=threads_per_job(sweep), log_path=out / "worker.log")
+                              device=slot_device(sweep, slot), threads=threads_per_job(sweep.spec.settings),
+                              log_path=out / "worker.log")
     sweep.running[slot] = seg
     if predict is not None:
         sweep.predicted_end[slot] = now + min(predict(task).values())

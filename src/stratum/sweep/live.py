@@ -1,0 +1,70 @@
+"""What a person watching a sweep on a terminal sees: the jobs' table redrawn in place (rich), running jobs'
+step, loss and tokens/s read from the last line of their metrics; progress lines print above it. Off a terminal
+the sweep prints plain lines only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from stratum.sweep.results import table
+from stratum.sweep.state import RUNNING, JobRow
+
+REFRESH_S = 1.0
+
+
+def last_record(metrics: Path) -> dict | None:
+    """The last complete JSON line of a metrics file (read from its end: the file grows with every step)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written, or the cut start of the window
+    return None
+
+
+def with_progress(rows: list[JobRow], sweep_dir: Path) -> list[JobRow]:
+    """Running jobs' rows with their latest step, loss and throughput."""
+    out = []
+    for r in rows:
+        rec = last_record(sweep_dir / "jobs" / r.id / "metrics.jsonl") if r.status == RUNNING else None
+        if rec is not None:
+            r = dataclasses.replace(r, step=rec["step"], loss=rec["loss"], tokens_per_s=rec["tokens_per_s"],
+                                    eval_loss=rec.get("eval_loss", r.eval_loss))
+        out.append(r)
+    return out
+
+
+class LiveTable:
+    """The table on a terminal, redrawn at most every REFRESH_S."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.live = Live(console=console, auto_refresh=False, transient=True)
+        self.live.start()
+        self._last = 0.0
+
+    def say(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False)
+
+    def tick(self, rows: list[JobRow], sweep_dir: Path) -> None:
+        if time.monotonic() - self._last >= REFRESH_S:
+            self._last = time.monotonic()
+            self.live.update(Text(table(with_progress(rows, sweep_dir))), refresh=True)
+
+    def close(self) -> None:
+        self.live.stop()
