@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from stratum.sweep.segment import Segment, run_segment
+from stratum.sweep.segment import Segment, pid_alive, run_segment
 
 _PR_SET_PDEATHSIG = 1
 
@@ -37,21 +37,11 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
                 sweep_pid: int) -> None:
     """A segment's process: exits with :func:`run_segment`'s code."""
     _die_with_parent()
-    if not _pid_alive(sweep_pid):  # the sweep died before the death signal was armed: nobody waits for us
+    if not pid_alive(sweep_pid):  # the sweep died before the death signal was armed: nobody waits for us
         os._exit(1)
     sys.exit(run_segment(config_path, stop_at, device, threads, log_path))
 

@@ -30,7 +30,7 @@ from stratum.sweep.expand import Job, check_jobs, expand, job_config, job_out_di
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   segment_records, stop_segment)
+                                   pid_alive, segment_records, stop_segment)
 from stratum.sweep.plot import gantt_png, loss_png
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
@@ -305,25 +305,11 @@ def _wait_gone(pids: dict[str, int | None], timeout_s: float = 30.0) -> None:
     started while its old worker still writes to its directory."""
     deadline = time.monotonic() + timeout_s
     for job_id, pid in pids.items():
-        while pid is not None and _alive(pid):
+        while pid is not None and pid_alive(pid):
             if time.monotonic() > deadline:
                 raise StratumError(f"{job_id}: the worker of the stopped sweep (pid {pid}) is still running; stop "
                                    "it, then run the same command again")
             time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie lingers where PID 1 does not reap)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _write_job_configs(sweep: Sweep) -> None:

@@ -149,8 +149,10 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
         raise StratumError(f"sweep file {p} does not exist")
     try:
         doc = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise StratumError(f"sweep file {p} is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise StratumError(f"sweep file {p} is not valid TOML: {e or 'nested too deeply'}") from None
+    except OSError as e:
+        raise StratumError(f"sweep file {p} cannot be read ({e.strerror})") from None
     table = doc.pop("sweep", None)
     if not isinstance(table, dict):
         raise StratumError(f"{p} has no [sweep] table; add one with at least a [sweep.grid] or [sweep.random]")
