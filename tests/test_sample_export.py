@@ -134,6 +134,18 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     assert (taken / "file").read_text() == "x" and not (tmp_path / "seq").exists()
 
 
+def test_a_bpe_run_whose_corpus_is_gone_says_so(runs, capsys):
+    corpus = runs["gpt"].parent / "small-corpus.txt"
+    saved = corpus.read_text()
+    corpus.unlink()
+    try:  # the BPE is cached by the corpus's contents: without the corpus it cannot be found
+        assert main(["sample", str(runs["gpt"])]) == 2
+    finally:
+        corpus.write_text(saved)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bpe tokenizer cannot be rebuilt" in err and "does not exist" in err
+
+
 def test_a_model_that_changed_since_the_checkpoint_is_refused(runs):
     config = runs["gpt2"].parent / "gpt2-config" / "config.json"
     saved = config.read_text()

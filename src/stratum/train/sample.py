@@ -27,10 +27,15 @@ class SampleSpec:
     """How to draw: ``temperature`` 0 is greedy (argmax); ``top_k`` 0 keeps the whole vocabulary."""
 
     new_tokens: int
+    """Tokens generated after the prompt."""
     temperature: float
+    """Logits are divided by it before the softmax; 0 takes the most likely token."""
     top_k: int
+    """Draws only among the k most likely tokens; 0 = all."""
     seed: int
+    """Seeds the draws' own generator."""
     num_samples: int = 1
+    """Independent continuations, drawn as one batch."""
 
     def validate(self) -> None:
         if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:

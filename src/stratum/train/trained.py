@@ -62,7 +62,10 @@ def load_trained(path: str | Path) -> Trained:
     except (KeyError, TypeError, AttributeError):
         raise StratumError(f"checkpoint {ckpt.path} has no readable config in meta.json; it was not written by "
                            "`stratum train`") from None
-    tokenizer = make_tokenizer(cfg)
+    try:
+        tokenizer = make_tokenizer(cfg)
+    except StratumError as e:  # a BPE is found by its corpus: a moved corpus loses it
+        raise StratumError(f"checkpoint {ckpt.path}: its {cfg.data.tokenizer} tokenizer cannot be rebuilt ({e})")
     model = build_model(cfg.model, tokenizer_vocab=tokenizer.vocab_size, seq_len=cfg.data.seq_len,
                         seed=cfg.train.seed, device="cpu")
     if fingerprint_hash(model.fingerprint()) != ckpt.meta.get("fingerprint_hash"):
