@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from stratum.cli import build_parser, main
 
@@ -445,3 +446,28 @@ def test_no_validation_split_means_no_evaluation(make_cfg, tmp_path):
 
     summary = train(make_cfg("data.val_fraction=0", "train.steps=2", out=tmp_path / "run"))
     assert summary["steps_done"] == 2 and summary["final_eval_loss"] is None
+
+
+# --- sizes checked before work -------------------------------------------------------------------------------
+
+TOO_BIG = {
+    "vocabulary": (["--set", "model.vocab_size=1000000000"], "training state alone"),
+    "model on the plain engine": (["--set", "model.preset='gpt-6.7b'"], "with the offload engine"),
+    "evaluation batches": (["--set", "train.eval_batches=100000000"], "token batches alone take"),
+    "micro-batch": (["--set", "train.micro_batch_size=100000000"], "lower train.micro_batch_size"),
+    "prefetch depth": (["--set", "offload.prefetch_depth=1000000000"], "offload.prefetch_depth must be in"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOO_BIG))
+def test_what_cannot_fit_is_refused_before_work(case, small, tmp_path, capsys):
+    from stratum.train.dryrun import device_memory_bytes
+
+    flags, text = TOO_BIG[case]
+    if "gpt-6.7b" in str(flags) and (device_memory_bytes(torch.device("cpu")) or 0) > 99 * 2**30:
+        pytest.skip("this machine has the RAM to train gpt-6.7b on the plain engine")
+    out = tmp_path / "run"
+    assert main(["train", *small, "--set", f"train.out_dir={str(out)!r}", *flags]) == 2
+    line = _one_error_line(capsys, text)
+    assert "B " in line or "must be" in line  # the bytes it needs are named
+    assert not out.exists()

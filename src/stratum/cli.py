@@ -31,6 +31,8 @@ import os
 import sys
 
 from stratum.errors import StratumError
+
+MAX_PROFILE_RUNS = 1000
 from stratum.log import console
 
 
@@ -122,8 +124,10 @@ def _run(args: argparse.Namespace) -> int:
         train(cfg, stop_at=args.stop_at)
         return 0
     if args.command == "profile":
-        if args.runs < 1:
-            raise StratumError("--runs must be ≥ 1")
+        if not 1 <= args.runs <= MAX_PROFILE_RUNS:
+            raise StratumError(f"--runs must be in [1, {MAX_PROFILE_RUNS}] (the median of a few is stable)")
+        from stratum.train.fit import check_batches
+        check_batches(cfg)
         from stratum.profile.profiler import profile_from_config
         prof = profile_from_config(cfg, runs=args.runs)
         prof.save(args.out)

@@ -31,6 +31,8 @@ OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
 OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
+MAX_PREFETCH_DEPTH = 64
+"""Chunk accesses prefetched ahead at most: each is scanned every access, and deeper ones only hold memory."""
 SEED_MAX = 2**63 - 1
 """The largest seed torch's generators take (a signed 64-bit integer)."""
 
@@ -376,7 +378,8 @@ class Config:
         _check("offload.resident_chunks", o.resident_chunks >= 0, "must be ≥ 0 (0 = the planner's choice)")
         _choice("offload.optimizer_tier", o.optimizer_tier, OFFLOAD_OPTIMIZER_TIERS)
         _choice("offload.activations", o.activations, OFFLOAD_ACTIVATIONS)
-        _check("offload.prefetch_depth", o.prefetch_depth >= -1, "must be ≥ 0, or -1 for the planner's choice")
+        _check("offload.prefetch_depth", -1 <= o.prefetch_depth <= MAX_PREFETCH_DEPTH,
+               f"must be in [0, {MAX_PREFETCH_DEPTH}] (the planner tries up to 4), or -1 for the planner's choice")
 
 
 def _check_home(key: str, value: str) -> None:

@@ -28,6 +28,7 @@ from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
                                       remove_partial_writes, restore_rng, save_checkpoint)
+from stratum.train.fit import check_fits
 from stratum.train.lock import hold_out_dir
 from stratum.train.lr import lr_at
 from stratum.train.metrics import median
@@ -119,6 +120,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     # every rank prepares its data (caches are written atomically, so ranks sharing a cache directory are safe;
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
+    check_fits(cfg, device, tokenizer_vocab=data.tokenizer.vocab_size)  # before any allocation it would exceed
     torch.manual_seed(t.seed)
     speeds = rank_speeds(cfg, world)  # measured before any model work, on every rank at once
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)

@@ -1,0 +1,76 @@
+"""Sizes checked before work: a run whose batches or (on the plain engine) training state cannot fit in memory is
+refused up front with the bytes it needs and what to do, instead of an allocator traceback or hours of work.
+
+The estimates are lower bounds — what the run certainly needs — so a refusal is never wrong; a run that passes
+may still need more (activations beyond the logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stratum.config import Config
+from stratum.errors import StratumError
+from stratum.ir.plan import Local
+from stratum.offload.units import fmt_bytes
+from stratum.train.dryrun import ADAMW_STATE_BYTES_PER_PARAM, device_memory_bytes, plain_fit
+
+TOKEN_BYTES = 8
+"""int64 token ids."""
+BATCH_COPIES = 3
+"""The sampler's rows, then inputs and targets cut from them: three copies of a batch's tokens at once."""
+LOGITS_COPIES = 3
+"""Logits, their softmax and its gradient (fp32) live together during the loss's backward."""
+
+
+def batch_bytes(cfg: Config) -> int:
+    """Host bytes of the token tensors a step holds: the global batch and the evaluation batches."""
+    t, row = cfg.train, cfg.data.seq_len + 1
+    rows = max(cfg.global_batch, t.eval_batches * t.micro_batch_size)
+    return rows * row * TOKEN_BYTES * BATCH_COPIES
+
+
+def plain_state_bytes(model) -> int:
+    """Parameters, gradients and AdamW moments of ``model`` (built on the meta device)."""
+    n = model.num_params()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * param_bytes + n * ADAMW_STATE_BYTES_PER_PARAM
+
+
+def logits_bytes(cfg: Config, vocab_size: int) -> int:
+    """fp32 logits of one micro-batch, with their softmax and gradient."""
+    return cfg.train.micro_batch_size * cfg.data.seq_len * vocab_size * 4 * LOGITS_COPIES
+
+
+def check_batches(cfg: Config) -> None:
+    """Refuse token batches (training and evaluation) that cannot fit in host RAM."""
+    host = device_memory_bytes(torch.device("cpu"))
+    need = batch_bytes(cfg)
+    if host is not None and need > host:
+        raise StratumError(f"the token batches alone take {fmt_bytes(need)} (train.micro_batch_size × "
+                           f"train.grad_accum × replicas, or × train.eval_batches for evaluation, × data.seq_len) "
+                           f"but {fmt_bytes(host)} of RAM is available; lower train.micro_batch_size or "
+                           "train.eval_batches")
+
+
+def check_fits(cfg: Config, device: torch.device, *, tokenizer_vocab: int) -> None:
+    """Refuse a run that cannot fit: its batches in host RAM, and on a one-process plain engine its training state
+    and one micro-batch's logits on ``device``."""
+    check_batches(cfg)
+    if not isinstance(cfg.plan.root, Local):
+        return  # parallel plans split the state over processes; the offload engine plans its own tiers
+    from stratum.model.build import build_model
+
+    model = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                        device="meta")
+    state, available = plain_state_bytes(model), device_memory_bytes(device)
+    if available is None:
+        return
+    if state >= available:
+        raise StratumError(plain_fit(state, available, device).removeprefix("fit: "))
+    need = state + logits_bytes(cfg, model.info.vocab_size or 0)
+    if need > available:
+        raise StratumError(f"the training state ({fmt_bytes(state)}) and one micro-batch's logits need "
+                           f"{fmt_bytes(need)}, more than the {fmt_bytes(available)} available on "
+                           f"{device.type}; lower train.micro_batch_size (with more train.grad_accum) or use the "
+                           "offload engine (stratum plan --set train.engine=offload checks a placement)")
