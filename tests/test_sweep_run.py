@@ -81,6 +81,14 @@ def rows(sweep_dir: Path) -> dict[str, dict]:
     return out
 
 
+def poll_rows(sweep_dir: Path) -> dict[str, dict]:
+    """rows() of a sweep another thread or process is running: {} until its database has its tables."""
+    try:
+        return rows(sweep_dir) if (sweep_dir / "state.db").exists() else {}
+    except sqlite3.OperationalError:  # the file exists, its schema is being written
+        return {}
+
+
 @pytest.fixture(scope="module")
 def four_jobs(tmp_path_factory, corpus_file, cache_dir):
     tmp = tmp_path_factory.mktemp("sweep4")
@@ -132,7 +140,7 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
     def kill_j002_midway() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not killed:
-            r = rows(sweep_dir).get("j002") if (sweep_dir / "state.db").exists() else None
+            r = poll_rows(sweep_dir).get("j002")
             if r and r["status"] == "running" and r["pid"] and len(read_metrics(sweep_dir / "jobs" / "j002")) >= 12:
                 os.kill(r["pid"], signal.SIGKILL)
                 killed.append(r["pid"])
@@ -164,7 +172,7 @@ def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpu
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            got = rows(sweep_dir) if (sweep_dir / "state.db").exists() else {}
+            got = poll_rows(sweep_dir)
             done = [j for j, r in got.items() if r["status"] == "done"]
             mid = [j for j, r in got.items() if r["status"] == "running"
                    and len(read_metrics(sweep_dir / "jobs" / j)) >= 6]
