@@ -471,3 +471,30 @@ def test_what_cannot_fit_is_refused_before_work(case, small, tmp_path, capsys):
     line = _one_error_line(capsys, text)
     assert "B " in line or "must be" in line  # the bytes it needs are named
     assert not out.exists()
+
+
+# --- threads follow the cores this process may use -----------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_threads_follow_the_usable_cores_and_train_threads(make_cfg, tmp_path, monkeypatch, caplog):
+    from stratum.train.threads import apply_threads
+    from stratum.train.trainer import train
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, {min(cores)})  # as taskset -c 0 does
+        assert apply_threads(0).startswith("threads: 1 intra-op (auto: 1 usable core(s) / 1 process(es)")
+        assert torch.get_num_threads() == 1
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(max(2, len(cores)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(max(2, len(cores))))  # as many processes as cores here
+        apply_threads(0)
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        with caplog.at_level("INFO", logger="stratum"):
+            train(make_cfg("train.threads=3", "train.steps=1", out=tmp_path / "run"))
+        assert torch.get_num_threads() == 3 and "threads: 3 intra-op (train.threads)" in caplog.text
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)

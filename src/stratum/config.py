@@ -109,6 +109,9 @@ class TrainConfig:
     """fp32, or bf16 (autocast; weights and optimizer state stay fp32)."""
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, or cuda:N."""
+    threads: int = 0
+    """torch's intra-op threads per process; 0 = auto: the cores this process may use (its CPU affinity) shared
+    among the plan's processes on this machine."""
     engine: str = "plain"
     """Execution engine: plain (the single-process reference), pipeline (stages over processes, see [pipeline]),
     offload (training state in chunks over device, host and disk under byte budgets, see [offload])."""
@@ -309,6 +312,7 @@ class Config:
         _check("train.steps", t.steps >= 1, "must be ≥ 1")
         _check("train.micro_batch_size", t.micro_batch_size >= 1, "must be ≥ 1")
         _check("train.grad_accum", t.grad_accum >= 1, "must be ≥ 1")
+        _check("train.threads", 0 <= t.threads <= 4096, "must be in [0, 4096] (0 = auto)")
         _check("train.seed", 0 <= t.seed <= SEED_MAX, f"must be in [0, 2**63 - 1 = {SEED_MAX}]")
         _choice("train.precision", t.precision, PRECISIONS)
         if not (t.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", t.device)):

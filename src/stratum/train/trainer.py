@@ -35,6 +35,7 @@ from stratum.train.metrics import median
 from stratum.train.progress import StepDisplay, make_console
 from stratum.train.scalars import metrics_log
 from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
+from stratum.train.threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
                            timeout_s=cfg.parallel.timeout_s)
         if not world.is_main:
             console = Console(file=open(os.devnull, "w"), highlight=False)
+        threads = apply_threads(cfg.train.threads)
+        if world.is_main:
+            logger.info(threads)
         out_dir = Path(cfg.train.out_dir).expanduser()
         if world.is_main:
             prepare_out_dir(out_dir)

@@ -1,0 +1,44 @@
+"""torch's intra-op threads for a run: ``train.threads``, or (0 = auto) the cores this process may use shared
+among the plan's processes on this machine.
+
+torch starts one OpenMP thread per physical core whatever the process may use; on a busy 2-core machine two
+threads per process ran 10-14× slower than one, because threads of several processes (or of one process
+restricted by ``taskset``/a cpuset) then wait on each other's cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; all cores where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def local_processes() -> int:
+    """Processes of this run on this machine (the launcher's or torchrun's ``LOCAL_WORLD_SIZE``; 1 alone)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def auto_threads() -> int:
+    """Threads that keep this process on its share of the usable cores, and never more than torch has now (a
+    caller that already lowered them, such as a sweep's worker, keeps its choice)."""
+    return max(1, min(torch.get_num_threads(), usable_cores() // local_processes()))
+
+
+def apply_threads(requested: int) -> str:
+    """Set torch's intra-op threads to ``requested`` (0 = :func:`auto_threads`); the line the run prints."""
+    n = requested or auto_threads()
+    torch.set_num_threads(n)
+    why = "train.threads" if requested else (f"auto: {usable_cores()} usable core(s) / {local_processes()} "
+                                            "process(es) here; set train.threads to choose")
+    return f"threads: {n} intra-op ({why})"
