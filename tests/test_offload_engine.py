@@ -628,7 +628,8 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     import dataclasses
 
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import Costs, _deferral_options, predict_plan
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import _deferral_options, predict_plan
     if DEV.type != "cpu":
         pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")
     prof, _ = _reference("gpt", shared_tmp)
@@ -642,7 +643,7 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     assert late
     p = dataclasses.replace(p, deferred_chunks=tuple(sorted(late)))
     # the plan's own model of the traffic with these chunks deferred
-    _, traffic, *_ = predict_plan(layout, p, costs=Costs.from_profile(prof, len(m)), bw=None, n_micro=2,
+    _, traffic, *_ = predict_plan(layout, p, costs=Costs.blocks(prof), bw=None, n_micro=2,
                                   deferred=False, n_params=m.num_params())
     p = dataclasses.replace(p, predicted_traffic=traffic)
     eng = _engine(m, p, clip=0.0)

@@ -156,7 +156,8 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
     import dataclasses
 
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import SLOW_DISK, TIE, Costs, choose, predict_plan
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import SLOW_DISK, TIE, choose, predict_plan
     from stratum.offload.tiers import Bandwidths
     close = 1.0 + TIE / 2
     on_slow = {"lean": 2.0, "balanced": 1.5, "outside": 1.0}.__getitem__
@@ -178,7 +179,7 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
     bw = Bandwidths(h2d=1e12, d2h=1e12, disk_read=4e8, disk_write=4e8, adam_params_per_s=1e15)
     p = plan(m, prof, clip=0.0, device_budget=state_bytes(m) // 4, optimizer_tier=DISK, bandwidths=bw)
     slow_bw = dataclasses.replace(bw, disk_read=bw.disk_read * SLOW_DISK, disk_write=bw.disk_write * SLOW_DISK)
-    kw = dict(costs=Costs.from_profile(prof, len(m)), n_micro=2, deferred=False,
+    kw = dict(costs=Costs.blocks(prof), n_micro=2, deferred=False,
               n_params=sum(x.numel() for x in m.parameters()))
     lay = pack(m, p.chunk_elems)
     assert predict_plan(lay, p, bw=bw, **kw)[2] == pytest.approx(p.predicted_step_s)
@@ -243,7 +244,8 @@ def test_step_time_is_modelled_per_window(gpt):
     window: forward compute hides under it for free, while a long backward cannot hide it (the aggregate model,
     max(compute, traffic), got both wrong — 21 s predicted against 33 s measured beyond RAM)."""
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, Costs, predict
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -251,7 +253,7 @@ def test_step_time_is_modelled_per_window(gpt):
     moments_read_s = 8 * sum(c.capacity for c in lay.chunks) / 1e8  # inside the clipped update pass
 
     def step(fwd: float, bwd: float, clipped: bool) -> float:
-        costs = Costs(fwd_s=[fwd / L] * L, bwd_s=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
+        costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[fwd / L] * L, b=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
                       spill_bytes=[0] * L)
         return predict(lay, R=2 * lay.max_chunks_per_block(), opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs,
                        bw=bw, n_micro=1, deferred=clipped, n_params=m.num_params())[2]
@@ -266,14 +268,15 @@ def test_prefetch_overlap_is_limited_by_free_slots(gpt):
     """Only the slots beside the running block's chunks can take the next block's: with one spare slot most of
     a transfer-bound step's traffic is exposed, with enough for a whole block none is."""
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, Costs, predict
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
     need = lay.max_chunks_per_block()
     assert need >= 3
     bw = Bandwidths(h2d=1e12, d2h=1e12, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15)
-    costs = Costs(fwd_s=[1.0] * L, bwd_s=[2.0] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
+    costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[1.0] * L, b=[2.0] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
 
     def step(R: int) -> float:
         return predict(lay, R=R, opt=DISK, ptier=DISK, k=2, acts=KEEP, costs=costs, bw=bw, n_micro=1,
@@ -286,7 +289,8 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     their moment and parameter traffic out of the backward (plus one gradient write and read): the planner picks
     it when the backward is disk-bound and the forward has time to spare, and not when nothing is disk-bound."""
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, Costs, _deferral_options, predict
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import KEEP, _deferral_options, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -301,7 +305,7 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     assert _deferral_options(lay, DEVICE, DISK, False, bw) == [frozenset()]
 
     def run(fwd: float, bwd: float, late: frozenset[int]):
-        costs = Costs(fwd_s=[fwd / L] * L, bwd_s=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
+        costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[fwd / L] * L, b=[bwd / L] * L, act_bytes=[0] * L, out_bytes=[0] * L,
                       spill_bytes=[0] * L)
         _, tr, step, _, _ = predict(lay, R=2 * lay.max_chunks_per_block(), opt=DISK, ptier=DISK, k=2, acts=KEEP,
                                     costs=costs, bw=bw, n_micro=1, deferred=False, n_params=m.num_params(),
@@ -330,14 +334,15 @@ def test_a_cpu_counts_its_memcpys_as_compute(gpt):
     is compute plus every copied byte at the measured rate, prefetched or not, where a GPU's side stream hides
     them. Gradients handed to the host optimizer are not copied at all."""
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, Costs, predict
+    from stratum.ir.costs import Costs
+    from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
     need = lay.max_chunks_per_block()
     n_stream = len(lay.streamable)
     assert n_stream >= 2 * need  # room for a full prefetch
-    costs = Costs(fwd_s=[1e-3] * L, bwd_s=[2e-3] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
+    costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[1e-3] * L, b=[2e-3] * L, act_bytes=[0] * L, out_bytes=[0] * L, spill_bytes=[0] * L)
 
     def step(R: int, k: int, async_copies: bool):
         bw = Bandwidths(h2d=1e9, d2h=1e9, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15,
@@ -367,7 +372,7 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     assert _kept_options(SPILL, L, None)[:3] == [frozenset(), frozenset({L - 1}), frozenset({L - 2, L - 1})]
     assert _kept_options("keep", L, None) == [frozenset()] and _kept_options(SPILL, L, 0) == [frozenset()]
     a = 1 << 20
-    costs = Costs(fwd_s=[1e-3] * L, bwd_s=[2e-3] * L, act_bytes=[a] * L, out_bytes=[1000] * L,
+    costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[1e-3] * L, b=[2e-3] * L, act_bytes=[a] * L, out_bytes=[1000] * L,
                   spill_bytes=[a] * L)
     bw = Bandwidths(h2d=1e9, d2h=1e9, disk_read=1e8, disk_write=1e8, adam_params_per_s=1e15)
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
 from stratum.errors import StratumError
+from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import Layout, pack, param_order
@@ -155,28 +156,6 @@ class Plan:
                      f"{self.disk_s:.3f} s and host↔device copies {self.copy_s:.3f} s at the measured bandwidths; "
                      f"activations {fmt_bytes(self.act_bytes)} per micro-batch)")
         return "\n".join(lines)
-
-
-@dataclass(kw_only=True)
-class Costs:
-    """What the planner knows about the model's compute (from a Profile, or zeros)."""
-
-    fwd_s: list[float]
-    bwd_s: list[float]
-    act_bytes: list[int]
-    out_bytes: list[int]
-    spill_bytes: list[int]
-    """What a spill copies per block (measured by the profiler; its saved bytes in older profiles)."""
-
-    @classmethod
-    def from_profile(cls, profile, n_blocks: int) -> "Costs":
-        if profile is None:
-            z = [0] * n_blocks
-            return cls(fwd_s=[0.0] * n_blocks, bwd_s=[0.0] * n_blocks, act_bytes=z, out_bytes=z, spill_bytes=z)
-        b = profile.blocks
-        return cls(fwd_s=[x.fwd_s for x in b], bwd_s=[x.bwd_s for x in b], act_bytes=[x.act_saved_bytes for x in b],
-                   out_bytes=[x.out_bytes for x in b],
-                   spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in b])
 
 
 class Accesses(NamedTuple):
@@ -352,8 +331,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         add("disk_read", n_micro * sum(round_up(costs.spill_bytes[i]) for i in disk_spilled - in_ring), True)
     add("h2d", spilled_bytes, True)
     add("d2h", spilled_bytes, False)
-    fwd = n_micro * sum(costs.fwd_s)
-    bwd = n_micro * (sum(costs.bwd_s) + sum(costs.fwd_s[i] for i in recomputed))
+    fwd = n_micro * sum(costs.f)
+    bwd = n_micro * (sum(costs.b) + sum(costs.f[i] for i in recomputed))
     compute = fwd + bwd
     if bw is None:
         return {DEVICE: dev, HOST: host, DISK: disk}, tr, compute, compute, act
@@ -408,7 +387,7 @@ def predict_plan(layout: Layout, plan: Plan, *, costs: Costs, bw: Bandwidths | N
 
 def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
     """The blocks to spill within ``room`` host bytes: most recompute seconds saved per byte first (greedy)."""
-    order = sorted(range(len(costs.spill_bytes)), key=lambda i: -costs.fwd_s[i] / max(costs.spill_bytes[i], 1))
+    order = sorted(range(len(costs.spill_bytes)), key=lambda i: -costs.f[i] / max(costs.spill_bytes[i], 1))
     chosen, used = [], 0
     for i in order:
         if used + costs.spill_bytes[i] <= room:
@@ -520,7 +499,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
               activations: str | None = None, kept_blocks: int | None = None) -> Plan:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Plan.kept_blocks)."""
-    costs = Costs.from_profile(profile, len(seq))
+    costs = Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq))
     n_params = sum(p.numel() for _, p in param_order(seq))
     deferred = grad_clip > 0
     sizes = [chunk_elems] if chunk_elems else _chunk_candidates(seq)

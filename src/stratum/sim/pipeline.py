@@ -17,98 +17,11 @@ Model:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stratum.errors import StratumError
+from stratum.ir.costs import Costs
 from stratum.schedule.ir import Action, Schedule
-
-
-@dataclass(frozen=True, kw_only=True)
-class Costs:
-    """Per-stage costs (seconds, bytes) and the point-to-point link (seconds, bytes/second)."""
-
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    i: tuple[float, ...]
-    w: tuple[float, ...]
-    act_bytes: tuple[float, ...]
-    """Bytes stage s keeps alive per micro-batch between its forward and its (weight) backward."""
-    out_bytes: tuple[float, ...]
-    """Bytes of stage s's output activation (= bytes of the gradient sent back into it)."""
-    latency: float = 0.0
-    bandwidth: float = math.inf
-    time_unit: str = "s"
-    """What a time in these costs is: seconds (profiled costs), or "units" (:meth:`unit`'s made-up costs)."""
-    memory_unit: str = "bytes"
-    """What an activation size in these costs is: bytes, or "units"."""
-
-    def __post_init__(self) -> None:
-        n = len(self.f)
-        for name in ("f", "b", "i", "w", "act_bytes", "out_bytes"):
-            val = tuple(float(x) for x in getattr(self, name))
-            object.__setattr__(self, name, val)
-            if len(val) != n:
-                raise StratumError(f"costs: {name} has {len(val)} entries, f has {n}; give one per stage")
-            if any(x < 0 or math.isnan(x) for x in val):
-                raise StratumError(f"costs: {name} has a negative or NaN entry")
-        if self.latency < 0:
-            raise StratumError(f"costs: latency must be >= 0 seconds, got {self.latency}")
-        if not self.bandwidth > 0:
-            raise StratumError(f"costs: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.f)
-
-    def compute(self, a: Action) -> float:
-        return {"F": self.f, "B": self.b, "I": self.i, "W": self.w}[a.kind][a.stage]
-
-    def message_s(self, nbytes: float) -> float:
-        """Seconds for a cross-rank message of ``nbytes`` bytes."""
-        return self.latency + nbytes / self.bandwidth
-
-    @classmethod
-    def unit(cls, num_stages: int, *, stages_per_rank: int = 1, f: float = 1.0, b: float = 2.0, i: float = 1.0,
-             w: float = 1.0, act_bytes: float = 1.0, out_bytes: float = 0.0, latency: float = 0.0,
-             bandwidth: float = math.inf) -> "Costs":
-        """Identical stages. With ``stages_per_rank`` = v the compute and activation of each stage are divided
-        by v, so a rank's total work and memory per micro-batch stay those of a one-stage-per-rank pipeline
-        (the fair way to compare interleaved/wave with 1F1B); message sizes are not divided."""
-        k = 1.0 / stages_per_rank
-        n = num_stages
-        return cls(f=(f * k,) * n, b=(b * k,) * n, i=(i * k,) * n, w=(w * k,) * n,
-                   act_bytes=(act_bytes * k,) * n, out_bytes=(out_bytes,) * n, latency=latency,
-                   bandwidth=bandwidth, time_unit="units", memory_unit="units")
-
-    @classmethod
-    def from_profile(cls, profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
-                     bandwidth: float = math.inf) -> "Costs":
-        """Sum a :class:`stratum.profile.Profile`'s per-block costs over each stage's blocks.
-
-        ``partition[s]`` is the block range of stage s, as ``range(a, b)`` or ``(a, b)`` (b exclusive); the
-        ranges must cover all blocks, contiguously, in order. I = sum of ``bwd_input_s``, W = sum of
-        ``bwd_weight_s``; the message size is the ``out_bytes`` of the stage's last block.
-        """
-        blocks = profile.blocks
-        spans = [(r.start, r.stop) if isinstance(r, range) else tuple(r) for r in partition]
-        if not spans:
-            raise StratumError("partition is empty; give one block range per stage")
-        nxt = 0
-        for s, sp in enumerate(spans):
-            if len(sp) != 2 or sp[0] != nxt or sp[1] <= sp[0]:
-                raise StratumError(f"partition: stage {s} is {list(sp)}, expected a non-empty range starting at "
-                                   f"block {nxt} (stages must cover the blocks contiguously, in order)")
-            nxt = sp[1]
-        if nxt != len(blocks):
-            raise StratumError(f"partition covers blocks 0..{nxt - 1}, but the profile has {len(blocks)} blocks")
-        sel = [blocks[a:b] for a, b in spans]
-        return cls(f=[sum(x.fwd_s for x in bs) for bs in sel], b=[sum(x.bwd_s for x in bs) for bs in sel],
-                   i=[sum(x.bwd_input_s for x in bs) for bs in sel],
-                   w=[sum(x.bwd_weight_s for x in bs) for bs in sel],
-                   act_bytes=[sum(x.act_saved_bytes for x in bs) for bs in sel],
-                   out_bytes=[bs[-1].out_bytes for bs in sel], latency=latency, bandwidth=bandwidth)
 
 
 @dataclass(frozen=True, kw_only=True)

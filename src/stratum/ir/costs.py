@@ -1,0 +1,125 @@
+"""The one cost model: seconds and bytes of a sequence of units — a model's blocks, or a pipeline's stages — and
+the link between ranks. Every planner and simulator reads it: the offload planner prices blocks
+(:meth:`Costs.blocks`), the pipeline simulator and partitioner price stages (:meth:`Costs.over` sums blocks into
+stages; :meth:`Costs.unit` makes identical made-up stages for comparing schedules).
+
+Per unit: ``f``, ``b`` (forward and whole backward), ``i`` and ``w`` (the backward split into its input- and
+weight-gradient parts) in seconds; ``act_bytes`` kept from a forward to its backward per micro-batch;
+``out_bytes`` of the unit's output (the message to the next stage, and the gradient coming back);
+``spill_bytes`` that an activation spill copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from stratum.errors import StratumError
+
+FIELDS = ("f", "b", "i", "w", "act_bytes", "out_bytes", "spill_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Per-unit costs (seconds, bytes) and the point-to-point link (seconds, bytes/second); see the module."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    act_bytes: tuple[float, ...]
+    """Bytes unit s keeps alive per micro-batch between its forward and its (weight) backward."""
+    out_bytes: tuple[float, ...]
+    """Bytes of unit s's output activation (= bytes of the gradient sent back into it)."""
+    spill_bytes: tuple[float, ...] = ()
+    """Bytes an activation spill of unit s copies (the profiler's measure; ``act_bytes`` where not given)."""
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    time_unit: str = "s"
+    """What a time in these costs is: seconds (profiled costs), or "units" (:meth:`unit`'s made-up costs)."""
+    memory_unit: str = "bytes"
+    """What an activation size in these costs is: bytes, or "units"."""
+
+    def __post_init__(self) -> None:
+        if not self.spill_bytes:
+            object.__setattr__(self, "spill_bytes", self.act_bytes)
+        n = len(self.f)
+        for name in FIELDS:
+            # byte counts from a profile stay integers: the planner's budgets and answers are whole bytes
+            val = tuple(x if isinstance(x, int) and not isinstance(x, bool) else float(x) for x in getattr(self, name))
+            object.__setattr__(self, name, val)
+            if len(val) != n:
+                raise StratumError(f"costs: {name} has {len(val)} entries, f has {n}; give one per stage")
+            if any(x < 0 or math.isnan(x) for x in val):
+                raise StratumError(f"costs: {name} has a negative or NaN entry")
+        if self.latency < 0:
+            raise StratumError(f"costs: latency must be >= 0 seconds, got {self.latency}")
+        if not self.bandwidth > 0:
+            raise StratumError(f"costs: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    def compute(self, a) -> float:
+        """Seconds of a schedule action (its ``kind`` F, B, I or W, on its ``stage``)."""
+        return {"F": self.f, "B": self.b, "I": self.i, "W": self.w}[a.kind][a.stage]
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds for a cross-rank message of ``nbytes`` bytes."""
+        return self.latency + nbytes / self.bandwidth
+
+    # ---- made from ----------------------------------------------------------------------------------------
+    @classmethod
+    def blocks(cls, profile) -> "Costs":
+        """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
+        bs = profile.blocks
+        return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
+                   w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
+                   out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs])
+
+    @classmethod
+    def zeros(cls, n: int) -> "Costs":
+        """``n`` units that cost nothing (what is known without a profile)."""
+        z, zb = (0.0,) * n, (0,) * n
+        return cls(f=z, b=z, i=z, w=z, act_bytes=zb, out_bytes=zb, spill_bytes=zb)
+
+    @classmethod
+    def unit(cls, num_stages: int, *, stages_per_rank: int = 1, f: float = 1.0, b: float = 2.0, i: float = 1.0,
+             w: float = 1.0, act_bytes: float = 1.0, out_bytes: float = 0.0, latency: float = 0.0,
+             bandwidth: float = math.inf) -> "Costs":
+        """Identical stages. With ``stages_per_rank`` = v the compute and activation of each stage are divided
+        by v, so a rank's total work and memory per micro-batch stay those of a one-stage-per-rank pipeline
+        (the fair way to compare interleaved/wave with 1F1B); message sizes are not divided."""
+        k = 1.0 / stages_per_rank
+        n = num_stages
+        return cls(f=(f * k,) * n, b=(b * k,) * n, i=(i * k,) * n, w=(w * k,) * n,
+                   act_bytes=(act_bytes * k,) * n, out_bytes=(out_bytes,) * n, latency=latency,
+                   bandwidth=bandwidth, time_unit="units", memory_unit="units")
+
+    @classmethod
+    def from_profile(cls, profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
+                     bandwidth: float = math.inf) -> "Costs":
+        """A profile's blocks summed into the stages of ``partition``, with the link given."""
+        return replace(cls.blocks(profile).over(partition), latency=latency, bandwidth=bandwidth)
+
+    def over(self, partition: Sequence[Sequence[int] | range]) -> "Costs":
+        """These units summed into groups (blocks into stages): ``partition[s]`` is group s's range, as
+        ``range(a, b)`` or ``(a, b)`` (b exclusive), covering every unit contiguously, in order. Times, kept
+        and spilled bytes add up; a group's message is its last unit's output."""
+        spans = [(r.start, r.stop) if isinstance(r, range) else tuple(r) for r in partition]
+        if not spans:
+            raise StratumError("partition is empty; give one block range per stage")
+        nxt = 0
+        for s, sp in enumerate(spans):
+            if len(sp) != 2 or sp[0] != nxt or sp[1] <= sp[0]:
+                raise StratumError(f"partition: stage {s} is {list(sp)}, expected a non-empty range starting at "
+                                   f"block {nxt} (stages must cover the blocks contiguously, in order)")
+            nxt = sp[1]
+        if nxt != self.num_stages:
+            raise StratumError(f"partition covers blocks 0..{nxt - 1}, but the profile has {self.num_stages} "
+                               "blocks")
+        summed = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
+                  for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes")}
+        return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])
