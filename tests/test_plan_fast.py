@@ -18,17 +18,35 @@ def _no_measuring(*args, **kwargs):
     raise AssertionError("a block was run")
 
 
-def test_shape_profile_gives_the_bytes_without_running_a_block(monkeypatch):
-    measured = profile_blockseq(build_gpt("tiny", vocab_size=256, seed=0), micro_batch=4, seq_len=32, device=CPU,
-                                runs=1)
+def _model(name: str, tmp_path):
+    """A tiny model of each kind on the meta device: the own GPT, or transformers' GPT-2 or Llama."""
+    if name == "gpt":
+        return build_gpt("tiny", vocab_size=256, seed=0, device="meta")
+    transformers = pytest.importorskip("transformers")
+    from stratum.model.hf import build_hf
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=64)
+    else:  # rotary buffers, grouped-query attention
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          max_position_embeddings=64)
+    config.save_pretrained(tmp_path / name)
+    return build_hf(str(tmp_path / name), seed=0, device="meta")
+
+
+@pytest.mark.parametrize("name, slack", [("gpt", 1.0), ("gpt2", 1.0), ("llama", 1.15)])
+def test_shape_profile_gives_the_bytes_without_running_a_block(name, slack, tmp_path, monkeypatch):
+    measured = profile_blockseq(_model(name, tmp_path), micro_batch=4, seq_len=32, device=CPU, runs=1)
     monkeypatch.setattr(fast, "_measure_block", _no_measuring)
-    shapes = fast.shape_profile(build_gpt("tiny", vocab_size=256, seed=0, device="meta"), micro_batch=4, seq_len=32)
+    state = torch.get_rng_state()
+    shapes = fast.shape_profile(_model(name, tmp_path), micro_batch=4, seq_len=32, device=CPU)
+    assert torch.equal(torch.get_rng_state(), state)
     assert len(shapes.blocks) == len(measured.blocks)
     for s, m in zip(shapes.blocks, measured.blocks):
         assert (s.n_params, s.param_bytes, s.grad_bytes, s.optim_bytes, s.out_bytes) == \
                (m.n_params, m.param_bytes, m.grad_bytes, m.optim_bytes, m.out_bytes)
-        # meta kernels may save a little more than the CPU's (attention: about 6 % on GPT)
-        assert m.act_saved_bytes <= s.act_saved_bytes <= 1.1 * m.act_saved_bytes, s.name
+        # exact for GPT and GPT-2; a Llama layer counts more than it saves when run (an upper bound)
+        assert m.act_saved_bytes <= s.act_saved_bytes <= slack * m.act_saved_bytes, s.name
         assert s.fwd_s == s.bwd_s == 0.0
 
 
