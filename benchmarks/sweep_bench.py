@@ -1,5 +1,5 @@
-"""Benchmark: one sweep of 8 jobs on 2 local slots under each scheduler (fifo, lrtf, planned), measured, beside
-the simulator's prediction of the same schedule.
+"""Benchmark: one sweep of 8 jobs on 2 local slots under each scheduler (fifo, lrtf with slices ending in a
+checkpoint or a paused worker, planned), measured, beside the simulator's prediction of the same schedule.
 
 The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.seq_len ∈ {32, 64}, in that grid
 order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
@@ -34,14 +34,18 @@ from stratum.train.metrics import median
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
-SCHEDULERS = ("fifo", "lrtf", "planned")
+VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
+            "planned": ("planned", "checkpoint")}
+"""Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
 
 
-def sweep_text(out_dir: Path, scheduler: str, *, steps: int, segment_steps: int, corpus: str, cache: str) -> str:
+def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
+               cache: str) -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
 scheduler = "{scheduler}"
+slice_by = "{slice_by}"
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 [sweep.grid]
 "model.preset" = ["mini", "small"]
@@ -59,9 +63,10 @@ ckpt_minutes = 0.0
 """
 
 
-def one(scheduler: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
-    path = root / f"{scheduler}.toml"
-    path.write_text(sweep_text(root / scheduler, scheduler, steps=args.steps, segment_steps=args.segment_steps,
+def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
+    scheduler, slice_by = VARIANTS[name]
+    path = root / f"{name}.toml"
+    path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
                                corpus=corpus, cache=str(root / "cache")))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
@@ -69,7 +74,7 @@ def one(scheduler: str, root: Path, args: argparse.Namespace, corpus: str) -> di
     profiles = sweep_profiles(sweep)  # cached by the run (lrtf, planned) or measured now (fifo)
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
-    meas_step_s = {j: median(read_metrics(root / scheduler / "jobs" / j), "step_s") for j in steps}
+    meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
     sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
@@ -90,7 +95,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
         results = {}
-        for s in SCHEDULERS:
+        for s in VARIANTS:
             t0 = time.perf_counter()
             results[s] = one(s, root, args, corpus)
             r = results[s]
@@ -105,7 +110,7 @@ def main() -> None:
                    "measured_over_simulated_measured_steps": results[s]["measured_makespan_s"]
                    / results[s]["simulated_makespan_s_measured_steps"],
                    "measured_over_simulated_profile": results[s]["measured_makespan_s"]
-                   / results[s]["simulated_makespan_s_profile"]} for s in SCHEDULERS}
+                   / results[s]["simulated_makespan_s_profile"]} for s in VARIANTS}
     for s, v in summary.items():
         print(f"{s:8} {v['speedup_vs_fifo']:.2f}x fifo's throughput; measured / simulated: "
               f"{v['measured_over_simulated_measured_steps']:.2f} (measured step times), "

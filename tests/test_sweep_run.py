@@ -234,3 +234,19 @@ def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_
     assert max(r["offload_device_peak_bytes"] for r in recs) <= 6_000_000
     # the offload engine reproduces the plain engine's losses (to float rounding of its chunked AdamW)
     assert job_losses(tmp_path / "sw", "j001") == pytest.approx(standalone_losses(path, "j001", tmp_path), rel=1e-6)
+
+
+def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='scheduler = "lrtf"\nsegment_steps = 4\nslice_by = "pause"',
+                      grid='"train.steps" = [8, 16]\n"optim.lr" = [1e-3, 3e-3]', steps=8, extra="eval_interval = 0")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    got = rows(tmp_path / "sw")
+    assert all(r["status"] == "done" for r in got.values()), (got, lines)
+    assert any(": paused at step" in ln for ln in lines) and any(": continued on slot" in ln for ln in lines)
+    for job_id in got:
+        assert sum(ln.startswith(f"{job_id}: started") for ln in lines) == 1  # one process for the whole job
+        ckpts = sorted(p.name for p in (tmp_path / "sw" / "jobs" / job_id / "checkpoints").glob("step_*"))
+        assert ckpts == [f"step_{got[job_id]['steps']:08d}"]  # no checkpoint between slices
+        assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id)

@@ -47,7 +47,8 @@ def worker_main(config_path: str, stop_at: int, device: str | None, threads: int
 
 
 class LocalWorker:
-    """A forked worker process (the runner's :class:`~stratum.sweep.segment.Worker`)."""
+    """A forked worker process (the runner's :class:`~stratum.sweep.segment.Worker`); it can also be paused and
+    continued (sweep.slice_by = pause, local backend only)."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess):
         self.proc = proc
@@ -66,6 +67,15 @@ class LocalWorker:
 
     def join(self, timeout_s: float) -> None:
         self.proc.join(timeout_s)
+
+    def pause(self) -> None:
+        """Stop the process where it is (SIGSTOP): its state stays in memory, it uses no CPU."""
+        if self.proc.exitcode is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.exitcode is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
 
 class LocalBackend:

@@ -30,7 +30,7 @@ from stratum.sweep.expand import Job, check_jobs, expand, job_config, job_out_di
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   pid_alive, segment_records, stop_segment)
+                                   last_record, pid_alive, segment_records, stop_segment)
 from stratum.sweep.plot import gantt_png, loss_png
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
@@ -66,6 +66,8 @@ class Sweep:
     """Slot → the segment running there."""
     predicted_end: dict[int, float] = field(default_factory=dict)
     """Slot → the predicted end (seconds since the sweep started) of its segment (planned scheduler)."""
+    resident: dict[str, Segment] = field(default_factory=dict)
+    """Job → its paused worker (slice_by = pause): the job's state in that process's memory until it continues."""
     backend: Backend | None = None
     """Where segments run (set by :func:`run_sweep`)."""
     makespan_s: float = 0.0
@@ -375,6 +377,9 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
         task = policy.pick(slot, _pending(sweep), running, now)
     if task is None:
         return
+    if task in sweep.resident:
+        _continue(sweep, task, slot, predict, now)
+        return
     row = sweep.state.job(task)
     cfg = sweep.configs[task]
     out = Path(cfg.train.out_dir)
@@ -387,23 +392,71 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     if predict is not None:
         sweep.predicted_end[slot] = now + min(predict(task).values())
     sweep.state.update(task, status=RUNNING, slot=slot, pid=seg.worker.pid)
-    sweep.say(f"{task}: started on slot {slot} ({sweep.jobs[task].label}), steps {row.step} → {stop_at}"
+    seg.slice_from = start
+    sweep.say(f"{task}: started on slot {slot} ({sweep.jobs[task].label}), steps {start} → {stop_at}"
               + (f", attempt {row.attempts + 1}" if row.attempts else ""))
 
 
+def _continue(sweep: Sweep, job: str, slot: int, predict, now: float) -> None:
+    """Continue a paused worker on ``slot`` (slice_by = pause): its state never left its memory."""
+    seg = sweep.resident.pop(job)
+    seg.slot = slot
+    seg.slice_from = _current_step(sweep, seg)
+    seg.paused_s += time.monotonic() - seg.paused_at
+    seg.paused_at = None
+    seg.worker.resume()
+    sweep.running[slot] = seg
+    if predict is not None:
+        sweep.predicted_end[slot] = now + min(predict(job).values())
+    sweep.state.update(job, status=RUNNING, slot=slot)
+    sweep.say(f"{job}: continued on slot {slot} at step {seg.slice_from}")
+
+
+def _current_step(sweep: Sweep, seg: Segment) -> int:
+    rec = last_record(Path(sweep.configs[seg.job].train.out_dir) / "metrics.jsonl")
+    return rec["step"] if rec is not None else seg.start_step
+
+
 def _stop_at(sweep: Sweep, step: int, steps: int) -> int:
-    """Where a job's next segment ends: its end, its next ASHA rung or the end of a time slice, whichever first."""
+    """Where a job's next segment ends: its end, its next ASHA rung or (slice_by = checkpoint) the end of a time
+    slice, whichever first."""
+    s = sweep.spec.settings
     stop = sweep.asha.next_stop(step, steps) if sweep.asha is not None else steps
-    seg = sweep.spec.settings.segment_steps
+    seg = s.segment_steps if s.slice_by == "checkpoint" else 0
     return min(stop, step + seg) if seg else stop
 
 
+def _slice_over(sweep: Sweep, seg: Segment) -> bool:
+    """slice_by = pause: the segment has run its slice and another job waits for a slot."""
+    s = sweep.spec.settings
+    if s.slice_by != "pause" or not s.segment_steps:
+        return False
+    if _current_step(sweep, seg) < seg.slice_from + s.segment_steps:
+        return False
+    return any(j != seg.job for j in _pending(sweep)) or (sweep.asha is not None
+                                                          and sweep.asha.promotable() is not None)
+
+
+def _pause(sweep: Sweep, slot: int, seg: Segment) -> None:
+    seg.worker.pause()
+    seg.paused_at = time.monotonic()
+    del sweep.running[slot]
+    sweep.predicted_end.pop(slot, None)
+    sweep.resident[seg.job] = seg
+    step = _current_step(sweep, seg)
+    sweep.state.update(seg.job, status=PENDING, step=step)
+    sweep.say(f"{seg.job}: paused at step {step}, its state kept in its worker's memory")
+
+
 def _harvest(sweep: Sweep) -> None:
-    """Record every segment that ended (or ran past sweep.job_timeout_s)."""
+    """Record every segment that ended (or ran past sweep.job_timeout_s); pause those whose slice is over."""
     limit = sweep.spec.settings.job_timeout_s
     for slot, seg in list(sweep.running.items()):
         rc = seg.poll()
-        timed_out = rc is None and limit and time.monotonic() - seg.started > limit
+        if rc is None and _slice_over(sweep, seg):
+            _pause(sweep, slot, seg)
+            continue
+        timed_out = rc is None and limit and seg.run_s() > limit
         if timed_out:
             stop_segment(seg, grace_s=STOP_GRACE_S)
         elif rc is None:
@@ -411,13 +464,17 @@ def _harvest(sweep: Sweep) -> None:
         del sweep.running[slot]
         sweep.predicted_end.pop(slot, None)
         _record(sweep, seg, f"timed out after {limit:g} s (sweep.job_timeout_s)" if timed_out else None)
+    for job, seg in list(sweep.resident.items()):
+        if seg.poll() is not None:  # a paused worker was killed
+            del sweep.resident[job]
+            _record(sweep, seg, None)
 
 
 def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
     sweep.state.update(seg.job, pid=None)
     row = sweep.state.job(seg.job)
     records = segment_records(sweep.configs[seg.job])
-    run_s = row.run_s + time.monotonic() - seg.started
+    run_s = row.run_s + seg.run_s()
     rc = seg.poll()
     reason = forced_reason or (failure_reason(rc, seg.log_path) if rc != 0 else diverged(records))
     if rc == INTERRUPTED_EXIT and forced_reason is None:
@@ -460,15 +517,20 @@ def _last_step(records: list[dict]) -> int:
 
 
 def _stop_all(sweep: Sweep) -> None:
-    """Stop every running segment (SIGTERM: a checkpoint, then exit) and record them as pending."""
-    for seg in sweep.running.values():
+    """Stop every worker, running or paused (SIGTERM: a checkpoint, then exit), and record their jobs as
+    pending."""
+    segs = list(sweep.running.values()) + list(sweep.resident.values())
+    for seg in segs:
         seg.worker.terminate()
-    for slot, seg in list(sweep.running.items()):
+    for seg in sweep.resident.values():
+        seg.worker.resume()  # a stopped process acts on SIGTERM once continued
+    for seg in segs:
         stop_segment(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)
         sweep.state.update(seg.job, status=PENDING, step=_last_step(segment_records(sweep.configs[seg.job])),
-                           run_s=row.run_s + time.monotonic() - seg.started)
-        del sweep.running[slot]
+                           run_s=row.run_s + seg.run_s())
+    sweep.running.clear()
+    sweep.resident.clear()
 
 
 def _stop_paused(sweep: Sweep) -> None:

@@ -133,9 +133,20 @@ class Segment:
     """Its stdout and stderr."""
     started: float
     """time.monotonic() at launch."""
+    slice_from: int = 0
+    """The step its current time slice started at (slice_by = pause)."""
+    paused_at: float | None = None
+    """time.monotonic() when it was paused (slice_by = pause), None while it runs."""
+    paused_s: float = 0.0
+    """Seconds it spent paused, left out of its running time."""
 
     def poll(self) -> int | None:
         return self.worker.poll()
+
+    def run_s(self) -> float:
+        """Seconds it has been running (not paused) since launch."""
+        now = self.paused_at if self.paused_at is not None else time.monotonic()
+        return now - self.started - self.paused_s
 
 
 class Backend(Protocol):
@@ -190,6 +201,23 @@ def checkpoint_step(out_dir: Path) -> int:
     """The step of the job's latest checkpoint (where its next segment resumes), 0 without one."""
     ckpt = latest_checkpoint(out_dir)
     return json.loads((ckpt / "meta.json").read_text())["step"] if ckpt is not None else 0
+
+
+def last_record(metrics: Path) -> dict | None:
+    """The last complete JSON line of a metrics file (read from its end: the file grows with every step)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written, or the cut start of the window
+    return None
 
 
 def segment_records(cfg: Config) -> list[dict]:

@@ -39,6 +39,7 @@ from stratum.offload.units import parse_budget
 SCHEDULERS = ("fifo", "lrtf", "planned")
 BACKENDS = ("local", "ray")
 EARLY_STOPS = ("", "asha")
+SLICE_BY = ("checkpoint", "pause")
 RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
 
 
@@ -84,6 +85,11 @@ class SweepSettings:
     segment_steps: int = 0
     """Steps per segment: a job stops with a checkpoint every this many steps and its slot is given out again
     (lrtf needs it ≥ 1); 0 = a job runs to its end (or its next ASHA rung) once started."""
+    slice_by: str = "checkpoint"
+    """How a time slice (sweep.segment_steps) ends: checkpoint (the worker saves the job's state and exits; the
+    next slice resumes from the checkpoint) or pause (the worker is stopped where it is, its state resident in
+    host memory, and continued later: no checkpoint I/O, but every started job keeps its memory; local backend,
+    CPU jobs)."""
     samples: int = 0
     """Random draws per grid point from [sweep.random]; 0 = 1 when [sweep.random] has keys, else none."""
     seed: int = 0
@@ -227,6 +233,14 @@ def _check_settings(s: SweepSettings) -> None:
     for key, ok, what in checks:
         if not ok:
             raise StratumError(f"sweep.{key} {what}")
+    if s.slice_by not in SLICE_BY:
+        raise StratumError(f"sweep.slice_by = {s.slice_by!r} is not one of: {', '.join(SLICE_BY)}")
+    if s.slice_by == "pause" and s.backend != "local":
+        raise StratumError("sweep.slice_by = \"pause\" stops local worker processes; use it with backend = "
+                           "\"local\", or slice_by = \"checkpoint\"")
+    if s.slice_by == "pause" and any(d.startswith("cuda") for d in s.devices):
+        raise StratumError("sweep.slice_by = \"pause\" would leave paused jobs holding GPU memory; use slice_by "
+                           "= \"checkpoint\" on GPUs")
     if s.scheduler == "lrtf" and s.segment_steps < 1:
         raise StratumError("sweep.scheduler = \"lrtf\" time-slices jobs: set sweep.segment_steps ≥ 1 (steps per "
                            "slice; each slice ends with a checkpoint)")
