@@ -27,10 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from stratum.sweep.runner import predicted_seconds, run_sweep, sweep_profiles
+from stratum.sweep.predict import predicted_seconds
+from stratum.sweep.runner import run_sweep, sweep_profiles
 from stratum.sweep.simulate import simulate
-from stratum.train.trainer import read_metrics
 from stratum.train.metrics import median
+from stratum.train.trainer import read_metrics
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"

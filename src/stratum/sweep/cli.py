@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")
     if args.action == "simulate":
-        from stratum.sweep.runner import simulate_sweep
+        from stratum.sweep.simulate import simulate_sweep
         simulate_sweep(args.config, png=Path(args.png) if args.png else None)
         return 0
     from stratum.sweep.runner import run_sweep

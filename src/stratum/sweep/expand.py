@@ -8,6 +8,7 @@ always gives the same jobs, and a resumed sweep finds the jobs it had.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import random
@@ -120,3 +121,14 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
                 raise StratumError(f"sweep device {d!r} does not exist: this machine has {gpus} CUDA device(s)")
         elif d not in ("cpu", "auto"):
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
+
+
+def distinct_data(configs) -> list[Config]:
+    """One config per distinct [data] section (each is prepared once, before the workers need it)."""
+    seen, out = set(), []
+    for cfg in configs:
+        key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out

@@ -9,14 +9,11 @@ job's checkpoint up to ``sweep.retries`` times; the other jobs go on regardless.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.config import Config, to_toml
@@ -24,21 +21,19 @@ from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
 from stratum.offload.units import fmt_bytes, parse_budget
 from stratum.profile.profile import Profile
-from stratum.profile.profiler import profile_from_config
 from stratum.sweep.asha import Asha
-from stratum.sweep.expand import Job, check_jobs, expand, job_config, job_out_dir
+from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config, job_out_dir
 from stratum.sweep.local import LocalBackend
+from stratum.sweep.plot import loss_png
+from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
-from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   last_record, pid_alive, segment_records, stop_segment)
-from stratum.sweep.plot import gantt_png, loss_png
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
-from stratum.sweep.simulate import simulate
-from stratum.sweep.spec import SCHEDULERS, SweepSettings, SweepSpec, load_sweep
+from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
+                                   last_record, pid_alive, segment_records, stop_segment)
+from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
                                  spec_fingerprint)
-from stratum.train.metrics import median
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0
@@ -82,7 +77,7 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     configs = check_jobs(spec, jobs, sweep_dir)
     if spec.settings.early_stop == "asha":
         _check_asha(spec, jobs, configs)
-    for cfg in _distinct_data(configs):
+    for cfg in distinct_data(configs):
         prepare_data(cfg)  # corpus errors before anything is written; and the workers find the caches ready
     state = SweepState(sweep_dir)
     fingerprint = spec_fingerprint({j.id: j.overrides for j in jobs}, spec.base_overrides)
@@ -100,12 +95,6 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     if spec.settings.device_budget.strip():
         fit_to_budget(sweep)
     return sweep
-
-
-def memory_need(profile: Profile) -> int:
-    """Bytes a plain run holds on its device: training state (parameters, gradients, AdamW moments) and one
-    micro-batch's saved activations."""
-    return profile.train_state_bytes + profile.act_saved_bytes
 
 
 def fit_to_budget(sweep: Sweep) -> None:
@@ -148,77 +137,10 @@ def _asha_from_state(spec: SweepSpec, state: SweepState) -> Asha:
     return asha
 
 
-def threads_per_job(s: SweepSettings) -> int:
-    """Torch threads of each job: sweep.threads_per_job, or the cores shared out over the slots."""
-    return s.threads_per_job or max(1, (os.cpu_count() or 1) // s.slots)
-
-
 def slot_device(sweep: Sweep, slot: int) -> str | None:
     """The device a slot's jobs run on; None = the job's own train.device."""
     devices = sweep.spec.settings.devices
     return devices[slot] if devices else None
-
-
-# ---- predictions (planned scheduler) ------------------------------------------------------------------------
-def job_profiles(configs: dict[str, Config], *, threads: int, cache_dir: Path | None) -> dict[str, Profile]:
-    """One profile per distinct (model, micro-batch, seq_len, precision, device) of the jobs, measured with the
-    workers' thread count; kept in ``cache_dir`` if given (a resumed sweep plans with the same numbers)."""
-    out: dict[str, Profile] = {}
-    by_key: dict[str, Profile] = {}
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for job_id, cfg in configs.items():
-            key = json.dumps([cfg.to_dict()["model"], cfg.train.micro_batch_size, cfg.data.seq_len,
-                              cfg.train.precision, cfg.train.device], sort_keys=True)
-            if key not in by_key:
-                by_key[key] = _cached_profile(cfg, key, cache_dir / f"p{len(by_key):03d}.json" if cache_dir else None)
-            out[job_id] = by_key[key]
-    finally:
-        torch.set_num_threads(threads_before)
-    return out
-
-
-def _cached_profile(cfg: Config, key: str, path: Path | None) -> Profile:
-    if path is not None and path.exists():
-        doc = json.loads(path.read_text())
-        if doc.get("key") == key:
-            return Profile.from_dict(doc["profile"])
-    prof = profile_from_config(cfg, runs=1)
-    if path is not None:
-        atomic_write_text(path, json.dumps({"key": key, "profile": prof.to_dict()}))
-    return prof
-
-
-def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
-    """The sweep's job profiles, cached in <sweep dir>/profiles/."""
-    return job_profiles(sweep.configs, threads=threads_per_job(sweep.spec.settings),
-                        cache_dir=sweep.dir / "profiles")
-
-
-def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
-    """Compute time of ``steps`` optimizer steps from the profile: forward + backward of every micro-batch (no
-    process start-up, data or optimizer time: a lower bound that orders jobs correctly)."""
-    return profile.step_s * cfg.micro_batches_per_step * steps
-
-
-def make_predict(sweep: Sweep, profiles: dict[str, Profile]) -> Callable[[str], dict[str, float]]:
-    """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
-    time once it has run, else its profiled time scaled by how far measured jobs ran from their profiles (so
-    started and unstarted jobs are compared in the same units)."""
-    def step_s(job_id: str) -> tuple[float, float | None]:
-        profiled = predicted_seconds(profiles[job_id], sweep.configs[job_id], 1)
-        recs = segment_records(sweep.configs[job_id])
-        return profiled, (median(recs, "step_s") if len(recs) > 1 else None)
-
-    def predict(job_id: str) -> dict[str, float]:
-        row = sweep.state.job(job_id)
-        profiled, measured = step_s(job_id)
-        if measured is None:
-            ratios = [m / p for p, m in map(step_s, sweep.configs) if m is not None and p > 0]
-            measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)
-        return {"plain": measured * (row.steps - row.step)}
-    return predict
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
@@ -237,7 +159,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         _write_job_configs(sweep)
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
-        predict = make_predict(sweep, sweep_profiles(sweep)) if needs_predictions else None
+        predict = make_predict(sweep.state, sweep.configs, sweep_profiles(sweep)) if needs_predictions else None
         policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
                              time_limit_s=sweep.spec.settings.plan_time_limit_s)
         t0 = time.monotonic()
@@ -251,42 +173,17 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
     return sweep
 
 
-def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[str], None] = print) -> dict:
-    """SIMULATED: the sweep under every scheduler on its slots, each job taking its profiled step time × steps
-    (a lower bound: no optimizer step, data or start-up), without running a job or writing to the sweep
-    directory. Prints makespan and utilisation per scheduler; writes a Gantt PNG of the schedules if asked."""
-    spec = load_sweep(path)
-    s = spec.settings
-    jobs = expand(spec)
-    configs = {j.id: c for j, c in zip(jobs, check_jobs(spec, jobs, Path(s.out_dir).expanduser()))}
-    for cfg in _distinct_data(configs.values()):
-        prepare_data(cfg)
-    profiles = job_profiles(configs, threads=threads_per_job(s), cache_dir=None)
-    steps = {j: c.train.steps for j, c in configs.items()}
-    step_s = {j: predicted_seconds(profiles[j], c, 1) for j, c in configs.items()}
-    seg = s.segment_steps or max(1, min(steps.values()) // 4)
-    results = {name: simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
-                              time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}
-    say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf slices of "
-        f"{seg} steps); nothing was run")
-    fifo = results["fifo"].makespan
-    for name, r in results.items():
-        say(f"{name:8} makespan {r.makespan:9.2f} s  utilisation {r.utilisation:6.1%}  "
-            f"{fifo / r.makespan if r.makespan else 0:.2f}x fifo's throughput")
-    if png is not None:
-        data = gantt_png({n: r.runs for n, r in results.items()}, s.slots)
-        if data is None:
-            raise StratumError("--png needs matplotlib: pip install 'stratum[plot]'")
-        atomic_write_bytes(png, data)
-        say(f"wrote {png}")
-    return {n: {"makespan_s": r.makespan, "utilisation": r.utilisation} for n, r in results.items()}
+def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
+    """The sweep's job profiles, cached in <sweep dir>/profiles/."""
+    return job_profiles(sweep.configs, threads=job_threads(sweep.spec.settings),
+                        cache_dir=sweep.dir / "profiles")
 
 
 def make_backend(sweep: Sweep) -> Backend:
     s = sweep.spec.settings
     if s.backend == "ray":
         gpu_slots = {i for i in range(s.slots) if (slot_device(sweep, i) or "").startswith("cuda")}
-        return RayBackend(address=s.ray_address, slots=s.slots, threads=threads_per_job(s), gpu_slots=gpu_slots)
+        return RayBackend(address=s.ray_address, slots=s.slots, threads=job_threads(s), gpu_slots=gpu_slots)
     return LocalBackend()
 
 
@@ -320,16 +217,6 @@ def _write_job_configs(sweep: Sweep) -> None:
         text = to_toml(cfg)
         if not path.exists() or path.read_text() != text:
             atomic_write_text(path, text)
-
-
-def _distinct_data(configs) -> list[Config]:
-    seen, out = set(), []
-    for cfg in configs:
-        key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(cfg)
-    return out
 
 
 def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float]] | None,
@@ -386,7 +273,7 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     start = checkpoint_step(out)
     stop_at = _stop_at(sweep, start, row.steps)
     seg = sweep.backend.start(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
-                              device=slot_device(sweep, slot), threads=threads_per_job(sweep.spec.settings),
+                              device=slot_device(sweep, slot), threads=job_threads(sweep.spec.settings),
                               log_path=out / "worker.log")
     sweep.running[slot] = seg
     if predict is not None:

@@ -186,6 +186,8 @@ def failure_reason(returncode: int, log_path: Path) -> str:
     lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
     errors = [ln.removeprefix("stratum: error:") for ln in lines if ln.startswith("stratum: error:")]
     last = errors[-1] if errors else (lines[-1] if lines else "")
+    if not last.strip():
+        return f"exit code {returncode}: the worker printed nothing (it failed before training; see {log_path})"
     return f"exit code {returncode}: {last.strip()[:200]}"
 
 

@@ -137,6 +137,11 @@ class SweepSpec:
         return (self.path.parent / b) if b else None
 
 
+def job_threads(s: SweepSettings) -> int:
+    """Torch threads of each job: sweep.threads_per_job, or the cores shared out over the slots."""
+    return s.threads_per_job or max(1, (os.cpu_count() or 1) // s.slots)
+
+
 def toml_literal(value: Any) -> str:
     """A value as TOML, for ``section.key=value`` overrides (strings quoted, so '123' stays a string)."""
     if isinstance(value, bool):

@@ -1,0 +1,81 @@
+"""What the schedulers know of a job before it runs: its profile (per-block forward and backward times and
+bytes, measured once per distinct model shape), its memory need, and its predicted remaining time — from the
+profile, then from its own measured step times once it has run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.config import Config
+from stratum.profile.profile import Profile
+from stratum.profile.profiler import profile_from_config
+from stratum.sweep.segment import segment_records
+from stratum.sweep.state import SweepState
+from stratum.train.metrics import median
+
+
+def memory_need(profile: Profile) -> int:
+    """Bytes a plain run holds on its device: training state (parameters, gradients, AdamW moments) and one
+    micro-batch's saved activations."""
+    return profile.train_state_bytes + profile.act_saved_bytes
+
+
+def job_profiles(configs: dict[str, Config], *, threads: int, cache_dir: Path | None) -> dict[str, Profile]:
+    """One profile per distinct (model, micro-batch, seq_len, precision, device) of the jobs, measured with the
+    workers' thread count; kept in ``cache_dir`` if given (a resumed sweep plans with the same numbers)."""
+    out: dict[str, Profile] = {}
+    by_key: dict[str, Profile] = {}
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for job_id, cfg in configs.items():
+            key = json.dumps([cfg.to_dict()["model"], cfg.train.micro_batch_size, cfg.data.seq_len,
+                              cfg.train.precision, cfg.train.device], sort_keys=True)
+            if key not in by_key:
+                by_key[key] = _cached_profile(cfg, key, cache_dir / f"p{len(by_key):03d}.json" if cache_dir else None)
+            out[job_id] = by_key[key]
+    finally:
+        torch.set_num_threads(threads_before)
+    return out
+
+
+def _cached_profile(cfg: Config, key: str, path: Path | None) -> Profile:
+    if path is not None and path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return Profile.from_dict(doc["profile"])
+    prof = profile_from_config(cfg, runs=1)
+    if path is not None:
+        atomic_write_text(path, json.dumps({"key": key, "profile": prof.to_dict()}))
+    return prof
+
+
+def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
+    """Compute time of ``steps`` optimizer steps from the profile: forward + backward of every micro-batch (no
+    process start-up, data or optimizer time: a lower bound that orders jobs correctly)."""
+    return profile.step_s * cfg.micro_batches_per_step * steps
+
+
+def make_predict(state: SweepState, configs: dict[str, Config],
+                 profiles: dict[str, Profile]) -> Callable[[str], dict[str, float]]:
+    """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
+    time once it has run, else its profiled time scaled by how far measured jobs ran from their profiles (so
+    started and unstarted jobs are compared in the same units)."""
+    def step_s(job_id: str) -> tuple[float, float | None]:
+        profiled = predicted_seconds(profiles[job_id], configs[job_id], 1)
+        recs = segment_records(configs[job_id])
+        return profiled, (median(recs, "step_s") if len(recs) > 1 else None)
+
+    def predict(job_id: str) -> dict[str, float]:
+        row = state.job(job_id)
+        profiled, measured = step_s(job_id)
+        if measured is None:
+            ratios = [m / p for p, m in map(step_s, configs) if m is not None and p > 0]
+            measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)
+        return {"plain": measured * (row.steps - row.step)}
+    return predict
