@@ -12,6 +12,7 @@ from stratum.errors import StratumError
 from stratum.train.sample import SampleSpec, generate, next_token
 from stratum.train.trained import load_trained
 from stratum.train.trainer import train
+from test_hardening import full_fs, ro_fs  # noqa: F401 (fixtures: small real filesystems, full or read-only)
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,3 +157,13 @@ def test_a_model_that_changed_since_the_checkpoint_is_refused(runs):
             load_trained(runs["gpt2"])
     finally:
         config.write_text(saved)
+
+
+@pytest.mark.parametrize("where", ["full", "read-only"])
+def test_export_to_a_full_or_read_only_filesystem_is_one_line(where, runs, full_fs, ro_fs, capsys):  # noqa: F811
+    fs = full_fs if where == "full" else ro_fs
+    before = sorted(p.name for p in fs.iterdir())
+    assert main(["export", str(runs["gpt"]), "--out", str(fs / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stratum: error: cannot write") and err.count("\n") == 1, err
+    assert sorted(p.name for p in fs.iterdir()) == before  # no half-written directory left

@@ -60,6 +60,8 @@ def _check_out(out: Path) -> Path:
 
 def export_dir(model, tokenizer, out: Path, *, max_len: int) -> None:
     """``model.save_pretrained`` and, for a BPE tokenizer, ``tokenizer.json`` into ``out``, all or nothing."""
+    from safetensors import SafetensorError
+
     from stratum.atomic import atomic_replace_dir
     from stratum.model.export import save_pretrained
 
@@ -77,9 +79,10 @@ def export_dir(model, tokenizer, out: Path, *, max_len: int) -> None:
         if out.exists():
             out.rmdir()  # checked empty above
         atomic_replace_dir(tmp, out)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StratumError(f"cannot write the export to {str(out)!r} ({e.strerror}); free space or choose "
+        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
+        raise StratumError(f"cannot write the export to {str(out)!r} ({reason}); free space or choose "
                            "another --out") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
