@@ -29,11 +29,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 from stratum.errors import StratumError
 
 MAX_PROFILE_RUNS = 1000
 from stratum.log import console
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as Stratum's one line (``stratum: error: …``, exit code 2) instead of a
+    usage block; subcommands' parsers are of this class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        where = f"{self.prog.removeprefix('stratum ')}: " if self.prog != "stratum" else ""
+        sys.stderr.write(f"stratum: error: {where}{message}; see {self.prog} --help\n")
+        sys.exit(2)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +54,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stratum", description="Train large models, and many of them, on the "
+    parser = _Parser(prog="stratum", description="Train large models, and many of them, on the "
                                      "devices you have.", formatter_class=argparse.RawDescriptionHelpFormatter)
     from stratum import __version__
     parser.add_argument("--version", action="version", version=f"stratum {__version__}")
@@ -96,6 +107,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_schedule(args)
     if args.command == "plan":
         from stratum.offload.cli import run as run_plan
+        from stratum.data.prepare import make_tokenizer
+        from stratum.train.fit import check_blocks
+        cfg = load_config(args.config, args.overrides)
+        check_blocks(cfg, tokenizer_vocab=make_tokenizer(cfg).vocab_size)  # the plan profiles block by block
         return run_plan(args)
     if args.command == "run":
         return _run_script(args)

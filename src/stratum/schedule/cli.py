@@ -68,6 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _schedule(args) -> Schedule:
+    for flag, value in (("--ranks", args.ranks), ("--microbatches", args.microbatches),
+                        ("--virtual", args.virtual), ("--waves", args.waves)):
+        if value < 1:  # checked even where the kind or a --file does not use it: a typo is never ignored
+            raise StratumError(f"{flag} must be ≥ 1, got {value}")
     if args.file:
         return load(args.file)  # validates
     size = args.ranks * args.microbatches * args.virtual * args.waves

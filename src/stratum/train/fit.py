@@ -19,6 +19,8 @@ TOKEN_BYTES = 8
 """int64 token ids."""
 BATCH_COPIES = 3
 """The sampler's rows, then inputs and targets cut from them: three copies of a batch's tokens at once."""
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and two AdamW moments."""
 LOGITS_COPIES = 3
 """Logits, their softmax and its gradient (fp32) live together during the loss's backward."""
 
@@ -53,16 +55,30 @@ def check_batches(cfg: Config) -> None:
                            "train.eval_batches")
 
 
-def check_fits(cfg: Config, device: torch.device, *, tokenizer_vocab: int) -> None:
-    """Refuse a run that cannot fit: its batches in host RAM, and on a one-process plain engine its training state
-    and one micro-batch's logits on ``device``."""
-    check_batches(cfg)
-    if not isinstance(cfg.plan.root, Local):
-        return  # parallel plans split the state over processes; the offload engine plans its own tiers
+def check_blocks(cfg: Config, *, tokenizer_vocab: int):
+    """Refuse batches that cannot fit in host RAM, and a model with a block whose training state cannot: every
+    engine (and the profiler) holds at least one whole block at a time. Returns the model on the meta device."""
     from stratum.model.build import build_model
 
+    check_batches(cfg)
     model = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")
+    host = device_memory_bytes(torch.device("cpu"))
+    sizes = [sum(p.numel() for _, p in model.owned_parameters(i)) * STATE_BYTES_PER_PARAM for i in range(len(model))]
+    if host is not None and sizes and max(sizes) > host:
+        i = sizes.index(max(sizes))
+        raise StratumError(f"block {model.block_names[i]} alone needs {fmt_bytes(sizes[i])} for its parameters, "
+                           f"gradients and AdamW moments, more than the {fmt_bytes(host)} of RAM available; every "
+                           "engine holds a whole block at a time: make it smaller (model.vocab_size, the preset)")
+    return model
+
+
+def check_fits(cfg: Config, device: torch.device, *, tokenizer_vocab: int) -> None:
+    """Refuse a run that cannot fit: :func:`check_blocks`, and on a one-process plain engine its training state
+    and one micro-batch's logits on ``device``."""
+    model = check_blocks(cfg, tokenizer_vocab=tokenizer_vocab)
+    if not isinstance(cfg.plan.root, Local):
+        return  # parallel plans split the state over processes; the offload engine plans its own tiers
     state, available = plain_state_bytes(model), device_memory_bytes(device)
     if available is None:
         return
