@@ -12,8 +12,9 @@ import pytest
 
 from stratum.errors import StratumError
 from stratum.train.checkpoint import CKPT_DIR
-from stratum.train.scalars import TENSORBOARD_DIR, WANDB_ID_FILE, scalars
+from stratum.train.scalars import TENSORBOARD_DIR, WANDB_ID_FILE, TensorBoardSink, scalars
 from stratum.train.trainer import read_metrics, train
+from test_hardening import _fill, full_fs  # noqa: F401 (a small real filesystem, full)
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -91,3 +92,14 @@ def test_a_missing_package_is_refused_before_the_run(make_cfg, tmp_path, monkeyp
     with pytest.raises(StratumError, match=rf"pip install 'stratum\[{package}\]'"):
         make_cfg(key, out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_disk_that_fills_stops_the_events_with_one_line(tmp_path, full_fs, capfd):  # noqa: F811
+    (full_fs / "filler").unlink()  # room to open the event file, then none for the steps
+    sink = TensorBoardSink(full_fs / TENSORBOARD_DIR, resume_step=0)
+    _fill(full_fs)
+    with pytest.raises(StratumError, match="cannot write TensorBoard events to .* free space") as e:
+        for step in range(1, 10_000):
+            sink.write({"step": step, "loss": 1.0})
+    assert "\n" not in str(e.value)
+    assert capfd.readouterr().err == ""  # no writer thread printing a traceback

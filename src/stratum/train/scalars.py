@@ -5,13 +5,16 @@ Both are optional extras (``pip install 'stratum[tensorboard]'``, ``'stratum[wan
 so a run never starts only to fail at its first step. Every number of a ``metrics.jsonl`` record becomes a scalar
 at that record's step, under a tag grouping it (``train/loss``, ``eval/loss``, ``perf/tokens_per_s`` …).
 
-A resumed run continues the same event stream: the TensorBoard writer purges the events a killed run wrote past
+A resumed run continues the same event stream: its TensorBoard file purges the events a killed run wrote past
 the checkpoint (as ``metrics.jsonl`` drops its records), and W&B continues the run whose id the first start
 stored in the out_dir.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +28,9 @@ TENSORBOARD_DIR = "tensorboard"
 """Event files go to ``<out_dir>/tensorboard`` (point ``tensorboard --logdir`` at it or at the out_dir)."""
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run id, in the out_dir: a resume logs into the same W&B run."""
+
+EVENT_FILE_VERSION = "brain.Event:2"
+"""The event-file format TensorBoard reads (what ``torch.utils.tensorboard`` writes too)."""
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss"}
 """Tags of the records' main keys; every other number goes under ``perf/<key>``."""
@@ -43,25 +49,52 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard event files through ``torch.utils.tensorboard``."""
+    """Scalars as a TensorBoard event file, written in this thread: a full disk is a one-line error at the step
+    that meets it (``torch.utils.tensorboard`` writes from a thread of its own, whose failure prints a
+    traceback), and every step is on disk once written, for a run watched live."""
 
     def __init__(self, log_dir: Path, *, resume_step: int):
         require("tensorboard", "train.tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event, self._summary = Event, Summary
+        self.path = log_dir / f"events.out.tfevents.{time.time():.10g}.{socket.gethostname()}.{os.getpid()}.0"
         try:
-            # purge_step: events a killed run wrote past the checkpoint are hidden, as metrics.jsonl drops them
-            self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self._records = RecordWriter(self.path.open("wb"))
         except OSError as e:
-            raise StratumError(f"cannot write TensorBoard events to {str(log_dir)!r} ({e.strerror}); check "
-                               "train.out_dir") from None
+            raise self._error(e) from None
+        if resume_step:
+            # TensorBoard hides the events a killed run wrote past the checkpoint (metrics.jsonl drops them too):
+            # a file that starts at step s with a session START purges the earlier files' steps ≥ s
+            self._add(Event(wall_time=time.time(), step=resume_step + 1, file_version=EVENT_FILE_VERSION))
+            self._add(Event(wall_time=time.time(), step=resume_step + 1,
+                            session_log=SessionLog(status=SessionLog.START)))
+        else:
+            self._add(Event(wall_time=time.time(), file_version=EVENT_FILE_VERSION))
 
     def write(self, record: dict) -> None:
-        for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, record["step"])
-        self._writer.flush()  # a run watched live shows every step
+        values = [self._summary.Value(tag=tag, simple_value=v) for tag, v in scalars(record).items()]
+        self._add(self._event(wall_time=time.time(), step=record["step"], summary=self._summary(value=values)))
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._records.close()
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _add(self, event) -> None:
+        try:
+            self._records.write(event.SerializeToString())
+            self._records.flush()
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> StratumError:
+        return StratumError(f"cannot write TensorBoard events to {str(self.path)!r} ({e.strerror or e}); free "
+                            "space or set train.tensorboard = false")
 
 
 class WandbSink:
