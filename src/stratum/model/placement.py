@@ -19,8 +19,8 @@ from stratum.model.build import build_model
 from stratum.model.gpt import init_gpt_block
 
 
-def _replace_tensors(model: BlockSeq, make: Callable[[nn.Parameter | torch.Tensor, bool], torch.Tensor | None]
-                     ) -> None:
+def replace_tensors(model: nn.Module, make: Callable[[nn.Parameter | torch.Tensor, bool], torch.Tensor | None]
+                    ) -> None:
     """Swap every parameter/buffer ``t`` for ``make(t, is_param)`` (None keeps it), the same object for all
     occurrences of one tensor so ties survive."""
     memo: dict[int, torch.Tensor] = {}
@@ -37,7 +37,8 @@ def _replace_tensors(model: BlockSeq, make: Callable[[nn.Parameter | torch.Tenso
                 store[name] = memo[id(t)]
 
 
-def _param_like(t: torch.Tensor, data: torch.Tensor, is_param: bool) -> torch.Tensor:
+def param_like(t: torch.Tensor, data: torch.Tensor, is_param: bool) -> torch.Tensor:
+    """``data`` in ``t``'s role: a Parameter with ``t``'s requires_grad where ``t`` is one, else the tensor."""
     return nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
 
 
@@ -49,13 +50,13 @@ def localize(model: BlockSeq, keep: set[int], device: torch.device) -> BlockSeq:
         if id(t) in keep_ids:
             if t.device == device:
                 return None
-            return _param_like(t, t.detach().to(device), is_param)
+            return param_like(t, t.detach().to(device), is_param)
         if t.device.type == "meta":
             return None
-        return _param_like(t, torch.empty_like(t, device="meta"), is_param)
+        return param_like(t, torch.empty_like(t, device="meta"), is_param)
 
     with torch.no_grad():
-        _replace_tensors(model, make)
+        replace_tensors(model, make)
     return model
 
 
@@ -75,11 +76,11 @@ def materialize_gpt(model: BlockSeq, keep: set[int], seed: int, device: torch.de
 
     def make(t, is_param):
         if id(t) in ids and t.device.type == "meta":
-            return _param_like(t, torch.empty(t.shape, dtype=t.dtype), is_param)
+            return param_like(t, torch.empty(t.shape, dtype=t.dtype), is_param)
         return None
 
     with torch.no_grad():
-        _replace_tensors(model, make)
+        replace_tensors(model, make)
     for i in sorted(init):
         init_gpt_block(model, i, seed)
     return localize(model, keep, device)

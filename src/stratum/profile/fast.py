@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import neutral
+from stratum.model.placement import param_like, replace_tensors
 from stratum.profile.profile import FORMAT_VERSION, BlockProfile, Profile
 from stratum.profile.profiler import _measure_block, block_static_bytes
 from stratum.runtime.device import autocast, describe
@@ -137,16 +138,8 @@ class _StorageBytes:
 def _fake_state(block: nn.Module, device: torch.device) -> None:
     """Give ``block``'s parameters and buffers fake storage on ``device`` (inside a FakeTensorMode: shapes and
     devices, no memory); a tensor the block holds twice stays one tensor."""
-    made: dict[int, Tensor] = {}
-    for mod in block.modules():
-        for table, as_param in ((mod._parameters, True), (mod._buffers, False)):
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in made:
-                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if as_param else empty
-                table[name] = made[id(t)]
+    replace_tensors(block, lambda t, is_param: param_like(t, torch.empty(t.shape, dtype=t.dtype, device=device),
+                                                          is_param))
 
 
 def _shape_measure(model: BlockSeq, y: Tensor, mode: FakeTensorMode, device: torch.device,
