@@ -186,7 +186,7 @@ def _without(snapshot: dict[str, bytes], name: str) -> dict[str, bytes]:
     return {k: v for k, v in snapshot.items() if Path(k).name != name}
 
 
-# --- the disk tier leaves nothing behind; one run per out_dir ---------------------------------------------------------------------
+# --- the disk tier leaves nothing behind; one run per out_dir ----------------------------------------------
 
 
 def _open_files_under(pid: int, where: Path) -> list[str]:
@@ -500,3 +500,31 @@ def test_threads_follow_the_usable_cores_and_train_threads(make_cfg, tmp_path, m
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
+
+
+# --- distributed failures read cleanly -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_is_one_line_and_its_traceback_goes_to_the_log(corpus_file, cache_dir, tmp_path):
+    (tmp_path / "crashing_factory.py").write_text(
+        "import os\n\nfrom stratum.model.sequential import example_lm\n\n\n"
+        "def lm(**kw):\n    if os.environ.get('RANK') == '1':\n        raise RuntimeError('boom on rank 1')\n"
+        "    return example_lm(**kw)\n")
+    out = tmp_path / "run"
+    sets = [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}", "data.seq_len=32",
+            "model.source='sequential'", "model.factory='crashing_factory:lm'", "train.micro_batch_size=2",
+            "train.steps=3", "train.eval_interval=0", "parallel.plan='replicate(2)'", "parallel.timeout_s=20",
+            f"train.out_dir={str(out)!r}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "stratum", "train", *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, env=env, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert all(ln.startswith("stratum: error:") for ln in lines), res.stderr
+    assert any(ln.startswith("stratum: error: rank 1 failed with exit code 1: RuntimeError: boom on rank 1; "
+                             f"its output is in {out / 'workers.log'}") for ln in lines), res.stderr
+    log = (out / "workers.log").read_text()
+    assert "Traceback" in log and "[rank 1] " in log and "boom on rank 1" in log
+    assert time.monotonic() - t0 < 60  # the healthy rank is not waited on for its whole time limit twice

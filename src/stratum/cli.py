@@ -34,6 +34,9 @@ from typing import NoReturn
 from stratum.errors import StratumError
 
 MAX_PROFILE_RUNS = 1000
+WORKERS_LOG = "workers.log"
+"""In a multi-process run's out_dir: what the ranks wrote to stderr besides Stratum's own lines (tracebacks,
+torch's and gloo's messages), each line marked with its rank."""
 from stratum.log import console
 
 
@@ -158,7 +161,7 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from stratum.data.prepare import prepare_data
-    from stratum.dist.launch import spawn_local
+    from stratum.dist.launch import PEER_GRACE_S, spawn_local
     from stratum.parallel.compose import check_plan
     from stratum.train.lock import hold_out_dir, inherited_lock_env
     from stratum.train.stopping import missing_dirs, remove_empty_dirs
@@ -176,7 +179,7 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
         argv += ["--stop-at", str(args.stop_at)]
     with hold_out_dir(out_dir):  # for the ranks: rank 0 finds it held by its launcher (inherited_lock_env)
         code = spawn_local(argv, cfg.plan.world_size(), grace_s=cfg.parallel.timeout_s + 5,
-                           env=inherited_lock_env(out_dir))
+                           env=inherited_lock_env(out_dir), log=out_dir / WORKERS_LOG, fail_grace_s=PEER_GRACE_S)
     if code != 0:  # refused by the workers (bad input found there): no empty out_dir left behind
         remove_empty_dirs(made)
     return code

@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -152,7 +154,6 @@ def _first_line(e: BaseException) -> str:
 
 def short_reason(e: BaseException) -> str:
     """The gist of a torch.distributed error: first sentence, without gloo's ``[file.cc:123]`` prefix."""
-    import re
     text = _first_line(e)
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)
     return text.split(". ")[0][:160]
@@ -188,26 +189,55 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 class _ErrorDedup:
-    """Forwards the workers' stderr line by line; an error line every rank prints alike is shown once."""
+    """Forwards the workers' stderr line by line; an error line every rank prints alike is shown once.
 
-    def __init__(self):
+    With a ``log`` file, only Stratum's own lines (``stratum: …``) reach the terminal; everything else a worker
+    writes there — a traceback, torch's C++ frames, gloo's messages — goes to the log, marked with its rank, and
+    the last such line of each rank is kept to name a crash in one line."""
+
+    def __init__(self, log: Path | None = None):
         self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self.log = log
+        self.reported: set[int] = set()
+        """Ranks that printed a ``stratum: error:`` line themselves."""
+        self.last_other: dict[int, str] = {}
 
-    def follow(self, stream) -> None:
+    def follow(self, stream, rank: int) -> None:
         def pump():
             for line in stream:
                 with self.lock:
-                    if line.startswith("stratum: error:"):
-                        if line in self.seen:
-                            continue
-                        self.seen.add(line)
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
+                    self._route(line, rank)
         t = threading.Thread(target=pump, daemon=True)
         t.start()
         self.threads.append(t)
+
+    def _route(self, line: str, rank: int) -> None:
+        if line.startswith("stratum: error:"):
+            self.reported.add(rank)
+            if line in self.seen:
+                return
+            self.seen.add(line)
+        elif self.log is not None and not line.startswith("stratum:"):
+            if line.strip():  # torch marks a rank's own traceback lines "[rankN]: "; the log says the rank already
+                self.last_other[rank] = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+            try:
+                with self.log.open("a") as fh:
+                    fh.write(f"[rank {rank}] {line}")
+                return
+            except OSError:
+                pass  # an unwritable log must not hide the line: it goes to the terminal
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def crash_line(self, rank: int, code: int) -> str | None:
+        """The one line for a rank that failed without saying why itself; None where it did."""
+        if rank in self.reported:
+            return None
+        gist = f": {self.last_other[rank][:200]}" if rank in self.last_other else ""
+        where = f"; its output is in {self.log}" if self.log is not None else ""
+        return f"stratum: error: rank {rank} failed with exit code {code}{gist}{where}"
 
     def join(self, timeout_s: float = 5.0) -> None:
         for t in self.threads:
@@ -219,7 +249,14 @@ def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
-def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None) -> int:
+PEER_GRACE_S = 5.0
+"""Seconds the other ranks get after one failed, when the caller asks for it (``fail_grace_s``): a live rank
+blocked on the failed one is stopped by its own time limit anyway, and a stopped (SIGSTOP) or hung one never
+exits by itself — waiting longer only delays the end of the run."""
+
+
+def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None,
+                log: Path | None = None, fail_grace_s: float | None = None) -> int:
     """Run ``python <argv>`` (``-m stratum train …``, or a user's script and its arguments) as ``nprocs`` local
     worker processes and wait for all of them.
 
@@ -228,7 +265,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     """
     port = free_port()
     procs: list[subprocess.Popen] = []
-    errors = _ErrorDedup()
+    errors = _ErrorDedup(log)
     base = dict(os.environ, **(env or {}))
     for r in range(nprocs):
         e = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
@@ -239,7 +276,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         procs.append(subprocess.Popen([sys.executable, *argv], env=e, preexec_fn=preexec,
                                       stderr=subprocess.PIPE, text=True, bufsize=1))
-        errors.follow(procs[-1].stderr)
+        errors.follow(procs[-1].stderr, r)
     first_fail: tuple[int, int] | None = None
     deadline = None
     killed_here: set[int] = set()
@@ -252,7 +289,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
             for r, c in enumerate(codes):
                 if c not in (None, 0) and first_fail is None:
                     first_fail = (r, c)
-                    deadline = time.monotonic() + grace_s
+                    deadline = time.monotonic() + (grace_s if fail_grace_s is None else fail_grace_s)
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -288,4 +325,9 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         print(f"stratum: error: rank {r} was killed by {name}; the other ranks stopped",
               file=sys.stderr)
         return 3
+    # a rank that crashed without a word of its own is the cause, whichever rank the others' errors reached first
+    for r, p in enumerate(procs):
+        if p.returncode not in (0, None) and r not in killed_here:
+            if (line := errors.crash_line(r, p.returncode)) is not None:
+                print(line, file=sys.stderr)
     return first_fail[1]
