@@ -19,6 +19,7 @@ import torch
 from stratum.cli import main
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.runner import run_sweep
+from stratum.sweep.segment import pid_alive
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
 
@@ -250,3 +251,27 @@ def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path
         ckpts = sorted(p.name for p in (tmp_path / "sw" / "jobs" / job_id / "checkpoints").glob("step_*"))
         assert ckpts == [f"step_{got[job_id]['steps']:08d}"]  # no checkpoint between slices
         assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id)
+
+
+def test_a_spent_time_budget_stops_running_and_paused_workers_with_a_checkpoint_each(tmp_path, corpus_file,
+                                                                                       cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='scheduler = "lrtf"\nsegment_steps = 3\nslice_by = "pause"',
+                      grid='"optim.lr" = [1e-3, 2e-3, 3e-3]', steps=2000, extra="eval_interval = 0")
+
+    def spend_the_budget_once_a_worker_is_paused(sweep) -> None:
+        # the budget is spent (set to a nanosecond) only once one worker is paused and two train: the stop then
+        # meets both kinds, whatever this machine's speed
+        trained = [read_metrics(sweep.dir / "jobs" / seg.job) for seg in sweep.running.values()]
+        if sweep.resident and len(trained) == 2 and all(trained):
+            sweep.spec.settings.time_budget_s = 1e-9
+
+    lines: list[str] = []
+    run_sweep(path, say=lines.append, tick=spend_the_budget_once_a_worker_is_paused)
+    assert any(ln.startswith("time budget of 1e-09 s spent") for ln in lines), lines
+    got = rows(tmp_path / "sw")
+    assert all(r["status"] == "pending" and 0 < r["step"] < 2000 for r in got.values()), (
+        [(r["id"], r["status"], r["step"]) for r in got.values()], lines)
+    for job_id, r in got.items():  # each stopped after its step in progress, with a checkpoint there
+        assert (tmp_path / "sw" / "jobs" / job_id / "checkpoints" / f"step_{r['step']:08d}").is_dir()
+        assert r["pid"] is None or not pid_alive(r["pid"])
