@@ -14,8 +14,7 @@ from rich.console import Console
 
 from stratum.sweep import makespan
 from stratum.sweep.asha import Asha, rung_steps
-from stratum.sweep.live import LiveTable
-from stratum.sweep.segment import last_record
+from stratum.sweep.live import LiveTable, last_record
 from stratum.sweep.makespan import greedy_plan, plan_makespan, slot_ends
 from stratum.sweep.simulate import simulate
 from stratum.sweep.state import SweepState

@@ -82,6 +82,13 @@ def rows(sweep_dir: Path) -> dict[str, dict]:
     return out
 
 
+def run_and_read(path: Path, **kw) -> tuple[list[str], dict[str, dict]]:
+    """Run the sweep in this process; its progress lines and its jobs' rows."""
+    lines: list[str] = []
+    sweep = run_sweep(path, say=lines.append, **kw)
+    return lines, rows(sweep.dir)
+
+
 def poll_rows(sweep_dir: Path) -> dict[str, dict]:
     """rows() of a sweep another thread or process is running: {} until its database has its tables."""
     try:
@@ -187,9 +194,7 @@ def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpu
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     done_before = {j: (sweep_dir / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in done}
-    lines: list[str] = []
-    run_sweep(path, say=lines.append)
-    got = rows(sweep_dir)
+    lines, got = run_and_read(path)
     assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert any(f"{mid[0]}: was running when the sweep stopped" in ln for ln in lines)
     assert not any(f"{j}: started" in ln for j in done for ln in lines)  # finished jobs are not rerun
@@ -202,9 +207,7 @@ def test_asha_stops_the_worse_jobs_at_the_rung_and_promoted_jobs_keep_parity(tmp
     path = sweep_file(tmp_path, corpus_file, cache_dir,
                       sweep='early_stop = "asha"\nasha_min_steps = 3\nasha_eta = 2\nscheduler = "planned"',
                       grid='"optim.lr" = [1e-4, 3e-3, 1e-3, 3e-5]', steps=6, extra="eval_interval = 3")
-    lines: list[str] = []
-    run_sweep(path, say=lines.append)
-    got = rows(tmp_path / "sw")
+    lines, got = run_and_read(path)
     db = sqlite3.connect(tmp_path / "sw" / "state.db")
     rung3 = dict(db.execute("SELECT job, metric FROM rungs WHERE step = 3").fetchall())
     db.close()
@@ -223,9 +226,7 @@ def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_
     # tiny (~2 MiB of state) fits 6 MB; mini (~14 MiB) does not and is spilled by the offload engine
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "6MB"',
                       grid='"model.preset" = ["tiny", "mini"]', steps=4, extra="eval_interval = 0")
-    lines: list[str] = []
-    run_sweep(path, say=lines.append)
-    got = rows(tmp_path / "sw")
+    lines, got = run_and_read(path)
     assert all(r["status"] == "done" for r in got.values())
     assert any("j001: needs" in ln and "offload engine" in ln for ln in lines)
     assert not any("j000: needs" in ln for ln in lines)
@@ -241,9 +242,7 @@ def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path
     path = sweep_file(tmp_path, corpus_file, cache_dir,
                       sweep='scheduler = "lrtf"\nsegment_steps = 4\nslice_by = "pause"',
                       grid='"train.steps" = [8, 16]\n"optim.lr" = [1e-3, 3e-3]', steps=8, extra="eval_interval = 0")
-    lines: list[str] = []
-    run_sweep(path, say=lines.append)
-    got = rows(tmp_path / "sw")
+    lines, got = run_and_read(path)
     assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert any(": paused at step" in ln for ln in lines) and any(": continued on slot" in ln for ln in lines)
     for job_id in got:
@@ -266,10 +265,8 @@ def test_a_spent_time_budget_stops_running_and_paused_workers_with_a_checkpoint_
         if sweep.resident and len(trained) == 2 and all(trained):
             sweep.spec.settings.time_budget_s = 1e-9
 
-    lines: list[str] = []
-    run_sweep(path, say=lines.append, tick=spend_the_budget_once_a_worker_is_paused)
+    lines, got = run_and_read(path, tick=spend_the_budget_once_a_worker_is_paused)
     assert any(ln.startswith("time budget of 1e-09 s spent") for ln in lines), lines
-    got = rows(tmp_path / "sw")
     assert all(r["status"] == "pending" and 0 < r["step"] < 2000 for r in got.values()), (
         [(r["id"], r["status"], r["step"]) for r in got.values()], lines)
     for job_id, r in got.items():  # each stopped after its step in progress, with a checkpoint there

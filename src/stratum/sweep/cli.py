@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here, as every subcommand's engine is in stratum/cli.py: the parser and `status` stay free of torch
     if args.action == "status":
+        from stratum.sweep.live import with_progress
         from stratum.sweep.results import table
         from stratum.sweep.state import SweepState
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(args.dir) / "state.db").is_file():
             raise StratumError(f"{args.dir} holds no sweep (no state.db); give the sweep's sweep.out_dir")
         state = SweepState(Path(args.dir))
-        print(table(state.jobs()))
+        print(table(with_progress(state.jobs(), Path(args.dir))))  # running jobs: their latest step
         state.close()
         return 0
     if not args.config:

@@ -5,6 +5,8 @@ the sweep prints plain lines only."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from pathlib import Path
 
@@ -13,10 +15,26 @@ from rich.live import Live
 from rich.text import Text
 
 from stratum.sweep.results import table
-from stratum.sweep.segment import last_record
 from stratum.sweep.state import RUNNING, JobRow
 
 REFRESH_S = 1.0
+
+
+def last_record(metrics: Path) -> dict | None:
+    """The last complete JSON line of a metrics file (read from its end: the file grows with every step)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written, or the cut start of the window
+    return None
 
 
 def with_progress(rows: list[JobRow], sweep_dir: Path) -> list[JobRow]:

@@ -23,6 +23,7 @@ from stratum.offload.units import fmt_bytes, parse_budget
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config, job_out_dir
+from stratum.sweep.live import last_record
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.plot import loss_png
 from stratum.sweep.predict import job_profiles, make_predict, memory_need
@@ -30,7 +31,7 @@ from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   last_record, pid_alive, segment_records, stop_segment)
+                                   pid_alive, segment_records, stop_segment)
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
                                  spec_fingerprint)

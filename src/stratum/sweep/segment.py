@@ -205,23 +205,6 @@ def checkpoint_step(out_dir: Path) -> int:
     return json.loads((ckpt / "meta.json").read_text())["step"] if ckpt is not None else 0
 
 
-def last_record(metrics: Path) -> dict | None:
-    """The last complete JSON line of a metrics file (read from its end: the file grows with every step)."""
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written, or the cut start of the window
-    return None
-
-
 def segment_records(cfg: Config) -> list[dict]:
     """The job's metrics records so far (one consistent run: the trainer drops records past a checkpoint)."""
     return read_metrics(Path(cfg.train.out_dir))
