@@ -272,3 +272,21 @@ def test_a_spent_time_budget_stops_running_and_paused_workers_with_a_checkpoint_
     for job_id, r in got.items():  # each stopped after its step in progress, with a checkpoint there
         assert (tmp_path / "sw" / "jobs" / job_id / "checkpoints" / f"step_{r['step']:08d}").is_dir()
         assert r["pid"] is None or not pid_alive(r["pid"])
+
+
+def test_a_hung_worker_is_killed_after_the_stall_timeout_and_its_job_retried(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="stall_timeout_s = 2.0",
+                      grid='"optim.lr" = [3e-3]', steps=30, extra="eval_interval = 0\nckpt_interval = 5")
+    hung: list[int] = []
+
+    def hang_the_first_worker_midway(sweep) -> None:
+        seg = sweep.running.get(0)
+        if not hung and seg is not None and len(read_metrics(sweep.dir / "jobs" / seg.job)) >= 6:
+            os.kill(seg.worker.pid, signal.SIGSTOP)  # alive, holding its slot, making no progress
+            hung.append(seg.worker.pid)
+
+    lines, got = run_and_read(path, tick=hang_the_first_worker_midway)
+    assert hung and not pid_alive(hung[0])
+    assert got["j000"]["status"] == "done" and got["j000"]["attempts"] == 1
+    assert any(ln.startswith("j000: failed: no step for 2 s: killed as hung") for ln in lines), lines
+    assert job_losses(tmp_path / "sw", "j000") == standalone_losses(path, "j000", tmp_path)

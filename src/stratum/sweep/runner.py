@@ -2,8 +2,9 @@
 
 The loop polls the workers (every ``POLL_S``), records each segment's outcome in the state database, and gives
 each free slot the next task: an ASHA promotion first, else the scheduler's pick among the pending jobs. A
-failed segment (non-zero exit, dead worker, non-finite loss, over ``sweep.job_timeout_s``) is retried from the
-job's checkpoint up to ``sweep.retries`` times; the other jobs go on regardless.
+failed segment (non-zero exit, dead worker, non-finite loss, over ``sweep.job_timeout_s``, no step for
+``sweep.stall_timeout_s``) is retried from the job's checkpoint up to ``sweep.retries`` times; the other jobs go
+on regardless.
 """
 
 from __future__ import annotations
@@ -337,25 +338,41 @@ def _pause(sweep: Sweep, slot: int, seg: Segment) -> None:
 
 
 def _harvest(sweep: Sweep) -> None:
-    """Record every segment that ended (or ran past sweep.job_timeout_s); pause those whose slice is over."""
-    limit = sweep.spec.settings.job_timeout_s
+    """Record every segment that ended, ran past sweep.job_timeout_s or stalled; pause those whose slice is
+    over."""
     for slot, seg in list(sweep.running.items()):
         rc = seg.poll()
         if rc is None and _slice_over(sweep, seg):
             _pause(sweep, slot, seg)
             continue
-        timed_out = rc is None and limit and seg.run_s() > limit
-        if timed_out:
-            stop_segment(seg, grace_s=STOP_GRACE_S)
-        elif rc is None:
+        reason = _overdue(sweep, seg) if rc is None else None
+        if rc is None and reason is None:
             continue
         del sweep.running[slot]
         sweep.predicted_end.pop(slot, None)
-        _record(sweep, seg, f"timed out after {limit:g} s (sweep.job_timeout_s)" if timed_out else None)
+        _record(sweep, seg, reason)
     for job, seg in list(sweep.resident.items()):
         if seg.poll() is not None:  # a paused worker was killed
             del sweep.resident[job]
             _record(sweep, seg, None)
+
+
+def _overdue(sweep: Sweep, seg: Segment) -> str | None:
+    """Stop a running segment past sweep.job_timeout_s (asked to checkpoint first) or without a new step for
+    sweep.stall_timeout_s (killed: a hung worker answers no signal); the reason, or None if it may go on."""
+    s = sweep.spec.settings
+    rec = last_record(Path(sweep.configs[seg.job].train.out_dir) / "metrics.jsonl")
+    step = rec["step"] if rec is not None else -1
+    if step != seg.progress_step:
+        seg.progress_step, seg.progress_run_s = step, seg.run_s()
+    if s.job_timeout_s and seg.run_s() > s.job_timeout_s:
+        stop_segment(seg, grace_s=STOP_GRACE_S)
+        return f"timed out after {s.job_timeout_s:g} s (sweep.job_timeout_s)"
+    if s.stall_timeout_s and seg.run_s() - seg.progress_run_s > s.stall_timeout_s:
+        seg.worker.kill()
+        seg.worker.join(STOP_GRACE_S)
+        return f"no step for {s.stall_timeout_s:g} s: killed as hung (sweep.stall_timeout_s)"
+    return None
 
 
 def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:

@@ -139,6 +139,10 @@ class Segment:
     """time.monotonic() when it was paused (slice_by = pause), None while it runs."""
     paused_s: float = 0.0
     """Seconds it spent paused, left out of its running time."""
+    progress_step: int = -1
+    """The last step its metrics showed (stall detection)."""
+    progress_run_s: float = 0.0
+    """Its running seconds when that step was first seen."""
 
     def poll(self) -> int | None:
         return self.worker.poll()

@@ -82,6 +82,9 @@ class SweepSettings:
     same command again) and no new job starts. 0 = no limit."""
     job_timeout_s: float = 0.0
     """Longest a single job attempt may run before it is killed and counted as failed; 0 = no limit."""
+    stall_timeout_s: float = 3600.0
+    """A worker whose job records no step for this many seconds of running (start-up included) is taken as hung:
+    it is killed and the attempt counts as failed (retried from the checkpoint). 0 = never."""
     segment_steps: int = 0
     """Steps per segment: a job stops with a checkpoint every this many steps and its slot is given out again
     (lrtf needs it ≥ 1); 0 = a job runs to its end (or its next ASHA rung) once started."""
@@ -231,6 +234,7 @@ def _check_settings(s: SweepSettings) -> None:
     checks = [("slots", s.slots >= 1, "must be ≥ 1"), ("threads_per_job", s.threads_per_job >= 0, "must be ≥ 0"),
               ("retries", s.retries >= 0, "must be ≥ 0"), ("time_budget_s", s.time_budget_s >= 0, "must be ≥ 0"),
               ("job_timeout_s", s.job_timeout_s >= 0, "must be ≥ 0"),
+              ("stall_timeout_s", s.stall_timeout_s >= 0, "must be ≥ 0 (0 = never)"),
               ("segment_steps", s.segment_steps >= 0, "must be ≥ 0"), ("samples", s.samples >= 0, "must be ≥ 0"),
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
