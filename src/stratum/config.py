@@ -351,11 +351,11 @@ class Config:
 
     def _validate_schedule(self) -> None:
         """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""
-        from stratum.schedule.generators import KINDS
+        from stratum.schedule.generators import KINDS, is_kind
         text = self.pipeline.schedule.strip()
-        if text not in KINDS and not Path(text).expanduser().is_file():
-            raise StratumError(f"pipeline.schedule = {text!r} is neither a schedule kind ({', '.join(KINDS)}) nor "
-                               "an existing schedule file")
+        if not is_kind(text) and not Path(text).expanduser().is_file():
+            raise StratumError(f"pipeline.schedule = {_show(text)} is neither a schedule kind ({', '.join(KINDS)}, "
+                               "torch:NAME) nor an existing schedule file")
 
     def _validate_speeds(self) -> None:
         text = self.parallel.speeds.strip()
