@@ -95,6 +95,9 @@ steps = 3
     ("slots = 100000\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "CPU slots but this machine has"),
     ("devices = [\"cuda:7\"]\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "does not exist"),
     ("early_stop = \"asha\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "needs sweep.asha_min_steps ≥ 1"),
+    ("[sweep.grid]\n\"train.seed\" = {start = 0, stop = 1e12, step = 1}", "gives 1,000,000,000,001 values"),
+    ("samples = 200\n[sweep.grid]\n\"train.seed\" = {start = 0, stop = 99, step = 1}\n[sweep.random]\n"
+     "\"optim.lr\" = [1e-3]", "the sweep has 20,000 jobs"),
 ])
 def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
     p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")

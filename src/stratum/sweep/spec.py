@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ BACKENDS = ("local", "ray")
 EARLY_STOPS = ("", "asha")
 SLICE_BY = ("checkpoint", "pause")
 RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
+MAX_JOBS = 10_000  # a sweep larger than this is almost surely a mistyped range, and would only fill memory
 
 
 @dataclass(kw_only=True)
@@ -178,6 +180,10 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     if not grid and not random:
         raise StratumError(f"{p}: [sweep.grid] and [sweep.random] are both empty; give at least one key with "
                            "values, e.g. \"optim.lr\" = [1e-3, 3e-3]")
+    n_jobs = math.prod(len(v) for v in grid.values()) * (settings.samples or (1 if random else 0) or 1)
+    if n_jobs > MAX_JOBS:
+        raise StratumError(f"{p}: the sweep has {n_jobs:,} jobs (grid × samples); at most {MAX_JOBS:,} — narrow "
+                           "the grid or lower sweep.samples")
     both = set(grid) & set(random)
     if both:
         raise StratumError(f"{p}: {sorted(both)[0]} is in both [sweep.grid] and [sweep.random]; keep it in one")
@@ -239,6 +245,8 @@ def _check_settings(s: SweepSettings) -> None:
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
               ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0")]
+    checks += [(f.name, math.isfinite(getattr(s, f.name)), "must be a finite number")
+               for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), float)]
     for key, ok, what in checks:
         if not ok:
             raise StratumError(f"sweep.{key} {what}")
@@ -312,18 +320,28 @@ def _range_values(key: str, spec: dict[str, Any]) -> list[Any]:
         step = spec["step"]
         if not isinstance(step, (int, float)) or step <= 0 or stop < start:
             raise StratumError(f"[sweep.grid]: {key}: step must be > 0 and stop ≥ start")
-        n = int((stop - start) / step + 1e-9) + 1
+        span = (stop - start) / step
+        _check_count(key, span + 1 if math.isfinite(span) else math.inf)
+        n = int(span + 1e-9) + 1
         return [start + i * step for i in range(n)]
     num, log = spec["num"], spec.get("log", False)
     if not isinstance(num, int) or num < 1 or not isinstance(log, bool) or (log and min(start, stop) <= 0):
         raise StratumError(f"[sweep.grid]: {key}: num must be an integer ≥ 1, log true or false (and bounds > 0 "
                            "with log = true)")
+    _check_count(key, num)
     if num == 1:
         return [float(start)]
     if log:
         ratio = (stop / start) ** (1 / (num - 1))
         return [start * ratio**i for i in range(num)]
     return [start + (stop - start) * i / (num - 1) for i in range(num)]
+
+
+def _check_count(key: str, n: float) -> None:
+    if n > MAX_JOBS:
+        count = f"{int(n):,}" if math.isfinite(n) else "endless"
+        raise StratumError(f"[sweep.grid]: {key} gives {count} values; a sweep has at most {MAX_JOBS:,} jobs — "
+                           "check the range's step or num")
 
 
 def _random_key(key: str, spec: Any) -> RandomKey:
