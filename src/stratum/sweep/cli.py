@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The exit code: 0 when every job is done (or stopped by ASHA), 1 when one failed or is unfinished."""
     # imported here, as every subcommand's engine is in stratum/cli.py: the parser and `status` stay free of torch
     if args.action == "status":
         from stratum.sweep.live import with_progress

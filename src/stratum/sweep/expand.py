@@ -77,6 +77,7 @@ def _draw(rng: random.Random, r: RandomKey) -> Any:
 
 
 def job_out_dir(sweep_dir: Path, job: Job) -> Path:
+    """The job's run directory (its train.out_dir)."""
     return sweep_dir / "jobs" / job.id
 
 

@@ -48,6 +48,7 @@ class MakespanPlan:
 
 
 def slot_ends(choices: dict[str, Choice], free_at: list[float]) -> list[float]:
+    """When each slot finishes under ``choices``: its free time plus its jobs' seconds."""
     ends = list(free_at)
     for c in choices.values():
         ends[c.slot] += c.seconds
@@ -77,6 +78,7 @@ def greedy_plan(options: dict[str, dict[str, float]], free_at: list[float]) -> M
 
 
 def pulp_available() -> bool:
+    """PuLP (the sweep extra) can be imported: the MILP is tried; else the greedy plan is the plan."""
     try:
         importlib.import_module("pulp")
     except ImportError:
@@ -96,6 +98,7 @@ def plan_makespan(options: dict[str, dict[str, float]], free_at: list[float], *,
 
 def _milp_plan(options: dict[str, dict[str, float]], free_at: list[float], time_limit_s: float,
                start: MakespanPlan) -> MakespanPlan | None:
+    """The MILP, warm-started from ``start``; None when CBC found no integer solution in time."""
     pulp = importlib.import_module("pulp")  # optional extra (sweep): imported only when planning
     t0 = time.perf_counter()
     slots = range(len(free_at))

@@ -182,6 +182,7 @@ def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
 
 
 def make_backend(sweep: Sweep) -> Backend:
+    """The backend sweep.backend names: local worker processes, or Ray actors (GPU slots ask for a GPU)."""
     s = sweep.spec.settings
     if s.backend == "ray":
         gpu_slots = {i for i in range(s.slots) if (slot_device(sweep, i) or "").startswith("cuda")}
@@ -214,6 +215,7 @@ def _wait_gone(pids: dict[str, int | None], timeout_s: float = 30.0) -> None:
 
 
 def _write_job_configs(sweep: Sweep) -> None:
+    """jobs/<id>/job.toml: what a worker loads, and what a person runs to repeat the job alone."""
     for job_id, cfg in sweep.configs.items():
         path = job_out_dir(sweep.dir, sweep.jobs[job_id]) / "job.toml"
         text = to_toml(cfg)
@@ -223,6 +225,7 @@ def _write_job_configs(sweep: Sweep) -> None:
 
 def _loop(sweep: Sweep, policy: Policy, predict: Callable[[str], dict[str, float]] | None,
           tick: Callable[[Sweep], None] | None) -> None:
+    """Poll, record, refill, until no job can run (or the time budget is spent)."""
     s = sweep.spec.settings
     t0 = time.monotonic()
     try:
