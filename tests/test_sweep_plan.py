@@ -167,3 +167,15 @@ def test_the_live_table_reads_running_jobs_last_complete_record(tmp_path):
     live.close()
     text = out.getvalue()
     assert "3/10" in text and "4.7000" in text and "1,003" in text and "0/10" in text  # j000 live, j001 pending
+
+
+def test_retry_failed_gives_failed_jobs_their_retries_back_and_leaves_the_rest(tmp_path):
+    state = SweepState(tmp_path)
+    state.add_jobs([("j000", 0, "a", 10), ("j001", 1, "b", 10), ("j002", 2, "c", 10)])
+    state.update("j000", status="done", step=10)
+    state.update("j001", status="failed", attempts=2, reason="loss became nan at step 3", step=2)
+    state.update("j002", status="failed", attempts=1, reason="worker died (SIGKILL)")
+    assert state.reset_failed() == ["j001", "j002"]
+    got = {r.id: (r.status, r.attempts, r.reason, r.step) for r in state.jobs()}
+    assert got == {"j000": ("done", 0, "", 10), "j001": ("pending", 0, "", 2), "j002": ("pending", 0, "", 0)}
+    assert state.reset_failed() == []

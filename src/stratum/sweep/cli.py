@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("dir", nargs="?", help="status: the sweep directory (sweep.out_dir)")
     p.add_argument("--config", metavar="SWEEP.toml", help="the sweep file (see docs/sweep.md)")
     p.add_argument("--png", metavar="FILE.png", help="simulate: also write the schedules as a Gantt chart")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run: failed jobs run again (from their checkpoints) with their retries restored")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
     from stratum.train.progress import make_console
     console = make_console()
     if not console.is_terminal:
-        sweep = run_sweep(args.config, say=lambda line: print(line, flush=True))
+        sweep = run_sweep(args.config, say=lambda line: print(line, flush=True), retry_failed=args.retry_failed)
     else:
         from stratum.sweep.live import LiveTable
         live = LiveTable(console)
         try:
-            sweep = run_sweep(args.config, say=live.say, tick=lambda sw: live.tick(sw.state.jobs(), sw.dir))
+            sweep = run_sweep(args.config, say=live.say, tick=lambda sw: live.tick(sw.state.jobs(), sw.dir),
+                              retry_failed=args.retry_failed)
         finally:
             live.close()
     rows = sweep.state.jobs()

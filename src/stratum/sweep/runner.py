@@ -147,12 +147,15 @@ def slot_device(sweep: Sweep, slot: int) -> str | None:
 
 # ---- the loop ---------------------------------------------------------------------------------------------
 def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
-              tick: Callable[[Sweep], None] | None = None) -> Sweep:
+              tick: Callable[[Sweep], None] | None = None, retry_failed: bool = False) -> Sweep:
     """Run (or resume) the sweep in ``path`` to the end (or its time budget); returns the finished Sweep.
-    ``tick`` is called at every poll (a live display)."""
+    ``tick`` is called at every poll (a live display); ``retry_failed`` gives failed jobs their retries again."""
     sweep = open_sweep(path, say=say)
     lock = _lock(sweep.dir)
     try:
+        if retry_failed:
+            for job_id in sweep.state.reset_failed():
+                say(f"{job_id}: failed before; it runs again from its last checkpoint (--retry-failed)")
         sweep.backend = make_backend(sweep)
         interrupted = sweep.state.requeue_interrupted()
         for job_id in interrupted:

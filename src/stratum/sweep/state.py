@@ -134,6 +134,14 @@ class SweepState:
             db.execute("UPDATE jobs SET status = 'pending', slot = NULL, pid = NULL WHERE status = 'running'")
         return rows
 
+    def reset_failed(self) -> list[str]:
+        """Failed jobs back to pending with their retries restored (``stratum sweep --retry-failed``, after the
+        cause is fixed); they resume from their last checkpoints. Returns their ids."""
+        with self._tx() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM jobs WHERE status = 'failed' ORDER BY idx").fetchall()]
+            db.execute("UPDATE jobs SET status = 'pending', attempts = 0, reason = '' WHERE status = 'failed'")
+        return ids
+
     # ---- ASHA rungs -----------------------------------------------------------------------------------------
     def add_rung(self, job_id: str, rung: int, metric: float, **job_values) -> None:
         """Record a job's metric at a rung and, in the same transaction, its new column values (status …)."""
