@@ -1,5 +1,8 @@
-"""Hardening (issue 16): help for every command, files that cannot be written, one run per out_dir, corrupt
-checkpoints and token caches, numbers and text that make no sense."""
+"""Hardening (issue 16): help for every command; files that cannot be written (on real full and read-only tmpfs
+mounts where this machine permits mounting); a disk tier that leaves nothing after kill -9; one run per out_dir
+and what a killed write leaves; corrupt checkpoints and token caches; numbers and text that make no sense; sizes
+checked before work; threads; a crashed rank in a multi-process run. The seeded fuzz of every subcommand is
+tests/test_fuzz.py."""
 
 from __future__ import annotations
 
@@ -103,17 +106,17 @@ def _one_error_line(capsys, *expected: str) -> str:
     return lines[0]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def small(corpus_file, cache_dir) -> list[str]:
     """Config flags of a tiny model on the test corpus."""
     return ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
             "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=2"]
 
 
-@pytest.fixture
-def profile(small, tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def profile(small, tmp_path_factory) -> Path:
     """A `stratum profile` of the tiny model, so `stratum plan` need not profile again."""
-    path = tmp_path / "profile.json"
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
     assert main(["profile", *small, "--runs", "1", "--out", str(path)]) == 0
     return path
 
