@@ -60,7 +60,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
 
     from stratum.model.build import build_model
     from stratum.offload.engine import OffloadEngine
-    from stratum.offload.setup import plan_for
+    from stratum.offload.setup import placement_for
     from stratum.runtime import optim_spec
     from stratum.runtime.plain import PlainEngine
 
@@ -75,7 +75,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     budget = "" if mode == "overhead" else str(state // 4)
     ocfg = _cfg(preset, micro, seq, [*extra, f"offload.device_budget={budget!r}"])
     t0 = time.perf_counter()
-    plan = plan_for(ocfg, model, dev, always_profile=True)
+    plan = placement_for(ocfg, model, dev, always_profile=True)
     plan_s = time.perf_counter() - t0
     print(plan.describe(), flush=True)
     prec = cfg.train.precision
@@ -92,7 +92,7 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     for lo in range(0, len(batches), block):
         for name in order:
             if name not in engines:
-                engines[name] = OffloadEngine(model, optim=optim_spec(cfg), device=dev, plan=plan, precision=prec,
+                engines[name] = OffloadEngine(model, optim=optim_spec(cfg), device=dev, placement=plan, precision=prec,
                                               check_every_step=True)
             eng = engines[name]
             for s in range(lo, min(lo + block, len(batches))):
@@ -178,7 +178,7 @@ def _worker(args) -> dict:
            "setup_s": setup_s,
            "peak_rss_bytes": peak_rss_bytes(), "tokens_per_step": cfg.tokens_per_step}
     if args.engine == "offload":
-        res.update(plan=engine.plan.to_dict(), measured_peak_bytes=engine.measured_peaks(),
+        res.update(plan=engine.placement.to_dict(), measured_peak_bytes=engine.measured_peaks(),
                    bytes_h2d=engine.bytes_h2d, bytes_d2h=engine.bytes_d2h)
         if args.probe_bandwidths:  # after the run, as the disk is then (beyond-ram's bound)
             from stratum.offload.tiers import measure_bandwidths

@@ -1,6 +1,6 @@
 """Benchmark: parallel plans against the plain engine on this machine, measured (not simulated).
 
-Three studies, each writing JSON to ``benchmarks/results/``:
+Four studies, each writing JSON to ``benchmarks/results/``:
 
 - ``plans``: every plan against plain on the same model, global batch and total threads: tokens/s per step
   (median) and peak RSS per rank. On 2 cores no plan can be faster than plain; the point is the overhead
@@ -8,11 +8,14 @@ Three studies, each writing JSON to ``benchmarks/results/``:
 - ``balance``: ``replicate(2)`` with process 1 throttled to a share of a core by a cgroup CPU quota (Linux cgroup
   v1 ``cpu.cfs_quota_us``, as a slower device would be): even shares against shares from the speeds measured
   at start-up (``parallel.speeds = auto``); goal ≥ 1.3×.
+- ``offload``: the offload leaf alone, under ``replicate(2, …)`` and under ``pipeline(2, …)``, each device under
+  ``--budget``, against plain (the memory engine's overhead, and what the parallel nodes add to it).
 - ``shard``: per-rank AdamW state bytes of ``replicate(4, shard=true)`` against ``replicate(4)`` (≈ 1/4).
 
 Runbook::
 
     python benchmarks/parallel_bench.py plans   [--preset mini --steps 12 --rounds 3]
+    python benchmarks/parallel_bench.py offload [--budget 50% --micro-batch 2]
     python benchmarks/parallel_bench.py balance [--quota 0.25 --rounds 3]
     python benchmarks/parallel_bench.py shard   [--preset small]
 
@@ -57,7 +60,7 @@ def worker(a: argparse.Namespace) -> None:
     data = prepare_data(cfg)
     model = build_model(cfg.model, tokenizer_vocab=data.tokenizer.vocab_size, seq_len=a.seq_len, seed=0)
     engine = stratum.parallelize(model, plan=a.plan, lr=1e-4, micro_batches=a.micro_batches,
-                                 timeout_s=300.0, speeds=a.speeds)
+                                 timeout_s=300.0, speeds=a.speeds, batch_shape=(a.micro_batch, a.seq_len))
     total = a.micro_batches * engine.world.plan.replicas
     times, losses = [], []
     for step in range(a.warmup + a.steps):
@@ -105,9 +108,26 @@ def tokens_per_s(ranks: list[dict]) -> float:
     return ranks[0]["tokens_per_step"] / max(r["median_step_s"] for r in ranks)
 
 
+PLANS = [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("replicate(2, reduce=adasum)", 2),
+         ("pipeline(2)", 2), ("split(2)", 2), ("replicate(2, pipeline(2))", 4), ("pipeline(2, split(2))", 4)]
+
+
+def offload_plans(budget: str) -> list[tuple[str, int]]:
+    """The offload leaf alone, under replicate and under pipeline, each device under ``budget``."""
+    leaf = f"offload(device_budget={budget})"
+    return [(leaf, 1), (f"replicate(2, {leaf})", 2), (f"pipeline(2, {leaf})", 2)]
+
+
 def study_plans(a: argparse.Namespace) -> dict:
-    plans = [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("replicate(2, reduce=adasum)", 2),
-             ("pipeline(2)", 2), ("split(2)", 2), ("replicate(2, pipeline(2))", 4), ("pipeline(2, split(2))", 4)]
+    return compare(a, PLANS, "plans")
+
+
+def study_offload(a: argparse.Namespace) -> dict:
+    return compare(a, offload_plans(a.budget), "offload") | {"budget": a.budget}
+
+
+def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> dict:
+    """Every plan against plain, rounds alternating the order; the ratio is the median of per-round ratios."""
     rows: dict[str, dict] = {}
     for rnd in range(a.rounds):
         order = [("local", 1)] + plans if rnd % 2 == 0 else plans + [("local", 1)]
@@ -121,7 +141,8 @@ def study_plans(a: argparse.Namespace) -> dict:
     for plan, r in rows.items():
         r["ratio_vs_plain"] = statistics.median(t / b for t, b in zip(r["tokens_per_s"], base))
         r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
-    return {"study": "plans", "preset": a.preset, "threads": a.threads, "rows": rows}
+    return {"study": study, "preset": a.preset, "threads": a.threads, "micro_batch": a.micro_batch,
+            "seq_len": a.seq_len, "micro_batches": a.micro_batches, "rows": rows}
 
 
 def study_balance(a: argparse.Namespace) -> dict:
@@ -155,7 +176,7 @@ def study_shard(a: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("study", choices=["plans", "balance", "shard", "worker"])
+    ap.add_argument("study", choices=["plans", "offload", "balance", "shard", "worker"])
     ap.add_argument("--plan", default="local")
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -167,6 +188,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--quota", type=float, default=0.25, help="balance: the throttled process's share of a core")
     ap.add_argument("--throttle-rank", type=int, default=-1)
+    ap.add_argument("--budget", default="50%", help="offload: each device's budget (a size or a percentage)")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")
@@ -175,7 +197,8 @@ def main() -> None:
     if a.study == "worker":
         worker(a)
         return
-    res = {"study": a.study, **{"plans": study_plans, "balance": study_balance, "shard": study_shard}[a.study](a),
+    res = {"study": a.study, **{"plans": study_plans, "offload": study_offload, "balance": study_balance,
+                                 "shard": study_shard}[a.study](a),
            "argv": sys.argv[1:], "cpu_count": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(a.out or HERE / "results" / f"parallel_{a.study}.json")
     out.write_text(json.dumps(res, indent=2))

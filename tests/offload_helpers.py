@@ -10,7 +10,7 @@ import torch
 
 from stratum.data.tokens import Batch
 from stratum.model.blockseq import BlockSeq
-from stratum.offload.planner import make_plan
+from stratum.offload.planner import make_placement
 from stratum.offload.tiers import Bandwidths
 from stratum.profile.profiler import profile_blockseq
 from stratum.runtime.engine import OptimSpec
@@ -106,7 +106,7 @@ def state_bytes(model) -> int:
 
 
 def plan(model, prof, *, n_micro=2, clip=1.0, **kw):
-    return make_plan(model, profile=prof, n_micro=n_micro, grad_clip=clip,
+    return make_placement(model, profile=prof, n_micro=n_micro, grad_clip=clip,
                      **{"device_budget": None, "host_budget": None, "disk_free": None, "bandwidths": _GPU_LINKS, **kw})
 
 
@@ -114,3 +114,16 @@ def plan(model, prof, *, n_micro=2, clip=1.0, **kw):
 # not measured ones, keep the tests' plans the same on every run.
 _GPU_LINKS = (Bandwidths(h2d=20e9, d2h=20e9, disk_read=2e9, disk_write=1e9, adam_params_per_s=1e9, async_copies=True)
               if DEV.type == "cuda" else None)
+
+
+def fixed_times(prof):
+    """``prof`` with the measured seconds replaced by a fixed model of them (2 FLOPs per parameter and token
+    forward, twice that backward, at 10 GFLOP/s, plus 0.1 ms a block): measured seconds grow with the machine's
+    load, and the plans of these tests must not."""
+    import dataclasses
+    tokens = 16
+    blocks = []
+    for b in prof.blocks:
+        fwd = 1e-4 + 2 * b.n_params * tokens / 1e10
+        blocks.append(dataclasses.replace(b, fwd_s=fwd, bwd_s=2 * fwd, bwd_input_s=fwd if b.index else 0.0))
+    return dataclasses.replace(prof, blocks=blocks)

@@ -8,24 +8,11 @@ import re
 
 import pytest
 
-from offload_helpers import build, plan, profile, state_bytes
+from offload_helpers import build, fixed_times, plan, profile, state_bytes
 from stratum.cli import main
 from stratum.errors import StratumError
 from stratum.offload.tiers import DEVICE, DISK, HOST
 from stratum.train.trainer import read_metrics, train
-
-
-def fixed_times(prof):
-    """``prof`` with the measured seconds replaced by a fixed model of them (2 FLOPs per parameter and token
-    forward, twice that backward, at 10 GFLOP/s, plus 0.1 ms a block): measured seconds grow with the machine's
-    load, and the plans of these tests must not."""
-    import dataclasses
-    tokens = 16
-    blocks = []
-    for b in prof.blocks:
-        fwd = 1e-4 + 2 * b.n_params * tokens / 1e10
-        blocks.append(dataclasses.replace(b, fwd_s=fwd, bwd_s=2 * fwd, bwd_input_s=fwd if b.index else 0.0))
-    return dataclasses.replace(prof, blocks=blocks)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +36,10 @@ def test_infeasible_budget_names_the_smallest_that_works(gpt):
 
 
 def test_infeasible_host_budget_names_the_smallest_host_budget(gpt):
-    from stratum.offload.planner import make_plan
+    from stratum.offload.planner import make_placement
     m, prof = gpt
     with pytest.raises(StratumError, match="smallest offload.host_budget"):
-        make_plan(m, device_budget=state_bytes(m) // 4, host_budget=1000, disk_free=0, bandwidths=None,
+        make_placement(m, device_budget=state_bytes(m) // 4, host_budget=1000, disk_free=0, bandwidths=None,
                   profile=prof)
 
 
@@ -157,7 +144,7 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
 
     from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
-    from stratum.offload.planner import SLOW_DISK, TIE, choose, predict_plan
+    from stratum.offload.planner import SLOW_DISK, TIE, choose, predict_placement
     from stratum.offload.tiers import Bandwidths
     close = 1.0 + TIE / 2
     on_slow = {"lean": 2.0, "balanced": 1.5, "outside": 1.0}.__getitem__
@@ -182,8 +169,8 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
     kw = dict(costs=Costs.blocks(prof), n_micro=2, deferred=False,
               n_params=sum(x.numel() for x in m.parameters()))
     lay = pack(m, p.chunk_elems)
-    assert predict_plan(lay, p, bw=bw, **kw)[2] == pytest.approx(p.predicted_step_s)
-    assert seen["slow"](p) == pytest.approx(predict_plan(lay, p, bw=slow_bw, **kw)[2])
+    assert predict_placement(lay, p, bw=bw, **kw)[2] == pytest.approx(p.predicted_step_s)
+    assert seen["slow"](p) == pytest.approx(predict_placement(lay, p, bw=slow_bw, **kw)[2])
     assert seen["slow"](p) > p.predicted_step_s  # its moments are on the (slower) disk
 
 

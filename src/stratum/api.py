@@ -35,6 +35,7 @@ from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import Batch
 from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
+from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
 from stratum.model.hf import from_transformers
 from stratum.model.sequential import from_sequential
@@ -113,12 +114,20 @@ def _same_start(model: BlockSeq, world: World) -> None:
 def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micro_batches: int = 1,
                 loss_fn: LossFn | None = None, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                 eps: float = 1e-8, grad_clip: float = 1.0, precision: str = "fp32", device: str = "auto",
-                backend: str = "auto", timeout_s: float = 30.0, speeds: str = "") -> Parallel:
+                backend: str = "auto", timeout_s: float = 30.0, speeds: str = "",
+                batch_shape: tuple[int, int] | None = None) -> Parallel:
     """``model`` on ``plan`` with AdamW (``lr`` unless a step passes its own); see the module docstring.
-    ``speeds``: hardware-aware shares, as ``parallel.speeds`` ("" even, "auto" measured, or one per process)."""
+    ``speeds``: hardware-aware shares, as ``parallel.speeds`` ("" even, "auto" measured, or one per process).
+    ``batch_shape``: (rows, sequence length) of one micro-batch — an offload leaf plans its device memory for the
+    activations of that shape, so a plan with one needs it."""
     cfg = Config()
     cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
     cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
+    if isinstance(cfg.plan.leaf, Offload):
+        if batch_shape is None:
+            raise StratumError(f"plan {plan!r} has an offload leaf, which plans device memory for one "
+                               "micro-batch's activations: pass batch_shape=(rows, sequence length)")
+        cfg.train.micro_batch_size, cfg.data = batch_shape[0], dataclasses.replace(cfg.data, seq_len=batch_shape[1])
     cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
                                     beta2=betas[1], eps=eps, grad_clip=grad_clip)
     cfg.validate()

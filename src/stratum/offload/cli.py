@@ -79,13 +79,13 @@ def planning_profile(cfg, model, device, *, estimate: bool = False):
 
 
 def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
-    """(``make_plan``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
+    """(``make_placement``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
     once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
     on a small batch and scaled — cached per architecture, device and batch shape (:mod:`stratum.profile.fast`)."""
     from stratum.data.corpus import resolve_corpus
     from stratum.data.prepare import make_tokenizer
     from stratum.model.build import build_model
-    from stratum.offload.setup import plan_inputs
+    from stratum.offload.setup import placement_inputs
     from stratum.profile import Profile
     from stratum.runtime.device import resolve_device
 
@@ -100,13 +100,13 @@ def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False
                                "re-run `stratum profile` with this config")
     else:
         prof = planning_profile(cfg, model, device, estimate=estimate)
-    return plan_inputs(cfg, model, device, profile=prof, always_profile=True), model
+    return placement_inputs(cfg, model, device, profile=prof, always_profile=True), model
 
 
 def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool = True) -> None:
     """Plan each device budget with the same profile and bandwidths (``inputs``: ``planning_inputs``); print a row
     per budget (``timed`` False: without the step time, which an estimate does not predict)."""
-    from stratum.offload.planner import make_plan
+    from stratum.offload.planner import make_placement
     from stratum.offload.tiers import DEVICE
     from stratum.offload.units import fmt_bytes
 
@@ -116,7 +116,7 @@ def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool
     for label, b in budgets:
         name = f"{label} ({fmt_bytes(b)})" if label != fmt_bytes(b) else label
         try:
-            p = make_plan(model, **{**inputs, "device_budget": b})
+            p = make_placement(model, **{**inputs, "device_budget": b})
         except StratumError as e:
             print(f"{name:>18} does not fit: {str(e).split('; ')[-1]}")
             continue
@@ -140,7 +140,7 @@ def untimed(plan) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from stratum.config import load_config
-    from stratum.offload.planner import make_plan
+    from stratum.offload.planner import make_placement
     from stratum.offload.units import fmt_bytes
 
     cfg = load_config(args.config, args.overrides)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"host budget {fmt_bytes(inputs['host_budget'])} in every row (offload.host_budget)")
         print_sweep(model, inputs, budgets, timed=not args.estimate)
         return 0
-    plan = make_plan(model, **inputs)
+    plan = make_placement(model, **inputs)
     print(untimed(plan) if args.estimate else plan.describe())
     if args.json_out:
         from stratum.atomic import atomic_write_json

@@ -39,7 +39,7 @@ from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
-from stratum.offload.planner import KEEP, SPILL, Plan, grads_to_host, runs_inline
+from stratum.offload.planner import KEEP, SPILL, Placement, grads_to_host, runs_inline
 from stratum.offload.prefetch import Inline, Transfers, background_pool
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
@@ -62,7 +62,7 @@ def _dropped(_obj) -> Tensor:
 class OffloadEngine(Residency, Updates, StateIO, Engine):
     name = "offload"
 
-    def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, plan: Plan,
+    def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
                  precision: str = "fp32", disk_dir: str = "", check_every_step: bool = True,
                  materialize=None):
         self.model = model
@@ -70,7 +70,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         device = canonical(device)  # saved tensors are matched against it (a spilled activation's device)
         self.device = device
         self.precision = precision
-        self.plan = plan
+        self.placement = placement
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
@@ -86,16 +86,16 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             raise StratumError("the offload engine cannot materialise a meta model with buffers")
         for b in model.buffers():
             b.data = b.data.to(device)
-        self.layout: Layout = pack(model, plan.chunk_elems)
+        self.layout: Layout = pack(model, placement.chunk_elems)
         self.names = [n for n, _ in model.named_parameters()]
-        self.tiers = {DEVICE: Tier(DEVICE, plan.device_budget), HOST: Tier(HOST, plan.host_budget),
+        self.tiers = {DEVICE: Tier(DEVICE, placement.device_budget), HOST: Tier(HOST, placement.host_budget),
                       DISK: Tier(DISK, None)}
         self.disk: DiskStore | None = None
-        if plan.uses_disk:
+        if placement.uses_disk:
             self.disk = DiskStore(resolve_disk_dir(disk_dir), self.tiers[DISK])
         gpu = device.type == "cuda"
-        self.xfer = Transfers(device, inline=runs_inline(gpu, plan.param_tier))
-        self._updates_inline = runs_inline(gpu, plan.optimizer_tier, plan.param_tier)
+        self.xfer = Transfers(device, inline=runs_inline(gpu, placement.param_tier))
+        self._updates_inline = runs_inline(gpu, placement.optimizer_tier, placement.param_tier)
         self.opt_pool = Inline() if self._updates_inline else background_pool(device, "stratum-cpu-adam")
         self.trace = AccessTrace()
         self._nxt: NextUse | None = None
@@ -104,10 +104,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
-        if plan.activations == SPILL:
+        if placement.activations == SPILL:
             ring = (ActivationRing(self.disk, self.tiers[HOST], pin=device.type == "cuda")
-                    if plan.disk_spill_blocks else None)
-            self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(plan.disk_spill_blocks))
+                    if placement.disk_spill_blocks else None)
+            self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(placement.disk_spill_blocks))
         self._boundary: set[int] = set()
         """Storages of the kept block inputs: a saved tensor in one of them is kept by reference, never spilled."""
         self.n_fetches = 0
@@ -150,14 +150,14 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         return aligned_empty(n, pin=tier == HOST and self.device.type == "cuda").zero_()
 
     def _build(self) -> None:
-        plan = self.plan
+        placement = self.placement
         n_stream = len(self.layout.streamable)
-        all_resident = plan.param_tier == DEVICE
-        self._all_on_device = all_resident and plan.optimizer_tier == DEVICE
+        all_resident = placement.param_tier == DEVICE
+        self._all_on_device = all_resident and placement.optimizer_tier == DEVICE
         """Every chunk and its moments stay on the device: gradients are autograd's own tensors, as in the plain
         engine (no slot half to zero and accumulate into, no copies), and one fused AdamW call per weight-decay
         class updates everything after the backward (a launch per chunk cost a GPU more than the work)."""
-        self._grads_home = grads_to_host(plan.optimizer_tier, plan.param_tier, self.device.type == "cuda")
+        self._grads_home = grads_to_host(placement.optimizer_tier, placement.param_tier, self.device.type == "cuda")
         """On a CPU with parameters and moments in host RAM, a streamed chunk's gradients are handed to the host
         optimizer as the tensors autograd made (charged to the host tier while held), as the plain engine's
         optimizer gets them: its slot holds parameters only (twice the slots in a budget), and no gradient is
@@ -170,7 +170,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
         for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
             pinned = spec.tied or all_resident
-            home = DEVICE if pinned else plan.param_tier
+            home = DEVICE if pinned else placement.param_tier
             c = ChunkState(spec=spec, pinned=pinned, home=home)
             def fill(flat: Tensor) -> Tensor:
                 self._ensure_materialized(spec)
@@ -185,7 +185,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                 else:
                     c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
                 fill(c.p())
-                if plan.optimizer_tier != DEVICE and self.device.type != "cpu":
+                if placement.optimizer_tier != DEVICE and self.device.type != "cpu":
                     c.hp = self._alloc(HOST, spec.capacity, "master params")
                     c.hp.copy_(c.p())
                     c.hg = self._alloc(HOST, spec.capacity, "host grads")
@@ -204,7 +204,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                 for e in spec.entries:
                     e.param.data = self._placeholder(e.shape)
                     e.param.grad = None
-            ot = plan.optimizer_tier
+            ot = placement.optimizer_tier
             if ot == DISK:
                 zeros = aligned_empty(spec.capacity).zero_()
                 self.disk.create(f"m{spec.index}", zeros)
@@ -217,25 +217,25 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                                   device=self.device if ot == DEVICE else "cpu")
             self.chunks[spec.index] = c
         self.staging: list[Tensor | None] = [None] * 4
-        if plan.param_tier == DISK and plan.optimizer_tier != DEVICE and n_stream and (
-                self.device.type != "cpu" or self.spec.grad_clip > 0 or plan.deferred_chunks):
+        if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
+                self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
             self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
             self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
-        if plan.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
+        if placement.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
             self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
             self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
         # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time
         self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
-                             if plan.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
-        R = 0 if all_resident else min(plan.resident_chunks, n_stream)
+                             if placement.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
+        R = 0 if all_resident else min(placement.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}") for s in range(R)]
         self.free_slots = list(range(R))[::-1]
         self.resident: set[int] = set()
         self._slot_busy: dict[int, Future] = {}
         """Slot → the in-place update still reading/writing it: the next fetch into the slot waits for it."""
-        self._defer = tuple(plan.deferred_chunks) if plan.optimizer_tier != DEVICE else ()
-        """Chunks whose update the plan defers to beside the next forward (without clipping; with it, all are),
+        self._defer = tuple(placement.deferred_chunks) if placement.optimizer_tier != DEVICE else ()
+        """Chunks whose update the placement defers to beside the next forward (without clipping; with it, all are),
         ascending = the order the forward uses them (chunks are numbered in first-use order)."""
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
@@ -282,9 +282,9 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         spill = self.spill
-        thin = self.plan.activations != KEEP  # only block inputs stay on the device between forward and backward
-        spilled = self.plan.spilled(L)  # the other blocks are recomputed when thin, except:
-        on_device = self.plan.kept()  # the last blocks, whose activations stay on the device (Plan.kept_blocks)
+        thin = self.placement.activations != KEEP  # only block inputs stay on the device between forward and backward
+        spilled = self.placement.spilled(L)  # the other blocks are recomputed when thin, except:
+        on_device = self.placement.kept()  # the last blocks, whose activations stay on the device (Placement.kept_blocks)
         for j, b in enumerate(micro_batches):
             last_mb = j == n - 1
             x = b.x.to(self.device, non_blocking=True)
@@ -426,10 +426,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             return
         self.tiers[DEVICE].check(self._act)
         self.tiers[HOST].check()
-        if self.device.type == "cuda" and self.plan.device_budget is not None:
+        if self.device.type == "cuda" and self.placement.device_budget is not None:
             held = torch.cuda.memory_allocated(self.device) - self._cuda_base
-            assert held <= self.plan.device_budget * 1.05 + (64 << 20), (
-                f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.plan.device_budget}")
+            assert held <= self.placement.device_budget * 1.05 + (64 << 20), (
+                f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.placement.device_budget}")
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
@@ -447,7 +447,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
 
     # ---- reporting ----------------------------------------------------------------------------------------------
     def traffic(self) -> dict[str, int]:
-        """Bytes moved so far per link, counted as the plan predicts them (``Plan.predicted_traffic``): h2d =
+        """Bytes moved so far per link, counted as the plan predicts them (``Placement.predicted_traffic``): h2d =
         chunks fetched + activations restored, d2h = chunks, gradients and updated parameters written home +
         activations spilled, disk_read / disk_write = all the disk store's reads and writes (set-up included).
         Work that runs beside the next step (a clipped update pass on a thread) counts when it runs."""
@@ -466,7 +466,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
 
     @property
     def predicted_step_s(self) -> float | None:
-        return self.plan.predicted_step_s
+        return self.placement.predicted_step_s
 
     def measured_peaks(self) -> dict[str, int]:
         return {name: t.peak for name, t in self.tiers.items()}

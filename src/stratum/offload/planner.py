@@ -48,7 +48,7 @@ backward was disk-bound (0.78x plain; backward 13.6-15.1 s against 11.5-12.2 s w
 
 
 @dataclass(kw_only=True)
-class Plan:
+class Placement:
     chunk_elems: int
     """fp32 elements per chunk."""
     resident_chunks: int
@@ -194,9 +194,9 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed, except
-    ``kept`` (Plan.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
+    ``kept`` (Placement.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
-    ``deferred_chunks``: see Plan.deferred_chunks (only used where updates otherwise run in the slot)."""
+    ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot)."""
     L = len(costs.act_bytes)
     kept = kept if acts == SPILL else frozenset()
     spilled = (frozenset(range(L)) if spilled is None else spilled) - kept
@@ -374,7 +374,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     return {DEVICE: dev, HOST: host, DISK: disk}, tr, step, compute, act
 
 
-def predict_plan(layout: Layout, plan: Plan, *, costs: Costs, bw: Bandwidths | None, n_micro: int,
+def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Bandwidths | None, n_micro: int,
                  deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
     """:func:`predict` for ``plan``'s choices (``layout`` = its chunk layout)."""
     return predict(layout, R=plan.resident_chunks, opt=plan.optimizer_tier, ptier=plan.param_tier,
@@ -423,7 +423,7 @@ KEPT_SUFFIXES = (0, 1, 2, 3, 4, 6, 8)
 
 
 def _kept_options(acts: str, n_blocks: int, fixed: int | None) -> list[frozenset[int]]:
-    """Plan.kept_blocks to try with spilled activations: the last 0, 1, 2, … blocks (bounded: a few sizes), or
+    """Placement.kept_blocks to try with spilled activations: the last 0, 1, 2, … blocks (bounded: a few sizes), or
     the last ``fixed``."""
     if acts != SPILL:
         return [frozenset()]
@@ -433,7 +433,7 @@ def _kept_options(acts: str, n_blocks: int, fixed: int | None) -> list[frozenset
 
 def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool,
                       bw: Bandwidths | None) -> list[frozenset[int]]:
-    """Sets of chunks whose update may run beside the next forward (Plan.deferred_chunks): none, and the first
+    """Sets of chunks whose update may run beside the next forward (Placement.deferred_chunks): none, and the first
     1/8 … 1/2 of the streamed chunks to complete their gradients. Only where updates otherwise run in the slot
     during the backward: a CPU, a host/disk optimizer, streamed parameters, no clipping."""
     if opt == DEVICE or ptier == DEVICE or deferred or (bw is not None and bw.async_copies):
@@ -478,7 +478,7 @@ def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
     return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
 
 
-def choose(fits: list[tuple[float, tuple, Plan]], slow=None):
+def choose(fits: list[tuple[float, tuple, Placement]], slow=None):
     """The plan of ``fits`` (predicted step seconds, tie-break key, plan): of those within TIE of the fastest, the
     one with the smallest key. Comparing with the fastest, not pairwise, so a chain of near-ties cannot drift.
     ``slow(plan)``: its predicted step on a slower disk (SLOW_DISK); given, the tied plans are narrowed first to
@@ -492,13 +492,13 @@ def choose(fits: list[tuple[float, tuple, Plan]], slow=None):
     return min(near, key=lambda f: f[1])[2]
 
 
-def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
+def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int | None, disk_free: int | None,
               bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
               chunk_elems: int | None = None, resident_chunks: int | None = None,
               optimizer_tier: str | None = None, prefetch_depth: int | None = None,
-              activations: str | None = None, kept_blocks: int | None = None) -> Plan:
+              activations: str | None = None, kept_blocks: int | None = None) -> Placement:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
-    (``kept_blocks``: how many of the last blocks keep their activations on the device, Plan.kept_blocks)."""
+    (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks)."""
     costs = Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq))
     n_params = sum(p.numel() for _, p in param_order(seq))
     deferred = grad_clip > 0
@@ -506,7 +506,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     depths = [prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS)
     recs = [activations] if activations is not None else list(ACTIVATIONS)
-    fits: list[tuple[float, tuple, Plan]] = []  # (predicted step, tie-break key, plan) of every plan that fits
+    fits: list[tuple[float, tuple, Placement]] = []  # (predicted step, tie-break key, plan) of every plan that fits
     layouts: dict[int, Layout] = {}  # chunk elements → layout (to predict tied plans again on a slower disk)
     tried = 0
     cut = False
@@ -568,7 +568,7 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
                             # where both predict full overlap)
                             key = (sum(tr.values()), TIERS.index(ptier), TIERS.index(opt), peak[DISK], peak[HOST],
                                    peak[DEVICE], -C, -k, step)
-                            fits.append((step, key, Plan(
+                            fits.append((step, key, Placement(
                                 chunk_elems=layout.chunk_elems, resident_chunks=R if ptier != DEVICE else n_stream,
                                 optimizer_tier=opt, param_tier=ptier, prefetch_depth=k, activations=rc,
                                 device_budget=device_budget,
@@ -601,8 +601,8 @@ def make_plan(seq: BlockSeq, *, device_budget: int | None, host_budget: int | No
     slow_bw = None if bandwidths is None else replace(bandwidths, disk_read=bandwidths.disk_read * SLOW_DISK,
                                                       disk_write=bandwidths.disk_write * SLOW_DISK)
 
-    def on_slow_disk(p: Plan) -> float:
-        return predict_plan(layouts[p.chunk_elems], p, costs=costs, bw=slow_bw, n_micro=n_micro, deferred=deferred,
+    def on_slow_disk(p: Placement) -> float:
+        return predict_placement(layouts[p.chunk_elems], p, costs=costs, bw=slow_bw, n_micro=n_micro, deferred=deferred,
                             n_params=n_params)[2]
     plan = choose(fits, on_slow_disk if bandwidths is not None else None)
     plan.candidates = tried

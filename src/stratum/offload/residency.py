@@ -183,7 +183,7 @@ class Residency:
             if grads and c.grad == "home" and not c.pinned and not self._home_grads(c):
                 self._load_grad(c)
         self.stall_s += time.perf_counter() - t0
-        if t is not None and self.plan.prefetch_depth > 0:
+        if t is not None and self.placement.prefetch_depth > 0:
             self._prefetch(t, protect)
 
     def _prefetch(self, t: int, protect: set[int]) -> None:
@@ -191,7 +191,7 @@ class Residency:
         n = len(seq)
         ahead: list[int] = []
         grads: dict[int, bool] = {}  # chunk → whether its next access wants its gradient
-        for d in range(1, self.plan.prefetch_depth + 1):
+        for d in range(1, self.placement.prefetch_depth + 1):
             for i in seq[(t + d) % n]:
                 if i not in ahead:
                     ahead.append(i)

@@ -1,4 +1,4 @@
-"""From a Config to a Plan and an OffloadEngine: budgets parsed, bandwidths measured, the model profiled."""
+"""From a Config to a Placement and an OffloadEngine: budgets parsed, bandwidths measured, the model profiled."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import neutral
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.host_alloc import tune_allocator
-from stratum.offload.planner import Plan, make_plan
+from stratum.offload.planner import Placement, make_placement
 from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.offload.units import parse_budget, parse_bytes
 from stratum.profile.profile import Profile
@@ -22,7 +22,7 @@ from stratum.runtime.optim import optim_spec
 
 
 def overrides(cfg: Config) -> dict:
-    """The expert overrides of ``[offload]`` as make_plan keyword arguments (``None`` = planner's choice)."""
+    """The expert overrides of ``[offload]`` as make_placement keyword arguments (``None`` = planner's choice)."""
     o = cfg.offload
     chunk = None
     if o.chunk_size.strip():
@@ -68,14 +68,14 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
                    tied=[list(g.names) for g in model.tied], torch_version=torch.__version__)
 
 
-def plan_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Plan:
+def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Placement:
     """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given."""
-    return make_plan(model, **plan_inputs(cfg, model, device, profile=profile, always_profile=always_profile))
+    return make_placement(model, **placement_inputs(cfg, model, device, profile=profile, always_profile=always_profile))
 
 
-def plan_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None,
+def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None,
                 always_profile=False) -> dict:
-    """``make_plan``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
+    """``make_placement``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
     profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
@@ -94,11 +94,11 @@ def plan_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=N
 
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
     """The offload engine of ``cfg`` over ``model``, planned here (the plan printed)."""
-    return offload_engine(cfg, model, device, plan_for(cfg, model, device, always_profile=True))
+    return offload_engine(cfg, model, device, placement_for(cfg, model, device, always_profile=True))
 
 
-def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, plan: Plan):
-    """The offload engine of ``cfg`` over ``model`` running ``plan`` (printed)."""
-    print(plan.describe())
-    return OffloadEngine(model, optim=optim_spec(cfg), device=device, plan=plan, precision=cfg.train.precision,
+def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement):
+    """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed)."""
+    print(placement.describe())
+    return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement, precision=cfg.train.precision,
                          disk_dir=cfg.offload.disk_dir)

@@ -33,7 +33,7 @@ class StateIO:
         return self.disk.read(f"p{c.i}", aligned_empty(c.cap))
 
     def _moments(self, c: ChunkState) -> tuple[Tensor, Tensor]:
-        if self.plan.optimizer_tier == DISK:
+        if self.placement.optimizer_tier == DISK:
             return self.disk.read(f"m{c.i}", aligned_empty(c.cap)), self.disk.read(f"v{c.i}", aligned_empty(c.cap))
         return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
 
@@ -76,7 +76,7 @@ class StateIO:
             elif not c.pinned:
                 self.disk.write(f"p{c.i}", flat)
             c.dirty = False
-            if self.plan.optimizer_tier == DISK:
+            if self.placement.optimizer_tier == DISK:
                 self.disk.write(f"m{c.i}", m)
                 self.disk.write(f"v{c.i}", v)
             else:

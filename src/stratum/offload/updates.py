@@ -85,7 +85,7 @@ class Updates:
             self._reduce(c, [e for e, ok in zip(c.spec.entries, c.live) if ok],
                          lambda e: g[e.offset:e.offset + e.numel])
         self._norms([c])
-        if self.plan.optimizer_tier == DEVICE:
+        if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
                 self._update_device([c], None)
             return
@@ -234,7 +234,7 @@ class Updates:
                 coef = None
         kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         p_written = False
-        if self.plan.optimizer_tier != DISK:
+        if self.placement.optimizer_tier != DISK:
             arrived()
             adamw_chunks(c.flat_items(p, g, c.m, c.v), count_step=False, **kw)
         else:
@@ -335,7 +335,7 @@ class Updates:
         t_upd = time.perf_counter()
         if self._all_on_device:
             self._update_params(coef)
-        elif self._deferred and self.plan.optimizer_tier == DEVICE:
+        elif self._deferred and self.placement.optimizer_tier == DEVICE:
             for c in self.chunks:
                 self._access((c.i,), grads=True)
                 self._update_device([c], coef)
@@ -358,7 +358,7 @@ class Updates:
         # an update run by a fetch uses the staging buffers: after the host updates queued so far
         self._pending_after = self._opt_futs[-1] if self._opt_futs else None
         self.phase_s["update"] += time.perf_counter() - t_upd
-        if (self._deferred or self._defer) and self.plan.optimizer_tier != DEVICE:  # FIFO: runs after the last
+        if (self._deferred or self._defer) and self.placement.optimizer_tier != DEVICE:  # FIFO: runs after the last
 
             def note_pass() -> None:
                 self.phase_s["update_pass"] += time.perf_counter() - t_upd

@@ -25,7 +25,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.model.placement import build_blocks
 from stratum.offload.engine import OffloadEngine
-from stratum.offload.setup import offload_engine, plan_for
+from stratum.offload.setup import offload_engine, placement_for
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.replicate_offload import ReplicatedOffload
@@ -126,7 +126,7 @@ def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> 
     """The memory engine under the leaf's budgets, running the first replica's plan (every replica must run the
     same chunk layout: it orders the gradient reductions)."""
     cfg = leaf_config(cfg, leaf)
-    plan = world.share_object(plan_for(cfg, model, world.device, always_profile=True), "replica", "the offload plan")
+    plan = world.share_object(placement_for(cfg, model, world.device, always_profile=True), "replica", "the offload plan")
     return offload_engine(cfg, model, world.device, plan)
 
 

@@ -24,7 +24,7 @@ from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq
-from stratum.offload.setup import offload_engine, plan_for, quick_profile
+from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.plan.partition import inflight_from_schedule
 from stratum.runtime.engine import StepResult, TrainState
@@ -78,7 +78,7 @@ class OffloadPipelineEngine(PipelineEngine):
                 self.to_global[f"blocks.{k}.{name}"] = f"blocks.{g}.{name}"
         self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
         cfg = dataclasses.replace(self.cfg, offload=dataclasses.replace(self.cfg.offload, activations="keep"))
-        placement = self._agreed(lambda: plan_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
+        placement = self._agreed(lambda: placement_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
         self.leaf = offload_engine(cfg, sub, self.device, placement)
         tied = {id(p): grp for p, grp in self.tied_sync}
         groups = {ln: tied[id(p)] for ln, p in sub.named_parameters() if id(p) in tied}

@@ -10,7 +10,7 @@ from stratum.data.prepare import make_tokenizer
 from stratum.ir.plan import Local, Offload
 from stratum.model.build import build_model
 from stratum.offload.cli import planning_profile
-from stratum.offload.setup import plan_for
+from stratum.offload.setup import placement_for
 from stratum.offload.units import fmt_bytes
 from stratum.parallel.compose import check_plan
 from stratum.runtime.device import describe, resolve_device
@@ -78,5 +78,5 @@ def dry_run(cfg: Config) -> dict:
     if isinstance(plan.root, Local):
         print(plain_fit(state, device_memory_bytes(device), device))
     if isinstance(plan.leaf, Offload):
-        print(plan_for(cfg, model, device, profile=planning_profile(cfg, model, device)).describe())
+        print(placement_for(cfg, model, device, profile=planning_profile(cfg, model, device)).describe())
     return {"params": n, "train_state_bytes": state}
