@@ -531,3 +531,21 @@ def test_a_crashed_rank_is_one_line_and_its_traceback_goes_to_the_log(corpus_fil
     log = (out / "workers.log").read_text()
     assert "Traceback" in log and "[rank 1] " in log and "boom on rank 1" in log
     assert time.monotonic() - t0 < 60  # the healthy rank is not waited on for its whole time limit twice
+
+
+def test_a_later_run_removes_what_killed_runs_of_earlier_versions_left(tmp_path):
+    """Named tier files of a dead process (the layout before nameless files) go; a live process's stay."""
+    from stratum.offload.tiers import resolve_disk_dir
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead, live = child.pid, os.getpid()
+    (tmp_path / f"stratum-offload-{dead}-k2j").mkdir()
+    (tmp_path / f"stratum-offload-{dead}-k2j" / "chunk0.bin").write_bytes(b"\0" * 4096)
+    for name in (f".bw-{dead}-1a2b", f".stratum-direct-{dead}-3c4d", f".stratum-write-test-{dead}"):
+        (tmp_path / name).write_bytes(b"x")
+    kept = [f"stratum-offload-{live}-q9", f".bw-{live}-5e6f", f"bw-{dead}-not-ours", "notes.txt"]
+    for name in kept:
+        (tmp_path / name).write_bytes(b"x")
+    assert resolve_disk_dir(str(tmp_path)) == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)

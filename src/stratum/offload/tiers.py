@@ -15,6 +15,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import resource
 import shutil
 import tempfile
@@ -237,7 +238,41 @@ def resolve_disk_dir(disk_dir: str) -> Path:
     except OSError as e:
         raise StratumError(f"offload.disk_dir {str(base)!r} is not writable ({e.strerror}); "
                            "choose a directory you can write to") from None
+    remove_dead_leftovers(base)
     return base
+
+
+# Names the disk tier and its probes gave files before they were nameless (and the fallback's instant before its
+# unlink): each carries the pid of the process that made it.
+_LEFTOVER = re.compile(r"^(?:stratum-offload|\.stratum-offload|\.bw|\.stratum-direct|\.stratum-write-test)"
+                       r"-(\d+)(?:-|$)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_dead_leftovers(base: Path) -> list[Path]:
+    """Remove disk-tier files and directories under ``base`` that a killed process of an earlier Stratum left
+    (their names carry its pid, and no such process lives); returns what was removed."""
+    removed = []
+    for entry in base.iterdir():
+        m = _LEFTOVER.match(entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
 
 
 def disk_free_bytes(path: Path) -> int:
