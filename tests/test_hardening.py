@@ -549,3 +549,15 @@ def test_a_later_run_removes_what_killed_runs_of_earlier_versions_left(tmp_path)
         (tmp_path / name).write_bytes(b"x")
     assert resolve_disk_dir(str(tmp_path)) == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_without_o_tmpfile_the_tier_files_are_unlinked_at_once(tmp_path, monkeypatch):
+    """The fallback for file systems without O_TMPFILE: created, then unlinked before anything is written."""
+    from stratum.offload.tiers import DiskStore, Tier
+
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    store = DiskStore(tmp_path, Tier("disk", None))
+    store.create("a", torch.arange(1000, dtype=torch.float32))
+    assert not list(tmp_path.iterdir())
+    assert torch.equal(store.read("a", torch.empty(1000)), torch.arange(1000, dtype=torch.float32))
+    store.close()
