@@ -34,6 +34,7 @@ from stratum.errors import StratumError
 from stratum.model.neutral import neutral
 from stratum.offload.host_alloc import page_aligned_empty
 from stratum.offload.units import fmt_bytes
+from stratum.procs import pid_alive
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
@@ -248,23 +249,13 @@ _LEFTOVER = re.compile(r"^(?:stratum-offload|\.stratum-offload|\.bw|\.stratum-di
                        r"-(\d+)(?:-|$)")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def remove_dead_leftovers(base: Path) -> list[Path]:
     """Remove disk-tier files and directories under ``base`` that a killed process of an earlier Stratum left
     (their names carry its pid, and no such process lives); returns what was removed."""
     removed = []
     for entry in base.iterdir():
         m = _LEFTOVER.match(entry.name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         with contextlib.suppress(OSError):
             if entry.is_dir() and not entry.is_symlink():
