@@ -60,7 +60,6 @@ def test_dry_run_prints_the_plan_its_batch_math_and_who_holds_what(make_cfg, cap
     ("split(3)", "has 2 attention heads, not divisible by 3"),
     ("replicate(2, pipeline(2, offload(device_budget=25%)))", "nor under both replicate and pipeline"),
     ("pipeline(2, schedule=zb-1f1b, offload)", "splits the backward"),
-    ("replicate(2, shard=true, offload(device_budget=25%))", "not supported yet"),
     ("replicate(2, shard=true, split(2))", "cannot shard split"),
 ])
 def test_bad_plans_are_one_line_errors_before_any_process(make_cfg, capsys, plan, message):

@@ -3,26 +3,45 @@ reproduces the plain engine on the same global batch — real gloo processes thr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from stratum.train.trainer import train
+from stratum.train.trainer import read_metrics, train
 from test_parallel_replicate import _same_run, _stratum
+
+COMMON = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'"]
+
+
+def _replicated(make_cfg, tmp_path, name: str, plan: str, *extra: str) -> str:
+    out = _stratum(make_cfg(*COMMON, *extra, out=tmp_path / name), f"parallel.plan={plan!r}", "train.grad_accum=2",
+                   f"offload.disk_dir={str(tmp_path)!r}", *extra)
+    assert out.count("done:") == 1 and plan.split(",")[0] in out
+    _same_run(tmp_path / name, tmp_path / "plain")
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("clip, tier, budget", [
-    (1.0, "auto", "25%"),  # clipped: the updates wait for the global norm
-    # unclipped: each chunk updates inside the backward, after its reduction; AdamW's moments on the disk tier
-    # (its staging needs a little more device room)
-    (0.0, "disk", "30%"),
-])
-def test_replicated_offload_matches_plain_on_the_same_global_batch(make_cfg, tmp_path, clip, tier, budget):
-    common = ["train.steps=4", "train.eval_interval=2", f"optim.grad_clip={clip}", "model.preset='mini'"]
-    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "rep"), f"parallel.plan='replicate(2, offload(device_budget={budget}))'",
-                   "train.grad_accum=2", f"optim.grad_clip={clip}", f"offload.disk_dir={str(tmp_path)!r}",
-                   f"offload.optimizer_tier={tier!r}")
-    assert out.count("done:") == 1 and "replicate(2, offload" in out
-    assert tier == "auto" or "optimizer state on disk" in out, out
-    _same_run(tmp_path / "rep", tmp_path / "plain")
+def test_replicated_and_sharded_offload_match_plain(make_cfg, tmp_path):
+    """Clipped (the updates wait for the global norm): replicas holding every chunk, then shard=true — each
+    replica updating half of the chunks and holding their AdamW state only (≤ half + one chunk's)."""
+    train(make_cfg(*COMMON, "train.grad_accum=4", out=tmp_path / "plain"))
+    _replicated(make_cfg, tmp_path, "rep", "replicate(2, offload(device_budget=25%))")
+    out = _replicated(make_cfg, tmp_path, "shard", "replicate(2, shard=true, offload(device_budget=25%))")
+    full = read_metrics(tmp_path / "rep")[-1]["optim_state_bytes"]
+    half = read_metrics(tmp_path / "shard")[-1]["optim_state_bytes"]
+    kib = float(re.search(r"chunks of ([\d.]+) KiB", out).group(1))
+    assert 0 < half <= full / 2 + 2 * kib * 1024  # AdamW's two moments of one chunk
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_unclipped_replicated_offload_with_moments_on_disk_matches_plain(make_cfg, tmp_path):
+    """Each chunk updates inside the backward, right after its reduction; AdamW's moments on the disk tier (its
+    staging needs a little more device room)."""
+    extra = ["optim.grad_clip=0.0"]
+    train(make_cfg(*COMMON, *extra, "train.grad_accum=4", out=tmp_path / "plain"))
+    out = _replicated(make_cfg, tmp_path, "rep", "replicate(2, shard=true, offload(device_budget=30%))", *extra,
+                      "offload.optimizer_tier='disk'")
+    assert "optimizer state on disk" in out

@@ -64,8 +64,12 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
                  precision: str = "fp32", disk_dir: str = "", check_every_step: bool = True,
-                 materialize=None):
+                 materialize=None, owns: Callable[[int], bool] | None = None):
         self.model = model
+        self.sharded = owns is not None
+        """Another engine (a replica) updates some chunks: this one holds their parameters, not their AdamW
+        state (:meth:`owns`)."""
+        self._owns = owns
         self.spec = optim
         device = canonical(device)  # saved tensors are matched against it (a spilled activation's device)
         self.device = device
@@ -132,6 +136,9 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         """id(parameter) whose target already holds a contribution this step (see _take_grad)."""
         self._pending_after = None
         """The last host update queued before the updates left to the next fetches (ChunkState.pending)."""
+        self.combine_norm: Callable[[Tensor], Tensor] | None = None
+        """A sharded parent's global gradient norm from this engine's part of it (the chunks it owns); None: this
+        engine's norm is the norm."""
         self.reducer: Callable[[list[str], list[Tensor], str], None] | None = None
         """A parent's reduction of one chunk's gradients (names, gradients, what for messages; in place): over the
         replicas, or of a tensor tied to another pipeline rank. It runs as the chunk's gradient completes, before
@@ -205,7 +212,9 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                     e.param.data = self._placeholder(e.shape)
                     e.param.grad = None
             ot = placement.optimizer_tier
-            if ot == DISK:
+            if not self.owns(spec.index):  # its AdamW state lives with the replica that updates it
+                pass
+            elif ot == DISK:
                 zeros = aligned_empty(spec.capacity).zero_()
                 self.disk.create(f"m{spec.index}", zeros)
                 self.disk.create(f"v{spec.index}", zeros)
@@ -239,6 +248,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         ascending = the order the forward uses them (chunks are numbered in first-use order)."""
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
+
+    def owns(self, i: int) -> bool:
+        """This engine updates chunk ``i`` (holds its AdamW state); every chunk unless sharded."""
+        return self._owns is None or self._owns(i)
 
     def _ensure_materialized(self, spec: ChunkSpec) -> None:
         """Give the blocks owning ``spec``'s parameters real (initialised) storage if they are on meta: a model
@@ -477,7 +490,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                 "offload_device_peak_bytes": self.tiers[DEVICE].peak,
                 "offload_host_peak_bytes": self.tiers[HOST].peak,
                 "offload_disk_bytes": self.tiers[DISK].used,
-                "offload_activation_peak_bytes": self.peak_act}
+                "offload_activation_peak_bytes": self.peak_act,
+                "optim_state_bytes": sum(2 * c.cap * F32 for c in self.owned())}
 
     def close(self) -> None:
         for h in self._grad_hooks:

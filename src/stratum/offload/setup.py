@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -97,8 +98,10 @@ def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
     return offload_engine(cfg, model, device, placement_for(cfg, model, device, always_profile=True))
 
 
-def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement):
-    """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed)."""
+def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement,
+                   owns: Callable[[int], bool] | None = None):
+    """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed); ``owns``: the chunks it
+    updates, where replicas share them out (all by default)."""
     print(placement.describe())
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement, precision=cfg.train.precision,
-                         disk_dir=cfg.offload.disk_dir)
+                         disk_dir=cfg.offload.disk_dir, owns=owns)

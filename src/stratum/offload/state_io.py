@@ -42,18 +42,30 @@ class StateIO:
         params, optim = {}, {}
         for c in self.chunks:
             flat = self._master_params(c)
-            m, v = self._moments(c)
+            owned = self.owns(c.i)  # (another replica holds the AdamW state of the others)
+            m, v = self._moments(c) if owned else (None, None)
             steps = c.steps.tolist()
             for e, stepv in zip(c.spec.entries, steps):
                 sl = slice(e.offset, e.offset + e.numel)
                 params[e.name] = flat[sl].view(e.shape).clone()
-                if stepv > 0:  # a parameter never updated has no optimizer state, as in torch.optim.AdamW
+                if stepv > 0 and owned:  # a parameter never updated has no optimizer state, as torch's AdamW
                     optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
                                      "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
         # parameters the engine does not manage (frozen) are read from the model
         for n, p in self.model.named_parameters():
             params.setdefault(n, p.detach().cpu().clone())
         return TrainState(params=params, optim=optim, buffers=buffers_to_cpu(self.model))
+
+    def set_params(self, c: ChunkState, flat: Tensor) -> None:
+        """Replace ``c``'s parameters (a CPU tensor of its capacity) in every copy of them: the device slot, the
+        host copy or the disk file."""
+        if c.slot is not None:
+            c.p().copy_(flat)
+        if c.hp is not None:
+            c.hp.copy_(flat)
+        elif not c.pinned:
+            self.disk.write(f"p{c.i}", flat)
+        c.dirty = False
 
     def load_state(self, state: TrainState) -> None:
         self.drain()
@@ -69,14 +81,10 @@ class StateIO:
                     m[sl] = st["exp_avg"].reshape(-1)
                     v[sl] = st["exp_avg_sq"].reshape(-1)
                     steps[k] = float(st["step"])
-            if c.slot is not None:
-                c.p().copy_(flat)
-            if c.hp is not None:
-                c.hp.copy_(flat)
-            elif not c.pinned:
-                self.disk.write(f"p{c.i}", flat)
-            c.dirty = False
-            if self.placement.optimizer_tier == DISK:
+            self.set_params(c, flat)
+            if not self.owns(c.i):
+                pass
+            elif self.placement.optimizer_tier == DISK:
                 self.disk.write(f"m{c.i}", m)
                 self.disk.write(f"v{c.i}", v)
             else:

@@ -73,6 +73,9 @@ class Updates:
         """All of this step's gradient of ``c`` is in its slot."""
         if self._all_on_device:  # all chunks are updated together after the backward
             self._reduce(c, [e for e in c.spec.entries if e.param.grad is not None], lambda e: e.param.grad)
+            if not self.owns(c.i):
+                for e in c.spec.entries:
+                    e.param.grad = None
             return
         if self._home_grads(c):
             c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
@@ -84,6 +87,9 @@ class Updates:
             g = c.g()
             self._reduce(c, [e for e, ok in zip(c.spec.entries, c.live) if ok],
                          lambda e: g[e.offset:e.offset + e.numel])
+        if not self.owns(c.i):
+            self._drop_grads(c)
+            return
         self._norms([c])
         if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -115,6 +121,13 @@ class Updates:
         if not self._update_later(c):
             self._submit_host_update(c, None)
 
+    def _drop_grads(self, c: ChunkState) -> None:
+        """``c`` is updated by another replica, where its reduced gradient went: nothing of it stays here."""
+        held, c.held = c.held, None
+        if held is not None:
+            self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+        c.grad = None
+
     def _in_slot(self, c: ChunkState) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
         defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed)."""
@@ -123,6 +136,10 @@ class Updates:
     def _update_later(self, c: ChunkState) -> bool:
         """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
         return self._deferred or c.i in self._defer
+
+    def owned(self) -> list[ChunkState]:
+        """The chunks this engine updates (all unless sharded)."""
+        return [c for c in self.chunks if self.owns(c.i)]
 
     def _update_device(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
@@ -140,7 +157,7 @@ class Updates:
         """All on the device: AdamW of every parameter with its autograd gradient (then dropped, as the plain
         engine's ``zero_grad``), in one fused call per weight-decay class."""
         items = []
-        for c in self.chunks:
+        for c in self.owned():
             grads = [e.param.grad for e in c.spec.entries]
             c.live = [g is not None for g in grads]
             items += c.param_items(c.p(), grads, c.m, c.v)
@@ -276,7 +293,7 @@ class Updates:
         where a separate update pass read them and the forward's fetch read them again (GPT-2 774M beyond RAM:
         3.1 GB of a step's 18.7 GB of disk reads). Not a deferred chunk's without clipping: its update runs beside
         the forward's first blocks, long before the fetch (run by the fetch, the forward waited for it)."""
-        return c.hp is None and not c.pinned and c.held is None
+        return c.hp is None and not c.pinned and c.held is None and not self.sharded  # (sharded: shared at once)
 
     def _pend(self, c: ChunkState, coef: Tensor | None) -> None:
         c.pending = (coef, self._lr, self._spill_futs.pop(c.i, None))
@@ -312,7 +329,10 @@ class Updates:
     def _update_after_backward(self) -> Tensor:
         """After the last micro-batch's backward: the global gradient norm (returned, a 0-d tensor) from the
         per-parameter norms in the plain engine's order, then the updates that waited for it."""
-        total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in self.grad_norms_now()]), 2.0)
+        norms = [n for _, n in self.grad_norms_now()]
+        total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=self.device)
+        if self.combine_norm is not None:
+            total_norm = self.combine_norm(total_norm)
         coef = None
         if self._deferred:
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
@@ -323,7 +343,7 @@ class Updates:
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
         backward; the norms of streamed chunks were taken as each completed)."""
         if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
-            live = [e for c in self.chunks for e in c.spec.entries if e.param.grad is not None]
+            live = [e for c in self.owned() for e in c.spec.entries if e.param.grad is not None]
             for e, nrm in zip(live, torch._foreach_norm([e.param.grad for e in live], 2.0)):
                 self._grad_norms[e.name] = nrm
         return [(nm, self._grad_norms[nm]) for nm in self.names if nm in self._grad_norms]
@@ -336,12 +356,12 @@ class Updates:
         if self._all_on_device:
             self._update_params(coef)
         elif self._deferred and self.placement.optimizer_tier == DEVICE:
-            for c in self.chunks:
+            for c in self.owned():
                 self._access((c.i,), grads=True)
                 self._update_device([c], coef)
         elif self._deferred:
             together = []  # run here and now (a CPU): every held-gradient chunk in one fused call per class
-            for c in self.chunks:
+            for c in self.owned():
                 if self._updates_inline and c.held is not None and not self._in_slot(c):
                     together.append(c)
                 elif self._update_at_fetch(c):
@@ -354,7 +374,8 @@ class Updates:
             # the plan's deferred chunks: their updates run beside the next forward, in the order it uses them,
             # moving their disk traffic out of the backward, where the disk is the bottleneck
             for i in self._defer:
-                self._submit_host_update(self.chunks[i], None)
+                if self.owns(i):
+                    self._submit_host_update(self.chunks[i], None)
         # an update run by a fetch uses the staging buffers: after the host updates queued so far
         self._pending_after = self._opt_futs[-1] if self._opt_futs else None
         self.phase_s["update"] += time.perf_counter() - t_upd

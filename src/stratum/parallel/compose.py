@@ -28,7 +28,7 @@ from stratum.offload.engine import OffloadEngine
 from stratum.offload.setup import offload_engine, placement_for
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
 from stratum.parallel.replicate import ReplicateEngine
-from stratum.parallel.replicate_offload import ReplicatedOffload
+from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.runtime.device import compute_rate, resolve_device
@@ -44,9 +44,6 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     if isinstance(plan.leaf, Offload) and (plan.split is not None or (plan.pipeline and plan.replicate)):
         raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs alone, under replicate or under "
                            "pipeline so far (not under split, nor under both replicate and pipeline)")
-    if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.replicate.shard:
-        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) over the offload leaf is not "
-                           "supported yet; use replicate(n, offload(...)) (each replica holds all chunks)")
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
         raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
                            "parameters yet; use shard=false with split")
@@ -123,11 +120,15 @@ def _optimizer(plan: Plan, cfg: Config, world: World) -> MakeOptimizer | None:
 
 
 def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> OffloadEngine:
-    """The memory engine under the leaf's budgets, running the first replica's plan (every replica must run the
-    same chunk layout: it orders the gradient reductions)."""
+    """The memory engine under the leaf's budgets, running the first replica's placement (every replica must run
+    the same chunk layout: it orders the gradient reductions); under replicate(shard=true) each replica updates
+    (and holds the AdamW state of) every n-th chunk."""
     cfg = leaf_config(cfg, leaf)
-    plan = world.share_object(placement_for(cfg, model, world.device, always_profile=True), "replica", "the offload plan")
-    return offload_engine(cfg, model, world.device, plan)
+    placement = world.share_object(placement_for(cfg, model, world.device, always_profile=True), "replica",
+                                   "the offload placement")
+    rep = world.plan.replicate
+    owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
+    return offload_engine(cfg, model, world.device, placement, owns)
 
 
 def _split(model: BlockSeq, world: World, held: set[int]) -> None:

@@ -8,14 +8,24 @@ before its norm and update. Every replica then holds the same reduced gradients 
 the replicas stay equal without broadcasting parameters. The replicas run one offload plan: replica 0's, shared
 at start-up, since each one's planner measures its own bandwidths and times and the chunk layout fixes the order
 of the collectives.
+
+With ``shard=true`` the chunks are shared out as Gemini shards them: replica ``i % n`` owns chunk i — holds its
+AdamW state and updates it. A chunk's gradient is reduced to its owner alone; the global norm sums the owners'
+parts; after the step each owner broadcasts its chunks' new parameters to the other replicas. Each replica holds
+1/n of the optimizer state (its m and v), at the cost of one broadcast of the parameters per step.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from stratum.data.tokens import Batch
+from stratum.dist.launch import PeerError, short_reason
 from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
+from stratum.offload.tiers import aligned_empty
 from stratum.parallel.reduce import adasum_over, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import Engine, StepResult, TrainState
@@ -31,7 +41,11 @@ class ReplicatedOffload(Engine):
         self.n, self.index = world.size("replica"), world.coord.replica
         self.speeds = speeds
         """Relative speed per replica (hardware-aware shares), or None for even shares."""
-        child.reducer = adasum_over(world) if node.reduce == "adasum" else sum_over(world)
+        self.group = world.group("replica")
+        child.reducer = (adasum_over(world) if node.reduce == "adasum" else
+                         self._sum_to_owner if node.shard else sum_over(world))
+        if node.shard:
+            child.combine_norm = self._global_norm
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         mine = my_part(micro_batches, self.n, self.index, self.speeds)
@@ -39,9 +53,49 @@ class ReplicatedOffload(Engine):
         # adasum: each replica's gradient is its own mean, the direction Adasum combines
         divisor = len(mine) if self.node.reduce == "adasum" else len(micro_batches)
         loss_sum, norm = self.child.train_share(mine, lr, divisor)
+        if self.node.shard:
+            self._share_params()
         total = self.world.all_reduce(loss_sum.double().reshape(1), "replica", "the loss all-reduce")
         return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
 
+    # ---- shard=true --------------------------------------------------------------------------------------
+    def _owner(self, chunk: int) -> int:
+        """The process that updates ``chunk``."""
+        return self.world.members["replica"][chunk % self.n]
+
+    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> None:
+        """One chunk's gradients summed on its owner (the others' copies are left as they were, unused)."""
+        if self.group is None or not grads:
+            return
+        owner = self._owner(self.child.where[names[0]][0].i)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
+                        f"the gradient reduction of {what}")
+        if self.world.rank == owner:
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def _global_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """The norm over every replica's owned chunks from this replica's part."""
+        sq = local.double().pow(2).reshape(1)
+        return self.world.all_reduce(sq, "replica", "the gradient-norm all-reduce").sqrt().float().reshape(())
+
+    def _share_params(self) -> None:
+        """After the updates: every chunk's parameters from its owner to the other replicas."""
+        child = self.child
+        child.drain()
+        for c in child.chunks:
+            src = self._owner(c.i)
+            flat = child._master_params(c) if self.world.rank == src else aligned_empty(c.cap)
+            buf = flat.to(self.world.device)  # (NCCL moves device tensors only)
+            self.world.wait(dist.broadcast(buf, src=src, group=self.group, async_op=True),
+                            f"sharing chunk {c.i}'s parameters")
+            if self.world.rank != src:
+                child.set_params(c, buf.cpu())
+
+    # ---- Engine -------------------------------------------------------------------------------------------
     def describe(self) -> str:
         lines = [self.child.describe()]
         if self.speeds is not None:
@@ -53,7 +107,20 @@ class ReplicatedOffload(Engine):
         return self.child.eval_loss(batches)
 
     def state(self) -> TrainState:
-        return self.child.state()
+        """The child's state; sharded, each replica's AdamW state of its own chunks gathered to replica 0."""
+        st = self.child.state()
+        if not self.node.shard or self.group is None:
+            return st
+        got: list | None = [None] * self.n if self.index == 0 else None
+        try:
+            dist.gather_object(st.optim, got, dst=self.world.members["replica"][0], group=self.group)
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.world.rank}: gathering the optimizer state failed ({short_reason(e)}); "
+                            "a replica died or hung — stopping") from None
+        if self.index == 0:
+            for part in got:
+                st.optim.update(part)
+        return st
 
     def load_state(self, state: TrainState) -> None:
         self.child.load_state(state)
@@ -70,3 +137,8 @@ class ReplicatedOffload(Engine):
 
     def close(self) -> None:
         self.child.close()
+
+
+def chunk_owner(n: int, index: int):
+    """Whether replica ``index`` of ``n`` owns a chunk (by its index), as ``replicate(shard=true)`` shares them."""
+    return lambda chunk: chunk % n == index
