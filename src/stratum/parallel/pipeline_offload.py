@@ -105,7 +105,8 @@ class OffloadPipelineEngine(PipelineEngine):
         return placement
 
     def _rank_profile(self, cfg: Config, sub: BlockSeq):
-        """This rank's blocks' costs, each block's activations times the micro-batches its stage holds at once."""
+        """This rank's blocks' costs, each block's activations (with its input, which the runner keeps) times the
+        micro-batches its stage holds at once."""
         prof = quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=self.device, precision=cfg.train.precision, seed=cfg.train.seed)
         inflight = inflight_from_schedule(self.plan.schedule)
@@ -113,8 +114,8 @@ class OffloadPipelineEngine(PipelineEngine):
         blocks = []
         for k, g in enumerate(self.my_blocks):
             b, n = prof.blocks[g], inflight[stage_of[g]]
-            blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=b.act_saved_bytes * n,
-                                              spill_bytes=b.spill_bytes * n, out_bytes=b.out_bytes * n))
+            held = b.act_saved_bytes + (prof.blocks[g - 1].out_bytes if g else 0)  # + its kept input (runner)
+            blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=held * n, spill_bytes=held * n))
         return dataclasses.replace(prof, blocks=blocks, tied=[list(t.names) for t in sub.tied])
 
     def _tied_reducer(self, groups: dict[str, object]):
