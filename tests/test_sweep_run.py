@@ -19,7 +19,7 @@ import torch
 from stratum.cli import main
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.runner import run_sweep
-from stratum.sweep.segment import pid_alive
+from stratum.procs import pid_alive
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
 

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from stratum.sweep.segment import Segment, pid_alive, run_segment
+from stratum.procs import pid_alive
+from stratum.sweep.segment import Segment, run_segment
 
 _PR_SET_PDEATHSIG = 1
 

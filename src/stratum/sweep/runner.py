@@ -27,12 +27,13 @@ from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_con
 from stratum.sweep.live import last_record
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.plot import loss_png
+from stratum.procs import pid_alive
 from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   pid_alive, segment_records, stop_segment)
+                                   segment_records, stop_segment)
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
                                  spec_fingerprint)

@@ -26,20 +26,6 @@ INTERRUPTED_EXIT = 130  # stopped by SIGINT/SIGTERM after a checkpoint, as `stra
 LOCK_TIMEOUT_S = 60.0
 
 
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie lingers where PID 1 does not reap)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _lock_job_dir(job_dir: Path, timeout_s: float) -> int:
     """Take an exclusive lock on the job's directory (the kernel drops it when its holder dies, however it dies):
     a worker left over from a killed sweep and its successor never train the same job at once. Waits up to
