@@ -60,9 +60,13 @@ class TensorBoardSink:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self._event, self._summary = Event, Summary
-        self.path = log_dir / f"events.out.tfevents.{time.time():.10g}.{socket.gethostname()}.{os.getpid()}.0"
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.path = log_dir / f"{stem}.0"
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
+            # a resume within the same second of the same process must not reuse (and truncate) the file
+            n = next(k for k in range(1 << 20) if not (log_dir / f"{stem}.{k}").exists())
+            self.path = log_dir / f"{stem}.{n}"
             self._records = RecordWriter(self.path.open("wb"))
         except OSError as e:
             raise self._error(e) from None
