@@ -634,6 +634,7 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     if DEV.type != "cpu":
         pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")
     prof, _ = _reference("gpt", shared_tmp)
+    prof = fixed_times(prof)  # the plan (which activations spill) must not depend on the machine's load
     m = build("gpt", shared_tmp)
     S = state_bytes(m)
     kw = {"host_budget": S // 10} if param_tier == DISK else {}
