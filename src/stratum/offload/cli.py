@@ -44,18 +44,11 @@ def _escape_percent(text: str) -> str:
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     """``"10%,2GB"`` → [(label, device budget bytes)]: a percentage is of ``state_bytes`` (the training state)."""
-    from stratum.offload.units import Size, parse_bytes
+    from stratum.offload.units import Size, parse_bytes, parse_percent
     out = []
     for item in (t.strip() for t in text.split(",")):
         if item.endswith("%"):
-            try:
-                pct = float(item[:-1])
-            except ValueError:
-                pct = -1.0
-            if not 0 < pct <= 1000:
-                raise StratumError(f"--sweep: {item!r} is not a percentage of the training state in (0, 1000]; "
-                                   f"give e.g. {DEFAULT_SWEEP}")
-            out.append((item, int(state_bytes * pct / 100)))
+            out.append((item, int(state_bytes * parse_percent(item, "--sweep") / 100)))
         else:
             out.append((item, Size(parse_bytes(item, "--sweep"), item)))  # answered in the units typed
     if not out:

@@ -211,19 +211,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                 for e in spec.entries:
                     e.param.data = self._placeholder(e.shape)
                     e.param.grad = None
-            ot = placement.optimizer_tier
-            if not self.owns(spec.index):  # its AdamW state lives with the replica that updates it
-                pass
-            elif ot == DISK:
-                zeros = aligned_empty(spec.capacity).zero_()
-                self.disk.create(f"m{spec.index}", zeros)
-                self.disk.create(f"v{spec.index}", zeros)
-                del zeros
-            else:
-                c.m = self._alloc(ot, spec.capacity, "exp_avg")
-                c.v = self._alloc(ot, spec.capacity, "exp_avg_sq")
-            c.steps = torch.zeros(len(spec.entries), dtype=torch.float32,
-                                  device=self.device if ot == DEVICE else "cpu")
+            self._alloc_moments(c)
             self.chunks[spec.index] = c
         self.staging: list[Tensor | None] = [None] * 4
         if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
@@ -248,6 +236,22 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         ascending = the order the forward uses them (chunks are numbered in first-use order)."""
         # Canonical name → (chunk, entry) for state() / load_state() and the gradient norm order.
         self.where = {e.name: (c, e) for c in self.chunks for e in c.spec.entries}
+
+    def _alloc_moments(self, c: ChunkState) -> None:
+        """``c``'s AdamW moments (zeros) on the optimizer's tier — none where another replica updates it — and
+        its per-parameter step counts."""
+        spec, ot = c.spec, self.placement.optimizer_tier
+        if not self.owns(spec.index):  # its AdamW state lives with the replica that updates it
+            pass
+        elif ot == DISK:
+            zeros = aligned_empty(spec.capacity).zero_()
+            self.disk.create(f"m{spec.index}", zeros)
+            self.disk.create(f"v{spec.index}", zeros)
+            del zeros
+        else:
+            c.m = self._alloc(ot, spec.capacity, "exp_avg")
+            c.v = self._alloc(ot, spec.capacity, "exp_avg_sq")
+        c.steps = torch.zeros(len(spec.entries), dtype=torch.float32, device=self.device if ot == DEVICE else "cpu")
 
     def owns(self, i: int) -> bool:
         """This engine updates chunk ``i`` (holds its AdamW state); every chunk unless sharded."""

@@ -20,7 +20,7 @@ from stratum.runtime.engine import TrainState
 class StateIO:
     """Mixin: the engine's ``state`` and ``load_state`` (see the module docstring)."""
 
-    def _master_params(self, c: ChunkState) -> Tensor:
+    def master_params(self, c: ChunkState) -> Tensor:
         """The chunk's current parameters as a CPU tensor, from wherever the authoritative copy is."""
         if c.pinned:
             src = c.p() if c.hp is None else c.hp
@@ -41,7 +41,7 @@ class StateIO:
         self._flush_pending()
         params, optim = {}, {}
         for c in self.chunks:
-            flat = self._master_params(c)
+            flat = self.master_params(c)
             owned = self.owns(c.i)  # (another replica holds the AdamW state of the others)
             m, v = self._moments(c) if owned else (None, None)
             steps = c.steps.tolist()

@@ -42,11 +42,11 @@ class Updates:
             self._fresh.add(k)
         param.grad = None
 
-    def _reduce(self, c: ChunkState, entries: list, grad_of) -> None:
-        """The complete gradients of ``c``'s ``entries`` (``grad_of(entry)``; those that got one) through the
-        parent's reduction."""
-        if self.reducer is not None:
-            self.reducer([e.name for e in entries], [grad_of(e) for e in entries], f"chunk {c.i}")
+    def _reduce(self, c: ChunkState, named: list[tuple[str, Tensor]]) -> None:
+        """``c``'s complete gradients (name, gradient: the parameters that got one) through the parent's
+        reduction."""
+        if self.reducer is not None and named:
+            self.reducer([n for n, _ in named], [g for _, g in named], f"chunk {c.i}")
 
     def _home_grads(self, c: ChunkState) -> bool:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
@@ -72,7 +72,7 @@ class Updates:
     def _grad_complete(self, c: ChunkState) -> None:
         """All of this step's gradient of ``c`` is in its slot."""
         if self._all_on_device:  # all chunks are updated together after the backward
-            self._reduce(c, [e for e in c.spec.entries if e.param.grad is not None], lambda e: e.param.grad)
+            self._reduce(c, [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None])
             if not self.owns(c.i):
                 for e in c.spec.entries:
                     e.param.grad = None
@@ -80,13 +80,12 @@ class Updates:
         if self._home_grads(c):
             c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
             c.live = [g is not None for g in c.held]
-            grads = dict(zip((e.name for e in c.spec.entries), c.held))
-            self._reduce(c, [e for e in c.spec.entries if grads[e.name] is not None], lambda e: grads[e.name])
+            self._reduce(c, [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None])
         else:
             c.live = [id(e.param) in self._fresh for e in c.spec.entries]
             g = c.g()
-            self._reduce(c, [e for e, ok in zip(c.spec.entries, c.live) if ok],
-                         lambda e: g[e.offset:e.offset + e.numel])
+            self._reduce(c, [(e.name, g[e.offset:e.offset + e.numel]) for e, ok in zip(c.spec.entries, c.live)
+                             if ok])
         if not self.owns(c.i):
             self._drop_grads(c)
             return

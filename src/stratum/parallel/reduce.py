@@ -19,18 +19,28 @@ Reducer = Callable[[list[str], list[torch.Tensor], str], None]
 """(canonical names, gradients of one piece, what it is for messages) → combined in place over the replicas."""
 
 
+def flat_copy(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors of one piece packed into one buffer (one collective instead of one per tensor)."""
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def copy_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write ``flat`` (as :func:`flat_copy` packed it) back into ``grads``."""
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
 def sum_over(world: World) -> Reducer:
     """Sum over the replicas, one all-reduce per piece (its tensors packed into one buffer)."""
 
     def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
         if world.group("replica") is None or not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_copy(grads)
         world.all_reduce(flat, "replica", f"the gradient all-reduce of {what}")
-        off = 0
-        for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
+        copy_back(grads, flat)
     return reduce
 
 
@@ -45,7 +55,7 @@ def adasum_over(world: World) -> Reducer:
     def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
         if group is None or not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_copy(grads)
         gathered = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         world.wait(dist.all_gather_single(gathered, flat, group=group, async_op=True),
                    f"the Adasum gradient all-gather of {what}")

@@ -26,7 +26,7 @@ from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
-from stratum.parallel.reduce import adasum_over, sum_over
+from stratum.parallel.reduce import adasum_over, copy_back, flat_copy, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import Engine, StepResult, TrainState
 
@@ -68,14 +68,11 @@ class ReplicatedOffload(Engine):
         if self.group is None or not grads:
             return
         owner = self._owner(self.child.where[names[0]][0].i)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_copy(grads)
         self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
                         f"the gradient reduction of {what}")
         if self.world.rank == owner:
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+            copy_back(grads, flat)
 
     def _global_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The norm over every replica's owned chunks from this replica's part."""
@@ -88,7 +85,7 @@ class ReplicatedOffload(Engine):
         child.drain()
         for c in child.chunks:
             src = self._owner(c.i)
-            flat = child._master_params(c) if self.world.rank == src else aligned_empty(c.cap)
+            flat = child.master_params(c) if self.world.rank == src else aligned_empty(c.cap)
             buf = flat.to(self.world.device)  # (NCCL moves device tensors only)
             self.world.wait(dist.broadcast(buf, src=src, group=self.group, async_op=True),
                             f"sharing chunk {c.i}'s parameters")
