@@ -165,7 +165,7 @@ def worker(job_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stratum.dist.launch import init_process_group
+    from stratum.dist.launch import destroy_process_group, init_process_group
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -181,7 +181,7 @@ def worker(job_path: str) -> None:
     results["dropout"] = dropout_spread(mesh)
     if dist.get_rank() == 0:
         torch.save(results, job["out"])
-    dist.destroy_process_group()
+    destroy_process_group()  # meets the peers first
 
 
 def spawn_job(tmp_path: Path, cases: list[str], hf_paths: dict[str, str], world: int = 2,

@@ -80,6 +80,7 @@ def run_engine(engine, steps: int = STEPS):
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
+    from stratum.dist.launch import destroy_process_group
     from stratum.dist.world import join_world
     from stratum.ir.plan import parse_plan
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
@@ -109,7 +110,7 @@ def worker(job_path: str) -> None:
                                      "exp_avg": {n: s["exp_avg"] for n, s in state.optim.items()}}
     if dist.get_rank() == 0:
         torch.save(results, job["out"])
-    dist.destroy_process_group()
+    destroy_process_group()  # meets the peers first
 
 
 def spawn_job(tmp_path: Path, world: int, cases: list[dict], hf_dir: str | None = None, timeout: float = 400):

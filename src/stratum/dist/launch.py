@@ -141,8 +141,13 @@ def init_process_group(*, world: int, backend: str, device: torch.device, timeou
 
 
 def destroy_process_group() -> None:
+    """Leave the default group after a clean run. Every rank first meets the others (a barrier bounded by the
+    group's timeout): a rank tearing gloo down while a peer still has work in flight on the same pairs can abort
+    that peer at exit ("terminate called without an active exception")."""
     import torch.distributed as dist
     if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.barrier()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
