@@ -6,7 +6,8 @@ stages; :meth:`Costs.unit` makes identical made-up stages for comparing schedule
 Per unit: ``f``, ``b`` (forward and whole backward), ``i`` and ``w`` (the backward split into its input- and
 weight-gradient parts) in seconds; ``act_bytes`` kept from a forward to its backward per micro-batch;
 ``out_bytes`` of the unit's output (the message to the next stage, and the gradient coming back);
-``spill_bytes`` that an activation spill copies.
+``spill_bytes`` that an activation spill copies; ``param_bytes`` of the unit's parameters (= its gradient's bytes,
+what a data-parallel reduction moves).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from stratum.errors import StratumError
 
-FIELDS = ("f", "b", "i", "w", "act_bytes", "out_bytes", "spill_bytes")
+FIELDS = ("f", "b", "i", "w", "act_bytes", "out_bytes", "spill_bytes", "param_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,8 @@ class Costs:
     """Bytes of unit s's output activation (= bytes of the gradient sent back into it)."""
     spill_bytes: tuple[float, ...] = ()
     """Bytes an activation spill of unit s copies (the profiler's measure; ``act_bytes`` where not given)."""
+    param_bytes: tuple[float, ...] = ()
+    """Bytes of unit s's parameters, and of its gradient (0 where not given)."""
     latency: float = 0.0
     bandwidth: float = math.inf
     time_unit: str = "s"
@@ -44,6 +47,8 @@ class Costs:
     def __post_init__(self) -> None:
         if not self.spill_bytes:
             object.__setattr__(self, "spill_bytes", self.act_bytes)
+        if not self.param_bytes:
+            object.__setattr__(self, "param_bytes", (0,) * len(self.f))
         n = len(self.f)
         for name in FIELDS:
             # byte counts from a profile stay integers: the planner's budgets and answers are whole bytes
@@ -77,13 +82,14 @@ class Costs:
         bs = profile.blocks
         return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
                    w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
-                   out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs])
+                   out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs],
+                   param_bytes=[x.param_bytes for x in bs])
 
     @classmethod
     def zeros(cls, n: int) -> "Costs":
         """``n`` units that cost nothing (what is known without a profile)."""
         z, zb = (0.0,) * n, (0,) * n
-        return cls(f=z, b=z, i=z, w=z, act_bytes=zb, out_bytes=zb, spill_bytes=zb)
+        return cls(f=z, b=z, i=z, w=z, act_bytes=zb, out_bytes=zb, spill_bytes=zb, param_bytes=zb)
 
     @classmethod
     def unit(cls, num_stages: int, *, stages_per_rank: int = 1, f: float = 1.0, b: float = 2.0, i: float = 1.0,
@@ -121,5 +127,5 @@ class Costs:
             raise StratumError(f"partition covers blocks 0..{nxt - 1}, but the profile has {self.num_stages} "
                                "blocks")
         summed = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
-                  for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes")}
+                  for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
         return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])
