@@ -253,8 +253,6 @@ def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path
         assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 18: now and then a job's recorded step has no checkpoint after the "
-                   "budget stop (a race between the last metrics record and the worker's stop); being fixed")
 def test_a_spent_time_budget_stops_running_and_paused_workers_with_a_checkpoint_each(tmp_path, corpus_file,
                                                                                        cache_dir):
     path = sweep_file(tmp_path, corpus_file, cache_dir,

@@ -32,8 +32,8 @@ from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
-from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, checkpoint_step, diverged, failure_reason,
-                                   segment_records, stop_segment)
+from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, await_stop, checkpoint_step, diverged,
+                                   failure_reason, segment_records, stop_segment)
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
                                  spec_fingerprint)
@@ -437,10 +437,11 @@ def _stop_all(sweep: Sweep) -> None:
     for seg in sweep.resident.values():
         seg.worker.resume()  # a stopped process acts on SIGTERM once continued
     for seg in segs:
-        stop_segment(seg, grace_s=STOP_GRACE_S)
+        await_stop(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)
-        sweep.state.update(seg.job, status=PENDING, step=_last_step(segment_records(sweep.configs[seg.job])),
-                           run_s=row.run_s + seg.run_s())
+        # where the job resumes: a worker killed after the grace time may have logged steps past its checkpoint
+        step = checkpoint_step(Path(sweep.configs[seg.job].train.out_dir))
+        sweep.state.update(seg.job, status=PENDING, step=step, run_s=row.run_s + seg.run_s())
     sweep.running.clear()
     sweep.resident.clear()
 

@@ -158,10 +158,16 @@ def stop_segment(seg: Segment, *, grace_s: float) -> int | None:
     ``grace_s``."""
     if seg.poll() is None:
         seg.worker.terminate()
+    return await_stop(seg, grace_s=grace_s)
+
+
+def await_stop(seg: Segment, *, grace_s: float) -> int | None:
+    """Wait up to ``grace_s`` for a segment already asked to stop, then kill it. It is not asked again: a second
+    SIGTERM tells the trainer to stop at once, without the checkpoint the first one asked for."""
+    seg.worker.join(grace_s)
+    if seg.poll() is None:
+        seg.worker.kill()
         seg.worker.join(grace_s)
-        if seg.poll() is None:
-            seg.worker.kill()
-            seg.worker.join(grace_s)
     return seg.poll()
 
 
