@@ -1,0 +1,85 @@
+"""Prices on the one cost model: a block on a device, a transfer on a link, a collective on a group.
+
+Pure functions over :class:`~stratum.ir.costs.Costs` and :class:`~stratum.ir.hardware.Hardware`'s parts, so every
+planner (plan search, burst parallelism) and simulator (pipeline, cluster) charges the same seconds.
+
+Collectives take the ring algorithms' closed forms (Thakur, Rabenseifner & Gropp, 2005) with ``α`` the link's
+latency, ``β = 1/bandwidth`` and ``N`` the bytes of the whole buffer (what one rank holds before an all-reduce,
+after an all-gather, before a reduce-scatter):
+
+- all-reduce: ``2(n−1)/n · N·β + 2(n−1) · α`` (a reduce-scatter then an all-gather);
+- all-gather and reduce-scatter: ``(n−1)/n · N·β + (n−1) · α``;
+- broadcast: a binomial tree, ``⌈log2 n⌉ · (α + N·β)``.
+
+A group of one rank costs nothing, and so does an empty buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from stratum.errors import StratumError
+from stratum.ir.costs import Costs
+from stratum.ir.hardware import Device, Link
+
+
+def _check(nbytes: float, n: int) -> None:
+    if nbytes < 0 or math.isnan(nbytes):
+        raise StratumError(f"a message of {nbytes} bytes: sizes must be >= 0")
+    if n < 1:
+        raise StratumError(f"a collective over {n} ranks: groups have at least 1 rank")
+
+
+def transfer_s(nbytes: float, link: Link) -> float:
+    """Seconds to send ``nbytes`` over ``link`` (0 for nothing)."""
+    _check(nbytes, 1)
+    return 0.0 if nbytes == 0 else link.latency + nbytes / link.bandwidth
+
+
+def allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring all-reduce of an ``nbytes`` buffer over ``n`` ranks."""
+    _check(nbytes, n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def allgather_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring all-gather that leaves ``nbytes`` on every rank (each gives ``nbytes / n``)."""
+    _check(nbytes, n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring reduce-scatter of an ``nbytes`` buffer (each rank ends with its reduced ``nbytes / n``)."""
+    return allgather_s(nbytes, n, link)
+
+
+def broadcast_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a binomial-tree broadcast of ``nbytes`` from one rank to ``n − 1`` others."""
+    _check(nbytes, n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return math.ceil(math.log2(n)) * (link.latency + nbytes / link.bandwidth)
+
+
+def block_s(costs: Costs, k: int, device: Device) -> float:
+    """Seconds of unit ``k``'s forward and backward on ``device`` (its profiled time over the device's speed)."""
+    if not 0 <= k < costs.num_stages:
+        raise StratumError(f"unit {k} is outside the costs' {costs.num_stages} units")
+    return (costs.f[k] + costs.b[k]) / device.speed
+
+
+def on_device(costs: Costs, device: Device) -> Costs:
+    """``costs`` with every time divided by ``device``'s speed (bytes unchanged)."""
+    s = device.speed
+    return replace(costs, f=[x / s for x in costs.f], b=[x / s for x in costs.b], i=[x / s for x in costs.i],
+                   w=[x / s for x in costs.w])
+
+
+def with_link(costs: Costs, link: Link) -> Costs:
+    """``costs`` whose point-to-point messages travel over ``link``."""
+    return replace(costs, latency=link.latency, bandwidth=link.bandwidth)
