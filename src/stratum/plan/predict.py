@@ -1,0 +1,214 @@
+"""A Plan tree's predicted step time and per-device peak memory, on the one cost model.
+
+Inputs: a :class:`Workload` (the profile's per-block costs, the step's micro-batches, which blocks ``split`` can
+shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devices[r]``). The model, per step:
+
+- **blocks**: a block's profiled forward/backward seconds over its device's speed (as
+  :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under ``split(s)`` a shardable block computes 1/s of its
+  work and keeps 1/s of its state and saved activations, and its forward and backward each all-reduce its output
+  twice over the split group (Megatron's attention and MLP reductions).
+- **pipeline**: the schedule the node names, for the replica's micro-batches, over the stages the node's partition
+  cuts (even, balanced by parameter count, or the profiled cut of :func:`stratum.plan.partition.partition`),
+  run through the event simulator (:func:`stratum.sim.pipeline.simulate`) with the pipeline group's link: the
+  makespan is the compute part of the step and each rank's peak saved activations its activation memory.
+  Without a pipeline a rank runs its micro-batches one after another and holds one micro-batch's activations.
+- **replicate(r)**: micro-batches split evenly over the replicas (the step's count must divide); then each rank's
+  gradient is all-reduced over its replica group (``shard=true``: reduce-scattered and the parameters
+  all-gathered, the same bytes), after the backward, on the group's slowest link.
+- **memory** per rank: parameters + gradients + AdamW moments of the blocks it holds (gradients and moments 1/r
+  under ``shard=true``) plus its peak activations, against its device's memory.
+
+Not modelled: the optimizer update's time, overlap of the gradient reduction with the backward, the offload leaf
+(priced by its own planner, :mod:`stratum.offload.planner`), contention between links.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from stratum.errors import StratumError
+from stratum.ir.costs import Costs
+from stratum.ir.hardware import Hardware, Link
+from stratum.ir.plan import Offload, Plan
+from stratum.ir.prices import allreduce_s, with_link
+from stratum.offload.units import fmt_bytes
+from stratum.plan.partition import balanced_partition, even_partition, partition
+from stratum.profile.profile import Profile
+from stratum.schedule.generators import generate
+from stratum.schedule.ir import Schedule
+from stratum.sim.pipeline import simulate
+
+SPLIT_REDUCTIONS = 2
+"""All-reduces of a split block's output per forward (and per backward): after attention and after the MLP."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What the plans are priced for: one training step of a profiled model."""
+
+    profile: Profile
+    """Per-block seconds and bytes per micro-batch (``stratum profile``)."""
+    microbatches: int
+    """Micro-batches per optimizer step over all replicas (the one-process ``train.grad_accum``)."""
+    splittable: tuple[int, ...] = ()
+    """Blocks ``split`` shards (:func:`stratum.parallel.split.split_blocks`); the others stay whole."""
+    split_sizes: tuple[int, ...] = ()
+    """Split sizes the model's layers divide into (heads, MLP width); empty = split is not offered."""
+    param_counts: tuple[float, ...] = ()
+    """Per block, the weights ``partition=balanced`` cuts by (as the pipeline runtime counts them); empty = the
+    profile's parameter counts."""
+    profile_path: str = ""
+    """The profile's file: a plan names the profiled cut as ``partition=<this file>``; "" = not offered."""
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise StratumError(f"a step needs at least one micro-batch, got {self.microbatches}")
+        if not self.profile.blocks:
+            raise StratumError("the profile has no blocks")
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.param_counts) or [float(b.n_params) or 1.0 for b in self.profile.blocks]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """A plan's predicted step (SIMULATED: the cost model's figures, not measurements)."""
+
+    plan: Plan
+    step_s: float
+    """Seconds of one optimizer step: compute (with pipeline bubbles and split reductions) + gradient reduction."""
+    compute_s: float
+    """The compute part: the pipeline's simulated makespan, or the slowest replica's micro-batches in a row."""
+    reduce_s: float
+    """Seconds of the replicas' gradient reduction after the backward."""
+    bubble: float
+    """Idle share of the pipeline ranks during the compute part (0 without a pipeline)."""
+    peak_bytes: tuple[int, ...]
+    """Predicted peak bytes per rank: training state held plus peak saved activations."""
+    limit_bytes: tuple[int, ...]
+    """Each rank's device memory."""
+    stages: tuple[tuple[int, int], ...] = ()
+    """The pipeline's cut, (first block, last block + 1) per stage; empty without a pipeline."""
+    why: str = ""
+    """What does not fit ("" when the plan fits)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.why
+
+
+def _mesh_link(hw: Hardware, plan: Plan, dim: str) -> Link:
+    """The slowest link of any group along ``dim`` (every group of a dimension moves at the pace of the worst)."""
+    links = [hw.group_link(g) for g in plan.all_groups(dim) if len(g) > 1]
+    if not links:
+        return Link(bandwidth=math.inf, latency=0.0)
+    return Link(bandwidth=min(x.bandwidth for x in links), latency=max(x.latency for x in links))
+
+
+def _slowest(hw: Hardware, plan: Plan, dim: str, index: int) -> float:
+    return min(hw.devices[r].speed for r in range(plan.world_size()) if getattr(plan.coord(r), dim) == index)
+
+
+def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]]:
+    """Per-block costs on one rank of a split group of ``s``, and per block the state bytes it holds."""
+    c = Costs.blocks(work.profile)
+    state = [float(b.param_bytes + b.grad_bytes + b.optim_bytes) for b in work.profile.blocks]
+    if s == 1:
+        return c, state
+    cols = {k: list(getattr(c, k)) for k in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
+    for k in work.splittable:
+        for name in cols:
+            cols[name][k] /= s
+        state[k] /= s
+        comm = SPLIT_REDUCTIONS * allreduce_s(c.out_bytes[k], s, link)
+        cols["f"][k] += comm
+        cols["b"][k] += comm
+        cols["i"][k] += comm
+    return replace(c, **cols), state
+
+
+@lru_cache(maxsize=256)
+def _schedule(kind: str, ranks: int, microbatches: int, virtual: int, waves: int) -> Schedule:
+    return generate(kind, ranks=ranks, microbatches=microbatches, virtual=virtual, waves=waves)
+
+
+def _stages(work: Workload, plan: Plan, sched: Schedule, speeds: list[float]) -> list[range]:
+    """The cut the pipeline runtime makes for this node (:func:`stratum.runtime.pipeline.plan_pipeline`)."""
+    node, n = plan.pipeline, len(work.profile.blocks)
+    if sched.num_stages > n:
+        raise StratumError(f"{sched.num_stages} stages but the model has {n} blocks")
+    if node.partition == "even":
+        return even_partition(n, sched.num_stages)
+    per_stage = None if len(set(speeds)) == 1 else [speeds[r] for r in sched.stage_to_rank]
+    if node.partition == "balanced":
+        return balanced_partition(work.weights, sched.num_stages, per_stage)
+    if work.profile_path and node.partition == work.profile_path:
+        return list(partition(work.profile, sched.stage_to_rank, speeds=None if per_stage is None else speeds).stages)
+    raise StratumError(f"partition {node.partition!r} is not one the search prices (even, balanced, the profile)")
+
+
+def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
+    """Price ``plan`` (see the module); a plan the model or hardware cannot run at all is a StratumError."""
+    r, p, s = plan.mesh_shape
+    world = plan.world_size()
+    if world > hw.num_devices:
+        raise StratumError(f"{world} processes but the hardware has {hw.num_devices} devices")
+    if isinstance(plan.leaf, Offload):
+        raise StratumError("the offload leaf is priced by the offload planner (stratum plan), not here")
+    if work.microbatches % r:
+        raise StratumError(f"{work.microbatches} micro-batches per step do not split evenly over {r} replicas")
+    if s > 1 and s not in work.split_sizes:
+        raise StratumError(f"the model's layers do not split {s} ways")
+    if plan.replicate is not None and plan.replicate.shard and s > 1:
+        raise StratumError("replicate(shard=true) does not run over split")
+    m = work.microbatches // r
+    blocks, state = _split_costs(work, s, _mesh_link(hw, plan, "split"))
+    limits = tuple(hw.devices[k].memory_bytes for k in range(world))
+    stage_speed = [_slowest(hw, plan, "stage_rank", i) for i in range(p)]
+    if plan.pipeline is None:
+        speed = min(hw.devices[k].speed for k in range(world))
+        compute = m * sum(blocks.f[k] + blocks.b[k] for k in range(blocks.num_stages)) / speed
+        held, cut = [list(range(blocks.num_stages))], ()
+        act, bubble = [float(sum(blocks.act_bytes))], 0.0
+    else:
+        node = plan.pipeline
+        sched = _schedule(node.schedule, p, m, node.virtual, node.waves)
+        stages = _stages(work, plan, sched, stage_speed)
+        costs = blocks.over(stages)
+        k = [1.0 / stage_speed[sched.stage_to_rank[j]] for j in range(len(stages))]
+        costs = replace(costs, f=[x * y for x, y in zip(costs.f, k)], b=[x * y for x, y in zip(costs.b, k)],
+                        i=[x * y for x, y in zip(costs.i, k)], w=[x * y for x, y in zip(costs.w, k)])
+        res = simulate(sched, with_link(costs, _mesh_link(hw, plan, "stage_rank")))
+        compute, bubble, act = res.makespan, res.bubble, list(res.peak_act)
+        held = [[b for j in sched.stages_of(q) for b in stages[j]] for q in range(p)]
+        cut = tuple((x.start, x.stop) for x in stages)
+    shard = plan.replicate is not None and plan.replicate.shard
+    grad_bytes = [sum(blocks.param_bytes[b] for b in h) for h in held]
+    reduce = max(allreduce_s(x, r, _mesh_link(hw, plan, "replica")) for x in grad_bytes)
+    peaks = []
+    for rank in range(world):
+        q = plan.coord(rank).stage_rank
+        st = sum(_state(work, b, state[b], r if shard else 1) for b in held[q])
+        peaks.append(int(math.ceil(st + act[q])))
+    why = ""
+    over = [k for k in range(world) if peaks[k] > limits[k]]
+    if over:
+        k = max(over, key=lambda j: peaks[j] - limits[j])
+        why = (f"rank {k} needs {fmt_bytes(peaks[k])} of its {fmt_bytes(limits[k])} "
+               f"({len(over)} of {world} ranks over)")
+    return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=bubble,
+                      peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _state(work: Workload, b: int, held: float, shard: int) -> float:
+    """Bytes of block ``b``'s training state on a rank (``held``: its share under split); with ZeRO-2 over
+    ``shard`` replicas the gradients and moments are 1/shard."""
+    if shard == 1:
+        return held
+    blk = work.profile.blocks[b]
+    whole = blk.param_bytes + blk.grad_bytes + blk.optim_bytes
+    frac = held / whole if whole else 0.0
+    return frac * (blk.param_bytes + (blk.grad_bytes + blk.optim_bytes) / shard)

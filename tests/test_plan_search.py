@@ -1,0 +1,122 @@
+"""Auto plan search: the cost model's step time and peak memory of small trees match hand-computed values, the
+search ranks every tree and returns the brute-force best, and infeasible trees are listed with the reason."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, Link
+from stratum.ir.plan import parse_plan
+from stratum.ir.prices import allreduce_s
+from stratum.plan.predict import Workload, predict
+from stratum.plan.search import SCHEDULES, search
+from stratum.profile.profile import BlockProfile, Profile
+
+LINK = Link(bandwidth=1e8, latency=1e-4)
+MiB = 2**20
+
+
+def _block(i: int, f: float, params: int, act: int, out: int) -> BlockProfile:
+    return BlockProfile(index=i, name=f"b{i}", kind="Toy", n_params=params, param_bytes=4 * params,
+                        grad_bytes=4 * params, optim_bytes=8 * params, act_saved_bytes=act, out_bytes=out,
+                        fwd_s=f, bwd_s=2 * f, bwd_input_s=f)
+
+
+def _profile(fs=(0.001, 0.004, 0.004, 0.002), params=(1000, 100_000, 100_000, 1000)) -> Profile:
+    blocks = [_block(i, f, p, act=1000 * (i + 1), out=4000) for i, (f, p) in enumerate(zip(fs, params))]
+    return Profile(model="toy", device="cpu", dtype="float32", precision="fp32", micro_batch=1, seq_len=8, runs=1,
+                   blocks=blocks)
+
+
+def _work(microbatches=4, **kw) -> Workload:
+    return Workload(profile=_profile(**kw), microbatches=microbatches, splittable=(1, 2), split_sizes=(2, 4),
+                    profile_path="toy.json")
+
+
+def _hw(n=4, memory=64 * MiB) -> Hardware:
+    return Hardware.uniform(n, memory_bytes=memory, intra=LINK)
+
+
+def test_replicate_is_its_share_of_micro_batches_plus_a_ring_all_reduce():
+    prof = _profile()
+    pred = predict(parse_plan("replicate(2)"), _work(), _hw(2))
+    compute = 2 * sum(3 * b.fwd_s for b in prof.blocks)  # 4 micro-batches over 2 replicas, f + b = 3f
+    reduce = allreduce_s(sum(b.param_bytes for b in prof.blocks), 2, LINK)
+    assert pred.compute_s == pytest.approx(compute) and pred.reduce_s == pytest.approx(reduce)
+    assert pred.step_s == pytest.approx(compute + reduce) and pred.bubble == 0
+    assert pred.peak_bytes == (prof.train_state_bytes + prof.act_saved_bytes,) * 2
+    sharded = predict(parse_plan("replicate(2, shard=true)"), _work(), _hw(2))
+    assert sharded.step_s == pytest.approx(pred.step_s)
+    assert sharded.peak_bytes[0] == 4 * prof.n_params + 12 * prof.n_params // 2 + prof.act_saved_bytes
+
+
+def test_split_divides_layers_and_adds_two_reductions_each_way():
+    prof = _profile()
+    pred = predict(parse_plan("split(2)"), _work(), _hw(2))
+    f = [b.fwd_s for b in prof.blocks]
+    comm = 2 * allreduce_s(4000, 2, LINK)  # per split block, per direction
+    per_mb = 3 * f[0] + 3 * f[3] + sum(3 * f[k] / 2 + 2 * comm for k in (1, 2))
+    assert pred.step_s == pytest.approx(4 * per_mb)
+    state = [16 * b.n_params for b in prof.blocks]
+    act = [b.act_saved_bytes for b in prof.blocks]
+    assert pred.peak_bytes[0] == state[0] + state[3] + (state[1] + state[2]) // 2 + act[0] + act[3] + \
+        (act[1] + act[2]) // 2
+
+
+def test_a_gpipe_pipeline_of_equal_stages_takes_m_plus_p_minus_one_slots():
+    work = _work(fs=(0.002,) * 4, params=(1000,) * 4)
+    fast = Hardware.uniform(2, memory_bytes=64 * MiB, intra=Link(bandwidth=float("inf"), latency=0.0))
+    pred = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, fast)
+    assert pred.compute_s == pytest.approx((4 + 2 - 1) * 2 * 0.006)  # (m + P - 1) (F + B), 2 blocks a stage
+    assert pred.bubble == pytest.approx(1 - 4 / 5) and pred.stages == ((0, 2), (2, 4))
+    # GPipe holds all 4 micro-batches' activations on rank 0 (blocks 0, 1: 1000 + 2000 bytes each)
+    assert pred.peak_bytes[0] == 2 * 16 * 1000 + 4 * 3000
+
+
+def _brute_force(work, hw, n):
+    best = None
+    for r, p in itertools.product(range(1, n + 1), repeat=2):
+        if n % (r * p):
+            continue
+        s = n // (r * p)
+        inner = f"split({s})" if s > 1 else ""
+        mids = [inner or "local"] if p == 1 else [
+            f"pipeline({p}, schedule={k}, partition={part}{', ' + inner if inner else ''})"
+            for k in SCHEDULES for part in ("even", "balanced", "toy.json")]
+        for mid, shard in itertools.product(mids, ("false", "true")):
+            text = mid if r == 1 else f"replicate({r}, shard={shard}, {mid})"
+            try:
+                pred = predict(parse_plan(text), work, hw)
+            except StratumError:
+                continue
+            if pred.fits and (best is None or pred.step_s < best.step_s - 1e-12):
+                best = pred
+    return best
+
+
+@pytest.mark.parametrize("n, memory", [(2, 64 * MiB), (4, 64 * MiB), (4, 2 * MiB)])
+def test_the_search_returns_the_brute_force_best(n, memory):
+    work, hw = _work(), _hw(4, memory)
+    res = search(work, hw, n)
+    assert res.complete and res.ranked
+    assert res.best.step_s == pytest.approx(_brute_force(work, hw, n).step_s)
+    assert [p.step_s for p in res.ranked] == sorted(p.step_s for p in res.ranked)
+
+
+def test_infeasible_trees_are_listed_with_what_does_not_fit():
+    res = search(_work(microbatches=2), _hw(4, memory=2 * MiB), 4)
+    table = res.table()
+    assert re.search(r"replicate\(2, pipeline\(2, schedule=wave, .*does not fit: rank 1 needs 3.06 MiB of its "
+                     r"2.00 MiB \(2 of 4 ranks over\)", table)
+    assert "cannot run: 2 micro-batches per step do not split evenly over 4 replicas" in table
+    assert "cannot run: 8 stages but the model has 4 blocks" in table
+    assert table.splitlines()[0].endswith("(SIMULATED: cost-model predictions)")
+    assert all(max(p.peak_bytes) <= 2 * MiB for p in res.ranked)
+    with pytest.raises(StratumError, match="no plan for 4 devices fits"):
+        search(_work(), _hw(4, memory=10_000), 4).best
+    with pytest.raises(StratumError, match="--devices 8 but the hardware spec has 4 devices"):
+        search(_work(), _hw(4), 8)
