@@ -54,11 +54,12 @@ min_lr = 1e-6
     return p
 
 
-def standalone_losses(path: Path, job_id: str, tmp_path: Path) -> list[float]:
-    """The job's config run alone, in this process, as `stratum train` runs it (same thread count as a worker)."""
+def standalone_losses(path: Path, job_id: str, tmp_path: Path, extra: list[str] = ()) -> list[float]:
+    """The job's config (with ``extra`` overrides, as the sweep gave it) run alone, in this process, as `stratum
+    train` runs it (same thread count as a worker)."""
     spec = load_sweep(path)
     job = next(j for j in expand(spec) if j.id == job_id)
-    cfg = job_config(spec, job, tmp_path / "alone")
+    cfg = job_config(spec, job, tmp_path / "alone", extra)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.settings.slots))
     try:

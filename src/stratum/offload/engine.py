@@ -41,6 +41,7 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
 from stratum.offload.planner import KEEP, SPILL, Placement, grads_to_host, runs_inline
 from stratum.offload.prefetch import Inline, Transfers, background_pool
+from stratum.offload.tasks import block_done
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
@@ -344,6 +345,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                             held[i] = self._act - sum(kept[:i]) - sum(held.values())
                         self._act = sum(kept) + sum(held.values())
                     x = out
+                    block_done("F", i, L)
                 loss = x
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
@@ -390,6 +392,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                             if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
                                 self._grad_complete(self.chunks[ci])
                     self._check()
+                    block_done("B", i, L)
                 self._tied_grads_end(tied_tmp)
                 if last_mb:
                     for c, *_ in tied_tmp:

@@ -34,17 +34,29 @@ def _die_with_parent() -> None:
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     # torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker
-    ctx.set_forkserver_preload(["stratum.sweep.local", "torch._dynamo"])
+    ctx.set_forkserver_preload(["stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo"])
     return ctx
+
+
+def die_with_sweep(sweep_pid: int) -> None:
+    """Arm the death signal; exit now if the sweep died before it was armed (nobody waits for us)."""
+    _die_with_parent()
+    if not pid_alive(sweep_pid):
+        os._exit(1)
 
 
 def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
                 sweep_pid: int) -> None:
     """A segment's process: exits with :func:`run_segment`'s code."""
-    _die_with_parent()
-    if not pid_alive(sweep_pid):  # the sweep died before the death signal was armed: nobody waits for us
-        os._exit(1)
+    die_with_sweep(sweep_pid)
     sys.exit(run_segment(config_path, stop_at, device, threads, log_path))
+
+
+def start_process(target, args: tuple, name: str) -> LocalWorker:
+    """Fork ``target(*args)`` from the forkserver (imports done once there)."""
+    proc = _context().Process(target=target, name=name, daemon=False, args=args)
+    proc.start()
+    return LocalWorker(proc)
 
 
 class LocalWorker:
@@ -90,10 +102,9 @@ class LocalBackend:
     def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
               threads: int, log_path: Path) -> Segment:
         """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``."""
-        proc = _context().Process(target=worker_main, name=f"stratum-sweep-{job}", daemon=False,
-                                  args=(str(config_path), stop_at, device, threads, str(log_path), os.getpid()))
-        proc.start()
-        return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at, worker=LocalWorker(proc),
+        worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path),
+                                             os.getpid()), f"stratum-sweep-{job}")
+        return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 
     def close(self) -> None:

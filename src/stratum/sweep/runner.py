@@ -32,6 +32,7 @@ from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
+from stratum.sweep.shard_run import check_shardable, run_sharded
 from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, await_stop, checkpoint_step, diverged,
                                    failure_reason, segment_records, stop_segment)
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
@@ -95,6 +96,8 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
                   dir=sweep_dir, state=state, say=say)
     if spec.settings.early_stop == "asha":
         sweep.asha = _asha_from_state(spec, state)
+    if spec.settings.scheduler == "sharded-lrtf":
+        check_shardable(sweep.configs)
     if spec.settings.device_budget.strip():
         fit_to_budget(sweep)
     return sweep
@@ -103,18 +106,21 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
 def fit_to_budget(sweep: Sweep) -> None:
     """Jobs that would not fit a slot's sweep.device_budget under the plain engine run under the offload engine
     with that budget (their state on the host and disk tiers between uses); jobs with their own engine or plan
-    are left as they are (the trainer checks those against their own budgets)."""
+    are left as they are (the trainer checks those against their own budgets). Under sharded-lrtf every job runs
+    under the offload engine (its shard tasks are the engine's blocks)."""
     budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
     profiles = sweep_profiles(sweep)
+    every = sweep.spec.settings.scheduler == "sharded-lrtf"
     for job_id, cfg in list(sweep.configs.items()):
         need = memory_need(profiles[job_id])
-        if need <= budget or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
+        if (need <= budget and not every) or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
             continue
         text = sweep.spec.settings.device_budget.strip()
         sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, [
             "train.engine='offload'", f"offload.device_budget={text!r}"])
-        sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, over sweep.device_budget = {text}: it runs "
-                  "under the offload engine")
+        sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, "
+                  + (f"over sweep.device_budget = {text}: it runs" if need > budget else "runs as shard tasks")
+                  + " under the offload engine")
 
 
 def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
@@ -164,12 +170,18 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         _wait_gone(interrupted)
         _write_job_configs(sweep)
         sweep.backend.warm_up()  # workers import torch while the planner profiles
-        needs_predictions = sweep.spec.settings.scheduler in ("lrtf", "planned")
+        s = sweep.spec.settings
+        needs_predictions = s.scheduler in ("lrtf", "sharded-lrtf", "planned")
         predict = make_predict(sweep.state, sweep.configs, sweep_profiles(sweep)) if needs_predictions else None
-        policy = make_policy(sweep.spec.settings.scheduler, predict=predict, slots=sweep.spec.settings.slots,
-                             time_limit_s=sweep.spec.settings.plan_time_limit_s)
         t0 = time.monotonic()
-        _loop(sweep, policy, predict, tick)
+        if s.scheduler == "sharded-lrtf":
+            run_sharded(state=sweep.state, configs=sweep.configs, profiles=sweep_profiles(sweep), predict=predict,
+                        sweep_dir=sweep.dir, slots=s.slots, threads=job_threads(s), shard_blocks=s.shard_blocks,
+                        retries=s.retries, time_budget_s=s.time_budget_s, say=say,
+                        tick=(lambda: tick(sweep)) if tick is not None else None)
+        else:
+            policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s)
+            _loop(sweep, policy, predict, tick)
         sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
     finally:

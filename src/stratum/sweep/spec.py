@@ -5,7 +5,7 @@ A sweep file is a training config with one more section::
     [sweep]
     out_dir = "runs/sweep"          # state.db, jobs/<id>/ (each an ordinary run directory), results.csv
     slots = 2                       # jobs at once
-    scheduler = "fifo"              # fifo | lrtf | planned
+    scheduler = "fifo"              # fifo | lrtf | sharded-lrtf | planned
 
     [sweep.grid]                    # every combination
     "optim.lr" = [1e-3, 3e-3]
@@ -37,7 +37,7 @@ from stratum.config import SECTIONS
 from stratum.errors import StratumError
 from stratum.offload.units import parse_budget
 
-SCHEDULERS = ("fifo", "lrtf", "planned")
+SCHEDULERS = ("fifo", "lrtf", "sharded-lrtf", "planned")
 BACKENDS = ("local", "ray")
 EARLY_STOPS = ("", "asha")
 SLICE_BY = ("checkpoint", "pause")
@@ -58,7 +58,8 @@ class SweepSettings:
     scheduler: str = "fifo"
     """Which job a freed slot takes: fifo (sweep order, one job per slot); lrtf (the job with the longest
     remaining predicted time, time-sliced in segments of sweep.segment_steps steps, its state in its checkpoint
-    between segments); or planned (a makespan-minimising assignment of jobs to slots from profiled step times,
+    between segments); sharded-lrtf (Hydra: jobs as chains of shard tasks of sweep.shard_blocks blocks under the
+    offload engine, a freed slot taking the shard task of the job with the longest remaining time); or planned (a makespan-minimising assignment of jobs to slots from profiled step times,
     solved as a MILP with PuLP, greedy without it)."""
     backend: str = "local"
     """Where jobs run: local (worker processes on this machine) or ray (one Ray actor per slot; the ray extra)."""
@@ -106,6 +107,8 @@ class SweepSettings:
     below train.steps."""
     asha_eta: int = 3
     """asha: reduction factor; the best 1/eta of the jobs at a rung go on to the next."""
+    shard_blocks: int = 1
+    """sharded-lrtf: blocks per shard task (a task is their forward, or their backward, for one micro-batch)."""
     plan_time_limit_s: float = 10.0
     """planned: the MILP solver's time limit; past it the best plan found so far is used (greedy if none)."""
 
@@ -244,7 +247,8 @@ def _check_settings(s: SweepSettings) -> None:
               ("segment_steps", s.segment_steps >= 0, "must be ≥ 0"), ("samples", s.samples >= 0, "must be ≥ 0"),
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
-              ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0")]
+              ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0"),
+              ("shard_blocks", s.shard_blocks >= 1, "must be ≥ 1")]
     checks += [(f.name, math.isfinite(getattr(s, f.name)), "must be a finite number")
                for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), float)]
     for key, ok, what in checks:
@@ -261,10 +265,26 @@ def _check_settings(s: SweepSettings) -> None:
     if s.scheduler == "lrtf" and s.segment_steps < 1:
         raise StratumError("sweep.scheduler = \"lrtf\" time-slices jobs: set sweep.segment_steps ≥ 1 (steps per "
                            "slice; each slice ends with a checkpoint)")
+    if s.scheduler == "sharded-lrtf":
+        _check_sharded(s)
     if s.early_stop == "asha" and s.asha_min_steps < 1:
         raise StratumError("sweep.early_stop = \"asha\" needs sweep.asha_min_steps ≥ 1 (the first rung, in steps)")
     if s.devices:
         s.slots = len(s.devices)
+
+
+def _check_sharded(s: SweepSettings) -> None:
+    """sharded-lrtf interleaves the jobs' shard tasks in one local process, under the offload engine."""
+    if s.backend != "local" or s.devices:
+        raise StratumError("sweep.scheduler = \"sharded-lrtf\" runs the jobs' shard tasks in one local process on "
+                           "CPU slots (a job's offload engine is bound to one device); use backend = \"local\" "
+                           "without sweep.devices")
+    if not s.device_budget.strip():
+        raise StratumError("sweep.scheduler = \"sharded-lrtf\" keeps each job's state on the host tier between "
+                           "its shard tasks: set sweep.device_budget (per job on its slot), e.g. \"64MB\"")
+    if s.early_stop:
+        raise StratumError("sweep.early_stop is not supported with sweep.scheduler = \"sharded-lrtf\"; use lrtf "
+                           "or fifo with asha")
 
 
 def _flat_keys(doc: dict[str, Any], where: str) -> dict[str, Any]:

@@ -1,0 +1,245 @@
+"""The ``sharded-lrtf`` worker: one process trains every given job, each in its own thread, and lets at most
+``slots`` of them compute at once — a slot goes, at every shard-task boundary, to the waiting job with the longest
+remaining time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
+
+Every job runs ``stratum train``'s own loop (metrics, evaluation, checkpoints, summary) under the offload engine,
+whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and
+at a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state
+stays in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). A job's
+step is computed exactly as alone: what it computes depends on its own state only; model set-up (which seeds and
+draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws during steps) are
+refused by the sweep file's checks.
+
+Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend).
+Its lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot,
+job, its task index, the waiting jobs' remaining seconds) to ``<sweep dir>/shard_tasks.jsonl``; each job's exit
+code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.config import load_config
+from stratum.errors import StratumError
+from stratum.offload.tasks import set_gate
+from stratum.sweep.local import die_with_sweep
+from stratum.sweep.shard_lrtf import pick_longest
+from stratum.train.trainer import train
+
+WAIT_TIMEOUT_S = 3600.0  # a job waits at most this long for a slot before the worker gives up on it
+
+
+@dataclass(kw_only=True)
+class ShardJob:
+    """A job as the shard worker sees it."""
+
+    id: str
+    """Job id (sweep order is the order given)."""
+    config_path: str
+    """Its job.toml."""
+    tasks_left: int
+    """Shard tasks to its end from where it resumes."""
+    task_s: float
+    """Predicted seconds of one shard task."""
+    shard_blocks: int
+    """Blocks per shard."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The worker was asked to stop: a job's thread leaves its training at the next shard boundary."""
+
+
+@dataclass
+class SlotScheduler:
+    """Grants ``slots`` slots to waiting jobs, longest remaining time first; records every grant."""
+
+    slots: int
+    order: list[str]
+    tasks_path: Path
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    free: list[int] = field(default_factory=list)
+    waiting: dict[str, float] = field(default_factory=dict)
+    granted: dict[str, int] = field(default_factory=dict)
+    done_tasks: dict[str, int] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+    stopping: bool = False
+    opened: bool = False
+    """Grants start once every job waits (all are ready at the start: the first grants compare them all)."""
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.slots))
+        self._log = open(self.tasks_path, "a")
+
+    def acquire(self, job: str, remaining_s: float) -> int:
+        """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
+        ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number."""
+        with self.cond:
+            slot = self.granted.pop(job, None)
+            if slot is not None:
+                self.free.append(slot)
+                self.free.sort()
+            self.waiting[job] = remaining_s
+            self._grant()
+            if not self.cond.wait_for(lambda: job in self.granted or self.stopping, WAIT_TIMEOUT_S):
+                raise RuntimeError(f"{job}: no slot within {WAIT_TIMEOUT_S:g} s")
+            if job not in self.granted:
+                self.waiting.pop(job, None)
+                raise Stopped()
+            return self.granted[job]
+
+    def finish(self, job: str) -> None:
+        """``job``'s thread ends: its slot goes to the next waiting job."""
+        with self.cond:
+            self.done.add(job)
+            self.cond.notify_all()
+        self.release(job)
+
+    def release(self, job: str) -> None:
+        """``job`` ended a task: its slot goes to the next waiting job."""
+        with self.cond:
+            slot = self.granted.pop(job, None)
+            if slot is not None:
+                self.free.append(slot)
+                self.free.sort()
+            self._grant()
+
+    def open_when_waiting(self, n: int) -> None:
+        """Start granting once ``n`` jobs wait (or have ended)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self.waiting) + len(self.done) >= n, WAIT_TIMEOUT_S):
+                raise RuntimeError(f"the jobs' threads did not start within {WAIT_TIMEOUT_S:g} s")
+            self.opened = True
+            self._grant()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def _grant(self) -> None:
+        while self.opened and self.free and self.waiting and not self.stopping:
+            job = pick_longest(self.waiting, self.order)
+            slot = self.free.pop(0)
+            self._log.write(json.dumps({"t": round(time.monotonic() - self.t0, 6), "slot": slot, "job": job,
+                                        "task": self.done_tasks.get(job, 0),
+                                        "remaining": {j: round(r, 6) for j, r in self.waiting.items()}}) + "\n")
+            self._log.flush()
+            del self.waiting[job]
+            self.granted[job] = slot
+            self.done_tasks[job] = self.done_tasks.get(job, 0) + 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self._log.close()
+
+
+class JobGate:
+    """The offload engine's gate in one job's thread: at a shard's last block, give the slot back and wait."""
+
+    def __init__(self, job: ShardJob, sched: SlotScheduler, setup: threading.Lock):
+        self.job, self.sched, self.setup = job, sched, setup
+        self.left = job.tasks_left
+        self.holds_setup = False
+        """The job's thread holds the set-up lock (from its start to its first shard boundary)."""
+
+    def remaining_s(self) -> float:
+        return max(self.left, 0) * self.job.task_s
+
+    def __call__(self, kind: str, block: int, blocks: int) -> None:
+        g = self.job.shard_blocks
+        boundary = (block + 1) % g == 0 or block == blocks - 1 if kind == "F" else block % g == 0
+        if not boundary:
+            return
+        if self.holds_setup:
+            self.holds_setup = False
+            self.setup.release()
+        self.left -= 1
+        self.sched.acquire(self.job.id, self.remaining_s())
+
+
+def _run_job(job: ShardJob, sched: SlotScheduler, setup: threading.Lock, threads: int, codes: dict[str, int]) -> None:
+    """One job's thread: wait for a slot, train (set-up one job at a time), record the exit code."""
+    gate = JobGate(job, sched, setup)
+    log = Path(job.config_path).parent / "worker.log"
+    code = 0
+    try:
+        sched.acquire(job.id, gate.remaining_s())
+        setup.acquire()
+        gate.holds_setup = True
+        set_gate(gate)
+        torch.set_num_threads(threads)
+        cfg = load_config(job.config_path)
+        train(cfg)
+    except StratumError as e:
+        code = e.exit_code
+        _append(log, f"stratum: error: {e}\n")
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # one job's crash is its own: the others go on
+        code = 1
+        _append(log, traceback.format_exc())
+    finally:
+        set_gate(None)
+        if gate.holds_setup:
+            setup.release()
+        codes[job.id] = code
+        sched.finish(job.id)
+
+
+def _append(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path) -> dict[str, int]:
+    """Train ``jobs`` on ``slots`` slots by the shard-level rule; each job's exit code. SIGTERM stops every job at
+    its next shard boundary (it resumes from its last checkpoint)."""
+    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl")
+    setup = threading.Lock()
+    codes: dict[str, int] = {}
+    previous = signal.signal(signal.SIGTERM, lambda *_: sched.stop())
+    threads_ = [threading.Thread(target=_run_job, args=(j, sched, setup, threads, codes), name=f"job-{j.id}",
+                                 daemon=True) for j in jobs]
+    try:
+        for t in threads_:
+            t.start()
+        sched.open_when_waiting(len(jobs))
+        for t in threads_:
+            while t.is_alive():
+                t.join(0.2)  # the main thread stays responsive to signals
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sched.close()
+    return codes
+
+
+def shard_worker_main(spec_path: str, sweep_pid: int) -> None:
+    """The worker process: reads its jobs from ``spec_path`` (JSON), trains them, writes their exit codes."""
+    die_with_sweep(sweep_pid)
+    spec = json.loads(Path(spec_path).read_text())
+    sweep_dir = Path(spec["sweep_dir"])
+    fd = os.open(sweep_dir / "shards.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO, format="%(threadName)s %(message)s", stream=sys.stderr)
+    jobs = [ShardJob(**j) for j in spec["jobs"]]
+    codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir)
+    atomic_write_text(sweep_dir / "shard_exit.json", json.dumps(codes))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

@@ -1,0 +1,106 @@
+"""sharded-lrtf (Hydra's rule at shard level): the rule on a hand-computable case, and a real sweep whose jobs run
+as interleaved shard tasks under the offload engine — each job's losses equal to its `stratum train`, its device
+tier under the budget its state exceeds, every grant the rule's choice."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from stratum.errors import StratumError
+from stratum.offload.units import parse_budget
+from stratum.sweep.predict import job_profiles, memory_need
+from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
+from stratum.sweep.spec import load_sweep
+from stratum.train.trainer import read_metrics
+from tests.test_sweep_run import rows, standalone_losses, sweep_file
+
+BUDGET = "1.2MB"
+SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
+
+
+def test_the_rule_on_a_hand_computed_case_as_a_table():
+    # t=0: both slots free, all ready: b (6 s left) → slot 0, then a (2) over c (1) → slot 1.
+    # t=1: slot 1 frees; b runs, so a (1 left) and c (1) tie: sweep order takes a. t=2: both free; b (4) → slot 0,
+    # c → slot 1. t=3: slot 1 frees, nothing ready (b runs until 4): it idles. t=4: b's last task → slot 0.
+    tasks = sharded_lrtf({"a": [1, 1], "b": [2, 2, 2], "c": [1]}, 2)
+    assert task_table(tasks) == "\n".join([
+        "   start      end slot  task",
+        "       0        2    0  b[0]",
+        "       0        1    1  a[0]",
+        "       1        2    1  a[1]",
+        "       2        4    0  b[1]",
+        "       2        3    1  c[0]",
+        "       4        6    0  b[2]"])
+    assert makespan(tasks) == 6.0
+    # a job's tasks form a chain: never two at once, each after the previous one
+    for job in "abc":
+        mine = [t for t in tasks if t.job == job]
+        assert all(x.end <= y.start for x, y in zip(mine, mine[1:]))
+    assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, corpus_file, cache_dir):
+    tmp = tmp_path_factory.mktemp("shards")
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED, grid='"train.steps" = [2, 4, 3]', steps=2,
+                      extra="eval_interval = 2")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    return path, tmp, lines
+
+
+def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
+    path, tmp, lines = sharded
+    got = rows(tmp / "sw")
+    assert {j: (r["status"], r["step"]) for j, r in got.items()} == {
+        "j000": ("done", 2), "j001": ("done", 4), "j002": ("done", 3)}, lines
+    for job_id in got:
+        job_toml = (tmp / "sw" / "jobs" / job_id / "job.toml").read_text()
+        assert "engine = \"offload\"" in job_toml  # what `stratum train --config job.toml` repeats
+        sweep_losses = [r["loss"] for r in read_metrics(tmp / "sw" / "jobs" / job_id)]
+        assert sweep_losses == standalone_losses(path, job_id, tmp_path / job_id, [
+            "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
+
+
+def test_jobs_whose_state_exceeds_the_budget_run_under_it(sharded):
+    path, tmp, _ = sharded
+    sweep = open_sweep(path, say=lambda _: None)
+    profiles = job_profiles(sweep.configs, threads=1, cache_dir=tmp / "sw" / "profiles")
+    budget = parse_budget(BUDGET, "budget")
+    for job_id in sweep.configs:
+        assert memory_need(profiles[job_id]) > budget
+        peaks = [r["offload_device_peak_bytes"] for r in read_metrics(tmp / "sw" / "jobs" / job_id)]
+        assert peaks and max(peaks) <= budget
+
+
+def test_every_grant_is_the_rule_s_choice_and_each_task_runs_once(sharded):
+    path, tmp, _ = sharded
+    grants = [json.loads(ln) for ln in (tmp / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    order = ["j000", "j001", "j002"]
+    assert set(grants[0]["remaining"]) == set(order)  # the first grant compares every job
+    for g in grants:
+        assert g["job"] == pick_longest(g["remaining"], order), g
+    sweep = open_sweep(path, say=lambda _: None)
+    profiles = job_profiles(sweep.configs, threads=1, cache_dir=tmp / "sw" / "profiles")
+    blocks = len(profiles["j000"].blocks)
+    # one grant per task, and one for the step's tail after the last boundary (update, checkpoint, summary)
+    assert Counter(g["job"] for g in grants) == {j: 1 + tasks_per_step(blocks, 2, 1) * steps
+                                                 for j, steps in zip(order, (2, 4, 3))}
+    assert {g["slot"] for g in grants} == {0, 1}
+
+
+def test_sharded_lrtf_needs_a_budget_and_no_dropout(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"',
+                      grid='"optim.lr" = [1e-3]', steps=2)
+    with pytest.raises(StratumError, match="set sweep.device_budget"):
+        load_sweep(path)
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"model.dropout" = [0.0, 0.1]',
+                      steps=2)
+    with pytest.raises(StratumError, match="j001: .*model.dropout must be 0"):
+        open_sweep(path, say=lambda _: None)
+    assert not (tmp_path / "sw" / "jobs").exists()
