@@ -19,6 +19,7 @@ from stratum.sweep.expand import check_jobs, distinct_data, expand
 from stratum.sweep.plot import gantt_png
 from stratum.sweep.predict import job_profiles, predicted_seconds
 from stratum.sweep.schedulers import make_policy
+from stratum.sweep.shard_lrtf import chain, makespan, sharded_lrtf, tasks_per_step
 from stratum.sweep.spec import SCHEDULERS, job_threads, load_sweep
 
 
@@ -67,6 +68,18 @@ def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *,
     return SimResult(runs=runs, makespan=makespan, utilisation=busy / (slots * makespan) if makespan else 0.0)
 
 
+def simulate_sharded(steps: dict[str, int], step_s: dict[str, float], tasks: dict[str, int], *,
+                     slots: int) -> SimResult:
+    """sharded-lrtf over jobs of ``tasks[j]`` shard tasks per step, each ``step_s[j] / tasks[j]`` seconds
+    (:func:`stratum.sweep.shard_lrtf.sharded_lrtf`); runs are the tasks."""
+    chains = {j: chain(n, tasks[j], step_s[j] / tasks[j]) for j, n in steps.items()}
+    placed = sharded_lrtf(chains, slots)
+    runs = [(t.start, t.slot, t.job, t.end) for t in placed]
+    span = makespan(placed)
+    busy = sum(t.end - t.start for t in placed)
+    return SimResult(runs=runs, makespan=span, utilisation=busy / (slots * span) if span else 0.0)
+
+
 def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[str], None] = print) -> dict:
     """SIMULATED: the sweep under every scheduler on its slots, each job taking its profiled step time × steps
     (a lower bound: no optimizer step, data or start-up), without running a job or writing to the sweep
@@ -81,13 +94,16 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
     steps = {j: c.train.steps for j, c in configs.items()}
     step_s = {j: predicted_seconds(profiles[j], c, 1) for j, c in configs.items()}
     seg = s.segment_steps or max(1, min(steps.values()) // 4)
-    results = {name: simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
-                              time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}
+    tasks = {j: tasks_per_step(len(profiles[j].blocks), s.shard_blocks, c.micro_batches_per_step)
+             for j, c in configs.items()}
+    results = {name: simulate_sharded(steps, step_s, tasks, slots=s.slots) if name == "sharded-lrtf" else
+               simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
+                        time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}
     say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf slices of "
         f"{seg} steps); nothing was run")
     fifo = results["fifo"].makespan
     for name, r in results.items():
-        say(f"{name:8} makespan {r.makespan:9.2f} s  utilisation {r.utilisation:6.1%}  "
+        say(f"{name:12} makespan {r.makespan:9.2f} s  utilisation {r.utilisation:6.1%}  "
             f"{fifo / r.makespan if r.makespan else 0:.2f}x fifo's throughput")
     if png is not None:
         data = gantt_png({n: r.runs for n, r in results.items()}, s.slots)
