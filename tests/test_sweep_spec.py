@@ -153,8 +153,9 @@ seq_len = 16
     assert main(["sweep", "simulate", "--config", str(p), "--png", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SIMULATED: 3 jobs on 2 slot(s)")
-    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:4]}
-    assert set(lines) == {"fifo", "lrtf", "planned"}
-    # fifo runs the 6-step job last (2 | 2, then 6): 8 step-times; lrtf and planned start it first: 6
-    assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"]
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:5]}
+    assert set(lines) == {"fifo", "lrtf", "sharded-lrtf", "planned"}
+    # fifo runs the 6-step job last (2 | 2, then 6): 8 step-times; lrtf, sharded-lrtf and planned start it
+    # first: 6
+    assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"] and "1.33x" in lines["sharded-lrtf"]
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "sw").exists()
