@@ -1,0 +1,93 @@
+"""The joint plan over strategies that span several slots: the MILP equals a brute force on small cases, a
+time-limited solve still returns a feasible plan, and the plan is a table."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from stratum.sweep.gang import GangPlan, Option, gang_table, greedy_gang, list_schedule, plan_gang
+
+pytest.importorskip("pulp")
+
+
+def brute_force(options: dict[str, dict[str, Option]], free_at: list[float]) -> float:
+    """Every option per job, every start order and every set of slots per job, each job started as early as its
+    slots allow: any feasible schedule, sorted by start, is matched or beaten by one of these."""
+    jobs = sorted(options)
+    n = len(free_at)
+    best = float("inf")
+    for names in itertools.product(*(sorted(options[j]) for j in jobs)):
+        picks = {j: (nm, options[j][nm]) for j, nm in zip(jobs, names)}
+        if any(o.devices > n for _, o in picks.values()):
+            continue
+        subsets = [list(itertools.combinations(range(n), picks[j][1].devices)) for j in jobs]
+        for slots in itertools.product(*subsets):
+            fixed = dict(zip(jobs, slots))
+            for order in itertools.permutations(jobs):
+                placed = list_schedule(list(order), picks, free_at, fixed)
+                best = min(best, max(p.end for p in placed.values()))
+    return best
+
+
+def check_feasible(plan: GangPlan, options: dict[str, dict[str, Option]], free_at: list[float]) -> None:
+    assert sorted(plan.placed) == sorted(options)
+    for job, p in plan.placed.items():
+        opt = options[job][p.strategy]
+        assert len(set(p.slots)) == opt.devices and p.end == pytest.approx(p.start + opt.seconds)
+        assert all(p.start >= free_at[s] - 1e-9 for s in p.slots)
+    for a, b in itertools.combinations(plan.placed.values(), 2):
+        if set(a.slots) & set(b.slots):
+            assert a.end <= b.start + 1e-9 or b.end <= a.start + 1e-9
+    assert plan.makespan == pytest.approx(max(p.end for p in plan.placed.values()))
+
+
+def random_case(rng: random.Random, jobs: int, slots: int) -> dict[str, dict[str, Option]]:
+    out = {}
+    for j in range(jobs):
+        t = rng.uniform(1, 10)
+        opts = {"plain": Option(seconds=round(t, 2))}
+        for k in range(2, slots + 1):  # k slots: faster, but not k times (communication, bubbles)
+            if rng.random() < 0.7:
+                opts[f"replicate({k})"] = Option(seconds=round(t / k * rng.uniform(1.0, 1.4), 2), devices=k)
+        out[f"j{j}"] = opts
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_makespan_equals_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    slots = 2 + seed % 2
+    options = random_case(rng, 3 + seed % 2 if slots == 2 else 3, slots)
+    free_at = [0.0] + [round(rng.uniform(0, 3), 2) for _ in range(slots - 1)]
+    plan = plan_gang(options, free_at, time_limit_s=20)
+    check_feasible(plan, options, free_at)
+    assert plan.makespan == pytest.approx(brute_force(options, free_at), abs=1e-6), gang_table(plan)
+
+
+def test_a_job_over_both_slots_as_a_table():
+    # a: 8 s on one slot or 4.2 s over both; b, c: 3 s each. a over both, then b | c, ends at 7.2; a on one slot
+    # beside b then c ends at 8.
+    options = {"a": {"plain": Option(seconds=8), "replicate(2)": Option(seconds=4.2, devices=2)},
+               "b": {"plain": Option(seconds=3)}, "c": {"plain": Option(seconds=3)}}
+    plan = plan_gang(options, [0.0, 0.0], time_limit_s=10)
+    assert gang_table(plan) == "\n".join([
+        "   start      end  slots      job strategy",
+        "       0      4.2  0,1        a replicate(2)",
+        "     4.2      7.2  0          b plain",
+        "     4.2      7.2  1          c plain"])
+    assert plan.method == "milp" and plan.optimal
+
+
+def test_a_solver_stopped_by_its_time_limit_still_returns_a_feasible_plan():
+    options = random_case(random.Random(7), 14, 4)
+    free_at = [0.0, 1.0, 0.5, 2.0]
+    t0 = time.perf_counter()
+    plan = plan_gang(options, free_at, time_limit_s=1.0)
+    assert time.perf_counter() - t0 < 15  # the limit plus CBC's start and the model build
+    check_feasible(plan, options, free_at)
+    assert plan.makespan <= greedy_gang(options, free_at).makespan + 1e-9
+    assert not plan.optimal
