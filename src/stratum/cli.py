@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample(sub)
     from stratum.train.export_cli import add_parser as add_export
     add_export(sub)
+    from stratum.plan.hardware_cli import add_parser as add_hardware
+    add_hardware(sub)
     return parser
 
 
@@ -126,8 +128,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         from stratum.train.export_cli import run as run_export
         return run_export(args)
+    if args.command == "hardware":
+        from stratum.plan.hardware_cli import run as run_hardware
+        return run_hardware(args)
 
     cfg = load_config(args.config, args.overrides)
+    if args.command == "train" and cfg.parallel.plan.strip() == "auto":  # the ranks get the chosen tree
+        from stratum.plan.search_cli import choose_plan
+        choice = choose_plan(cfg, args.config, args.overrides)
+        cfg = choice.config
+        if not args.dry_run:
+            choice.record()
     if args.command == "train":
         if args.stop_at is not None and args.stop_at < 1:
             raise StratumError("--stop-at must be ≥ 1")

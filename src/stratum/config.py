@@ -191,7 +191,13 @@ class ParallelConfig:
     reduce=mean|adasum, shard=false|true); pipeline(ranks, schedule=…, partition=…); split(n);
     offload(device_budget=…, host_budget=…); nested replicate → pipeline → split → offload/local, e.g.
     "replicate(2, pipeline(2))". Settings a pipeline node omits come from [pipeline]. "" = the train.engine
-    shorthand: plain = local, pipeline = pipeline(pipeline.ranks), offload = offload()."""
+    shorthand: plain = local, pipeline = pipeline(pipeline.ranks), offload = offload(). "auto" = the tree the plan
+    search (stratum plan --parallel) predicts fastest on parallel.devices, chosen when the run starts."""
+    devices: int = 0
+    """With plan = "auto": the devices (processes) to plan for; 0 = every device of the hardware spec."""
+    hardware: str = ""
+    """With plan = "auto": a hardware spec TOML ([hardware], from stratum hardware probe); "" = this machine,
+    measured once and cached."""
     backend: str = "auto"
     """torch.distributed backend of multi-process plans: auto (nccl with CUDA, else gloo), gloo, or nccl."""
     timeout_s: float = 30.0
@@ -229,6 +235,9 @@ class Config:
         p = self.pipeline
         defaults = {"pipeline": {"schedule": p.schedule, "partition": p.partition, "virtual": p.virtual,
                                  "waves": p.waves}}
+        if self.parallel.plan.strip() == "auto":
+            raise StratumError("parallel.plan = 'auto' is chosen by the plan search when `stratum train` starts; "
+                               "this command needs a plan expression (stratum plan --parallel ranks them)")
         text = self.parallel.plan.strip() or {"plain": "local", "pipeline": f"pipeline({p.ranks})",
                                               "offload": "offload"}[self.train.engine]
         return parse_plan(text, defaults=defaults)
@@ -343,8 +352,10 @@ class Config:
                                f"{', '.join(PIPELINE_PARTITIONS)}, or a profile .json file")
         _choice("parallel.backend", self.parallel.backend, PIPELINE_BACKENDS)
         _check("parallel.timeout_s", 1.0 <= self.parallel.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
-        self.plan  # parses and checks the plan expression
-        self._validate_speeds()
+        if self.parallel.plan.strip() != "auto":  # "auto" is resolved (and its tree checked) at start-up
+            self.plan  # parses and checks the plan expression
+            self._validate_speeds()
+        _check("parallel.devices", self.parallel.devices >= 0, "must be ≥ 0 (0 = the hardware spec's devices)")
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
         self._validate_schedule()
         self._validate_offload()

@@ -2,6 +2,7 @@
 
     stratum plan --set model.preset=gpt2-774m --set offload.device_budget=1GB --set offload.host_budget=1GB
     stratum plan --set model.preset=gpt2-774m --sweep 10%,25%,50%,2GB   # one row per device budget
+    stratum plan --parallel --devices 4 [--hardware hw.toml]   # Plan trees ranked (stratum.plan.search_cli)
 
 Builds the model on the meta device (no memory), profiles it one block at a time (or reads ``--profile``),
 measures the bandwidths, searches the placements and prints the chosen one: chunk size, device-resident chunks,
@@ -31,6 +32,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="BUDGETS",
                    help="plan these device budgets instead (comma-separated sizes or percentages of the training "
                         f"state; default {_escape_percent(DEFAULT_SWEEP)}) and print one row each")
+    p.add_argument("--parallel", action="store_true", help="rank Plan trees (replicate x pipeline x split) for "
+                   "--devices devices instead: predicted step time and peak memory, best first")
+    p.add_argument("--devices", type=int, metavar="N", help="with --parallel: devices to plan for (default: the "
+                   "hardware spec's)")
+    p.add_argument("--hardware", metavar="FILE.toml", help="with --parallel: hardware spec (default: this machine, "
+                   "measured once and cached)")
     return p
 
 
@@ -136,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     from stratum.offload.planner import make_placement
     from stratum.offload.units import fmt_bytes
 
+    if args.parallel:
+        from stratum.plan.search_cli import run_search
+        return run_search(args)
     cfg = load_config(args.config, args.overrides)
     if args.estimate and args.profile:
         raise StratumError("--estimate plans from the model's shapes and --profile from measured costs; give one")

@@ -25,6 +25,8 @@ from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
+from stratum.plan.fidelity import beside
+from stratum.plan.fidelity import describe as describe_prediction
 from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
                                       remove_partial_writes, restore_rng, save_checkpoint)
@@ -282,6 +284,10 @@ def _summary(recs: list[dict], *, model, engine, world: World, cfg: Config, star
         "out_dir": str(Path(cfg.train.out_dir).expanduser()),
     }
     summary.update(_io_summary(recs, engine.predicted_step_s))
+    searched = beside(Path(cfg.train.out_dir).expanduser(), str(world.plan), median(recs, "step_s"),
+                      summary["peak_device_bytes"])
+    if searched is not None:  # the plan search chose this tree: its prediction beside the measurement
+        summary["plan_search"] = searched
     return summary
 
 
@@ -316,6 +322,8 @@ def _log_summary(s: dict) -> None:
     if "predicted_step_s" in s:
         logger.info(f"step time: {fmt(s['median_step_s'], '.3f')} s measured (median), {s['predicted_step_s']:.3f} s "
                     "predicted by the plan")
+    if "plan_search" in s:
+        logger.info(describe_prediction(s["plan_search"]))
     logger.info(f"metrics: {s['out_dir']}/metrics.jsonl  checkpoint: {s['checkpoint']}")
 
 

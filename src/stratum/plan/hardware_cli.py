@@ -1,0 +1,195 @@
+"""``stratum hardware``: measure this machine into a hardware spec, or show a spec as tables.
+
+Runbook::
+
+    stratum hardware probe --out hw.toml            # GPUs (or the CPU split into --devices processes), host, disk
+    stratum hardware probe --devices 4 --out hw4.toml   # a CPU machine run as 4 gloo processes
+    stratum hardware show hw.toml                   # devices, tiers and links as tables
+    stratum plan --parallel --devices 4 --hardware hw4.toml   # rank Plan trees on it
+
+What ``probe`` measures, and how:
+
+- **devices**: every CUDA GPU (its memory, its matrix-multiply rate relative to GPU 0); without CUDA, the CPU as
+  ``--devices`` processes (default: one per core), each with an equal share of the available RAM and a speed
+  relative to this process's thread count — the threads a profile taken here uses: a process gets
+  ``cores // devices`` threads (at least one), and more processes than cores share them.
+- **host link**: the offload engine's own copy probe (:func:`stratum.offload.tiers.measure_bandwidths`, host →
+  device and back; the slower direction), with a 4 KiB copy's time as the latency.
+- **disk**: the same probe's sustained write and read through the disk store's I/O path under ``--disk-dir``
+  (the slower direction), a 4 KiB synced write as the latency, and the free bytes there.
+- **intra-node link**: a gloo all-reduce between two local processes (an 8 MiB and a 4-byte buffer; ring
+  all-reduce of 2 ranks = N/bandwidth + 2·latency). The inter-node link cannot be measured from one machine: the
+  spec repeats the intra-node figures and its header says so — edit them for a cluster.
+
+The spec is written atomically; the header comments record the measured figures behind the relative speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.errors import StratumError
+from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
+from stratum.offload.tiers import measure_bandwidths
+from stratum.offload.units import fmt_bytes
+from stratum.plan.gloo_probe import allreduce_times
+from stratum.runtime.device import compute_rate
+from stratum.train.dryrun import device_memory_bytes
+
+COLLECTIVE_TIMEOUT_S = 60.0
+BIG, SMALL = 8 << 20, 4
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("hardware", help="measure this machine into a hardware spec, or show a spec")
+    sub = p.add_subparsers(dest="hardware_command", metavar="probe|show", required=True)
+    q = sub.add_parser("probe", help="measure devices, host and disk tiers and links; write a [hardware] TOML")
+    q.add_argument("--out", default="hardware.toml", help="where to write the spec (default: hardware.toml)")
+    q.add_argument("--devices", type=int, metavar="N",
+                   help="on a CPU machine, the processes it is run as (default: one per core); ignored with CUDA")
+    q.add_argument("--disk-dir", default="", metavar="DIR", help="directory whose disk to measure (default: the "
+                   "system temp dir)")
+    s = sub.add_parser("show", help="print a hardware spec as tables")
+    s.add_argument("file", help="a TOML file with a [hardware] table")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.hardware_command == "show":
+        print(table(load_hardware(args.file)))
+        return 0
+    hw, notes = probe(devices=args.devices, disk_dir=args.disk_dir or tempfile.gettempdir())
+    header = "".join(f"# {line}\n" for line in notes)
+    atomic_write_text(args.out, header + dump_hardware(hw))
+    print(table(hw))
+    print("\n".join(notes))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def table(hw: Hardware) -> str:
+    """Devices (one row per rank), then tiers and links."""
+    lines = [f"{'rank':>4}  {'device':<24} {'memory':>12} {'speed':>7} {'node':>5}"]
+    for r, d in enumerate(hw.devices):
+        lines.append(f"{r:>4}  {d.name:<24} {fmt_bytes(d.memory_bytes):>12} {d.speed:>7.3g} {d.node:>5}")
+    lines += ["", f"{'tier / link':<12} {'bytes':>12} {'bandwidth':>14} {'latency':>10}",
+              f"{'host':<12} {fmt_bytes(hw.host_bytes):>12} {_bw(hw.host_link):>14} {_lat(hw.host_link):>10}",
+              f"{'disk':<12} {fmt_bytes(hw.disk_bytes):>12} {_bw(hw.disk_link):>14} {_lat(hw.disk_link):>10}",
+              f"{'intra_node':<12} {'':>12} {_bw(hw.intra_node):>14} {_lat(hw.intra_node):>10}",
+              f"{'inter_node':<12} {'':>12} {_bw(hw.inter_node):>14} {_lat(hw.inter_node):>10}"]
+    return "\n".join(lines)
+
+
+def _bw(link: Link) -> str:
+    return "unlimited" if link.bandwidth == float("inf") else f"{link.bandwidth / 1e9:.3g} GB/s"
+
+
+def _lat(link: Link) -> str:
+    return f"{link.latency * 1e6:.3g} us"
+
+
+# ---- measuring ----------------------------------------------------------------------------------------------
+def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
+    """This machine's spec and the notes (measured figures) that go in its header."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    notes = [f"measured by `stratum hardware probe` on {socket.gethostname()} at {stamp}"]
+    if devices is not None and devices < 1:
+        raise StratumError(f"--devices must be >= 1, got {devices}")
+    if not Path(disk_dir).is_dir():
+        raise StratumError(f"--disk-dir {disk_dir!r} is not a directory")
+    if torch.cuda.is_available():
+        devs, dev0 = _gpus(notes), torch.device("cuda", 0)
+    else:
+        devs, dev0 = _cpus(devices or os.cpu_count() or 1, notes), torch.device("cpu")
+    bw = measure_bandwidths(dev0, disk_dir)
+    host = Link(bandwidth=min(bw.h2d, bw.d2h), latency=_copy_latency(dev0))
+    disk = Link(bandwidth=max(min(bw.disk_read, bw.disk_write), 1.0), latency=_disk_latency(disk_dir))
+    intra = _gloo_link()
+    notes += [f"host link: h2d {bw.h2d / 1e9:.3g} GB/s, d2h {bw.d2h / 1e9:.3g} GB/s; disk: read "
+              f"{bw.disk_read / 1e9:.3g} GB/s, write {bw.disk_write / 1e9:.3g} GB/s under {disk_dir}",
+              f"intra_node: gloo all-reduce between 2 local processes, {intra.bandwidth / 1e9:.3g} GB/s, "
+              f"{intra.latency * 1e6:.3g} us",
+              "inter_node: not measured (one node): a copy of intra_node; edit it for a cluster"]
+    hw = Hardware(devices=tuple(devs), host_bytes=device_memory_bytes(torch.device("cpu")) or 0,
+                  disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra)
+    return hw, notes
+
+
+def _gpus(notes: list[str]) -> list[Device]:
+    rates = [compute_rate(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    notes.append("matmul GFLOP/s per GPU: " + ", ".join(f"{x:.0f}" for x in rates))
+    return [Device(name=torch.cuda.get_device_name(i), memory_bytes=torch.cuda.get_device_properties(i).total_memory,
+                   speed=rates[i] / rates[0]) for i in range(len(rates))]
+
+
+def _cpus(n: int, notes: list[str]) -> list[Device]:
+    cores = os.cpu_count() or 1
+    here = torch.get_num_threads()
+    threads = max(1, cores // n)
+    rate_here = compute_rate(torch.device("cpu"))
+    rate_proc = rate_here if threads == here else _rate_with_threads(threads)
+    speed = rate_proc / rate_here * min(1.0, cores / n)
+    notes.append(f"cpu: {cores} cores as {n} processes of {threads} thread(s); matmul {rate_proc:.1f} GFLOP/s per "
+                 f"process alone, {rate_here:.1f} with this process's {here} thread(s); speed {speed:.3g}")
+    ram = device_memory_bytes(torch.device("cpu")) or 0
+    return [Device(name="cpu", memory_bytes=max(1, ram // n), speed=speed) for _ in range(n)]
+
+
+def _rate_with_threads(threads: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return compute_rate(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_s(fn, repeats: int = 20) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_latency(device: torch.device) -> float:
+    h = torch.ones(1024)
+    d = torch.empty(1024, device=device)
+
+    def copy():
+        d.copy_(h)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    copy()
+    return _best_s(copy)
+
+
+def _disk_latency(disk_dir: str) -> float:
+    fd, path = tempfile.mkstemp(prefix=".stratum-probe-", dir=disk_dir)
+    try:
+        return _best_s(lambda: (os.pwrite(fd, b"\0" * 4096, 0), os.fsync(fd)), repeats=5)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _free(disk_dir: str) -> int:
+    return shutil.disk_usage(disk_dir).free
+
+
+def _gloo_link() -> Link:
+    """A two-process gloo all-reduce's link: T(N) = N/bandwidth + 2·latency for a ring of two."""
+    big_s, small_s = allreduce_times(BIG, SMALL, timeout_s=COLLECTIVE_TIMEOUT_S)
+    latency = small_s / 2
+    return Link(bandwidth=BIG / max(big_s - small_s, 1e-9), latency=latency)

@@ -1,0 +1,190 @@
+"""``stratum plan --parallel`` and ``parallel.plan = "auto"``: the auto plan search on a config's model.
+
+Runbook::
+
+    stratum plan --parallel --devices 4                       # this machine, measured (cached), 4 devices
+    stratum plan --parallel --devices 8 --hardware hw.toml    # a spec from `stratum hardware probe` or by hand
+    stratum train --set parallel.plan=auto --set parallel.devices=2     # trains with the best tree
+    stratum train --set parallel.plan=auto --set parallel.devices=2 --dry-run   # prints the choice and why
+
+The block costs are the offload planner's (measured on a small batch, scaled, cached per architecture:
+:func:`stratum.offload.cli.planning_profile`), or ``--profile``. Without a hardware spec the machine is measured
+by :func:`stratum.plan.hardware_cli.probe` once and the spec cached under the cache directory (delete it to
+measure again). The step's micro-batches are ``train.grad_accum`` — the one-process step — so every tree trains
+the same global batch: a tree with r replicas runs ``grad_accum / r`` micro-batches on each (the choice's
+``train.grad_accum``). Predictions are SIMULATED; a run of the chosen tree writes them into its out_dir
+(:mod:`stratum.plan.fidelity`), and its ``summary.json`` holds them beside the measured step time and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.config import Config, load_config
+from stratum.data.corpus import resolve_corpus
+from stratum.data.prepare import make_tokenizer
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
+from stratum.model.blockseq import BlockSeq
+from stratum.model.build import build_model
+from stratum.offload.cli import planning_profile
+from stratum.parallel.split import check_split, split_blocks
+from stratum.plan.fidelity import recorded, write_prediction
+from stratum.plan.hardware_cli import probe
+from stratum.plan.predict import Prediction, Workload
+from stratum.plan.search import SearchResult, search
+from stratum.profile import Profile
+from stratum.profile.fast import cache_key, cache_path
+from stratum.runtime.device import resolve_device
+from stratum.train.checkpoint import latest_checkpoint
+
+logger = logging.getLogger(__name__)
+SHOWN = 20
+
+
+def run_search(args: argparse.Namespace) -> int:
+    """``stratum plan --parallel``: print the ranked table for ``--devices`` devices."""
+    cfg = load_config(args.config, args.overrides)
+    hw = load_hardware(args.hardware) if args.hardware else None
+    n = args.devices or (hw.num_devices if hw else _default_devices())
+    res, work = plan_search(cfg, n, hw, args.profile)
+    print(res.table(SHOWN, label=lambda p: _label(p, work)))
+    return 0
+
+
+def plan_search(cfg: Config, n: int, hw: Hardware | None,
+                profile_path: str | None = None) -> tuple[SearchResult, Workload]:
+    """Search the trees of ``cfg``'s model for ``n`` devices of ``hw`` (None: this machine, measured)."""
+    if n < 1:
+        raise StratumError(f"--devices must be >= 1, got {n}")
+    hw = hw or machine_hardware(cfg, n)
+    model = _meta_model(cfg)
+    work = workload(cfg, model, profile_path)
+    logger.info(f"model {model.info.name}: {len(model)} blocks, {cfg.train.grad_accum} micro-batch(es) of "
+                f"{cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens per step; hardware: {hw.num_devices} "
+                f"devices")
+    return search(work, hw, n), work
+
+
+def _meta_model(cfg: Config) -> BlockSeq:
+    tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
+    return build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                       device="meta")
+
+
+def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload:
+    """The search's view of ``cfg``'s step: costs (``profile_path`` or measured and cached), the blocks split
+    shards and the split sizes the layers divide into, the weights the balanced cut uses."""
+    if profile_path:
+        prof = Profile.load(profile_path)
+        if len(prof.blocks) != len(model):
+            raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has "
+                               f"{len(model)}; re-run `stratum profile` with this config")
+    else:
+        device = resolve_device(cfg.train.device)
+        prof = planning_profile(cfg, model, device)
+        t = cfg.train
+        cached = cache_path(cfg.cache_dir, model, cache_key(model, micro_batch=t.micro_batch_size,
+                                                             seq_len=cfg.data.seq_len, device=device,
+                                                             precision=t.precision))
+        profile_path = str(cached) if cached.is_file() else ""  # the profiled cut needs the file the ranks read
+    splittable = tuple(split_blocks(model))
+    sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
+    weights = tuple(float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks)
+    return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
+                    param_counts=weights, profile_path=profile_path or "")
+
+
+def _splits(model: BlockSeq, s: int) -> bool:
+    try:
+        check_split(model, s)
+    except StratumError:
+        return False
+    return True
+
+
+def _default_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+
+
+def machine_hardware(cfg: Config, n: int) -> Hardware:
+    """This machine's spec for ``n`` devices: measured once (``stratum hardware probe``) and cached."""
+    kind = "cuda" if torch.cuda.is_available() else f"cpu{n}"
+    path = cfg.cache_dir / "hardware" / f"{socket.gethostname()}-{kind}.toml"
+    if path.is_file():
+        logger.info(f"hardware spec from the cached probe {path} (delete it to measure again)")
+        return load_hardware(path)
+    logger.info("measuring this machine (devices, host and disk tiers, a gloo all-reduce); cached for next time")
+    path.parent.mkdir(parents=True, exist_ok=True)  # the disk probe measures the disk the cache is on
+    hw, notes = probe(devices=None if torch.cuda.is_available() else n, disk_dir=str(path.parent))
+    try:
+        atomic_write_text(path, "".join(f"# {x}\n" for x in notes) + dump_hardware(hw))
+    except StratumError as e:
+        logger.warning(f"cannot cache the hardware spec ({e}); the next search measures again")
+    return hw
+
+
+def _label(plan, work: Workload) -> str:
+    text = str(plan)
+    return text.replace(f"partition={work.profile_path}", "partition=profiled") if work.profile_path else text
+
+
+# ---- parallel.plan = "auto" ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    """What ``parallel.plan = "auto"`` resolved to."""
+
+    config: Config
+    """The config with the chosen tree and its per-replica ``train.grad_accum``."""
+    prediction: Prediction | None
+    """The search's prediction for it (None when a resumed run keeps its earlier tree)."""
+
+    def record(self) -> None:
+        """Keep the prediction in out_dir for the run's summary.json; an out_dir the run will refuse (another run's
+        checkpoints, without train.resume) is left as it is."""
+        out = Path(self.config.train.out_dir).expanduser()
+        if self.prediction is not None and (self.config.train.resume or latest_checkpoint(out) is None):
+            write_prediction(out, self.prediction, self.config.train.grad_accum)
+
+
+def choose_plan(cfg: Config, config_path: str | None, overrides: list[str]) -> AutoChoice:
+    """Replace ``parallel.plan = "auto"`` by the search's best tree and ``train.grad_accum`` by its per-replica
+    share; ``overrides`` gets both (the ranks re-read the config from them and must not search again). Prints
+    the ranked head of the table and why the choice won. A resumed run keeps the tree its checkpoints were
+    trained with."""
+    out = Path(cfg.train.out_dir).expanduser()
+    prior = recorded(out)
+    if prior is not None and cfg.train.resume and latest_checkpoint(out) is not None:
+        logger.info(f"parallel.plan = auto: resuming with the tree this run chose before, {prior['plan']}")
+        overrides += [f"parallel.plan={prior['plan']!r}", f"train.grad_accum={int(prior['grad_accum'])}"]
+        return AutoChoice(config=load_config(config_path, overrides), prediction=None)
+    hw = load_hardware(cfg.parallel.hardware) if cfg.parallel.hardware.strip() else None
+    n = cfg.parallel.devices or (hw.num_devices if hw else _default_devices())
+    res, work = plan_search(cfg, n, hw)
+    best = res.best
+    logger.info(res.table(5, label=lambda p: _label(p, work)))
+    logger.info(f"parallel.plan = auto: chose {_label(best.plan, work)} — {_why(best, res, work)}")
+    overrides += [f"parallel.plan={str(best.plan)!r}", f"train.grad_accum={cfg.train.grad_accum // best.plan.replicas}"]
+    return AutoChoice(config=load_config(config_path, overrides), prediction=best)
+
+
+def _why(best: Prediction, res: SearchResult, work: Workload) -> str:
+    nxt = res.ranked[1] if len(res.ranked) > 1 else None
+    if nxt is None or best.step_s <= 0:
+        lead = "the only tree that fits"
+    elif nxt.step_s <= best.step_s * 1.0005:
+        lead = f"as fast as the next, {_label(nxt.plan, work)}, with no more memory per device"
+    else:
+        lead = f"{(nxt.step_s / best.step_s - 1) * 100:.1f} % faster than the next, {_label(nxt.plan, work)}"
+    return (f"the fastest predicted step that fits: {best.step_s:.4f} s (compute {best.compute_s:.4f} s, gradient "
+            f"reduction {best.reduce_s:.4f} s), peak {max(best.peak_bytes):,} bytes per device; {lead} "
+            f"(SIMULATED, {res.examined} trees priced)")
+

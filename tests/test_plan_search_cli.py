@@ -1,0 +1,96 @@
+"""The hardware and plan-search commands: `stratum hardware probe/show`, `stratum plan --parallel`, and
+`parallel.plan = "auto"` (the dry run prints the choice and why; a run records prediction beside measurement)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stratum.cli import main
+from stratum.config import load_config
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, Link, dump_hardware, load_hardware
+from stratum.plan import hardware_cli
+
+
+def _base(corpus_file, cache_dir, out):
+    return ["--set", f"data.corpus={str(corpus_file)!r}", "--set", f"data.cache_dir={str(cache_dir)!r}",
+            "--set", "model.preset='tiny'", "--set", "data.seq_len=16", "--set", "train.micro_batch_size=2",
+            "--set", "train.grad_accum=2", "--set", "train.steps=3", "--set", "train.eval_interval=0",
+            "--set", f"train.out_dir={str(out)!r}"]
+
+
+@pytest.fixture
+def spec(tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text(dump_hardware(Hardware.uniform(2, memory_bytes=2**30, intra=Link(bandwidth=1e9, latency=5e-5))))
+    return path
+
+
+def test_hardware_show_prints_the_spec_and_bad_specs_are_one_line(spec, tmp_path, capsys):
+    assert main(["hardware", "show", str(spec)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["rank", "device", "memory", "speed", "node"]
+    assert lines[1].split() == ["0", "device", "1.00", "GiB", "1", "0"]
+    assert lines[-2].split() == ["intra_node", "1", "GB/s", "50", "us"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(spec.read_text().replace("bandwidth = 1000000000.0", "bandwidth = -1"))
+    assert main(["hardware", "show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "intra_node.bandwidth = -1 must be a positive bandwidth" in err
+
+
+def test_probe_writes_a_spec_from_its_measurements(tmp_path, monkeypatch, capsys):
+    # the two-process all-reduce is replaced by fixed times: T(8 MiB) = 10 ms, T(4 B) = 0.1 ms
+    monkeypatch.setattr(hardware_cli, "allreduce_times", lambda *sizes, timeout_s: (0.01, 0.0001))
+    monkeypatch.setattr(hardware_cli.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "probe.toml"
+    assert main(["hardware", "probe", "--devices", "3", "--out", str(out), "--disk-dir", str(tmp_path)]) == 0
+    hw = load_hardware(out)
+    assert hw.num_devices == 3 and {d.name for d in hw.devices} == {"cpu"}
+    assert hw.intra_node == Link(bandwidth=(8 << 20) / (0.01 - 0.0001), latency=0.00005) == hw.inter_node
+    assert hw.host_link.bandwidth > 0 and hw.disk_link.bandwidth > 0 and hw.disk_bytes > 0
+    assert "inter_node: not measured" in out.read_text() and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_plan_parallel_ranks_the_trees(corpus_file, cache_dir, tmp_path, spec, capsys):
+    argv = ["plan", "--parallel", "--devices", "2", "--hardware", str(spec), *_base(corpus_file, cache_dir,
+                                                                                     tmp_path / "run")]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = lines.index(next(x for x in lines if x.startswith("plan search over 2 devices")))
+    assert lines[top + 1].split()[:3] == ["#", "plan", "step"]
+    ranked = [x.split()[1] for x in lines[top + 3:] if x.strip()[:1].isdigit()]
+    assert {"replicate(2)", "replicate(2,", "pipeline(2,", "split(2)"} == set(ranked)
+    assert main(argv[:3] + ["3"] + argv[4:]) == 2
+    assert "--devices 3 but the hardware spec has 2 devices" in capsys.readouterr().err
+
+
+def test_auto_dry_run_names_the_choice_and_a_run_records_prediction_beside_measurement(corpus_file, cache_dir,
+                                                                                      tmp_path, spec, capsys):
+    out = tmp_path / "run"
+    auto = ["--set", "parallel.plan='auto'", "--set", f"parallel.hardware={str(spec)!r}"]
+    assert main(["train", "--dry-run", *_base(corpus_file, cache_dir, out), *auto,
+                 "--set", "parallel.devices=2"]) == 0
+    text = capsys.readouterr().out
+    assert "parallel.plan = auto: chose " in text and "the fastest predicted step that fits" in text
+    assert "plan search over 2 devices" in text and "SIMULATED" in text
+    assert not (out / "plan_prediction.json").exists()  # a dry run writes nothing
+    # one device: the search's only tree is the plain leaf, trained in this process
+    assert main(["train", *_base(corpus_file, cache_dir, out), *auto, "--set", "parallel.devices=1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    rec = summary["plan_search"]
+    assert rec["plan"] == "local"
+    assert rec["predicted_step_s"] > 0 and rec["measured_step_s"] > 0
+    assert rec["step_s_error"] == pytest.approx(rec["measured_step_s"] / rec["predicted_step_s"] - 1)
+    assert rec["measured_peak_bytes"] == summary["peak_device_bytes"] and rec["predicted_peak_bytes"] > 0
+    assert "plan search: step " in capsys.readouterr().out
+
+
+def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path):
+    cfg = load_config(None, ["parallel.plan='auto'"])
+    with pytest.raises(StratumError, match="chosen by the plan search when `stratum train` starts"):
+        cfg.plan
+    with pytest.raises(StratumError, match="parallel.devices must be ≥ 0"):
+        load_config(None, ["parallel.plan='auto'", "parallel.devices=-1"])
