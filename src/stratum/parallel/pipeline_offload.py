@@ -79,6 +79,8 @@ class OffloadPipelineEngine(PipelineEngine):
         self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
         cfg = dataclasses.replace(self.cfg, offload=dataclasses.replace(self.cfg.offload, activations="keep"))
         placement = self._agreed(lambda: placement_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
+        # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
+        placement = self.mesh.share_object(placement, "replica", "the offload placement")
         self.leaf = offload_engine(cfg, sub, self.device, placement)
         tied = {id(p): grp for p, grp in self.tied_sync}
         groups = {ln: tied[id(p)] for ln, p in sub.named_parameters() if id(p) in tied}

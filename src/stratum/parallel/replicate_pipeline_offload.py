@@ -1,0 +1,98 @@
+"""The replicate node over a pipeline whose ranks run the offload leaf: ``replicate(n, pipeline(m, offload(…)))``.
+
+Each replica is a whole pipeline (:class:`~stratum.parallel.pipeline_offload.OffloadPipelineEngine`); a pipeline
+rank's chunks are reduced over the ranks holding the same stages in the other replicas as each chunk completes,
+before its norm and update — the offload leaf updates a chunk inside its backward, so the gradients cannot be
+reduced after the backward as :class:`~stratum.parallel.replicate.ReplicateEngine` does. A chunk tied to another
+pipeline rank is first summed inside its pipeline, then over the replicas (the two sums commute; both run when
+the chunk completes).
+
+The replica collectives cannot deadlock with the pipeline's point-to-point messages: every replica runs the same
+schedule over the same chunk layout, so the ranks of one stage meet at each chunk's reduction in the same order,
+and a rank waits there only for peers whose progress needs nothing from it. The chunk layout is replica 0's for
+each stage (shared at start-up), since each rank's planner measures its own bandwidths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stratum.data.tokens import Batch
+from stratum.dist.world import World
+from stratum.errors import StratumError
+from stratum.ir.plan import Replicate
+from stratum.parallel.pipeline_offload import OffloadPipelineEngine
+from stratum.parallel.reduce import Reducer, adasum_over, sum_over
+from stratum.parallel.replicate import my_part
+from stratum.runtime.engine import Engine, StepResult, TrainState, clip_coef
+
+
+def in_turn(first: Reducer | None, then: Reducer) -> Reducer:
+    """A reducer that runs ``first`` (where there is one) and then ``then`` on the same piece."""
+
+    def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
+        if first is not None:
+            first(names, grads, what)
+        then(names, grads, what)
+    return reduce
+
+
+class ReplicatedOffloadPipeline(Engine):
+    """Data parallel over ``world``'s replica group around an offload pipeline (see the module docstring)."""
+
+    def __init__(self, child: OffloadPipelineEngine, *, node: Replicate, world: World,
+                 speeds: list[float] | None = None):
+        if node.shard:
+            raise StratumError("replicate(shard=true) over pipeline(…, offload(…)) is not supported; use "
+                               "shard=false there (the offload leaf already keeps AdamW state off the device)")
+        self.child = child
+        self.node = node
+        self.world = world
+        self.n, self.index = world.size("replica"), world.coord.replica
+        self.speeds = speeds
+        """Relative speed per replica (hardware-aware shares), or None for even shares."""
+        leaf = child.leaf
+        leaf.reducer = in_turn(leaf.reducer, adasum_over(world) if node.reduce == "adasum" else sum_over(world))
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        mine = my_part(micro_batches, self.n, self.index, self.speeds)
+        # mean: every loss over the whole step's count, so the replicas' sum is the plain engine's mean;
+        # adasum: each replica's gradient is its own mean, the direction Adasum combines
+        divisor = len(mine) if self.node.reduce == "adasum" else len(micro_batches)
+        child = self.child
+        child.runner.begin_step(lr, len(mine))
+        loss_sum = child.forward_backward(mine, divisor)
+        norm = child.grad_norm()  # every replica holds the same reduced chunks: the pipeline's norm is the norm
+        child.update(lr, clip_coef(norm, child.spec.grad_clip))
+        total = self.world.all_reduce(loss_sum.reshape(1).clone(), "replica", "the loss all-reduce")
+        return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
+
+    # ---- Engine -------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        lines = [self.child.describe()]
+        if self.speeds is not None:
+            lines.append("replica speeds " + ", ".join(f"{s:.3g}" for s in self.speeds)
+                         + ": micro-batch shares follow them")
+        return "\n".join(x for x in lines if x)
+
+    def eval_loss(self, batches: list[Batch]) -> float:
+        return self.child.eval_loss(batches)
+
+    def state(self) -> TrainState:
+        return self.child.state()
+
+    def load_state(self, state: TrainState) -> None:
+        self.child.load_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.child.memory_stats()
+
+    def step_io(self) -> dict[str, float]:
+        return self.child.step_io()
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.child.predicted_step_s
+
+    def close(self) -> None:
+        self.child.close()
