@@ -9,7 +9,7 @@ The MILP (binaries y[job, option], z[job, slot], o[job, job'] for the order of a
 one option per job; |slots of a job| = its option's devices; C ≥ S + d (d = Σ y·seconds); S ≥ free_at[slot] where
 the job uses the slot; for a pair sharing a slot, one ends before the other starts (big-M on o and on both z's).
 It is solved by PuLP's CBC under a time limit, warm-started from the greedy plan (longest job first; each takes
-the option that ends earliest on the slots that free first), which is also the fallback without PuLP or without an
+the option that ends earliest on the slots that free first among its options of near-least device-seconds), which is also the fallback without PuLP or without an
 integer solution in time. :func:`list_schedule` turns an order and the choices into starts (as early as the
 slots allow), so every plan returned is feasible by construction.
 """
@@ -79,25 +79,42 @@ def _makespan(placed: dict[str, Placed], free_at: list[float]) -> float:
 
 
 def greedy_gang(options: dict[str, dict[str, Option]], free_at: list[float]) -> GangPlan:
-    """Longest job first (by its fastest option); each takes the option that ends earliest given the slots so
-    far."""
+    """Longest job first (by its fastest option); each takes, among its options whose device-seconds are within
+    a factor of its least, the one that ends earliest given the slots so far. The factors tried are
+    :data:`AREA_FACTORS` (1: the most efficient option, always; unbounded: the earliest end, always); the best
+    plan is kept."""
     t0 = time.perf_counter()
     fitting = {j: {n: o for n, o in opts.items() if o.devices <= len(free_at)} for j, opts in options.items()}
     order = sorted(fitting, key=lambda j: (-min(o.seconds for o in fitting[j].values()), j))
+    best: dict[str, Placed] | None = None
+    for factor in AREA_FACTORS:
+        placed = _greedy_within(order, fitting, free_at, factor)
+        if best is None or _makespan(placed, free_at) < _makespan(best, free_at) - 1e-12:
+            best = placed
+    return GangPlan(placed=best or {}, makespan=_makespan(best or {}, free_at), method="greedy", optimal=False,
+                    solve_s=time.perf_counter() - t0)
+
+
+AREA_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, float("inf"))
+
+
+def _greedy_within(order: list[str], fitting: dict[str, dict[str, Option]], free_at: list[float],
+                   factor: float) -> dict[str, Placed]:
     picks: dict[str, tuple[str, Option]] = {}
     done: list[str] = []
     for job in order:
-        best = None
+        least = min(o.seconds * o.devices for o in fitting[job].values())
+        pick = None
         for name, opt in sorted(fitting[job].items()):
+            if opt.seconds * opt.devices > factor * least * (1 + 1e-12):
+                continue
             trial = list_schedule(done + [job], {**picks, job: (name, opt)}, free_at)
             key = (trial[job].end, opt.devices, name)
-            if best is None or key < best[0]:
-                best = (key, (name, opt))
-        picks[job] = best[1]
+            if pick is None or key < pick[0]:
+                pick = (key, (name, opt))
+        picks[job] = pick[1]
         done.append(job)
-    placed = list_schedule(done, picks, free_at)
-    return GangPlan(placed=placed, makespan=_makespan(placed, free_at), method="greedy", optimal=False,
-                    solve_s=time.perf_counter() - t0)
+    return list_schedule(done, picks, free_at)
 
 
 def plan_gang(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float) -> GangPlan:
