@@ -1,6 +1,6 @@
 """The Plan tree: how one training job runs over processes — Whale's primitives as data.
 
-A plan is a tree of five node kinds, read from an expression such as ``replicate(2, pipeline(2, split(2)))``:
+A plan is a tree of six node kinds, read from an expression such as ``replicate(2, pipeline(2, split(2)))``:
 
 - ``replicate(n, reduce=mean|adasum, shard=false|true)`` — data parallel over ``n`` replicas of its child;
   ``shard=true`` gives each replica 1/n of the gradients and optimizer state (ZeRO-2);
@@ -8,7 +8,11 @@ A plan is a tree of five node kinds, read from an expression such as ``replicate
   processes, driven by a pipeline schedule;
 - ``split(n)`` — tensor parallelism inside blocks over ``n`` processes;
 - ``offload(device_budget=…, host_budget=…)`` — the memory engine: training state over device, host and disk;
-- ``local`` — the plain leaf: the blocks it is given, on one device, torch autograd and AdamW.
+- ``local`` — the plain leaf: the blocks it is given, on one device, torch autograd and AdamW;
+- ``burst(n, widths=4:2:1…, amplification=…)`` — DeepPool's burst parallelism over ``n`` processes: block i runs on
+  the first ``widths[i]`` of them with each micro-batch's samples split between them (empty widths: planned at
+  start from a profile, :mod:`stratum.plan.burst`). It stands alone (holds only ``local``, nothing holds it); its
+  processes lie along the replica dimension of the mesh, but it splits micro-batches rather than multiplying them.
 
 Nesting runs from the outside in as replicate → pipeline → split → leaf: a node may only hold nodes to its
 right, since each one splits the work its parent hands it (replicas take micro-batches, stages take blocks,
@@ -95,14 +99,39 @@ class Replicate:
             (["shard=true"] if self.shard else [])
 
 
-Node = Union[Replicate, Pipeline, Split, Offload, Local]
+@dataclass(frozen=True, kw_only=True)
+class Burst:
+    """Burst parallelism: a device count per block over ``n`` processes (see the module docstring)."""
+
+    n: int
+    widths: str = ""
+    """Processes per block, separated by ':' (e.g. "4:2:1:1"), each in 1..n; "" = planned from a profile."""
+    amplification: float = 2.0
+    """The planner's limit on a block's device-seconds relative to its one-process cost (DeepPool's)."""
+    child: "Node" = field(default_factory=Local)
+
+    def width_list(self) -> tuple[int, ...]:
+        """``widths`` as numbers; () when the planner chooses them."""
+        try:
+            return tuple(int(w) for w in self.widths.split(":")) if self.widths.strip() else ()
+        except ValueError:
+            raise StratumError(f"burst(widths={self.widths}) must be whole numbers separated by ':', e.g. "
+                               "4:2:1") from None
+
+    def args(self) -> list[str]:
+        return [str(self.n)] + ([f"widths={self.widths}"] if self.widths else []) + \
+            ([f"amplification={self.amplification:g}"] if self.amplification != 2.0 else [])
+
+
+Node = Union[Replicate, Pipeline, Split, Offload, Local, Burst]
 NAMES: dict[str, type] = {"replicate": Replicate, "pipeline": Pipeline, "split": Split, "offload": Offload,
-                          "local": Local}
+                          "local": Local, "burst": Burst}
 # what each kind may hold: the kinds to its right in replicate → pipeline → split → leaf
 _MAY_HOLD: dict[type, tuple[type, ...]] = {
     Replicate: (Pipeline, Split, Offload, Local),
     Pipeline: (Split, Offload, Local),
     Split: (Local,),
+    Burst: (Local,),
 }
 
 
@@ -156,6 +185,10 @@ class Plan:
         return self._find(Split)
 
     @property
+    def burst(self) -> Burst | None:
+        return self._find(Burst)
+
+    @property
     def leaf(self) -> Offload | Local:
         node = self.root
         while getattr(node, "child", None) is not None:
@@ -176,8 +209,9 @@ class Plan:
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
-        """(replicas, pipeline ranks, splits): the process mesh, outermost first."""
-        return self.replicas, self.stage_ranks, self.splits
+        """(replicas, pipeline ranks, splits): the process mesh, outermost first (a burst node's processes
+        along the first)."""
+        return self.burst.n if self.burst else self.replicas, self.stage_ranks, self.splits
 
     def world_size(self) -> int:
         r, p, s = self.mesh_shape
@@ -196,7 +230,7 @@ class Plan:
     def group_ranks(self, dim: str, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` only along ``dim`` (replica, stage_rank or split), in order."""
         c = self.coord(rank)
-        size = {"replica": self.replicas, "stage_rank": self.stage_ranks, "split": self.splits}[dim]
+        size = dict(zip(("replica", "stage_rank", "split"), self.mesh_shape))[dim]
         return [self.rank_of(replace(c, **{dim: i})) for i in range(size)]
 
     def all_groups(self, dim: str) -> list[list[int]]:
@@ -225,6 +259,10 @@ class Plan:
             parts.append(f"1/{self.replicate.n} of the gradients and AdamW state (slice {c.replica})")
         if isinstance(self.leaf, Offload):
             parts.append("training state over device, host and disk (offload)")
+        if self.burst is not None:
+            widths = self.burst.width_list()
+            parts.append(f"the blocks of width > {c.replica}" + (f" (widths {self.burst.widths})" if widths else
+                                                                  " (widths planned at start)"))
         return "; ".join(parts) or "whole parameters, gradients and AdamW state"
 
     def __str__(self) -> str:
@@ -324,7 +362,7 @@ class _Reader:
         if children and cls not in _MAY_HOLD:
             raise self.fail(f"{name} is a leaf: it holds no other node")
         kw: dict[str, object] = dict(self.defaults.get(name, {}))
-        size_key = {"replicate": "n", "split": "n", "pipeline": "ranks"}.get(name)
+        size_key = {"replicate": "n", "split": "n", "pipeline": "ranks", "burst": "n"}.get(name)
         if values:
             if size_key is None or len(values) > 1:
                 raise self.fail(f"{name} takes {'one number' if size_key else 'no positional value'}, "
@@ -353,6 +391,11 @@ def _value(r: _Reader, name: str, key: str, raw: str, typ: object) -> object:
         if raw.lower() not in ("true", "false"):
             raise r.fail(f"{name}({key}=…) must be true or false, got {raw!r}")
         return raw.lower() == "true"
+    if typ == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise r.fail(f"{name}({key}=…) must be a number, got {raw!r}") from None
     return raw.strip("'\"")
 
 
@@ -368,6 +411,16 @@ def check(node: Node, text: str = "") -> None:
     if isinstance(node, Replicate) and node.shard and node.reduce == "adasum":
         raise StratumError(f"{where}replicate(reduce=adasum) combines whole gradients, so it cannot shard them; "
                            "use shard=false, or reduce=mean with shard=true")
+    if isinstance(node, Burst):
+        try:
+            widths = node.width_list()
+        except StratumError as e:
+            raise StratumError(f"{where}{e}") from None
+        if any(not 1 <= w <= node.n for w in widths):
+            raise StratumError(f"{where}burst(widths={node.widths}): every width must be in 1..{node.n}")
+        if not node.amplification >= 1.0:
+            raise StratumError(f"{where}burst(amplification={node.amplification:g}) must be >= 1 (a block's "
+                               "device-seconds relative to its one-process cost)")
     child = getattr(node, "child", None)
     if child is None:
         return

@@ -1,0 +1,210 @@
+"""Burst parallelism's planner: DeepPool's dynamic programme over blocks × device counts.
+
+Block i at width k (one of the allowed counts, powers of two up to N by default) runs its micro-batch's samples
+split k ways. Its price, per micro-batch step on the profiled batch (seconds, from :class:`~stratum.ir.costs.Costs`
+and :mod:`stratum.ir.prices`):
+
+- compute ``(f + b) · (φ + (1 − φ)/k)``: the part ``1 − φ`` shrinks with the batch share, the part ``φ``
+  (:data:`FIXED_SHARE`: kernel launches and per-operator work that a smaller batch does not shorten) does not;
+- its gradient's ring all-reduce over its k ranks (``param_bytes``), after its backward, not overlapped;
+- between blocks i and i+1 of different widths, the boundary activation (``out_bytes``) is redistributed point to
+  point (:func:`overlaps`: each sample range from the rank holding it to the rank running it next) in the
+  forward, and its gradient back in the backward: the busiest rank's messages, sent one after another, twice.
+
+Blocks run one after another, so the step is the sum of all of it. The amplification limit bounds a block's
+device-seconds ``k · (compute + all-reduce)`` by ``amplification`` × its width-1 cost: DeepPool's knob that stops
+a block from taking many devices for a small gain (the devices it leaves are what multiplexing fills).
+
+The programme keeps, per block and width, the best (step seconds, device-seconds) of the blocks so far, ordered
+lexicographically (faster first, then fewer device-seconds): O(blocks · widths²).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
+from stratum.errors import StratumError
+from stratum.ir.costs import Costs
+from stratum.ir.hardware import Link
+from stratum.ir.prices import allreduce_s, transfer_s
+
+FIXED_SHARE = 0.05
+"""φ: the share of a block's profiled time that does not shrink with its batch share."""
+
+
+def spans(total: int, k: int) -> list[tuple[int, int]]:
+    """``total`` samples cut into ``k`` contiguous shares as evenly as possible (earlier shares take the rest)."""
+    out, start = [], 0
+    for i in range(k):
+        size = total // k + (i < total % k)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def overlaps(src: Sequence[tuple[float, float]], dst: Sequence[tuple[float, float]]
+             ) -> list[tuple[int, int, float, float]]:
+    """The messages that turn shares ``src`` (rank s holds ``src[s]``) into shares ``dst``: (from rank, to rank,
+    start, stop) for every non-empty intersection, a rank's message to itself included (it is a local copy)."""
+    return [(s, d, max(a, c), min(b, e)) for s, (a, b) in enumerate(src) for d, (c, e) in enumerate(dst)
+            if max(a, c) < min(b, e)]
+
+
+def compute_s(costs: Costs, i: int, k: int) -> float:
+    """Seconds of block ``i``'s forward and backward on a ``1/k`` share of the profiled batch."""
+    return (costs.f[i] + costs.b[i]) * (FIXED_SHARE + (1.0 - FIXED_SHARE) / k)
+
+
+def reshard_s(nbytes: float, a: int, b: int, link: Link) -> float:
+    """Seconds to move an ``nbytes`` tensor held in ``a`` even shares into ``b`` shares, one way: the busiest
+    rank's sends (or receives), one after another."""
+    if a == b or nbytes == 0:
+        return 0.0
+    unit = [(s / a, (s + 1) / a) for s in range(a)], [(d / b, (d + 1) / b) for d in range(b)]
+    sent, got = [0.0] * max(a, b), [0.0] * max(a, b)
+    for s, d, lo, hi in overlaps(*unit):
+        if s != d:
+            cost = transfer_s(nbytes * (hi - lo), link)
+            sent[s] += cost
+            got[d] += cost
+    return max(sent + got)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BurstPlan:
+    """A width per block and what the cost model predicts for one micro-batch step."""
+
+    widths: tuple[int, ...]
+    devices: int
+    compute_s: tuple[float, ...]
+    """Per block: forward + backward seconds at its width."""
+    allreduce_s: tuple[float, ...]
+    """Per block: its gradient's all-reduce over its width."""
+    move_s: tuple[float, ...]
+    """Per block: seconds moving its input in (and its gradient back) from the previous block's width."""
+    step_s: float
+    """Predicted seconds of a step (every block, all-reduce and move, one after another)."""
+    device_s: float
+    """Device-seconds busy per step; ``devices · step_s − device_s`` is idle (multiplexing's room)."""
+
+    @property
+    def idle_s(self) -> float:
+        return self.devices * self.step_s - self.device_s
+
+    def step_for(self, microbatches: int) -> float:
+        """Predicted seconds of a step of ``microbatches`` micro-batches: their blocks and moves one after
+        another, the gradient all-reduces once at the end."""
+        reduce = sum(self.allreduce_s)
+        return microbatches * (self.step_s - reduce) + reduce
+
+    def table(self) -> str:
+        head = f"{'block':>5}  {'width':>5}  {'compute s':>10}  {'allreduce s':>11}  {'move s':>9}  {'device-s':>10}"
+        rows = [head, "-" * len(head)]
+        for i, k in enumerate(self.widths):
+            busy = k * (self.compute_s[i] + self.allreduce_s[i]) + \
+                (max(k, self.widths[i - 1]) * self.move_s[i] if i else 0.0)
+            rows.append(f"{i:>5}  {k:>5}  {self.compute_s[i]:>10.4g}  {self.allreduce_s[i]:>11.4g}  "
+                        f"{self.move_s[i]:>9.4g}  {busy:>10.4g}")
+        rows.append(f"step {self.step_s:.4g} s on {self.devices} devices; busy {self.device_s:.4g} device-s, "
+                    f"idle {self.idle_s:.4g} device-s ({100 * self.idle_s / max(self.devices * self.step_s, 1e-30):.0f} %)")
+        return "\n".join(rows)
+
+
+def _block(costs: Costs, i: int, k: int, link: Link) -> tuple[float, float]:
+    """(seconds, device-seconds) of block ``i`` at width ``k``: compute and all-reduce."""
+    t = compute_s(costs, i, k) + allreduce_s(costs.param_bytes[i], k, link)
+    return t, k * t
+
+
+def _move(costs: Costs, i: int, a: int, b: int, link: Link) -> tuple[float, float]:
+    """(seconds, device-seconds) of block ``i``'s input moving from width ``a`` to ``b`` and its gradient back."""
+    t = 2 * reshard_s(costs.out_bytes[i - 1], a, b, link)
+    return t, max(a, b) * t
+
+
+def price_burst(costs: Costs, widths: Sequence[int], *, devices: int, link: Link) -> BurstPlan:
+    """What the cost model predicts for ``widths`` (one per block); no amplification limit applied."""
+    if len(widths) != costs.num_stages or any(not 1 <= k <= devices for k in widths):
+        raise StratumError(f"burst widths {list(widths)} must give one width in 1..{devices} per block "
+                           f"({costs.num_stages} blocks)")
+    step = busy = 0.0
+    moves = []
+    for i, k in enumerate(widths):
+        mt, md = _move(costs, i, widths[i - 1], k, link) if i else (0.0, 0.0)
+        bt, bd = _block(costs, i, k, link)
+        step, busy = step + mt + bt, busy + md + bd
+        moves.append(mt)
+    return BurstPlan(widths=tuple(widths), devices=devices,
+                     compute_s=tuple(compute_s(costs, i, k) for i, k in enumerate(widths)),
+                     allreduce_s=tuple(allreduce_s(costs.param_bytes[i], k, link) for i, k in enumerate(widths)),
+                     move_s=tuple(moves), step_s=step, device_s=busy)
+
+
+def default_widths(devices: int) -> tuple[int, ...]:
+    """Powers of two up to ``devices``, and ``devices`` itself."""
+    return tuple(sorted({2 ** e for e in range(int(math.log2(devices)) + 1)} | {devices}))
+
+
+def allowed(costs: Costs, i: int, widths: Sequence[int], link: Link, amplification: float) -> list[int]:
+    """The widths block ``i`` may take under the amplification limit."""
+    base = _block(costs, i, 1, link)[1]
+    return [k for k in widths if _block(costs, i, k, link)[1] <= amplification * base * (1 + 1e-12)]
+
+
+def _checked(costs: Costs, devices: int, amplification: float, widths: Sequence[int] | None) -> tuple[int, ...]:
+    if devices < 1:
+        raise StratumError(f"burst planning needs at least 1 device, got {devices}")
+    if not amplification >= 1.0:
+        raise StratumError(f"burst amplification must be >= 1, got {amplification}")
+    ws = tuple(sorted(set(widths))) if widths is not None else default_widths(devices)
+    if not ws or any(not 1 <= k <= devices for k in ws):
+        raise StratumError(f"burst widths {list(ws)} must be in 1..{devices}")
+    if costs.num_stages == 0:
+        raise StratumError("burst planning needs at least one block")
+    return ws
+
+
+def plan_burst(costs: Costs, *, devices: int, link: Link, amplification: float,
+               widths: Sequence[int] | None = None) -> BurstPlan:
+    """The fastest width per block (fewest device-seconds among equals) from ``widths`` (default: powers of two
+    up to ``devices``) under the amplification limit; see the module docstring."""
+    ws = _checked(costs, devices, amplification, widths)
+    n = costs.num_stages
+    options = [allowed(costs, i, ws, link, amplification) for i in range(n)]
+    for i, opts in enumerate(options):
+        if not opts:
+            raise StratumError(f"burst: block {i} fits no width of {list(ws)} under amplification "
+                               f"{amplification:g}; allow width 1 or raise the amplification")
+    # best[i][k] = ((step, busy), previous width) of blocks 0..i with block i at width k
+    best: list[dict[int, tuple[tuple[float, float], int]]] = [{}]
+    for k in options[0]:
+        best[0][k] = (_block(costs, 0, k, link), 0)
+    for i in range(1, n):
+        best.append({})
+        for k in options[i]:
+            bt, bd = _block(costs, i, k, link)
+            cands = []
+            for j, ((st, sd), _) in best[i - 1].items():
+                mt, md = _move(costs, i, j, k, link)
+                cands.append((((st + mt) + bt, (sd + md) + bd), j))
+            best[i][k] = min(cands)
+    k = min(best[-1], key=lambda w: best[-1][w][0])
+    chosen = [k]
+    for i in range(n - 1, 0, -1):
+        k = best[i][k][1]
+        chosen.append(k)
+    return price_burst(costs, chosen[::-1], devices=devices, link=link)
+
+
+def brute_force(costs: Costs, *, devices: int, link: Link, amplification: float,
+                widths: Sequence[int] | None = None) -> BurstPlan:
+    """:func:`plan_burst`'s answer by trying every assignment (small cases: the programme's check)."""
+    ws = _checked(costs, devices, amplification, widths)
+    options = [allowed(costs, i, ws, link, amplification) for i in range(costs.num_stages)]
+    plans = [price_burst(costs, c, devices=devices, link=link) for c in product(*options)]
+    if not plans:
+        raise StratumError("burst: some block fits no width under the amplification limit")
+    return min(plans, key=lambda p: (p.step_s, p.device_s))
