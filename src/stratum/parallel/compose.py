@@ -30,6 +30,7 @@ from stratum.parallel.burst import burst_engine, check_burst_model
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
+from stratum.parallel.replicate_pipeline_offload import ReplicatedOffloadPipeline
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.runtime.device import compute_rate, resolve_device
@@ -42,9 +43,12 @@ from stratum.runtime.plain import PlainEngine
 def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
-    if isinstance(plan.leaf, Offload) and (plan.split is not None or (plan.pipeline and plan.replicate)):
-        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs alone, under replicate or under "
-                           "pipeline so far (not under split, nor under both replicate and pipeline)")
+    if isinstance(plan.leaf, Offload) and plan.split is not None:
+        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs alone, under replicate and under "
+                           "pipeline so far, not under split")
+    if isinstance(plan.leaf, Offload) and plan.pipeline is not None and plan.replicate and plan.replicate.shard:
+        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) over pipeline(…, offload(…)) is not "
+                           "supported; use shard=false (the offload leaf keeps AdamW state off the device already)")
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
         raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
                            "parameters yet; use shard=false with split")
@@ -153,7 +157,7 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         engine = burst_engine(cfg, model, world, spec)
         engine.name = render(plan.root)
         return engine
-    if isinstance(plan.leaf, Offload) and plan.replicate is not None:
+    if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.pipeline is None:
         engine = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate, world=world,
                                    speeds=replica_speeds(speeds, plan))
         engine.name = render(plan.root)
@@ -171,6 +175,11 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         node = plan.pipeline
         engine = OffloadPipelineEngine(model, cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
                                        precision=precision, schedule_for=lambda m: make_schedule(node, m))
+        if plan.replicate is not None:
+            replicated = ReplicatedOffloadPipeline(engine, node=plan.replicate, world=world,
+                                                   speeds=replica_speeds(speeds, plan))
+            replicated.name = render(plan.root)
+            return replicated
     elif plan.pipeline is not None:
         node = plan.pipeline
         engine = PipelineEngine(model, plan=pipeline_plan, optim=spec, world=world, precision=precision,
