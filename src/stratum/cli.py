@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan(sub)
     from stratum.sweep.cli import add_parser as add_sweep
     add_sweep(sub)
+    from stratum.cluster.cli import add_parser as add_cluster
+    add_cluster(sub)
     from stratum.train.sample_cli import add_parser as add_sample
     add_sample(sub)
     from stratum.train.export_cli import add_parser as add_export
@@ -122,6 +124,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from stratum.sweep.cli import run as run_sweep
         return run_sweep(args)
+    if args.command == "cluster":
+        from stratum.cluster.cli import run as run_cluster
+        return run_cluster(args)
     if args.command == "sample":
         from stratum.train.sample_cli import run as run_sample
         return run_sample(args)

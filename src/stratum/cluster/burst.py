@@ -1,0 +1,105 @@
+"""DeepPool's policies: foreground jobs run burst plans; with multiplexing, background jobs fill what they leave.
+
+- ``burst``: as ``static-dp`` (first come first served, the devices a job asks for, no preemption), but a
+  foreground job runs the burst plan of its step over its devices (:func:`stratum.plan.burst.plan_burst`, under
+  the amplification limit) instead of plain data parallelism; background jobs run data parallel.
+- ``burst+multiplex``: as ``burst``, and a background job that finds no free devices runs on as many devices of a
+  running foreground job, in the time that job's plan leaves them idle (DeepPool's low-priority streams): it gets
+  the host's average idle share (``1 − device_s / (devices · step_s)``) of those devices, less the
+  ``interference`` fraction, and the host's steps take ``1 + interference`` times as long while it hosts. Each of
+  a host's devices carries at most one background job; when the host ends, its guests keep the devices as their
+  own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stratum.cluster.cluster import Cluster, Run
+from stratum.cluster.policies import StaticDP
+from stratum.cluster.scaling import burst_step
+from stratum.cluster.trace import Job
+from stratum.errors import StratumError
+
+
+class Burst(StaticDP):
+    """Static allocation; foreground jobs run burst plans."""
+
+    name = "burst"
+
+    def __init__(self, cluster: Cluster, *, amplification: float):
+        super().__init__(cluster)
+        if not amplification >= 1:
+            raise StratumError(f"amplification must be >= 1, got {amplification}")
+        self.amplification = amplification
+
+    def start(self, job: Job, ranks: tuple[int, ...]) -> Run:
+        if not job.foreground:
+            return super().start(job, ranks)
+        plan = burst_step(self.cluster.models[job.id], batch=job.batch, ranks=ranks, hw=self.cluster.hw,
+                          amplification=self.amplification)
+        return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=plan.step_s, busy_s=plan.device_s)
+
+
+class BurstMultiplex(Burst):
+    """Burst plans for foreground jobs, background jobs in their idle device time."""
+
+    name = "burst+multiplex"
+
+    def __init__(self, cluster: Cluster, *, amplification: float, interference: float):
+        super().__init__(cluster, amplification=amplification)
+        if not 0 <= interference < 1:
+            raise StratumError(f"interference must be in [0, 1), got {interference}")
+        self.interference = interference
+        self._alone: dict[str, Run] = {}
+        self._foreground: set[str] = set()
+
+    def start(self, job: Job, ranks: tuple[int, ...]) -> Run:
+        run = super().start(job, ranks)
+        self._alone[job.id] = run
+        if job.foreground:
+            self._foreground.add(job.id)
+        return run
+
+    def allocate(self, now: float, active: Sequence[Job], running: dict[str, Run]) -> dict[str, Run]:
+        runs = {k: self._alone[k] if not r.host else r for k, r in running.items()}
+        by_id = {j.id: j for j in active}
+        for k, r in list(runs.items()):
+            if r.host and r.host not in runs:  # its host ended: the devices are the guest's own now
+                runs[k] = self.start(by_id[k], r.ranks)
+        runs = super().allocate(now, active, runs)
+        for job in active:
+            if job.id not in runs and not job.foreground:
+                guest = self._guest(job, runs)
+                if guest is not None:
+                    runs[job.id] = guest
+        hosts = {r.host for r in runs.values() if r.host}
+        return {k: Run(job=r.job, ranks=r.ranks, batch=r.batch, step_s=r.step_s * (1 + self.interference),
+                       busy_s=r.busy_s) if k in hosts else r for k, r in runs.items()}
+
+    def _guest(self, job: Job, runs: dict[str, Run]) -> Run | None:
+        """``job`` on the idle time of the first foreground run with enough devices not yet carrying a guest."""
+        for host in runs.values():
+            idle = host.busy_s < len(host.ranks) * host.step_s * (1 - 1e-9)
+            if host.host or not idle or host.job not in self._foreground:
+                continue  # a guest itself, a background job, or a plan with no idle time
+            taken = {d for r in runs.values() if r.host == host.job for d in r.ranks}
+            spare = [d for d in host.ranks if d not in taken]
+            if len(spare) < job.devices:
+                continue
+            ranks = tuple(spare[-job.devices:])  # the last ranks: a burst plan's narrow blocks leave them idle
+            alone = self.cluster.dp_run(job, job.batch, ranks)
+            share = (1 - host.busy_s / (len(host.ranks) * host.step_s)) * (1 - self.interference)
+            if not self._worth(job, alone, share, host, hosting=bool(taken)):
+                continue
+            return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=alone.step_s / share, busy_s=alone.busy_s,
+                       host=host.job)
+        return None
+
+    def _worth(self, job: Job, alone: Run, share: float, host: Run, *, hosting: bool) -> bool:
+        """Whether the guest's work gained exceeds the host's work lost (a host pays its slow-down once), both in
+        profiled-device seconds of training per second."""
+        models = self.cluster.models
+        gain = alone.rate * share * models[job.id].seq_s
+        loss = 0.0 if hosting else host.rate * models[host.job].seq_s * self.interference / (1 + self.interference)
+        return gain > loss

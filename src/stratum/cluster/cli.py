@@ -1,0 +1,120 @@
+"""``stratum cluster``: replay a job trace on a hardware spec under allocation policies (SIMULATED), or generate
+a trace.
+
+Runbook
+-------
+::
+
+    stratum cluster trace --hardware hw.toml --out jobs.csv --jobs 200 --seed 0      # Philly-like, seeded
+    stratum cluster simulate --hardware hw.toml --jobs jobs.csv --policy all \\
+        --png util.png --json sim.json                                              # every policy, one table
+
+The trace format and the policies are in docs/cluster.md. A trace's models are measured once on this machine's
+CPU (a few minutes for gpt2-1.5b) and cached; later runs are instant. Bad hardware specs and traces are one-line
+errors (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from stratum.errors import StratumError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="SIMULATED cluster: replay a job trace under static-dp, burst, "
+                                       "burst+multiplex or elastic allocation; generate traces")
+    p.add_argument("action", choices=("simulate", "trace"),
+                   help="simulate: replay --jobs on --hardware; trace: write a generated trace to --out")
+    p.add_argument("--hardware", metavar="FILE.toml", help="the hardware spec ([hardware] table)")
+    p.add_argument("--jobs", metavar="FILE.csv | N", help="simulate: the trace; trace: how many jobs")
+    p.add_argument("--policy", default="all", metavar="P[,P]",
+                   help="simulate: static-dp, burst, burst+multiplex, elastic, a comma-separated list, or all "
+                        "(default)")
+    p.add_argument("--png", metavar="FILE.png", help="simulate: write utilisation over time")
+    p.add_argument("--json", metavar="FILE.json", help="simulate: write the results")
+    p.add_argument("--until", type=float, default=math.inf, metavar="SECONDS",
+                   help="simulate: stop at this time (default: when every job is done)")
+    p.add_argument("--amplification", type=float, default=2.0,
+                   help="burst plans: a block's device-seconds at most this × its one-device cost (default 2)")
+    p.add_argument("--interference", type=float, default=0.1,
+                   help="burst+multiplex: the share both sides lose when background work shares a foreground "
+                        "job's devices (default 0.1)")
+    p.add_argument("--out", metavar="FILE.csv", help="trace: where to write it")
+    p.add_argument("--seed", type=int, default=0, help="trace: the generator's seed (default 0)")
+    p.add_argument("--load", type=float, default=1.0,
+                   help="trace: device-hours asked for per cluster device-hour (default 1.0)")
+    p.add_argument("--cache-dir", metavar="DIR", help="where measured model costs are kept (default: Stratum's "
+                                                       "cache directory)")
+
+
+def _cache_dir(args) -> Path:
+    from stratum.config import Config
+    return Path(args.cache_dir).expanduser() if args.cache_dir else Config().cache_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratum.ir.hardware import load_hardware
+
+    if not args.hardware:
+        raise StratumError(f"stratum cluster {args.action} needs --hardware FILE.toml (see docs/cluster.md)")
+    if args.action == "trace":
+        return _trace(args, load_hardware(args.hardware))
+    return _simulate(args, load_hardware(args.hardware))
+
+
+def _simulate(args, hw) -> int:
+    from stratum.cluster.models import known_models
+    from stratum.cluster.replay import PolicyConfig, parse_policies, replay, trace_costs
+    from stratum.cluster.report import table, write_json, write_png
+    from stratum.cluster.trace import load_trace
+
+    if not args.jobs:
+        raise StratumError("stratum cluster simulate needs --jobs TRACE.csv")
+    if not args.until > 0:
+        raise StratumError(f"--until must be > 0 seconds, got {args.until}")
+    policies = parse_policies(args.policy)
+    config = PolicyConfig(amplification=args.amplification, interference=args.interference)
+    jobs = load_trace(args.jobs, models=known_models(), devices=hw.num_devices)
+    results = replay(hw, jobs, trace_costs(jobs, _cache_dir(args)), policies, config=config, until_s=args.until)
+    print(table(results))
+    if args.json:
+        write_json(args.json, results)
+        print(f"wrote {args.json}")
+    if args.png:
+        write_png(args.png, results, title=f"{Path(args.jobs).name} on {hw.num_devices} devices")
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _trace(args, hw) -> int:
+    from stratum.cluster.cluster import Cluster
+    from stratum.cluster.generate import TraceSpec, generate
+    from stratum.cluster.replay import trace_costs
+    from stratum.cluster.scaling import check_fits, dp_step
+    from stratum.cluster.trace import write_trace
+
+    if not args.out:
+        raise StratumError("stratum cluster trace needs --out FILE.csv")
+    try:
+        n = int(args.jobs or "")
+    except ValueError:
+        raise StratumError(f"stratum cluster trace: --jobs must be a number of jobs, got {args.jobs!r}") from None
+    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load)
+    costs = {}
+
+    def step_s(job) -> float:
+        key = (job.model, job.seq_len)
+        if key not in costs:
+            costs.update(trace_costs([job], _cache_dir(args)))
+            check_fits(costs[key], hw.devices, f"model {job.model}")
+        ranks = Cluster(hw=hw, models={}).pick(range(hw.num_devices), job.devices)
+        return dp_step(costs[key], batch=job.batch, ranks=ranks, hw=hw).step_s
+
+    jobs = generate(spec, step_s)
+    write_trace(args.out, jobs)
+    print(f"wrote {args.out}: {len(jobs)} jobs over {jobs[-1].arrival_s / 3600:.1f} h (seed {args.seed}, "
+          f"load {args.load:g})")
+    return 0

@@ -1,0 +1,93 @@
+"""Block costs of the models a job trace names, per sequence, on the one cost model (:class:`Costs`).
+
+A trace names GPT presets (``gpt2-124m`` … ``gpt2-1.5b``, ``gpt-2.7b`` …). Each preset's blocks are measured
+once on one thread of this machine's CPU (the reference device; one thread so the figure does not depend on
+the machine's load or core count) at one sequence per micro-batch by the profiler's fast path
+(:func:`stratum.profile.fast.cached_profile`: each distinct block measured once, cached per architecture under
+the cache directory), so asking again is instant. A hardware spec's device ``speed`` is relative to that device
+(:mod:`stratum.ir.hardware`). Times and activation bytes grow linearly with the sequences per device (the fast
+profiler's own scaling rule); parameter bytes do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from stratum.errors import StratumError
+from stratum.ir.costs import Costs
+from stratum.model.gpt import PRESETS, build_gpt
+from stratum.profile.fast import cache_key, cache_path, cached_profile
+from stratum.profile.profile import Profile
+
+REFERENCE_THREADS = 1
+"""CPU threads of the reference device the presets are measured on."""
+FALLBACK_VOCAB = 50257
+"""Vocabulary of a preset that takes its own from the tokenizer (``tiny`` … ``small``): GPT-2's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCosts:
+    """What the simulator knows of a model: its blocks' costs for one sequence, and its training state."""
+
+    costs: Costs
+    """Per-block costs of one sequence (seconds on the profiled device, bytes)."""
+    state_bytes: int
+    """Bytes of parameters, gradients and AdamW moments a data-parallel replica holds."""
+
+    @property
+    def seq_s(self) -> float:
+        """Forward + backward seconds of one sequence on the profiled device."""
+        return sum(self.costs.f) + sum(self.costs.b)
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes a data-parallel all-reduce moves (every block's gradient)."""
+        return sum(self.costs.param_bytes)
+
+    @property
+    def act_bytes(self) -> float:
+        """Bytes one sequence keeps for its backward pass."""
+        return sum(self.costs.act_bytes)
+
+
+def known_models() -> list[str]:
+    return list(PRESETS)
+
+
+@lru_cache(maxsize=64)
+def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
+    """``preset``'s block costs for one sequence of ``seq_len`` tokens, measured here once and cached."""
+    if preset not in PRESETS:
+        raise StratumError(f"unknown model {preset!r}; choose one of: {', '.join(PRESETS)}")
+    shape = PRESETS[preset]
+    if not 1 <= seq_len <= shape.max_seq_len:
+        raise StratumError(f"seq_len {seq_len} is outside 1..{shape.max_seq_len}, {preset}'s context")
+    vocab = shape.vocab_size or FALLBACK_VOCAB
+    threads = torch.get_num_threads()
+    torch.set_num_threads(REFERENCE_THREADS)
+    try:  # the cache key is the architecture's: a model on meta names it without allocating a weight
+        meta = build_gpt(preset, vocab_size=vocab, seed=0, device="meta")
+        path = cache_path(cache_dir, meta, cache_key(meta, micro_batch=1, seq_len=seq_len, device=torch.device("cpu"),
+                                                     precision="fp32"))
+    finally:
+        torch.set_num_threads(threads)
+    if path.is_file():
+        try:
+            prof = Profile.load(path)
+        except StratumError:
+            prof = None  # unreadable: measured again below
+        if prof is not None:
+            return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes)
+    model = build_gpt(preset, vocab_size=vocab, seed=0, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(REFERENCE_THREADS)
+    try:
+        prof = cached_profile(model, micro_batch=1, seq_len=seq_len, device=torch.device("cpu"),
+                              cache_dir=cache_dir)
+    finally:
+        torch.set_num_threads(threads)
+    return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes)

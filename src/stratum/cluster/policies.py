@@ -1,0 +1,120 @@
+"""Allocation policies: which job runs on which devices, decided again at every arrival and completion.
+
+- ``static-dp``: each job gets exactly the devices it asks for, data parallel, strictly first come first served
+  (the head of the queue waits for its devices and everyone behind it waits too); a job keeps its devices to the
+  end.
+- ``elastic`` (Saxena et al., "Effective Elastic Scaling of Deep Learning Workloads", MASCOTS 2020): at every
+  arrival and completion every job's device count and global batch are chosen again by dynamic programming over
+  the jobs' scaling curves, maximising the sum of the jobs' speed-ups over one device; a job's batch may grow from
+  ``batch`` to ``max_batch`` (its work in sequences stays fixed). Resizing is free here (no checkpoint-restart
+  cost is charged: an optimistic bound on the policy).
+
+The burst policies (DeepPool) are in :mod:`stratum.cluster.burst`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from stratum.cluster.cluster import Cluster, Run
+from stratum.cluster.trace import Job
+
+AGE_BONUS = 1e-6
+"""Value the elastic programme adds for running a job at all, more for older ones: among allocations of equal
+speed-up it runs more jobs, oldest first."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def allocate(self, now: float, active: Sequence[Job], running: dict[str, Run]) -> dict[str, Run]:
+        """The runs from ``now`` on, given the unfinished arrived jobs (arrival order) and the current runs."""
+
+
+class StaticDP:
+    """Requested devices, data parallel, first come first served, no preemption."""
+
+    name = "static-dp"
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    def allocate(self, now: float, active: Sequence[Job], running: dict[str, Run]) -> dict[str, Run]:
+        runs = dict(running)
+        free = self.cluster.free(runs.values())
+        for job in active:
+            if job.id in runs:
+                continue
+            if job.devices > len(free):
+                break
+            ranks = self.cluster.pick(free, job.devices)
+            free = [r for r in free if r not in ranks]
+            runs[job.id] = self.start(job, ranks)
+        return runs
+
+    def start(self, job: Job, ranks: tuple[int, ...]) -> Run:
+        """How ``job`` runs on the devices it asked for: data parallel."""
+        return self.cluster.dp_run(job, job.batch, ranks)
+
+
+class Elastic:
+    """Saxena et al.'s re-allocation of devices and batch by dynamic programming over scaling curves."""
+
+    name = "elastic"
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self._curves: dict[str, list[tuple[float, int]]] = {}
+
+    def curve(self, job: Job) -> list[tuple[float, int]]:
+        """(sequences/s, batch) on n = 0, 1, … devices (the first n ranks; 0 for none): the better of ``batch``
+        and ``max_batch``, the smaller on a tie."""
+        if job.id not in self._curves:
+            out = [(0.0, job.batch)]
+            for n in range(1, min(self.cluster.size, job.batch_limit) + 1):
+                best = (0.0, job.batch)
+                for b in sorted({job.batch, job.batch_limit}):
+                    if b >= n:
+                        rate = b / self.cluster.dp(job, b, range(n)).step_s
+                        if rate > best[0] * (1 + 1e-12):
+                            best = (rate, b)
+                out.append(best)
+            self._curves[job.id] = out
+        return self._curves[job.id]
+
+    def counts(self, active: Sequence[Job]) -> list[int]:
+        """Devices per job maximising the summed speed-up (the dynamic programme over jobs × devices)."""
+        size = self.cluster.size
+        best = np.full(size + 1, -np.inf)
+        best[0] = 0.0
+        choices = []
+        for i, job in enumerate(active):
+            curve = self.curve(job)
+            new, arg = best.copy(), np.zeros(size + 1, dtype=int)
+            for n in range(1, len(curve)):
+                value = curve[n][0] / curve[1][0] + AGE_BONUS * (len(active) - i)
+                cand = np.full(size + 1, -np.inf)
+                cand[n:] = best[:size + 1 - n] + value
+                better = cand > new + 1e-12
+                new, arg = np.where(better, cand, new), np.where(better, n, arg)
+            best = new
+            choices.append(arg)
+        g = int(np.argmax(best))
+        counts = []
+        for arg in reversed(choices):
+            counts.append(int(arg[g]))
+            g -= counts[-1]
+        return counts[::-1]
+
+    def allocate(self, now: float, active: Sequence[Job], running: dict[str, Run]) -> dict[str, Run]:
+        runs: dict[str, Run] = {}
+        free = list(range(self.cluster.size))
+        for job, n in zip(active, self.counts(active)):
+            if n:
+                ranks = self.cluster.pick(free, n)
+                free = [r for r in free if r not in ranks]
+                runs[job.id] = self.cluster.dp_run(job, self.curve(job)[n][1], ranks)
+        return runs

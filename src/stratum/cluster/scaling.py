@@ -1,0 +1,78 @@
+"""A job's step on a group of devices, priced by the one cost model every planner uses.
+
+Data parallelism over n devices is the burst plan that runs every block at width n
+(:func:`stratum.plan.burst.price_burst`): a block's forward and backward on a 1/n share of the global batch (with
+the burst planner's fixed share that a smaller batch does not shorten), then its gradient's ring all-reduce over
+the group's slowest link (:mod:`stratum.ir.prices`), block after block. Block times are the profiled ones over the
+slowest device's speed. Times and saved activations grow linearly with the sequences of the batch (the fast
+profiler's scaling rule); a device runs its share as micro-batches of one or more sequences (gradient
+accumulation), so a job fits a device when its training state and one sequence's activations do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from stratum.cluster.models import ModelCosts
+from stratum.errors import StratumError
+from stratum.ir.costs import Costs
+from stratum.ir.hardware import Device, Hardware
+from stratum.ir.prices import on_device
+from stratum.plan.burst import BurstPlan, plan_burst, price_burst
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """One optimizer step of a job on a group of devices."""
+
+    step_s: float
+    """Seconds per step."""
+    busy_s: float
+    """Device-seconds busy per step, summed over the group (computing or communicating: the burst planner's
+    ``device_s``); the rest of n × step_s is idle."""
+
+
+def device_need(mc: ModelCosts) -> float:
+    """Bytes a device needs to train the model data-parallel: its training state and one sequence's activations."""
+    return mc.state_bytes + mc.act_bytes
+
+
+def check_fits(mc: ModelCosts, devices: Sequence[Device], what: str) -> None:
+    """A one-line error when ``what`` (a job) does not fit the smallest of ``devices``."""
+    small = min(devices, key=lambda d: d.memory_bytes)
+    if device_need(mc) > small.memory_bytes:
+        raise StratumError(f"{what} needs {device_need(mc) / 2**30:.1f} GiB per device (training state and one "
+                           f"sequence's activations) but device {small.name!r} holds {small.memory_bytes / 2**30:.1f} "
+                           "GiB")
+
+
+def at_batch(costs: Costs, sequences: int) -> Costs:
+    """Per-sequence ``costs`` at a batch of ``sequences`` (times and activation bytes scale; parameters do not)."""
+    k = sequences
+    return replace(costs, f=[x * k for x in costs.f], b=[x * k for x in costs.b], i=[x * k for x in costs.i],
+                   w=[x * k for x in costs.w], act_bytes=[x * k for x in costs.act_bytes],
+                   out_bytes=[x * k for x in costs.out_bytes], spill_bytes=[x * k for x in costs.spill_bytes])
+
+
+def _group(mc: ModelCosts, batch: int, ranks: Sequence[int], hw: Hardware) -> Costs:
+    n = len(ranks)
+    if n < 1 or batch < n:
+        raise StratumError(f"a step of {batch} sequences over {n} devices needs 1 <= devices <= batch")
+    slowest = min((hw.devices[r] for r in ranks), key=lambda d: d.speed)
+    return on_device(at_batch(mc.costs, batch), slowest)
+
+
+def dp_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware) -> StepCost:
+    """Data parallelism of a ``batch``-sequence step over ``ranks`` of ``hw``."""
+    costs = _group(mc, batch, ranks, hw)
+    n = len(ranks)
+    plan = price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks))
+    return StepCost(step_s=plan.step_s, busy_s=plan.device_s)
+
+
+def burst_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware,
+               amplification: float) -> BurstPlan:
+    """DeepPool's burst plan of a ``batch``-sequence step over ``ranks`` (:func:`stratum.plan.burst.plan_burst`)."""
+    costs = _group(mc, batch, ranks, hw)
+    return plan_burst(costs, devices=len(ranks), link=hw.group_link(ranks), amplification=amplification)

@@ -1,0 +1,101 @@
+"""The cluster simulator (SIMULATED): a two-job trace whose completion times are computed by hand for every
+policy, the elastic programme against brute force, reports."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from stratum.cluster.cluster import Cluster
+from stratum.cluster.models import ModelCosts
+from stratum.cluster.policies import Elastic
+from stratum.cluster.replay import PolicyConfig, replay
+from stratum.cluster.report import table, write_json, write_png
+from stratum.cluster.trace import Job, parse_trace
+from stratum.ir.costs import Costs
+from stratum.ir.hardware import Hardware, Link
+from stratum.plan.burst import FIXED_SHARE as PHI
+
+AMP, INTERFERENCE = 1.1, 0.1
+# two blocks of 1 + 2 s (forward + backward) per sequence; the second has 1 GB of gradients, which a 1 GB/s
+# ring all-reduce over 2 devices moves in 2·(1/2)·1 s = 1 s
+MODEL = ModelCosts(costs=Costs(f=[1.0, 1.0], b=[2.0, 2.0], i=[1.0, 1.0], w=[1.0, 1.0], act_bytes=[0, 0],
+                               out_bytes=[0, 0], param_bytes=[0, 10**9]), state_bytes=0)
+HW = Hardware.uniform(2, memory_bytes=10**9, intra=Link(bandwidth=1e9, latency=0.0))
+TRACE = ("job,arrival_s,model,batch,steps,devices,priority\n"
+         "F,0,m,4,1,2,foreground\n"
+         "G,0,m,1,2,1,background\n")
+
+
+def ends(policy: str) -> dict[str, float]:
+    jobs = parse_trace(TRACE, models=["m"], devices=2)
+    (res,) = replay(HW, jobs, {("m", 1024): MODEL}, [policy],
+                    config=PolicyConfig(amplification=AMP, interference=INTERFERENCE))
+    return {j.id: j.end_s for j in res.jobs}
+
+
+def c(k: int) -> float:
+    """A block's forward + backward of F's 4 sequences (12 s on one device) on k devices."""
+    return 12 * (PHI + (1 - PHI) / k)
+
+
+def test_static_dp_runs_requested_devices_first_come_first_served():
+    f_end = c(2) + c(2) + 1.0  # both blocks at width 2, then the 1 s all-reduce
+    assert ends("static-dp") == pytest.approx({"F": f_end, "G": f_end + 2 * 6.0})  # G waits, then 2 × 6 s
+
+
+def test_burst_keeps_the_badly_scaling_block_narrow():
+    # block 1 at width 2 would use 2·(c(2) + 1) = 14.6 device-s > 1.1 × 12: the limit keeps it at width 1
+    assert 2 * (c(2) + 1) > AMP * 12 >= 2 * c(2)
+    f_end = c(2) + 12.0
+    assert ends("burst") == pytest.approx({"F": f_end, "G": f_end + 12.0})
+
+
+def test_burst_multiplex_runs_the_background_job_in_the_idle_time():
+    step = c(2) + 12.0                                       # F's burst plan
+    idle = 1 - (2 * c(2) + 12.0) / (2 * step)                # its devices' idle share
+    g_step = 6.0 / (idle * (1 - INTERFERENCE))               # G on F's idle time
+    f_end = step * (1 + INTERFERENCE)                        # F slowed while hosting
+    g_left = 2 - f_end / g_step                              # G's steps left (of 2) when F ends
+    assert ends("burst+multiplex") == pytest.approx({"F": f_end, "G": f_end + g_left * 6.0})
+    assert ends("burst+multiplex")["G"] < ends("burst")["G"]
+
+
+def test_elastic_shares_the_devices_then_grows_the_survivor():
+    # speed-ups: F on 2 devices 24 / (2 c(2) + 1) < 2 = F and G on one each; G (batch 1) cannot use two
+    assert 24 / (2 * c(2) + 1) < 2
+    g_end = 12.0                                             # G: 2 sequences × 6 s on its own device
+    f_end = g_end + 2 / (4 / (2 * c(2) + 1))                 # F did 2 of 4 sequences, then the rest on 2 devices
+    assert ends("elastic") == pytest.approx({"F": f_end, "G": g_end})
+
+
+def test_elastic_programme_equals_brute_force():
+    hw = Hardware.uniform(5, memory_bytes=10**9, intra=Link(bandwidth=2e9, latency=1e-3))
+    models = {("m", 1024): MODEL, ("n", 1024): ModelCosts(costs=Costs(
+        f=[2.0], b=[4.0], i=[2.0], w=[2.0], act_bytes=[0], out_bytes=[0], param_bytes=[3 * 10**9]), state_bytes=0)}
+    jobs = [Job(id="a", arrival_s=0, model="m", batch=4, steps=1, devices=1, max_batch=8),
+            Job(id="b", arrival_s=0, model="n", batch=2, steps=1, devices=1),
+            Job(id="c", arrival_s=0, model="m", batch=3, steps=1, devices=1)]
+    el = Elastic(Cluster.of(hw, jobs, models))
+    curves = [el.curve(j) for j in jobs]
+
+    def value(counts):
+        return sum(cv[n][0] / cv[1][0] for cv, n in zip(curves, counts) if n)
+    best = max((ns for ns in itertools.product(*[range(len(cv)) for cv in curves]) if sum(ns) <= 5), key=value)
+    assert value(el.counts(jobs)) == pytest.approx(value(best), rel=1e-9)
+    assert sum(el.counts(jobs)) <= 5
+
+
+def test_reports_are_labelled_and_written(tmp_path):
+    jobs = parse_trace(TRACE, models=["m"], devices=2)
+    results = replay(HW, jobs, {("m", 1024): MODEL}, ["static-dp", "elastic"])
+    text = table(results)
+    assert text.startswith("SIMULATED") and "static-dp" in text and "elastic" in text
+    write_json(tmp_path / "s.json", results)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["label"] == "SIMULATED"
+    assert [p["summary"]["completed"] for p in doc["policies"]] == [2, 2]
+    write_png(tmp_path / "u.png", results)
+    assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG"
