@@ -39,7 +39,7 @@ from stratum.sweep.local import die_with_sweep
 from stratum.sweep.shard_lrtf import pick_longest
 from stratum.train.trainer import train
 
-WAIT_TIMEOUT_S = 3600.0  # a job waits at most this long for a slot before the worker gives up on it
+START_TIMEOUT_S = 600.0  # the jobs' threads all reach the scheduler within this (they only load their configs)
 
 
 @dataclass(kw_only=True)
@@ -88,14 +88,12 @@ class SlotScheduler:
         """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
         ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number."""
         with self.cond:
-            slot = self.granted.pop(job, None)
-            if slot is not None:
-                self.free.append(slot)
-                self.free.sort()
+            self._free(job)
             self.waiting[job] = remaining_s
             self._grant()
-            if not self.cond.wait_for(lambda: job in self.granted or self.stopping, WAIT_TIMEOUT_S):
-                raise RuntimeError(f"{job}: no slot within {WAIT_TIMEOUT_S:g} s")
+            # no time limit: under LRTF a short job may rightly wait for hours; every granted thread gives its
+            # slot back in a finally, and a stop wakes every waiter
+            self.cond.wait_for(lambda: job in self.granted or self.stopping)
             if job not in self.granted:
                 self.waiting.pop(job, None)
                 raise Stopped()
@@ -111,17 +109,20 @@ class SlotScheduler:
     def release(self, job: str) -> None:
         """``job`` ended a task: its slot goes to the next waiting job."""
         with self.cond:
-            slot = self.granted.pop(job, None)
-            if slot is not None:
-                self.free.append(slot)
-                self.free.sort()
+            self._free(job)
             self._grant()
+
+    def _free(self, job: str) -> None:
+        slot = self.granted.pop(job, None)
+        if slot is not None:
+            self.free.append(slot)
+            self.free.sort()
 
     def open_when_waiting(self, n: int) -> None:
         """Start granting once ``n`` jobs wait (or have ended)."""
         with self.cond:
-            if not self.cond.wait_for(lambda: len(self.waiting) + len(self.done) >= n, WAIT_TIMEOUT_S):
-                raise RuntimeError(f"the jobs' threads did not start within {WAIT_TIMEOUT_S:g} s")
+            if not self.cond.wait_for(lambda: len(self.waiting) + len(self.done) >= n, START_TIMEOUT_S):
+                raise RuntimeError(f"the jobs' threads did not start within {START_TIMEOUT_S:g} s")
             self.opened = True
             self._grant()
 
