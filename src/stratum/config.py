@@ -31,6 +31,7 @@ OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
 OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
+PRIORITIES = ("normal", "background")
 MAX_PREFETCH_DEPTH = 64
 """Chunk accesses prefetched ahead at most: each is scanned every access, and deeper ones only hold memory."""
 SEED_MAX = 2**63 - 1
@@ -112,6 +113,9 @@ class TrainConfig:
     threads: int = 0
     """torch's intra-op threads per process; 0 = auto: the cores this process may use (its CPU affinity) shared
     among the plan's processes on this machine."""
+    priority: str = "normal"
+    """OS priority of the run's processes: normal, or background (Linux SCHED_IDLE, else nice 19): the run takes
+    only CPU time other jobs leave idle — DeepPool's multiplexing beside a foreground job (docs/burst.md)."""
     engine: str = "plain"
     """Execution engine: plain (the single-process reference), pipeline (stages over processes, see [pipeline]),
     offload (training state in chunks over device, host and disk under byte budgets, see [offload])."""
@@ -324,6 +328,7 @@ class Config:
         _check("train.threads", 0 <= t.threads <= 4096, "must be in [0, 4096] (0 = auto)")
         _check("train.seed", 0 <= t.seed <= SEED_MAX, f"must be in [0, 2**63 - 1 = {SEED_MAX}]")
         _choice("train.precision", t.precision, PRECISIONS)
+        _choice("train.priority", t.priority, PRIORITIES)
         if not (t.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", t.device)):
             raise StratumError(f"train.device = {_show(t.device)} is not auto, cpu, cuda or cuda:N")
         _choice("train.engine", t.engine, ENGINES)

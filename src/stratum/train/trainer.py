@@ -38,6 +38,7 @@ from stratum.train.progress import StepDisplay, make_console
 from stratum.train.scalars import metrics_log
 from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
 from stratum.train.threads import apply_threads
+from stratum.parallel.multiplex import apply_priority
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,11 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         if not world.is_main:
             console = Console(file=open(os.devnull, "w"), highlight=False)
         threads = apply_threads(cfg.train.threads)
+        priority = apply_priority(cfg.train.priority)
         if world.is_main:
             logger.info(threads)
+            if priority:
+                logger.info(priority)
         out_dir = Path(cfg.train.out_dir).expanduser()
         if world.is_main:
             prepare_out_dir(out_dir)
