@@ -9,15 +9,11 @@ model.preset ∈ {gpt2-124m, gpt2-355m, gpt2-774m, gpt2-1.5b} × data.seq_len �
 *assumed*: FLOPs (2 per parameter per token, plus attention's 4·seq·d per token; backward twice the forward) at
 TFLOPS per device — a stand-in for a profile on the GPU, the one number to change for another device.
 
-- fifo: each job on one GPU in sweep order, its fastest one-GPU strategy (plain where its state and activations
-  fit 40 GB, else offload).
-- sharded-lrtf: Hydra: every job streams its shards from the host (a shard = SHARD_BLOCKS blocks; a task = one
-  shard's forward or backward for one micro-batch), double-buffered
-  (:func:`stratum.sweep.strategies.streamed_tasks_s`); a freed GPU takes the task of the job with the longest
-  remaining time (:func:`stratum.sweep.shard_lrtf.sharded_lrtf`).
-- planned: every job's candidate strategies — local, replicate(k), pipeline(k) for k ≤ 8 priced by
-  :func:`stratum.plan.predict.predict`, offload where nothing on one GPU fits — and the joint MILP over strategy,
-  GPUs and start (:func:`stratum.sweep.gang.plan_gang`, CBC, TIME_LIMIT_S).
+The schedulers are :func:`stratum.sweep.cluster_sim.simulate_cluster`'s (what `stratum sweep simulate --hardware`
+runs): fifo — each job on one GPU in sweep order, its fastest one-GPU strategy; sharded-lrtf — Hydra, every job
+streaming shards of SHARD_BLOCKS blocks from the host, double-buffered, a freed GPU taking the task of the job
+with the longest remaining time; planned — the joint MILP over each job's candidates (local, replicate(k),
+pipeline(k) priced by :func:`stratum.plan.predict.predict`, offload), their GPUs and starts (CBC, TIME_LIMIT_S).
 
 Runbook::
 
@@ -36,14 +32,12 @@ from pathlib import Path
 import torch
 
 from stratum.config import load_config
-from stratum.ir.hardware import Hardware, dump_hardware, hardware_from_table
+from stratum.ir.hardware import dump_hardware, hardware_from_table
 from stratum.model.build import build_model
 from stratum.profile.fast import shape_profile
 from stratum.profile.profile import Profile
-from stratum.sweep.gang import Option, plan_gang
-from stratum.sweep.shard_lrtf import makespan, sharded_lrtf
-from stratum.sweep.simulate import simulate
-from stratum.sweep.strategies import job_options, streamed_tasks_s
+from stratum.sweep.cluster_sim import ClusterJob, simulate_cluster
+from stratum.sweep.strategies import streamed_tasks_s
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = """
@@ -88,11 +82,6 @@ def timed_profile(preset: str, seq_len: int) -> Profile:
     return type(prof)(**{**vars(prof), "blocks": blocks})
 
 
-def hydra_chain(prof: Profile, hw: Hardware) -> list[float]:
-    """A job's shard tasks as Hydra runs them (:func:`stratum.sweep.strategies.streamed_tasks_s`), all steps."""
-    return streamed_tasks_s(prof, hw, SHARD_BLOCKS) * (MICRO_BATCHES * STEPS)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=HERE / "results" / "sweep_cluster_sim.json")
@@ -102,21 +91,16 @@ def main() -> None:
     profiles = {(p, s): timed_profile(p, s) for p in PRESETS for s in SEQ_LENS}
     jobs = {f"j{i:03d}": (p, s, lr) for i, (p, s, lr) in enumerate((p, s, lr) for p in PRESETS for s in SEQ_LENS
                                                                   for lr in LRS)}
-    options = {j: job_options(profiles[p, s], microbatches=MICRO_BATCHES, steps=STEPS, hw=hw, max_devices=n,
-                          shard_blocks=SHARD_BLOCKS)
-               for j, (p, s, _) in jobs.items()}
+    sim = simulate_cluster({j: ClusterJob(profile=profiles[p, s], microbatches=MICRO_BATCHES, steps=STEPS)
+                            for j, (p, s, _) in jobs.items()}, hw, shard_blocks=SHARD_BLOCKS,
+                           time_limit_s=TIME_LIMIT_S)
+    options, plan = sim.options, sim.plan
     one_gpu = {j: min((o for o in opts.values() if o.devices == 1), key=lambda o: o.seconds)
                for j, opts in options.items()}
-    fifo = simulate("fifo", {j: 1 for j in jobs}, {j: o.seconds for j, o in one_gpu.items()}, slots=n)
-    chains = {j: hydra_chain(profiles[p, s], hw) for j, (p, s, _) in jobs.items()}
-    hydra = {j: sum(c) for j, c in chains.items()}
-    tasks = sharded_lrtf(chains, n)
-    plan = plan_gang(options, [0.0] * n, time_limit_s=TIME_LIMIT_S)
-    busy = {"fifo": sum(o.seconds for o in one_gpu.values()),
-            "sharded-lrtf": sum(sum(c) for c in chains.values()),
-            "planned": sum(options[j][p.strategy].seconds * len(p.slots) for j, p in plan.placed.items())}
-    spans = {"fifo": fifo.makespan, "sharded-lrtf": makespan(tasks), "planned": plan.makespan}
-    result = {name: {"makespan_s": spans[name], "utilisation": busy[name] / (n * spans[name]),
+    hydra = {j: sum(streamed_tasks_s(profiles[p, s], hw, SHARD_BLOCKS)) * MICRO_BATCHES * STEPS
+             for j, (p, s, _) in jobs.items()}
+    spans = {name: r.makespan for name, r in sim.results.items()}
+    result = {name: {"makespan_s": spans[name], "utilisation": sim.results[name].utilisation,
                      "throughput_vs_fifo": spans["fifo"] / spans[name]} for name in spans}
     goals = {"sharded-lrtf >= 1.5x fifo": result["sharded-lrtf"]["throughput_vs_fifo"] >= 1.5,
              "planned >= 1.3x sharded-lrtf": spans["sharded-lrtf"] / spans["planned"] >= 1.3}

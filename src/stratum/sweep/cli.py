@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("dir", nargs="?", help="status: the sweep directory (sweep.out_dir)")
     p.add_argument("--config", metavar="SWEEP.toml", help="the sweep file (see docs/sweep.md)")
     p.add_argument("--png", metavar="FILE.png", help="simulate: also write the schedules as a Gantt chart")
+    p.add_argument("--hardware", metavar="HW.toml", help="simulate: on the cluster this [hardware] file describes "
+                                                         "(fifo, sharded-lrtf, planned over several devices)")
     p.add_argument("--retry-failed", action="store_true",
                    help="run: failed jobs run again (from their checkpoints) with their retries restored")
 
@@ -40,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")
     if args.action == "simulate":
-        from stratum.sweep.simulate import simulate_sweep
-        simulate_sweep(args.config, png=Path(args.png) if args.png else None)
+        from stratum.ir.hardware import load_hardware
+        from stratum.sweep.simulate_file import simulate_sweep
+        hw = load_hardware(args.hardware) if args.hardware else None
+        simulate_sweep(args.config, png=Path(args.png) if args.png else None, hardware=hw)
         return 0
     from stratum.sweep.runner import run_sweep
     from stratum.train.progress import make_console
