@@ -1,5 +1,5 @@
 """The joint plan over strategies that span several slots: the MILP equals a brute force on small cases, a
-time-limited solve still returns a feasible plan, and the plan is a table."""
+time-limited solve still returns a feasible plan, and the plan is a table; the cluster simulation by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import time
 
 import pytest
 
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, Link
+from stratum.profile.profile import BlockProfile, Profile
+from stratum.sweep.cluster_sim import ClusterJob, simulate_cluster
 from stratum.sweep.gang import GangPlan, Option, gang_table, greedy_gang, list_schedule, plan_gang
 
 pytest.importorskip("pulp")
@@ -91,3 +95,32 @@ def test_a_solver_stopped_by_its_time_limit_still_returns_a_feasible_plan():
     check_feasible(plan, options, free_at)
     assert plan.makespan <= greedy_gang(options, free_at).makespan + 1e-9
     assert not plan.optimal
+
+
+def _profile(fwd_s: float, param_bytes: int, act_bytes: int, blocks: int = 2) -> Profile:
+    """A made-up profile: ``blocks`` identical blocks (backward twice the forward; AdamW: 2 more copies)."""
+    return Profile(model="made-up", device="cpu", dtype="float32", precision="fp32", micro_batch=1, seq_len=8,
+                   runs=1, blocks=[BlockProfile(index=i, name=f"b{i}", kind="Layer", n_params=param_bytes // 4,
+                                                param_bytes=param_bytes, grad_bytes=param_bytes,
+                                                optim_bytes=2 * param_bytes, act_saved_bytes=act_bytes,
+                                                out_bytes=64, fwd_s=fwd_s, bwd_s=2 * fwd_s, bwd_input_s=fwd_s)
+                                   for i in range(blocks)])
+
+
+def test_a_cluster_simulation_by_hand_and_a_job_no_device_holds():
+    # two devices of 10 kB; a job step = 2 blocks x (1 + 2) x fwd_s; 10 steps of one micro-batch
+    hw = Hardware.uniform(2, memory_bytes=10_000, host_link=Link(bandwidth=1e12, latency=0.0))
+    jobs = {"short": ClusterJob(profile=_profile(0.25, 400, 100), microbatches=1, steps=10),    # 15 s
+            "short2": ClusterJob(profile=_profile(0.25, 400, 100), microbatches=1, steps=10),   # 15 s
+            "long": ClusterJob(profile=_profile(0.5, 400, 100), microbatches=1, steps=10)}      # 30 s
+    sim = simulate_cluster(jobs, hw, shard_blocks=1, time_limit_s=5)
+    # fifo: short | short2, then long: 45 s; streaming costs nothing on this link: sharded-lrtf and planned
+    # start the long job first and pack 60 device-seconds onto 2 devices: 30 s, the long job's own length
+    assert sim.results["fifo"].makespan == pytest.approx(45.0)
+    assert sim.results["sharded-lrtf"].makespan == pytest.approx(30.0)
+    assert sim.results["planned"].makespan == pytest.approx(30.0)
+    assert sim.options["long"]["local"].seconds == pytest.approx(30.0)
+    # 8 kB of state per block: both blocks (16 kB) fit no device, even streamed 2 at a time; one per device does
+    big = {"big": ClusterJob(profile=_profile(0.5, 2_000, 1_000), microbatches=1, steps=1)}
+    with pytest.raises(StratumError, match=r"big: fits no single device.*only as pipeline\(2\)"):
+        simulate_cluster(big, hw, shard_blocks=2, time_limit_s=5)
