@@ -11,7 +11,9 @@ from stratum.cli import main
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link, dump_hardware, load_hardware
+from stratum.offload.tiers import Bandwidths
 from stratum.plan import hardware_cli
+from stratum.plan.process_probe import ProcessProbe
 
 
 def _base(corpus_file, cache_dir, out):
@@ -42,15 +44,27 @@ def test_hardware_show_prints_the_spec_and_bad_specs_are_one_line(spec, tmp_path
 
 
 def test_probe_writes_a_spec_from_its_measurements(tmp_path, monkeypatch, capsys):
-    # the two-process all-reduce is replaced by fixed times: T(8 MiB) = 10 ms, T(4 B) = 0.1 ms
-    monkeypatch.setattr(hardware_cli, "allreduce_times", lambda *sizes, timeout_s: (0.01, 0.0001))
+    # the processes' figures are fixed: rates 10, 10, 5 GFLOP/s together (20 alone here); a 3-rank all-reduce of
+    # 8 MiB takes 10 ms and of 4 B 0.1 ms
+    seen = {}
+
+    def processes(n, *, threads, sizes, timeout_s):
+        seen.update(n=n, threads=threads)
+        return ProcessProbe(rates=(10.0, 10.0, 5.0), allreduce_s=(0.01, 0.0001))
+    monkeypatch.setattr(hardware_cli, "probe_processes", processes)
+    monkeypatch.setattr(hardware_cli, "compute_rate", lambda device: 20.0)
+    monkeypatch.setattr(hardware_cli, "measure_bandwidths", lambda device, disk_dir: Bandwidths(
+        h2d=4e9, d2h=3e9, disk_read=2e9, disk_write=1e9, adam_params_per_s=1e8))
     monkeypatch.setattr(hardware_cli.torch.cuda, "is_available", lambda: False)
     out = tmp_path / "probe.toml"
     assert main(["hardware", "probe", "--devices", "3", "--out", str(out), "--disk-dir", str(tmp_path)]) == 0
     hw = load_hardware(out)
-    assert hw.num_devices == 3 and {d.name for d in hw.devices} == {"cpu"}
-    assert hw.intra_node == Link(bandwidth=(8 << 20) / (0.01 - 0.0001), latency=0.00005) == hw.inter_node
-    assert hw.host_link.bandwidth > 0 and hw.disk_link.bandwidth > 0 and hw.disk_bytes > 0
+    assert seen == {"n": 3, "threads": 1}
+    assert [(d.name, d.speed) for d in hw.devices] == [("cpu", 0.5), ("cpu", 0.5), ("cpu", 0.25)]
+    # T(N) = 2(p-1)/p N/bw + 2(p-1) latency, p = 3
+    assert hw.intra_node.latency == pytest.approx(0.0001 / 4) and hw.inter_node == hw.intra_node
+    assert hw.intra_node.bandwidth == pytest.approx(4 / 3 * ((8 << 20) - 4) / (0.01 - 0.0001))
+    assert hw.host_link.bandwidth == 3e9 and hw.disk_link.bandwidth == 1e9 and hw.disk_bytes > 0
     assert "inter_node: not measured" in out.read_text() and f"wrote {out}" in capsys.readouterr().out
 
 

@@ -10,15 +10,16 @@ Runbook::
 What ``probe`` measures, and how:
 
 - **devices**: every CUDA GPU (its memory, its matrix-multiply rate relative to GPU 0); without CUDA, the CPU as
-  ``--devices`` processes (default: one per core), each with an equal share of the available RAM and a speed
-  relative to this process's thread count — the threads a profile taken here uses: a process gets
-  ``cores // devices`` threads (at least one), and more processes than cores share them.
+  ``--devices`` processes (default: one per usable core), each with an equal share of the available RAM and the
+  threads a run gives it (:mod:`stratum.train.threads`). Their speeds are measured with all of them running at
+  once (:mod:`stratum.plan.process_probe`), relative to this process alone — the conditions of a profile taken
+  here — so processes sharing cores, with each other or with the machine's other load, come out slower.
 - **host link**: the offload engine's own copy probe (:func:`stratum.offload.tiers.measure_bandwidths`, host →
   device and back; the slower direction), with a 4 KiB copy's time as the latency.
 - **disk**: the same probe's sustained write and read through the disk store's I/O path under ``--disk-dir``
   (the slower direction), a 4 KiB synced write as the latency, and the free bytes there.
-- **intra-node link**: a gloo all-reduce between two local processes (an 8 MiB and a 4-byte buffer; ring
-  all-reduce of 2 ranks = N/bandwidth + 2·latency). The inter-node link cannot be measured from one machine: the
+- **intra-node link**: a gloo all-reduce over those processes (at least two; with CUDA, two CPU processes): an
+  8 MiB and a 4-byte buffer, read through the ring all-reduce's price (:func:`ring_link`). The inter-node link cannot be measured from one machine: the
   spec repeats the intra-node figures and its header says so — edit them for a cluster.
 
 The spec is written atomically; the header comments record the measured figures behind the relative speeds.
@@ -42,11 +43,12 @@ from stratum.errors import StratumError
 from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
 from stratum.offload.tiers import measure_bandwidths
 from stratum.offload.units import fmt_bytes
-from stratum.plan.gloo_probe import allreduce_times
+from stratum.plan.process_probe import probe_processes
 from stratum.runtime.device import compute_rate
 from stratum.train.dryrun import device_memory_bytes
+from stratum.train.threads import usable_cores
 
-COLLECTIVE_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 120.0
 BIG, SMALL = 8 << 20, 4
 
 
@@ -107,22 +109,34 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
         raise StratumError(f"--devices must be >= 1, got {devices}")
     if not Path(disk_dir).is_dir():
         raise StratumError(f"--disk-dir {disk_dir!r} is not a directory")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the processes are forked before this one touches CUDA
+        procs = probe_processes(2, threads=1, sizes=(BIG, SMALL), timeout_s=PROBE_TIMEOUT_S)
         devs, dev0 = _gpus(notes), torch.device("cuda", 0)
     else:
-        devs, dev0 = _cpus(devices or os.cpu_count() or 1, notes), torch.device("cpu")
+        n = devices or usable_cores()
+        threads = max(1, min(torch.get_num_threads(), usable_cores() // n))  # as stratum.train.threads gives them
+        procs = probe_processes(max(2, n), threads=threads, sizes=(BIG, SMALL), timeout_s=PROBE_TIMEOUT_S)
+        devs, dev0 = _cpus(n, threads, procs.rates, notes), torch.device("cpu")
     bw = measure_bandwidths(dev0, disk_dir)
     host = Link(bandwidth=min(bw.h2d, bw.d2h), latency=_copy_latency(dev0))
     disk = Link(bandwidth=max(min(bw.disk_read, bw.disk_write), 1.0), latency=_disk_latency(disk_dir))
-    intra = _gloo_link()
+    intra = ring_link(len(procs.rates), *procs.allreduce_s)
     notes += [f"host link: h2d {bw.h2d / 1e9:.3g} GB/s, d2h {bw.d2h / 1e9:.3g} GB/s; disk: read "
               f"{bw.disk_read / 1e9:.3g} GB/s, write {bw.disk_write / 1e9:.3g} GB/s under {disk_dir}",
-              f"intra_node: gloo all-reduce between 2 local processes, {intra.bandwidth / 1e9:.3g} GB/s, "
-              f"{intra.latency * 1e6:.3g} us",
+              f"intra_node: gloo all-reduce over {len(procs.rates)} local processes: {intra.bandwidth / 1e9:.3g} "
+              f"GB/s, {intra.latency * 1e6:.3g} us",
               "inter_node: not measured (one node): a copy of intra_node; edit it for a cluster"]
     hw = Hardware(devices=tuple(devs), host_bytes=device_memory_bytes(torch.device("cpu")) or 0,
                   disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra)
     return hw, notes
+
+
+def ring_link(p: int, big_s: float, small_s: float) -> Link:
+    """The link a ring all-reduce over ``p`` ranks took ``big_s`` seconds for BIG bytes and ``small_s`` for SMALL
+    bytes on: T(N) = 2(p−1)/p · N/bandwidth + 2(p−1) · latency (:func:`stratum.ir.prices.allreduce_s`)."""
+    latency = small_s / (2 * (p - 1))
+    bandwidth = 2 * (p - 1) / p * (BIG - SMALL) / max(big_s - small_s, 1e-9)
+    return Link(bandwidth=bandwidth, latency=latency)
 
 
 def _gpus(notes: list[str]) -> list[Device]:
@@ -132,26 +146,16 @@ def _gpus(notes: list[str]) -> list[Device]:
                    speed=rates[i] / rates[0]) for i in range(len(rates))]
 
 
-def _cpus(n: int, notes: list[str]) -> list[Device]:
-    cores = os.cpu_count() or 1
-    here = torch.get_num_threads()
-    threads = max(1, cores // n)
-    rate_here = compute_rate(torch.device("cpu"))
-    rate_proc = rate_here if threads == here else _rate_with_threads(threads)
-    speed = rate_proc / rate_here * min(1.0, cores / n)
-    notes.append(f"cpu: {cores} cores as {n} processes of {threads} thread(s); matmul {rate_proc:.1f} GFLOP/s per "
-                 f"process alone, {rate_here:.1f} with this process's {here} thread(s); speed {speed:.3g}")
+def _cpus(n: int, threads: int, rates: tuple[float, ...], notes: list[str]) -> list[Device]:
+    """``n`` processes of ``threads`` threads; each one's speed is its rate measured while the others ran over this
+    process's rate alone (what a profile taken here sees) — one process alone runs as the profile did."""
+    here = compute_rate(torch.device("cpu"))
+    speeds = [1.0] if n == 1 else [r / here for r in rates[:n]]
+    notes.append(f"cpu: {usable_cores()} usable cores as {n} process(es) of {threads} thread(s); matmul GFLOP/s "
+                 f"alone in this process ({torch.get_num_threads()} thread(s)): {here:.1f}; per process, measured "
+                 f"together: {', '.join(f'{r:.1f}' for r in rates)}")
     ram = device_memory_bytes(torch.device("cpu")) or 0
-    return [Device(name="cpu", memory_bytes=max(1, ram // n), speed=speed) for _ in range(n)]
-
-
-def _rate_with_threads(threads: int) -> float:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return compute_rate(torch.device("cpu"))
-    finally:
-        torch.set_num_threads(before)
+    return [Device(name="cpu", memory_bytes=max(1, ram // n), speed=x) for x in speeds]
 
 
 def _best_s(fn, repeats: int = 20) -> float:
@@ -186,10 +190,3 @@ def _disk_latency(disk_dir: str) -> float:
 
 def _free(disk_dir: str) -> int:
     return shutil.disk_usage(disk_dir).free
-
-
-def _gloo_link() -> Link:
-    """A two-process gloo all-reduce's link: T(N) = N/bandwidth + 2·latency for a ring of two."""
-    big_s, small_s = allreduce_times(BIG, SMALL, timeout_s=COLLECTIVE_TIMEOUT_S)
-    latency = small_s / 2
-    return Link(bandwidth=BIG / max(big_s - small_s, 1e-9), latency=latency)
