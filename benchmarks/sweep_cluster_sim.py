@@ -87,7 +87,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "sweep_cluster_sim.json")
     args = ap.parse_args()
     hw = hardware_from_table(tomllib.loads(CLUSTER)["hardware"])
-    n = hw.num_devices
     profiles = {(p, s): timed_profile(p, s) for p in PRESETS for s in SEQ_LENS}
     jobs = {f"j{i:03d}": (p, s, lr) for i, (p, s, lr) in enumerate((p, s, lr) for p in PRESETS for s in SEQ_LENS
                                                                   for lr in LRS)}

@@ -8,10 +8,10 @@ and a start; on every slot the jobs do not overlap, and no job starts on a slot 
 The MILP (binaries y[job, option], z[job, slot], o[job, job'] for the order of a pair; starts S[job]; makespan C):
 one option per job; |slots of a job| = its option's devices; C ≥ S + d (d = Σ y·seconds); S ≥ free_at[slot] where
 the job uses the slot; for a pair sharing a slot, one ends before the other starts (big-M on o and on both z's).
-It is solved by PuLP's CBC under a time limit, warm-started from the greedy plan (longest job first; each takes
-the option that ends earliest on the slots that free first among its options of near-least device-seconds), which is also the fallback without PuLP or without an
-integer solution in time. :func:`list_schedule` turns an order and the choices into starts (as early as the
-slots allow), so every plan returned is feasible by construction.
+It is solved by PuLP's CBC under a time limit, warm-started from the greedy plan (longest job first; each takes,
+among its options of near-least device-seconds, the one that ends earliest on the slots that free first), which
+is also the fallback without PuLP or without an integer solution in time. :func:`list_schedule` turns an order
+and the choices into starts (as early as the slots allow), so every plan returned is feasible by construction.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ class SweepSettings:
     """Which job a freed slot takes: fifo (sweep order, one job per slot); lrtf (the job with the longest
     remaining predicted time, time-sliced in segments of sweep.segment_steps steps, its state in its checkpoint
     between segments); sharded-lrtf (Hydra: jobs as chains of shard tasks of sweep.shard_blocks blocks under the
-    offload engine, a freed slot taking the shard task of the job with the longest remaining time); or planned (a makespan-minimising assignment of jobs to slots from profiled step times,
-    solved as a MILP with PuLP, greedy without it)."""
+    offload engine, a freed slot taking the shard task of the job with the longest remaining time); or planned
+    (a makespan-minimising assignment of jobs to slots from profiled step times, solved as a MILP with PuLP,
+    greedy without it)."""
     backend: str = "local"
     """Where jobs run: local (worker processes on this machine) or ray (one Ray actor per slot; the ray extra)."""
     ray_address: str = ""
