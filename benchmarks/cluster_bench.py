@@ -1,0 +1,152 @@
+"""Benchmark (SIMULATED): the cluster simulator's policies side by side on the same hardware and traces.
+
+Two studies, every figure a prediction of Stratum's cost model (block times measured once on one CPU thread here,
+over the devices' stated speed; ring all-reduce prices), never a measurement:
+
+- ``deeppool``: DeepPool's setting. A foreground job strong-scaled over N ∈ {8, 16, 32, 64} GPUs (gpt2-774m, a
+  fixed global batch of 64 sequences) and a queue of background jobs (4·N single-GPU gpt2-124m jobs, 8 sequences
+  a step), everything submitted at once; the cluster's throughput over the first hour — seconds of training work
+  done per second, in profiled-device seconds, summed over jobs — under ``static-dp`` (the foreground data
+  parallel on all N, the background waits), ``burst`` and ``burst+multiplex``, for amplification limits 2, 4 and 8
+  (the knob that trades the foreground's speed for idle devices). Goal (DeepPool's figure): ≥ 2.2× static-dp's
+  with burst+multiplex, at about the same foreground speed (its ratio is reported too).
+- ``elastic``: a generated Philly-like trace (``stratum.cluster.generate``: Gavel's Philly sizes and durations,
+  Poisson arrivals at load 1 and 2) on 64 GPUs, replayed under ``static-dp`` and ``elastic``; jobs completed by the
+  last arrival and average job completion time with every job run to the end. Goals (Saxena et al.): ≥ 2× the
+  jobs completed and ≥ 5× lower average JCT. Median over three trace seeds per load.
+
+The hardware: 64 GPUs, 8 to a node, 80 GB each, speed 3000 × the profiled CPU thread (one thread trains
+gpt2-124m at about 40 GFLOP/s here, so about 120 TFLOP/s: an A100's bf16 at roughly 40 % utilisation), 300 GB/s
+inside a node and 25 GB/s between nodes (:data:`stratum.ir.hardware.NOMINAL_INTRA` / ``NOMINAL_INTER``).
+
+Runbook::
+
+    python benchmarks/cluster_bench.py                 # both studies, a few minutes once the models are cached
+    python benchmarks/cluster_bench.py --study deeppool --out /tmp/c.json
+
+The first run measures gpt2-124m … gpt2-1.5b's blocks on one CPU thread (a few minutes, cached). Writes
+``benchmarks/results/cluster.json`` and ``benchmarks/results/cluster_elastic.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from stratum.atomic import atomic_write_json
+from stratum.cluster.cluster import Cluster
+from stratum.cluster.generate import TraceSpec, generate
+from stratum.cluster.replay import PolicyConfig, replay, trace_costs
+from stratum.cluster.report import summary, write_png
+from stratum.cluster.scaling import dp_step
+from stratum.cluster.trace import Job
+from stratum.config import Config
+from stratum.ir.hardware import Hardware
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "cluster.json"
+SPEED = 3000.0
+GPU_BYTES = 80 * 10**9
+HORIZON_S = 3600.0
+
+
+def hardware(n: int) -> Hardware:
+    return Hardware.uniform(n, memory_bytes=GPU_BYTES, speed=SPEED, per_node=8, name="gpu")
+
+
+def deeppool_jobs(n: int) -> list[Job]:
+    fg = Job(id="fg", arrival_s=0.0, model="gpt2-774m", batch=64, steps=10**7, devices=n, priority="foreground")
+    bg = [Job(id=f"bg{i:03d}", arrival_s=0.0, model="gpt2-124m", batch=8, steps=10**6, devices=1)
+          for i in range(4 * n)]
+    return [fg, *bg]
+
+
+def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float]) -> list[dict]:
+    rows = []
+    for amp, n in [(a, n) for a in amplifications for n in (8, 16, 32, 64)]:
+        config = PolicyConfig(amplification=amp, interference=config.interference)
+        jobs = deeppool_jobs(n)
+        res = replay(hardware(n), jobs, trace_costs(jobs, cache), ["static-dp", "burst", "burst+multiplex"],
+                     config=config, until_s=HORIZON_S)
+        rate = {r.policy: summary(r)["work_rate"] for r in res}
+        fg = {r.policy: next(j for j in r.jobs if j.id == "fg").done for r in res}
+        rows.append({"amplification": amp, "devices": n, "work_rate": rate, "foreground_done": fg,
+                     "throughput_ratio": rate["burst+multiplex"] / rate["static-dp"],
+                     "foreground_speed_ratio": fg["burst+multiplex"] / fg["static-dp"],
+                     "burst_foreground_speed_ratio": fg["burst"] / fg["static-dp"]})
+        print(f"deeppool amplification {amp:g}, N={n:>2}: cluster throughput burst+multiplex / static-dp = "
+              f"{rows[-1]['throughput_ratio']:.2f}x; foreground speed {rows[-1]['foreground_speed_ratio']:.2f}x "
+              f"(burst alone "
+              f"{rows[-1]['burst_foreground_speed_ratio']:.2f}x)  SIMULATED", flush=True)
+    return rows
+
+
+def elastic(config: PolicyConfig, cache: Path, jobs_per_trace: int, load: float, png: Path | None) -> dict:
+    hw = hardware(64)
+    seeds = []
+    for seed in (0, 1, 2):
+        costs: dict = {}
+
+        def step_s(job: Job) -> float:
+            costs.update(trace_costs([job], cache))
+            ranks = Cluster(hw=hw, models={}).pick(range(hw.num_devices), job.devices)
+            return dp_step(costs[(job.model, job.seq_len)], batch=job.batch, ranks=ranks, hw=hw).step_s
+
+        jobs = generate(TraceSpec(jobs=jobs_per_trace, seed=seed, devices=64, load=load), step_s)
+        horizon = jobs[-1].arrival_s
+        t0 = time.perf_counter()
+        full = replay(hw, jobs, costs, ["static-dp", "elastic"], config=config)
+        cut = replay(hw, jobs, costs, ["static-dp", "elastic"], config=config, until_s=horizon)
+        s = {r.policy: summary(r) for r in full}
+        c = {r.policy: summary(r)["completed"] for r in cut}
+        seeds.append({"seed": seed, "jobs": len(jobs), "horizon_s": horizon, "completed_by_horizon": c,
+                      "avg_jct_s": {p: v["avg_jct_s"] for p, v in s.items()},
+                      "p95_jct_s": {p: v["p95_jct_s"] for p, v in s.items()},
+                      "utilisation": {p: v["utilisation"] for p, v in s.items()},
+                      "completed_ratio": c["elastic"] / max(c["static-dp"], 1),
+                      "jct_ratio": s["static-dp"]["avg_jct_s"] / s["elastic"]["avg_jct_s"],
+                      "simulate_s": time.perf_counter() - t0})
+        print(f"elastic load {load:g} seed {seed}: jobs completed by the last arrival {c['static-dp']} -> "
+              f"{c['elastic']} ({seeds[-1]['completed_ratio']:.2f}x); average JCT "
+              f"{s['static-dp']['avg_jct_s'] / 3600:.1f} h -> "
+              f"{s['elastic']['avg_jct_s'] / 3600:.1f} h ({seeds[-1]['jct_ratio']:.2f}x)  SIMULATED", flush=True)
+        if png and seed == 0:
+            write_png(png, full, title=f"{len(jobs)} Philly-like jobs on 64 GPUs (load {load:g}, seed 0)")
+    return {"load": load, "seeds": seeds,
+            "median_completed_ratio": statistics.median(s["completed_ratio"] for s in seeds),
+            "median_jct_ratio": statistics.median(s["jct_ratio"] for s in seeds)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--study", choices=("all", "deeppool", "elastic"), default="all")
+    ap.add_argument("--jobs", type=int, default=200, help="jobs per generated trace (default 200)")
+    ap.add_argument("--amplification", default="2,4,8", help="deeppool: amplification limits (default 2,4,8)")
+    ap.add_argument("--load", default="1,2", help="elastic: trace loads (default 1,2)")
+    ap.add_argument("--interference", type=float, default=PolicyConfig().interference)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    config = PolicyConfig(interference=args.interference)
+    amps = [float(a) for a in args.amplification.split(",")]
+    cache = Config().cache_dir
+    doc = {"label": "SIMULATED", "hardware": {"gpus_per_node": 8, "gpu_bytes": GPU_BYTES, "speed": SPEED,
+                                              "intra_node_Bps": hardware(8).intra_node.bandwidth,
+                                              "inter_node_Bps": hardware(8).inter_node.bandwidth},
+           "interference": config.interference}
+    if args.study in ("all", "deeppool"):
+        doc["deeppool"] = deeppool(config, cache, amps)
+    if args.study in ("all", "elastic"):
+        png = args.out.parent / "cluster_elastic.png" if args.out == DEFAULT_OUT else args.out.with_suffix(".png")
+        doc["elastic"] = []
+        for i, load in enumerate(float(x) for x in args.load.split(",")):
+            doc["elastic"].append(elastic(config, cache, args.jobs, load, png if i == 0 else None))
+            print(f"elastic load {load:g}: median completed ratio {doc['elastic'][-1]['median_completed_ratio']:.2f}x, "
+                  f"median average-JCT ratio {doc['elastic'][-1]['median_jct_ratio']:.2f}x  SIMULATED", flush=True)
+    atomic_write_json(args.out, doc)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
