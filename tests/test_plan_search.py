@@ -120,3 +120,24 @@ def test_infeasible_trees_are_listed_with_what_does_not_fit():
         search(_work(), _hw(4, memory=10_000), 4).best
     with pytest.raises(StratumError, match="--devices 8 but the hardware spec has 4 devices"):
         search(_work(), _hw(4), 8)
+
+
+def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner():
+    asked = []
+
+    def offload(microbatches, device_budget, host_budget):
+        asked.append((microbatches, device_budget, host_budget))
+        if device_budget < 5000:
+            raise StratumError("no placement fits")
+        return 0.5 * microbatches, device_budget - 1
+    work = Workload(profile=_profile(), microbatches=4, offload=offload)
+    hw = Hardware.uniform(2, memory_bytes=10_000, intra=LINK, host_bytes=10**9)
+    res = search(work, hw, 2)
+    assert [str(p.plan) for p in res.ranked] == ["replicate(2, offload(device_budget=10000, host_budget=500000000))"]
+    best = res.best
+    assert asked == [(2, 10_000, 500_000_000)] and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
+    assert best.reduce_s == pytest.approx(allreduce_s(_profile().param_bytes, 2, LINK))
+    assert res.too_big and "does not fit" in res.table()
+    tiny = search(work, Hardware.uniform(1, memory_bytes=1000, host_bytes=10**9), 1)
+    assert not tiny.ranked and "offload(device_budget=1000, host_budget=1000000000)" in tiny.table()
+    assert "cannot run: no placement fits" in tiny.table()

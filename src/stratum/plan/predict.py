@@ -4,9 +4,10 @@ Inputs: a :class:`Workload` (the profile's per-block costs, the step's micro-bat
 shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devices[r]``). The model, per step:
 
 - **blocks**: a block's profiled forward/backward seconds over its device's speed (as
-  :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under ``split(s)`` a shardable block computes 1/s of its
-  work and keeps 1/s of its state and saved activations, and its forward and backward each all-reduce its output
-  twice over the split group (Megatron's attention and MLP reductions).
+  :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under
+  ``split(s)`` a shardable block computes 1/s of its work and keeps 1/s of its state and saved activations, and
+  its forward and backward each all-reduce its output twice over the split group (Megatron's attention and MLP
+  reductions).
 - **pipeline**: the schedule the node names, for the replica's micro-batches, over the stages the node's partition
   cuts (even, balanced by parameter count, or the profiled cut of :func:`stratum.plan.partition.partition`),
   run through the event simulator (:func:`stratum.sim.pipeline.simulate`) with the pipeline group's link: the
@@ -18,13 +19,15 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 - **memory** per rank: parameters + gradients + AdamW moments of the blocks it holds (gradients and moments 1/r
   under ``shard=true``) plus its peak activations, against its device's memory.
 
-Not modelled: the optimizer update's time, overlap of the gradient reduction with the backward, the offload leaf
-(priced by its own planner, :mod:`stratum.offload.planner`), contention between links.
+The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
+replicas' all-reduce. Not modelled: the optimizer update's time outside the offload leaf, overlap of the gradient
+reduction with the backward, contention between links, per-step overheads (data, Python).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -61,6 +64,10 @@ class Workload:
     profile's parameter counts."""
     profile_path: str = ""
     """The profile's file: a plan names the profiled cut as ``partition=<this file>``; "" = not offered."""
+    offload: Callable[[int, int, int], tuple[float, int]] | None = None
+    """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
+    device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
+    a StratumError where nothing fits; None = the offload leaf is not offered."""
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
@@ -156,8 +163,6 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     world = plan.world_size()
     if world > hw.num_devices:
         raise StratumError(f"{world} processes but the hardware has {hw.num_devices} devices")
-    if isinstance(plan.leaf, Offload):
-        raise StratumError("the offload leaf is priced by the offload planner (stratum plan), not here")
     if work.microbatches % r:
         raise StratumError(f"{work.microbatches} micro-batches per step do not split evenly over {r} replicas")
     if s > 1 and s not in work.split_sizes:
@@ -165,6 +170,8 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     if plan.replicate is not None and plan.replicate.shard and s > 1:
         raise StratumError("replicate(shard=true) does not run over split")
     m = work.microbatches // r
+    if isinstance(plan.leaf, Offload):
+        return _predict_offload(plan, work, hw, m)
     blocks, state = _split_costs(work, s, _mesh_link(hw, plan, "split"))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     stage_speed = [_slowest(hw, plan, "stage_rank", i) for i in range(p)]
@@ -201,6 +208,23 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
                f"({len(over)} of {world} ranks over)")
     return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=bubble,
                       peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
+    """The memory engine alone or under replicate: its planner's step for the replica's micro-batches (the slowest
+    device's pace), then the replicas' gradient all-reduce."""
+    if work.offload is None:
+        raise StratumError("the offload leaf is not offered for this workload")
+    if plan.pipeline is not None or plan.split is not None:
+        raise StratumError("the search prices the offload leaf alone or under replicate")
+    world = plan.world_size()
+    leaf = plan.leaf
+    step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
+    compute = step / min(hw.devices[k].speed for k in range(world))
+    reduce = allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"))
+    limits = tuple(hw.devices[k].memory_bytes for k in range(world))
+    return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
+                      peak_bytes=(int(peak),) * world, limit_bytes=limits)
 
 
 def _state(work: Workload, b: int, held: float, shard: int) -> float:

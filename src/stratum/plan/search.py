@@ -3,7 +3,9 @@
 The space, for N devices: every factorisation N = replicas × pipeline ranks × splits; replicate with and without
 ``shard=true``; every pipeline schedule kind (:data:`stratum.schedule.generators.KINDS`) with the partitions even,
 balanced and — where the workload names its profile file — the profiled cut; split sizes the model's layers
-divide into. Adasum is left out (it trains a different model from the plain engine's). Each tree is priced by
+divide into; where no such tree fits the devices' memory and the workload offers the offload leaf, the memory
+engine on every device, alone or under replicate (priced by its own planner). Adasum is left out (it trains a
+different model from the plain engine's). Each tree is priced by
 :func:`stratum.plan.predict.predict`; trees the model or the step cannot run (micro-batches that do not divide
 over the replicas, too few blocks for the stages, split and shard together) and trees that do not fit the
 devices' memory are listed with the reason. The search stops at ``time_limit_s`` and says so.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
-from stratum.ir.plan import Local, Pipeline, Plan, Replicate, Split, check
+from stratum.ir.plan import Local, Offload, Pipeline, Plan, Replicate, Split, check
 from stratum.offload.units import fmt_bytes
 from stratum.plan.predict import Prediction, Workload, predict
 from stratum.schedule.generators import KINDS
@@ -109,6 +111,14 @@ def candidates(work: Workload, n: int) -> Iterator[Plan]:
                         yield _checked(Replicate(n=r, shard=shard, child=mid))
 
 
+def offload_candidates(hw: Hardware, n: int) -> Iterator[Plan]:
+    """The memory engine on each of ``n`` devices, alone or under replicate: its device budget the smallest
+    device's memory, its host budget an equal share of the host's."""
+    leaf = Offload(device_budget=str(min(d.memory_bytes for d in hw.devices[:n])),
+                   host_budget=str(max(1, hw.host_bytes // n)))
+    yield _checked(leaf) if n == 1 else _checked(Replicate(n=n, child=leaf))
+
+
 def _checked(root) -> Plan:
     check(root)
     return Plan(root)
@@ -148,6 +158,12 @@ def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAUL
             continue
         seen.add(key)
         (fit if pred.fits else big).append(pred)
+    if not fit and work.offload is not None and complete:  # nothing fits in memory: the memory engine's trees
+        for plan in offload_candidates(hw, n):
+            try:
+                fit.append(predict(plan, work, hw))
+            except StratumError as e:
+                refused.append(Refused(plan=plan, why=str(e)))
     fit.sort(key=lambda p: (p.step_s, max(p.peak_bytes), str(p.plan)))
     big.sort(key=lambda p: max(b - lim for b, lim in zip(p.peak_bytes, p.limit_bytes)))
     return SearchResult(devices=n, ranked=tuple(fit), too_big=tuple(big), refused=tuple(refused),

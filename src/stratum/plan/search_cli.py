@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.offload.cli import planning_profile
+from stratum.offload.planner import make_placement
+from stratum.offload.setup import placement_inputs
 from stratum.parallel.split import check_split, split_blocks
 from stratum.plan.fidelity import recorded, write_prediction
 from stratum.plan.hardware_cli import probe
@@ -97,10 +100,24 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
                                                              precision=t.precision))
         profile_path = str(cached) if cached.is_file() else ""  # the profiled cut needs the file the ranks read
     splittable = tuple(split_blocks(model))
+    offload = _offload_pricer(cfg, model, prof)
     sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
     weights = tuple(float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks)
     return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
-                    param_counts=weights, profile_path=profile_path or "")
+                    param_counts=weights, profile_path=profile_path or "", offload=offload)
+
+
+def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[int, int, int], tuple[float, int]]:
+    """The offload planner as the search's price of the offload leaf; the bandwidths are measured on first use."""
+    inputs: dict = {}
+
+    def price(microbatches: int, device_budget: int, host_budget: int) -> tuple[float, int]:
+        if not inputs:
+            inputs.update(placement_inputs(cfg, model, resolve_device(cfg.train.device), profile=prof))
+        p = make_placement(model, **{**inputs, "device_budget": device_budget, "host_budget": host_budget,
+                                     "n_micro": microbatches})
+        return p.predicted_step_s, int(p.predicted_peak.get("device", 0))
+    return price
 
 
 def _splits(model: BlockSeq, s: int) -> bool:
