@@ -29,10 +29,10 @@ TRACE = ("job,arrival_s,model,batch,steps,devices,priority\n"
          "G,0,m,1,2,1,background\n")
 
 
-def ends(policy: str) -> dict[str, float]:
+def ends(policy: str, interference: float = INTERFERENCE) -> dict[str, float]:
     jobs = parse_trace(TRACE, models=["m"], devices=2)
     (res,) = replay(HW, jobs, {("m", 1024): MODEL}, [policy],
-                    config=PolicyConfig(amplification=AMP, interference=INTERFERENCE))
+                    config=PolicyConfig(amplification=AMP, interference=interference))
     return {j.id: j.end_s for j in res.jobs}
 
 
@@ -61,6 +61,14 @@ def test_burst_multiplex_runs_the_background_job_in_the_idle_time():
     g_left = 2 - f_end / g_step                              # G's steps left (of 2) when F ends
     assert ends("burst+multiplex") == pytest.approx({"F": f_end, "G": f_end + g_left * 6.0})
     assert ends("burst+multiplex")["G"] < ends("burst")["G"]
+
+
+def test_multiplexing_that_costs_the_host_more_than_it_gains_is_not_done():
+    step, idle = c(2) + 12.0, 1 - (2 * c(2) + 12.0) / (2 * (c(2) + 12.0))
+    gain = (1 / 6.0) * idle * (1 - 0.6) * 6.0                # G's work gained: sequences/s × 6 s per sequence
+    loss = (4 / step) * 6.0 * 0.6 / 1.6                      # F's work lost to a 1.6× slower step
+    assert gain < loss
+    assert ends("burst+multiplex", interference=0.6) == pytest.approx(ends("burst"))
 
 
 def test_elastic_shares_the_devices_then_grows_the_survivor():
