@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from stratum.atomic import atomic_write_json
-from stratum.cluster.cluster import Cluster
+from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
 from stratum.cluster.replay import PolicyConfig, replay, trace_costs
 from stratum.cluster.report import summary, write_png
@@ -91,7 +91,7 @@ def elastic(config: PolicyConfig, cache: Path, jobs_per_trace: int, load: float,
 
         def step_s(job: Job) -> float:
             costs.update(trace_costs([job], cache))
-            ranks = Cluster(hw=hw, models={}).pick(range(hw.num_devices), job.devices)
+            ranks = pick(hw, range(hw.num_devices), job.devices)
             return dp_step(costs[(job.model, job.seq_len)], batch=job.batch, ranks=ranks, hw=hw).step_s
 
         jobs = generate(TraceSpec(jobs=jobs_per_trace, seed=seed, devices=64, load=load), step_s)

@@ -98,10 +98,22 @@ def test_elastic_programme_equals_brute_force():
 
 def test_reports_are_labelled_and_written(tmp_path):  # the PNG: test_cluster_trace's CLI run
     jobs = parse_trace(TRACE, models=["m"], devices=2)
-    results = replay(HW, jobs, {("m", 1024): MODEL}, ["static-dp", "elastic"])
-    text = table(results)
-    assert text.startswith("SIMULATED") and "static-dp" in text and "elastic" in text
+    results = replay(HW, jobs, {("m", 1024): MODEL}, ["static-dp", "burst", "burst+multiplex", "elastic"],
+                     config=PolicyConfig(amplification=AMP, interference=INTERFERENCE))
+    # static-dp by hand: JCTs 13.6 and 25.6 s (mean 19.6, p95 13.6 + 0.95·12 = 25), 2 jobs in 25.6 s = 281.2 an
+    # hour, 36 s of one-device work over 25.6 s = 1.406, busy 2 × 13.6 + 12 device-s over 2 × 25.6 = 76.6 %
+    assert table(results) == """\
+SIMULATED (cost-model predictions, not measurements)
+policy                done  avg JCT s  p95 JCT s   jobs/h  work rate   util
+---------------------------------------------------------------------------
+static-dp           2/2          19.6         25    281.2      1.406  76.6%
+burst               2/2          24.3       29.7    237.6      1.188  60.4%
+burst+multiplex     2/2         23.16      25.89    274.9      1.375  69.9%
+elastic             2/2          15.4      18.46      383      1.915 100.0%"""
     write_json(tmp_path / "s.json", results)
     doc = json.loads((tmp_path / "s.json").read_text())
     assert doc["label"] == "SIMULATED"
-    assert [p["summary"]["completed"] for p in doc["policies"]] == [2, 2]
+    assert [p["summary"]["completed"] for p in doc["policies"]] == [2, 2, 2, 2]
+    assert doc["policies"][0]["jobs"][1] == {"id": "G", "arrival_s": 0.0, "start_s": pytest.approx(13.6),
+                                             "end_s": pytest.approx(25.6), "jct_s": pytest.approx(25.6),
+                                             "done": 1.0}

@@ -116,3 +116,15 @@ def test_cli_simulates_every_policy_and_writes_json_and_png(tmp_path, capsys, ca
     assert [p["summary"]["policy"] for p in doc["policies"]] == ["static-dp", "burst", "burst+multiplex", "elastic"]
     assert all(p["summary"]["completed"] == 2 for p in doc["policies"])
     assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--jobs must be a number of jobs"),
+    (["--jobs", "0"], "jobs must be >= 1"),
+    (["--jobs", "5", "--load", "0"], "load must be a positive number"),
+])
+def test_cli_trace_bad_input_exits_2(tmp_path, capsys, extra, message):
+    args = ["cluster", "trace", "--hardware", str(write_hw(tmp_path)), "--out", str(tmp_path / "t.csv")]
+    assert main(args + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "t.csv").exists()

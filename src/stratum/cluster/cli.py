@@ -90,7 +90,7 @@ def _simulate(args, hw) -> int:
 
 
 def _trace(args, hw) -> int:
-    from stratum.cluster.cluster import Cluster
+    from stratum.cluster.cluster import pick
     from stratum.cluster.generate import TraceSpec, generate
     from stratum.cluster.replay import trace_costs
     from stratum.cluster.scaling import check_fits, dp_step
@@ -110,7 +110,7 @@ def _trace(args, hw) -> int:
         if key not in costs:
             costs.update(trace_costs([job], _cache_dir(args)))
             check_fits(costs[key], hw.devices, f"model {job.model}")
-        ranks = Cluster(hw=hw, models={}).pick(range(hw.num_devices), job.devices)
+        ranks = pick(hw, range(hw.num_devices), job.devices)
         return dp_step(costs[key], batch=job.batch, ranks=ranks, hw=hw).step_s
 
     jobs = generate(spec, step_s)

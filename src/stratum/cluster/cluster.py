@@ -68,12 +68,16 @@ class Cluster:
         return [r for r in range(self.size) if r not in used]
 
     def pick(self, free: Sequence[int], n: int) -> tuple[int, ...]:
-        """``n`` of the ``free`` devices: on one node where a node has enough (the fullest such node, so large
-        holes stay whole), else the lowest ranks."""
-        by_node: dict[int, list[int]] = {}
-        for r in free:
-            by_node.setdefault(self.hw.devices[r].node, []).append(r)
-        fits = [rs for rs in by_node.values() if len(rs) >= n]
-        if fits:
-            return tuple(min(fits, key=len)[:n])
-        return tuple(free[:n])
+        return pick(self.hw, free, n)
+
+
+def pick(hw: Hardware, free: Sequence[int], n: int) -> tuple[int, ...]:
+    """``n`` of the ``free`` devices: on one node where a node has enough (the fullest such node, so large holes
+    stay whole), else the lowest ranks."""
+    by_node: dict[int, list[int]] = {}
+    for r in free:
+        by_node.setdefault(hw.devices[r].node, []).append(r)
+    fits = [rs for rs in by_node.values() if len(rs) >= n]
+    if fits:
+        return tuple(min(fits, key=len)[:n])
+    return tuple(free[:n])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stratum.cluster.trace import DEFAULT_SEQ_LEN, Job
 from stratum.errors import StratumError
@@ -108,6 +108,6 @@ def generate(spec: TraceSpec, step_s: Callable[[Job], float]) -> list[Job]:
         job = Job(id=f"j{i:0{width}d}", arrival_s=round(now, 3), model=model, batch=batch, steps=1,
                   devices=devices, max_batch=batch * spec.batch_growth if spec.batch_growth > 1 else 0,
                   seq_len=spec.seq_len)
-        jobs.append(Job(**{**job.__dict__, "steps": max(1, round(seconds / step_s(job)))}))
+        jobs.append(replace(job, steps=max(1, round(seconds / step_s(job)))))
         now += rng.expovariate(rate)
     return jobs
