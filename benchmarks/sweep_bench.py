@@ -1,5 +1,6 @@
 """Benchmark: one sweep of 8 jobs on 2 local slots under each scheduler (fifo, lrtf with slices ending in a
-checkpoint or a paused worker, planned), measured, beside the simulator's prediction of the same schedule.
+checkpoint or a paused worker, sharded-lrtf at sweep.device_budget = SHARDED_BUDGET, planned), measured, beside
+the simulator's prediction of the same schedule.
 
 The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.seq_len ∈ {32, 64}, in that grid
 order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
@@ -7,12 +8,15 @@ same sweep file in its own directory, one after another, in this process (one wo
 
 Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job
 end) and two SIMULATED predictions of it: from the profiled forward+backward times the planner uses, and from
-each job's measured median step time (which separates the cost model's error from the scheduling model's).
+each job's measured median step time (which separates the cost model's error from the scheduling model's;
+sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
+includes its waits for a slot).
 
 Runbook::
 
     python benchmarks/sweep_bench.py                       # a few minutes on 2 cores
     python benchmarks/sweep_bench.py --steps 10 --out /tmp/sweep.json
+    python benchmarks/sweep_bench.py --only fifo sharded-lrtf planned
 
 Writes ``benchmarks/results/sweep.json``.
 """
@@ -29,15 +33,18 @@ from pathlib import Path
 
 from stratum.sweep.predict import predicted_seconds
 from stratum.sweep.runner import run_sweep, sweep_profiles
-from stratum.sweep.simulate import simulate
+from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.simulate import simulate, simulate_sharded
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
-            "planned": ("planned", "checkpoint")}
+            "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
 """Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
+SHARDED_BUDGET = "32MB"
+"""sharded-lrtf: sweep.device_budget (every job runs under the offload engine at this budget)."""
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
@@ -48,6 +55,7 @@ slots = 2
 scheduler = "{scheduler}"
 slice_by = "{slice_by}"
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
+{f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
 [sweep.grid]
 "model.preset" = ["mini", "small"]
 "optim.lr" = [1e-3, 3e-3]
@@ -64,6 +72,17 @@ ckpt_minutes = 0.0
 """
 
 
+def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
+    """sharded-lrtf: each job's seconds holding a slot — from each grant to the next grant of the same slot (the
+    last one to ``end_s``), set-up included."""
+    grants = [json.loads(ln) for ln in grants_path.read_text().splitlines()]
+    busy: dict[str, float] = {}
+    for i, g in enumerate(grants):
+        nxt = next((h["t"] for h in grants[i + 1:] if h["slot"] == g["slot"]), end_s)
+        busy[g["job"]] = busy.get(g["job"], 0.0) + max(0.0, nxt - g["t"])
+    return busy
+
+
 def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
@@ -77,8 +96,17 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
-    sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
-    sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
+    if scheduler == "sharded-lrtf":
+        tasks = {j: tasks_per_step(len(profiles[j].blocks), 1, sweep.configs[j].micro_batches_per_step)
+                 for j in steps}
+        # a job's step time in its metrics includes its waits for a slot: its busy time comes from the grants
+        meas_step_s = {j: busy / steps[j] for j, busy in slot_busy_s(root / name / "shard_tasks.jsonl",
+                                                                      sweep.makespan_s).items()}
+        sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
+        sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
+    else:
+        sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
+        sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
     return {"measured_makespan_s": sweep.makespan_s, "measured_busy_s": sum(r.run_s for r in rows),
             "simulated_makespan_s_profile": sim_prof.makespan, "simulated_makespan_s_measured_steps": sim_meas.makespan,
             "simulated_utilisation_profile": sim_prof.utilisation,
@@ -91,12 +119,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--segment-steps", type=int, default=5, help="lrtf's time slice, in steps")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="the schedulers to run (default: all)")
     args = ap.parse_args()
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
         results = {}
-        for s in VARIANTS:
+        for s in args.only:
             t0 = time.perf_counter()
             results[s] = one(s, root, args, corpus)
             r = results[s]
@@ -111,7 +141,7 @@ def main() -> None:
                    "measured_over_simulated_measured_steps": results[s]["measured_makespan_s"]
                    / results[s]["simulated_makespan_s_measured_steps"],
                    "measured_over_simulated_profile": results[s]["measured_makespan_s"]
-                   / results[s]["simulated_makespan_s_profile"]} for s in VARIANTS}
+                   / results[s]["simulated_makespan_s_profile"]} for s in args.only}
     for s, v in summary.items():
         print(f"{s:8} {v['speedup_vs_fifo']:.2f}x fifo's throughput; measured / simulated: "
               f"{v['measured_over_simulated_measured_steps']:.2f} (measured step times), "
