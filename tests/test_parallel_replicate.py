@@ -285,7 +285,7 @@ def hf_config(tmp_path, request) -> str | None:
                          indirect=["hf_config"])
 def test_parallel_plans_match_plain_on_the_same_global_batch(make_cfg, tmp_path, source, hf_config):
     model = ["model.source='hf'", f"model.hf_path={hf_config!r}"] if source != "gpt" else []
-    common = ["train.steps=6", "train.eval_interval=3", *model]
+    common = ["train.steps=10", "train.eval_interval=5", *model]
     train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
     for plan, accum in PLANS[source]:
         out = tmp_path / plan.replace(" ", "").replace("(", "_").replace(")", "").replace(",", "_")
