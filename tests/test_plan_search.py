@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -51,6 +52,12 @@ def test_replicate_is_its_share_of_micro_batches_plus_a_ring_all_reduce():
     assert pred.peak_bytes == (prof.train_state_bytes + prof.act_saved_bytes,) * 2
     sharded = predict(parse_plan("replicate(2, shard=true)"), _work(), _hw(2))
     assert sharded.step_s == pytest.approx(pred.step_s)
+    # the update: every parameter on each replica, half of them under shard=true, at 1 us per parameter
+    timed = replace(_work(), update_s_per_param=1e-6)
+    assert predict(parse_plan("replicate(2)"), timed, _hw(2)).update_s == pytest.approx(prof.n_params * 1e-6)
+    half = predict(parse_plan("replicate(2, shard=true)"), timed, _hw(2))
+    assert half.update_s == pytest.approx(prof.n_params * 1e-6 / 2)
+    assert half.step_s == pytest.approx(pred.step_s + half.update_s)
     assert sharded.peak_bytes[0] == 4 * prof.n_params + 12 * prof.n_params // 2 + prof.act_saved_bytes
 
 

@@ -18,10 +18,14 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   all-gathered, the same bytes), after the backward, on the group's slowest link.
 - **memory** per rank: parameters + gradients + AdamW moments of the blocks it holds (gradients and moments 1/r
   under ``shard=true``) plus its peak activations, against its device's memory.
+- **update**: AdamW over the parameters a rank holds (1/s of split blocks', 1/r of all under ``shard=true``) at
+  the workload's measured seconds per parameter, over the rank's speed.
 
 The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
-replicas' all-reduce. Not modelled: the optimizer update's time outside the offload leaf, overlap of the gradient
-reduction with the backward, contention between links, per-step overheads (data, Python).
+replicas' all-reduce.
+
+Not modelled: overlap of the gradient reduction with the backward, the loss and gradient-norm all-reduces,
+contention between links, per-step overheads (data, Python).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class Workload:
     profile's parameter counts."""
     profile_path: str = ""
     """The profile's file: a plan names the profiled cut as ``partition=<this file>``; "" = not offered."""
+    update_s_per_param: float = 0.0
+    """Seconds of the AdamW update per parameter on the profiled device (measured beside the profile); 0 = the
+    update is not priced."""
     offload: Callable[[int, int, int], tuple[float, int]] | None = None
     """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
     device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
@@ -86,11 +93,14 @@ class Prediction:
 
     plan: Plan
     step_s: float
-    """Seconds of one optimizer step: compute (with pipeline bubbles and split reductions) + gradient reduction."""
+    """Seconds of one optimizer step: compute (with pipeline bubbles and split reductions) + gradient reduction +
+    update."""
     compute_s: float
     """The compute part: the pipeline's simulated makespan, or the slowest replica's micro-batches in a row."""
     reduce_s: float
     """Seconds of the replicas' gradient reduction after the backward."""
+    update_s: float = 0.0
+    """Seconds of the slowest rank's AdamW update of the parameters it holds (1/r of them under shard=true)."""
     bubble: float
     """Idle share of the pipeline ranks during the compute part (0 without a pipeline)."""
     peak_bytes: tuple[int, ...]
@@ -195,6 +205,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     shard = plan.replicate is not None and plan.replicate.shard
     grad_bytes = [sum(blocks.param_bytes[b] for b in h) for h in held]
     reduce = max(allreduce_s(x, r, _mesh_link(hw, plan, "replica")) for x in grad_bytes)
+    update = _update_s(work, plan, hw, held)
     peaks = []
     for rank in range(world):
         q = plan.coord(rank).stage_rank
@@ -206,8 +217,21 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         k = max(over, key=lambda j: peaks[j] - limits[j])
         why = (f"rank {k} needs {fmt_bytes(peaks[k])} of its {fmt_bytes(limits[k])} "
                f"({len(over)} of {world} ranks over)")
-    return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=bubble,
-                      peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+    return Prediction(plan=plan, step_s=compute + reduce + update, compute_s=compute, reduce_s=reduce,
+                      update_s=update, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -> float:
+    """The slowest rank's AdamW update: the parameters it holds (split blocks 1/s, all 1/r under shard=true)."""
+    s = plan.splits
+    shard = plan.replicas if plan.replicate is not None and plan.replicate.shard else 1
+    split = set(work.splittable) if s > 1 else set()
+    worst = 0.0
+    for rank in range(plan.world_size()):
+        q = plan.coord(rank).stage_rank
+        n = sum(work.profile.blocks[b].n_params / (s if b in split else 1) for b in held[q]) / shard
+        worst = max(worst, n * work.update_s_per_param / hw.devices[rank].speed)
+    return worst
 
 
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:

@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,9 @@ from stratum.plan.predict import Prediction, Workload
 from stratum.plan.search import SearchResult, search
 from stratum.profile import Profile
 from stratum.profile.fast import cache_key, cache_path
-from stratum.runtime.device import resolve_device
+from stratum.runtime.device import resolve_device, synchronize
+from stratum.runtime.engine import OptimSpec
+from stratum.runtime.optim import make_adamw
 from stratum.train.checkpoint import latest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -86,13 +89,13 @@ def _meta_model(cfg: Config) -> BlockSeq:
 def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload:
     """The search's view of ``cfg``'s step: costs (``profile_path`` or measured and cached), the blocks split
     shards and the split sizes the layers divide into, the weights the balanced cut uses."""
+    device = resolve_device(cfg.train.device)
     if profile_path:
         prof = Profile.load(profile_path)
         if len(prof.blocks) != len(model):
             raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has "
                                f"{len(model)}; re-run `stratum profile` with this config")
     else:
-        device = resolve_device(cfg.train.device)
         prof = planning_profile(cfg, model, device)
         t = cfg.train
         cached = cache_path(cfg.cache_dir, model, cache_key(model, micro_batch=t.micro_batch_size,
@@ -104,7 +107,27 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
     sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
     weights = tuple(float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks)
     return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
-                    param_counts=weights, profile_path=profile_path or "", offload=offload)
+                    param_counts=weights, profile_path=profile_path or "", offload=offload,
+                    update_s_per_param=update_seconds_per_param(device))
+
+
+def update_seconds_per_param(device: torch.device, n: int = 1 << 20, repeats: int = 5) -> float:
+    """Seconds per parameter of the AdamW update the engines run (:func:`stratum.runtime.optim.make_adamw`: fused
+    torch AdamW), the best of ``repeats`` steps over ``n`` parameters on ``device``; draws no random numbers."""
+    p = torch.nn.Parameter(torch.zeros(n, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = make_adamw([("w", p)], OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.0), device)
+    for g in opt.param_groups:
+        g["lr"] = 1e-3
+    opt.step()  # allocates the moments
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best / n
 
 
 def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[int, int, int], tuple[float, int]]:
