@@ -49,7 +49,7 @@ def sharded(tmp_path_factory, corpus_file, cache_dir):
     """The sweep, its worker asked to stop (SIGTERM) once midway: the jobs leave at a shard boundary and a new
     worker resumes them from their checkpoints."""
     tmp = tmp_path_factory.mktemp("shards")
-    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED, grid='"train.steps" = [2, 4, 3]', steps=2,
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED, grid='"train.steps" = [1, 3, 2]', steps=2,
                       extra="eval_interval = 2\nckpt_interval = 1")
     lines: list[str] = []
     stopped: list[int] = []
@@ -57,7 +57,7 @@ def sharded(tmp_path_factory, corpus_file, cache_dir):
 
     def stop_the_worker_once_midway(sweep) -> None:
         pids = {r.pid for r in sweep.state.jobs() if r.pid is not None}
-        if not stopped and pids and grants.exists() and len(grants.read_text().splitlines()) >= 20:
+        if not stopped and pids and grants.exists() and len(grants.read_text().splitlines()) >= 12:
             stopped.append(pids.pop())
             os.kill(stopped[0], signal.SIGTERM)
 
@@ -69,7 +69,7 @@ def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
     path, tmp, lines, stopped = sharded
     got = rows(tmp / "sw")
     assert {j: (r["status"], r["step"], r["attempts"]) for j, r in got.items()} == {
-        "j000": ("done", 2, 0), "j001": ("done", 4, 0), "j002": ("done", 3, 0)}, lines
+        "j000": ("done", 1, 0), "j001": ("done", 3, 0), "j002": ("done", 2, 0)}, lines
     assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) == 2, lines  # stopped, resumed
     for job_id in got:
         job_toml = (tmp / "sw" / "jobs" / job_id / "job.toml").read_text()

@@ -12,6 +12,9 @@ It is solved by PuLP's CBC under a time limit, warm-started from the greedy plan
 among its options of near-least device-seconds, the one that ends earliest on the slots that free first), which
 is also the fallback without PuLP or without an integer solution in time. :func:`list_schedule` turns an order
 and the choices into starts (as early as the slots allow), so every plan returned is feasible by construction.
+
+When every option is on one slot, order within a slot does not matter and the plain assignment MILP of
+:mod:`stratum.sweep.makespan` (no order variables, a much tighter model) is what the local runner uses.
 """
 
 from __future__ import annotations
