@@ -108,3 +108,14 @@ def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path
         cfg.plan
     with pytest.raises(StratumError, match="parallel.devices must be ≥ 0"):
         load_config(None, ["parallel.plan='auto'", "parallel.devices=-1"])
+    with pytest.raises(StratumError, match="they go with parallel.plan = 'auto'"):
+        load_config(None, ["parallel.devices=2"])
+    with pytest.raises(StratumError, match="parallel.hardware = '/nope.toml' is not a file"):
+        load_config(None, ["parallel.plan='auto'", "parallel.hardware='/nope.toml'"])
+
+
+def test_flags_that_would_do_nothing_are_refused(capsys):
+    assert main(["plan", "--devices", "2"]) == 2
+    assert "--devices and --hardware go with --parallel" in capsys.readouterr().err
+    assert main(["plan", "--parallel", "--sweep", "10%"]) == 2
+    assert "--sweep, --estimate and --json are the offload plan's" in capsys.readouterr().err

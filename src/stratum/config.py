@@ -360,10 +360,20 @@ class Config:
         if self.parallel.plan.strip() != "auto":  # "auto" is resolved (and its tree checked) at start-up
             self.plan  # parses and checks the plan expression
             self._validate_speeds()
-        _check("parallel.devices", self.parallel.devices >= 0, "must be ≥ 0 (0 = the hardware spec's devices)")
+        self._validate_auto()
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
         self._validate_schedule()
         self._validate_offload()
+
+    def _validate_auto(self) -> None:
+        pl = self.parallel
+        _check("parallel.devices", pl.devices >= 0, "must be ≥ 0 (0 = the hardware spec's devices)")
+        if pl.plan.strip() != "auto" and (pl.devices or pl.hardware.strip()):
+            raise StratumError("parallel.devices and parallel.hardware are the plan search's; they go with "
+                               "parallel.plan = 'auto'")
+        if pl.hardware.strip() and not Path(pl.hardware).expanduser().is_file():
+            raise StratumError(f"parallel.hardware = {_show(pl.hardware)} is not a file; write a spec with "
+                               "`stratum hardware probe --out FILE`")
 
     def _validate_schedule(self) -> None:
         """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""

@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if args.parallel:
         from stratum.plan.search_cli import run_search
         return run_search(args)
+    if args.devices is not None or args.hardware:
+        raise StratumError("--devices and --hardware go with --parallel (the plan search)")
     cfg = load_config(args.config, args.overrides)
     if args.estimate and args.profile:
         raise StratumError("--estimate plans from the model's shapes and --profile from measured costs; give one")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from stratum.runtime.device import resolve_device, synchronize
 from stratum.runtime.engine import OptimSpec
 from stratum.runtime.optim import make_adamw
 from stratum.train.checkpoint import latest_checkpoint
+from stratum.train.threads import usable_cores
 
 logger = logging.getLogger(__name__)
 SHOWN = 20
@@ -58,6 +58,8 @@ SHOWN = 20
 
 def run_search(args: argparse.Namespace) -> int:
     """``stratum plan --parallel``: print the ranked table for ``--devices`` devices."""
+    if args.sweep is not None or args.estimate or args.json_out:
+        raise StratumError("--parallel ranks Plan trees; --sweep, --estimate and --json are the offload plan's")
     cfg = load_config(args.config, args.overrides)
     hw = load_hardware(args.hardware) if args.hardware else None
     n = args.devices or (hw.num_devices if hw else _default_devices())
@@ -152,7 +154,7 @@ def _splits(model: BlockSeq, s: int) -> bool:
 
 
 def _default_devices() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+    return torch.cuda.device_count() if torch.cuda.is_available() else usable_cores()
 
 
 def machine_hardware(cfg: Config, n: int) -> Hardware:
@@ -178,6 +180,10 @@ def _label(plan, work: Workload) -> str:
 
 
 # ---- parallel.plan = "auto" ----------------------------------------------------------------------------------
+_SEARCHED = ("parallel.devices=0", "parallel.hardware=''")
+"""The search's own settings, cleared once its tree is chosen (they do nothing beside a tree)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class AutoChoice:
     """What ``parallel.plan = "auto"`` resolved to."""
@@ -204,15 +210,16 @@ def choose_plan(cfg: Config, config_path: str | None, overrides: list[str]) -> A
     prior = recorded(out)
     if prior is not None and cfg.train.resume and latest_checkpoint(out) is not None:
         logger.info(f"parallel.plan = auto: resuming with the tree this run chose before, {prior['plan']}")
-        overrides += [f"parallel.plan={prior['plan']!r}", f"train.grad_accum={int(prior['grad_accum'])}"]
+        overrides += [f"parallel.plan={prior['plan']!r}", f"train.grad_accum={int(prior['grad_accum'])}", *_SEARCHED]
         return AutoChoice(config=load_config(config_path, overrides), prediction=None)
-    hw = load_hardware(cfg.parallel.hardware) if cfg.parallel.hardware.strip() else None
+    hw = load_hardware(Path(cfg.parallel.hardware).expanduser()) if cfg.parallel.hardware.strip() else None
     n = cfg.parallel.devices or (hw.num_devices if hw else _default_devices())
     res, work = plan_search(cfg, n, hw)
     best = res.best
     logger.info(res.table(5, label=lambda p: _label(p, work)))
     logger.info(f"parallel.plan = auto: chose {_label(best.plan, work)} — {_why(best, res, work)}")
-    overrides += [f"parallel.plan={str(best.plan)!r}", f"train.grad_accum={cfg.train.grad_accum // best.plan.replicas}"]
+    overrides += [f"parallel.plan={str(best.plan)!r}", f"train.grad_accum={cfg.train.grad_accum // best.plan.replicas}",
+                  *_SEARCHED]
     return AutoChoice(config=load_config(config_path, overrides), prediction=best)
 
 
