@@ -31,10 +31,11 @@ from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import Engine, StepResult, TrainState
 
 
-class ReplicatedOffload(Engine):
-    """Data parallel over ``world``'s replica group around an offload engine (see the module docstring)."""
+class OverReplicas(Engine):
+    """What every replicate node around a memory-engine child shares: the replica group, the shares by speed, and
+    the Engine calls that are the child's."""
 
-    def __init__(self, child: OffloadEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
+    def __init__(self, child: Engine, *, node: Replicate, world: World, speeds: list[float] | None):
         self.child = child
         self.node = node
         self.world = world
@@ -42,6 +43,43 @@ class ReplicatedOffload(Engine):
         self.speeds = speeds
         """Relative speed per replica (hardware-aware shares), or None for even shares."""
         self.group = world.group("replica")
+
+    def describe(self) -> str:
+        lines = [self.child.describe()]
+        if self.speeds is not None:
+            lines.append("replica speeds " + ", ".join(f"{s:.3g}" for s in self.speeds)
+                         + ": micro-batch shares follow them")
+        return "\n".join(x for x in lines if x)
+
+    def eval_loss(self, batches: list[Batch]) -> float:
+        return self.child.eval_loss(batches)
+
+    def state(self) -> TrainState:
+        return self.child.state()
+
+    def load_state(self, state: TrainState) -> None:
+        self.child.load_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.child.memory_stats()
+
+    def step_io(self) -> dict[str, float]:
+        return self.child.step_io()
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.child.predicted_step_s
+
+    def close(self) -> None:
+        self.child.close()
+
+
+class ReplicatedOffload(OverReplicas):
+    """Data parallel over ``world``'s replica group around an offload engine (see the module docstring)."""
+
+    def __init__(self, child: OffloadEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
+        super().__init__(child, node=node, world=world, speeds=speeds)
+        self.child: OffloadEngine = child
         child.reducer = (adasum_over(world) if node.reduce == "adasum" else
                          self._sum_to_owner if node.shard else sum_over(world))
         if node.shard:
@@ -93,16 +131,6 @@ class ReplicatedOffload(Engine):
                 child.set_params(c, buf.cpu())
 
     # ---- Engine -------------------------------------------------------------------------------------------
-    def describe(self) -> str:
-        lines = [self.child.describe()]
-        if self.speeds is not None:
-            lines.append("replica speeds " + ", ".join(f"{s:.3g}" for s in self.speeds)
-                         + ": micro-batch shares follow them")
-        return "\n".join(x for x in lines if x)
-
-    def eval_loss(self, batches: list[Batch]) -> float:
-        return self.child.eval_loss(batches)
-
     def state(self) -> TrainState:
         """The child's state; sharded, each replica's AdamW state of its own chunks gathered to replica 0."""
         st = self.child.state()
@@ -118,22 +146,6 @@ class ReplicatedOffload(Engine):
             for part in got:
                 st.optim.update(part)
         return st
-
-    def load_state(self, state: TrainState) -> None:
-        self.child.load_state(state)
-
-    def memory_stats(self) -> dict[str, int]:
-        return self.child.memory_stats()
-
-    def step_io(self) -> dict[str, float]:
-        return self.child.step_io()
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        return self.child.predicted_step_s
-
-    def close(self) -> None:
-        self.child.close()
 
 
 def chunk_owner(n: int, index: int):

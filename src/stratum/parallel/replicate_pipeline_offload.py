@@ -24,7 +24,8 @@ from stratum.ir.plan import Replicate
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.reduce import Reducer, adasum_over, sum_over
 from stratum.parallel.replicate import my_part
-from stratum.runtime.engine import Engine, StepResult, TrainState, clip_coef
+from stratum.parallel.replicate_offload import OverReplicas
+from stratum.runtime.engine import StepResult, clip_coef
 
 
 def in_turn(first: Reducer | None, then: Reducer) -> Reducer:
@@ -37,7 +38,7 @@ def in_turn(first: Reducer | None, then: Reducer) -> Reducer:
     return reduce
 
 
-class ReplicatedOffloadPipeline(Engine):
+class ReplicatedOffloadPipeline(OverReplicas):
     """Data parallel over ``world``'s replica group around an offload pipeline (see the module docstring)."""
 
     def __init__(self, child: OffloadPipelineEngine, *, node: Replicate, world: World,
@@ -45,12 +46,8 @@ class ReplicatedOffloadPipeline(Engine):
         if node.shard:
             raise StratumError("replicate(shard=true) over pipeline(…, offload(…)) is not supported; use "
                                "shard=false there (the offload leaf already keeps AdamW state off the device)")
-        self.child = child
-        self.node = node
-        self.world = world
-        self.n, self.index = world.size("replica"), world.coord.replica
-        self.speeds = speeds
-        """Relative speed per replica (hardware-aware shares), or None for even shares."""
+        super().__init__(child, node=node, world=world, speeds=speeds)
+        self.child: OffloadPipelineEngine = child
         leaf = child.leaf
         leaf.reducer = in_turn(leaf.reducer, adasum_over(world) if node.reduce == "adasum" else sum_over(world))
 
@@ -66,33 +63,3 @@ class ReplicatedOffloadPipeline(Engine):
         child.update(lr, clip_coef(norm, child.spec.grad_clip))
         total = self.world.all_reduce(loss_sum.reshape(1).clone(), "replica", "the loss all-reduce")
         return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
-
-    # ---- Engine -------------------------------------------------------------------------------------------
-    def describe(self) -> str:
-        lines = [self.child.describe()]
-        if self.speeds is not None:
-            lines.append("replica speeds " + ", ".join(f"{s:.3g}" for s in self.speeds)
-                         + ": micro-batch shares follow them")
-        return "\n".join(x for x in lines if x)
-
-    def eval_loss(self, batches: list[Batch]) -> float:
-        return self.child.eval_loss(batches)
-
-    def state(self) -> TrainState:
-        return self.child.state()
-
-    def load_state(self, state: TrainState) -> None:
-        self.child.load_state(state)
-
-    def memory_stats(self) -> dict[str, int]:
-        return self.child.memory_stats()
-
-    def step_io(self) -> dict[str, float]:
-        return self.child.step_io()
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        return self.child.predicted_step_s
-
-    def close(self) -> None:
-        self.child.close()
