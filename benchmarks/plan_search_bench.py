@@ -1,0 +1,127 @@
+"""Benchmark: the auto plan search's predicted step time against the measured one, for its top 3 trees on 2 and 4
+processes of this machine (issue 19, prediction fidelity; goal: within 15 %).
+
+For each device count N the search ranks the trees (SIMULATED: the cost model over a ``stratum profile`` of the
+model — block medians of ``--profile-runs`` runs at the real micro-batch — and this machine's probed hardware spec
+for N CPU processes); the 3 best are trained for real with ``stratum train`` (gloo
+processes, one thread each), their prediction written into the run's out_dir so that ``summary.json`` holds it
+beside the measured median step time (:mod:`stratum.plan.fidelity`). The baseline, in the same run, is the plain
+one-process engine: its measured step against the search's prediction for one device.
+
+Runbook::
+
+    OMP_NUM_THREADS=1 python benchmarks/plan_search_bench.py [--preset mini --seq-len 32 --micro-batch 4 \
+        --grad-accum 4 --steps 10 --rounds 1 --devices 2,4]
+
+Writes ``benchmarks/results/plan_search.json`` and prints one row per tree: predicted, measured (median over
+rounds of each run's median step), measured/predicted − 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOP = 3
+
+
+def _overrides(a: argparse.Namespace, cache: Path) -> list[str]:
+    return [f"model.preset={a.preset!r}", f"data.seq_len={a.seq_len}", f"train.micro_batch_size={a.micro_batch}",
+            f"train.grad_accum={a.grad_accum}", f"data.cache_dir={str(cache)!r}", f"train.steps={a.steps}",
+            "train.eval_interval=0", "train.log_interval=1000"]
+
+
+def _train(overrides: list[str], out: Path) -> dict:
+    argv = [sys.executable, "-m", "stratum", "train"]
+    for o in overrides + [f"train.out_dir={str(out)!r}"]:
+        argv += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def _profile(overrides: list[str], out: Path, runs: int) -> None:
+    argv = [sys.executable, "-m", "stratum", "profile", "--out", str(out), "--runs", str(runs)]
+    for o in overrides:
+        argv += ["--set", o]
+    proc = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"profiling failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--profile-runs", type=int, default=5)
+    p.add_argument("--devices", default="2,4")
+    p.add_argument("--out", default=str(HERE / "results" / "plan_search.json"))
+    a = p.parse_args()
+
+    import torch
+
+    from stratum.atomic import atomic_write_json
+    from stratum.config import load_config
+    from stratum.plan.fidelity import write_prediction
+    from stratum.plan.search_cli import machine_hardware, plan_search
+
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    work_dir = Path(tempfile.mkdtemp(prefix="stratum-plan-bench-"))
+    cache = work_dir / "cache"
+    base = _overrides(a, cache)
+    cfg = load_config(None, base)
+    prof = work_dir / "profile.json"
+    _profile(base, prof, a.profile_runs)
+    rows = []
+    for n in [1] + [int(x) for x in a.devices.split(",")]:
+        res, _ = plan_search(cfg, n, machine_hardware(cfg, n), str(prof))
+        for rank, pred in enumerate(res.ranked[:1 if n == 1 else TOP], 1):
+            accum = a.grad_accum // pred.plan.replicas
+            measured = []
+            for r in range(a.rounds):
+                out = work_dir / f"n{n}-{rank}-r{r}"
+                write_prediction(out, pred, accum)
+                t0 = time.perf_counter()
+                s = _train(base + [f"parallel.plan={str(pred.plan)!r}", f"train.grad_accum={accum}"], out)
+                rec = s["plan_search"]
+                measured.append(rec["measured_step_s"])
+                print(f"  N={n} #{rank} round {r}: {s['engine']}: {rec['measured_step_s']:.4f} s measured "
+                      f"({time.perf_counter() - t0:.0f} s run)", flush=True)
+            m = statistics.median(measured)
+            rows.append({"devices": n, "rank": rank, "plan": str(pred.plan), "grad_accum_per_replica": accum,
+                         "predicted_step_s": pred.step_s, "predicted_compute_s": pred.compute_s,
+                         "predicted_reduce_s": pred.reduce_s, "measured_step_s": m, "measured_rounds": measured,
+                         "error": m / pred.step_s - 1})
+    result = {"benchmark": "plan_search", "what": "auto plan search: predicted (SIMULATED) vs measured step time",
+              "args": vars(a), "cpu_count": os.cpu_count(), "rows": rows,
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows if r["devices"] > 1),
+              "trees": sum(r["devices"] > 1 for r in rows),
+              "median_abs_error": statistics.median(abs(r["error"]) for r in rows if r["devices"] > 1)}
+    atomic_write_json(a.out, result)
+    print(f"{'N':>2} {'#':>2}  {'plan':<62} {'predicted s':>11} {'measured s':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['devices']:>2} {r['rank']:>2}  {r['plan'][:62]:<62} {r['predicted_step_s']:>11.4f} "
+              f"{r['measured_step_s']:>10.4f} {r['error'] * 100:>+6.1f}%")
+    print(f"within 15 %: {result['within_15pct']} of {result['trees']} trees; median |error| "
+          f"{result['median_abs_error'] * 100:.1f} %; wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
