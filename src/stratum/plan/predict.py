@@ -152,18 +152,19 @@ def _schedule(kind: str, ranks: int, microbatches: int, virtual: int, waves: int
     return generate(kind, ranks=ranks, microbatches=microbatches, virtual=virtual, waves=waves)
 
 
-def _stages(work: Workload, plan: Plan, sched: Schedule, speeds: list[float]) -> list[range]:
-    """The cut the pipeline runtime makes for this node (:func:`stratum.runtime.pipeline.plan_pipeline`)."""
+def _stages(work: Workload, plan: Plan, sched: Schedule) -> list[range]:
+    """The cut the pipeline runtime makes for this node (:func:`stratum.runtime.pipeline.plan_pipeline`) with
+    ``parallel.speeds`` unset, as a tree the search chooses runs: the cut ignores the devices' speeds, the
+    stage times do not."""
     node, n = plan.pipeline, len(work.profile.blocks)
     if sched.num_stages > n:
         raise StratumError(f"{sched.num_stages} stages but the model has {n} blocks")
     if node.partition == "even":
         return even_partition(n, sched.num_stages)
-    per_stage = None if len(set(speeds)) == 1 else [speeds[r] for r in sched.stage_to_rank]
     if node.partition == "balanced":
-        return balanced_partition(work.weights, sched.num_stages, per_stage)
+        return balanced_partition(work.weights, sched.num_stages)
     if work.profile_path and node.partition == work.profile_path:
-        return list(partition(work.profile, sched.stage_to_rank, speeds=None if per_stage is None else speeds).stages)
+        return list(partition(work.profile, sched.stage_to_rank).stages)
     raise StratumError(f"partition {node.partition!r} is not one the search prices (even, balanced, the profile)")
 
 
@@ -193,7 +194,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     else:
         node = plan.pipeline
         sched = _schedule(node.schedule, p, m, node.virtual, node.waves)
-        stages = _stages(work, plan, sched, stage_speed)
+        stages = _stages(work, plan, sched)
         costs = blocks.over(stages)
         k = [1.0 / stage_speed[sched.stage_to_rank[j]] for j in range(len(stages))]
         costs = replace(costs, f=[x * y for x, y in zip(costs.f, k)], b=[x * y for x, y in zip(costs.b, k)],
