@@ -91,3 +91,23 @@ def test_bad_planner_input_is_one_line():
             plan_burst(c, **args)
     with pytest.raises(StratumError, match="one width in 1..4 per block"):
         price_burst(c, [1, 1], devices=4, link=LINK)
+
+
+def test_the_burst_node_parses_renders_and_says_who_runs_what():
+    from stratum.ir.plan import parse_plan
+
+    plan = parse_plan("burst(4, widths=4:2:1:1, amplification=1.5)")
+    assert str(plan) == "burst(4, widths=4:2:1:1, amplification=1.5)" and str(parse_plan(str(plan))) == str(plan)
+    assert plan.world_size() == 4 and plan.mesh_shape == (4, 1, 1) and plan.replicas == 1  # micro-batches split
+    assert plan.burst.width_list() == (4, 2, 1, 1)
+    assert [line.split("  ")[-1].strip() for line in plan.table(lambda r: [0, 1, 2, 3]).splitlines()[2:]] == [
+        "runs blocks 0-3 of widths 4:2:1:1", "runs blocks 0-1 of widths 4:2:1:1", "runs blocks 0 of widths 4:2:1:1",
+        "runs blocks 0 of widths 4:2:1:1"]
+    assert str(parse_plan("burst(2)")) == "burst(2)"
+    for text, msg in [("burst(4, widths=5:1)", "every width must be in 1..4"),
+                      ("burst(2, widths=a:b)", "must be whole numbers separated by ':'"),
+                      ("burst(2, amplification=0.5)", "must be >= 1"),
+                      ("replicate(2, burst(2))", "replicate cannot hold burst"),
+                      ("burst(2, pipeline(2))", "burst cannot hold pipeline")]:
+        with pytest.raises(StratumError, match=msg):
+            parse_plan(text)

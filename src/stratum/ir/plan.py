@@ -261,8 +261,9 @@ class Plan:
             parts.append("training state over device, host and disk (offload)")
         if self.burst is not None:
             widths = self.burst.width_list()
-            parts.append(f"the blocks of width > {c.replica}" + (f" (widths {self.burst.widths})" if widths else
-                                                                  " (widths planned at start)"))
+            held = [i for i, w in enumerate(widths) if w > c.replica]
+            parts.append(f"runs blocks {_ranges(held) or 'none'} of widths {self.burst.widths}" if widths else
+                         f"runs the blocks wider than {c.replica} (widths planned at start)")
         return "; ".join(parts) or "whole parameters, gradients and AdamW state"
 
     def __str__(self) -> str:
