@@ -148,3 +148,11 @@ def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner(
     tiny = search(work, Hardware.uniform(1, memory_bytes=1000, host_bytes=10**9), 1)
     assert not tiny.ranked and "offload(device_budget=1000, host_budget=1000000000)" in tiny.table()
     assert "cannot run: no placement fits" in tiny.table()
+
+
+def test_the_search_is_bounded_in_time_and_says_when_it_stopped():
+    res = search(_work(), _hw(4), 4, time_limit_s=0.0)
+    assert not res.complete and res.examined == 0
+    assert "stopped at the time limit: not every tree was priced" in res.table().splitlines()[0]
+    with pytest.raises(StratumError, match="no plan for 4 devices fits"):
+        res.best

@@ -11,6 +11,7 @@ from stratum.cli import main
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link, dump_hardware, load_hardware
+from stratum.ir.plan import parse_plan
 from stratum.offload.tiers import Bandwidths
 from stratum.plan import hardware_cli
 from stratum.plan.process_probe import ProcessProbe
@@ -100,6 +101,20 @@ def test_auto_dry_run_names_the_choice_and_a_run_records_prediction_beside_measu
     assert rec["step_s_error"] == pytest.approx(rec["measured_step_s"] / rec["predicted_step_s"] - 1)
     assert rec["measured_peak_bytes"] == summary["peak_device_bytes"] and rec["predicted_peak_bytes"] > 0
     assert "plan search: step " in capsys.readouterr().out
+
+
+def test_auto_over_two_processes_trains_the_chosen_tree(corpus_file, cache_dir, tmp_path, spec, capfd):
+    out = tmp_path / "run2"
+    assert main(["train", *_base(corpus_file, cache_dir, out), "--set", "parallel.plan='auto'",
+                 "--set", f"parallel.hardware={str(spec)!r}", "--set", "parallel.devices=2"]) == 0
+    text = capfd.readouterr().out  # the ranks' lines too
+    assert text.count("plan search over 2 devices") == 1  # the ranks got the tree, they did not search again
+    summary = json.loads((out / "summary.json").read_text())
+    chosen = summary["plan_search"]["plan"]
+    assert "parallel.plan = auto: chose " in text and summary["engine"] == chosen and summary["steps_done"] == 3
+    # the step's 2 micro-batches shared over the chosen tree's replicas: the global batch stays 2 × 2 sequences
+    assert f"global batch = 2 (micro) × {2 // parse_plan(chosen).replicas} (accum)" in text
+    assert summary["plan_search"]["measured_step_s"] > 0
 
 
 def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path):
