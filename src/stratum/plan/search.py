@@ -57,8 +57,9 @@ class SearchResult:
     @property
     def best(self) -> Prediction:
         if not self.ranked:
-            raise StratumError(f"no plan for {self.devices} devices fits: "
-                               + (self.too_big[0].why if self.too_big else "every tree was refused"))
+            why = (self.too_big[0].why if self.too_big else "every tree priced was refused" if self.examined
+                   else "the search stopped at its time limit before it priced a tree")
+            raise StratumError(f"no plan for {self.devices} devices fits: {why}")
         return self.ranked[0]
 
     def table(self, top: int = 20, label=str) -> str:
