@@ -54,6 +54,7 @@ def test_probe_writes_a_spec_from_its_measurements(tmp_path, monkeypatch, capsys
         return ProcessProbe(rates=(10.0, 10.0, 5.0), allreduce_s=(0.01, 0.0001))
     monkeypatch.setattr(hardware_cli, "probe_processes", processes)
     monkeypatch.setattr(hardware_cli, "compute_rate", lambda device: 20.0)
+    monkeypatch.setattr(hardware_cli, "usable_cores", lambda: 2)  # 3 processes on 2 cores: one thread each
     monkeypatch.setattr(hardware_cli, "measure_bandwidths", lambda device, disk_dir: Bandwidths(
         h2d=4e9, d2h=3e9, disk_read=2e9, disk_write=1e9, adam_params_per_s=1e8))
     monkeypatch.setattr(hardware_cli.torch.cuda, "is_available", lambda: False)
