@@ -255,7 +255,8 @@ def _same_run(got_dir: Path, want_dir: Path, rel: float = 1e-5) -> None:
 # test_parallel_split.py) are not repeated here: each CLI run costs its processes' start-up.
 PLANS = {
     "gpt": [("replicate(2, shard=true)", 2), ("split(2)", 4), ("pipeline(2, split(2))", 4),
-            ("replicate(2, pipeline(2, offload(device_budget=1.5MB)))", 2)],
+            ("replicate(2, pipeline(2, offload(device_budget=1.5MB)))", 2),
+            ("replicate(2, shard=true, pipeline(2, offload(device_budget=1.5MB)))", 2)],
     "gpt2": [("replicate(2, pipeline(2))", 2), ("replicate(2, offload(device_budget=1MB))", 2),
              ("pipeline(2, offload(device_budget=1.2MB))", 4)],
     "llama": [("split(2)", 4)],

@@ -43,12 +43,6 @@ from stratum.runtime.plain import PlainEngine
 def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
-    if isinstance(plan.leaf, Offload) and plan.split is not None:
-        raise StratumError(f"parallel.plan {str(plan)!r}: the offload leaf runs alone, under replicate and under "
-                           "pipeline so far, not under split")
-    if isinstance(plan.leaf, Offload) and plan.pipeline is not None and plan.replicate and plan.replicate.shard:
-        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) over pipeline(…, offload(…)) is not "
-                           "supported; use shard=false (the offload leaf keeps AdamW state off the device already)")
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
         raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
                            "parameters yet; use shard=false with split")
@@ -173,8 +167,10 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     engine: GradEngine
     if plan.pipeline is not None and isinstance(plan.leaf, Offload):
         node = plan.pipeline
+        rep = plan.replicate
+        owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
         engine = OffloadPipelineEngine(model, cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
-                                       precision=precision, schedule_for=lambda m: make_schedule(node, m))
+                                       precision=precision, schedule_for=lambda m: make_schedule(node, m), owns=owns)
         if plan.replicate is not None:
             replicated = ReplicatedOffloadPipeline(engine, node=plan.replicate, world=world,
                                                    speeds=replica_speeds(speeds, plan))

@@ -15,6 +15,7 @@ Checkpoints use the whole model's names, so they move to and from every other pl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,8 +52,13 @@ def check_schedule(schedule: Schedule) -> None:
 class OffloadPipelineEngine(PipelineEngine):
     """A pipeline whose ranks run their blocks through the memory engine (see the module docstring)."""
 
-    def __init__(self, model: BlockSeq, *, cfg: Config, leaf: Offload, **kw):
+    def __init__(self, model: BlockSeq, *, cfg: Config, leaf: Offload, owns: Callable[[int], bool] | None = None,
+                 **kw):
         self.cfg = leaf_config(cfg, leaf)
+        self.owns = owns
+        """The chunks whose AdamW state and update are this rank's (a sharding parent's choice); None: all."""
+        self.gather_optim: Callable[[dict], dict] | None = None
+        """A sharding parent's merge of the replicas' optimizer states before the pipeline gathers its ranks'."""
         super().__init__(model, **kw)
         check_schedule(self.plan.schedule)
 
@@ -81,7 +87,7 @@ class OffloadPipelineEngine(PipelineEngine):
         placement = self._agreed(lambda: placement_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
         # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
         placement = self.mesh.share_object(placement, "replica", "the offload placement")
-        self.leaf = offload_engine(cfg, sub, self.device, placement)
+        self.leaf = offload_engine(cfg, sub, self.device, placement, self.owns)
         tied = {id(p): grp for p, grp in self.tied_sync}
         groups = {ln: tied[id(p)] for ln, p in sub.named_parameters() if id(p) in tied}
         self.leaf.reducer = self._tied_reducer(groups)
@@ -139,10 +145,14 @@ class OffloadPipelineEngine(PipelineEngine):
         self.runner.begin_step(lr, len(micro_batches))
         return super().train_step(micro_batches, lr)
 
-    def grad_norm(self) -> torch.Tensor:
+    def local_norms(self) -> torch.Tensor:
+        """The norms of this rank's counted gradients (of the chunks it owns, under a sharding parent)."""
         counted = self.norm_counted()
         norms = [n for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
-        return self.reduce_norm(torch.stack(norms) if norms else torch.zeros(0, device=self.device))
+        return torch.stack(norms) if norms else torch.zeros(0, device=self.device)
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.reduce_norm(self.local_norms())
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.leaf.apply_updates(coef if self.leaf._deferred else None)
@@ -159,8 +169,9 @@ class OffloadPipelineEngine(PipelineEngine):
 
     def _local_state(self) -> TrainState:
         st = self.leaf.state()
+        optim = {self.to_global[n]: s for n, s in st.optim.items()}
         return TrainState(params={self.to_global[n]: t for n, t in st.params.items()},
-                          optim={self.to_global[n]: s for n, s in st.optim.items()},
+                          optim=self.gather_optim(optim) if self.gather_optim is not None else optim,
                           buffers={self.to_global[n]: t for n, t in st.buffers.items()})
 
     def load_state(self, state: TrainState) -> None:

@@ -73,6 +73,60 @@ class OverReplicas(Engine):
     def close(self) -> None:
         self.child.close()
 
+    # ---- shard=true: chunk i belongs to replica i mod n ------------------------------------------------------
+    leaf: OffloadEngine
+    """The memory engine whose chunks the replicas share out (the child, or a pipeline rank's leaf)."""
+
+    def _owner(self, chunk: int) -> int:
+        """The process that updates ``chunk``."""
+        return self.world.members["replica"][chunk % self.n]
+
+    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> None:
+        """One chunk's gradients summed on its owner (the others' copies are left as they were, unused)."""
+        if self.group is None or not grads:
+            return
+        owner = self._owner(self.leaf.where[names[0]][0].i)
+        flat = flat_copy(grads)
+        self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
+                        f"the gradient reduction of {what}")
+        if self.world.rank == owner:
+            copy_back(grads, flat)
+
+    def _replicas_sq(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum of squares over every replica's owned chunks from this replica's part (norms, float64)."""
+        sq = local.double().pow(2).sum().reshape(1)
+        return self.world.all_reduce(sq, "replica", "the gradient-norm all-reduce")
+
+    def _share_params(self) -> None:
+        """After the updates: every chunk's parameters from its owner to the other replicas."""
+        leaf = self.leaf
+        leaf.drain()
+        for c in leaf.chunks:
+            src = self._owner(c.i)
+            flat = leaf.master_params(c) if self.world.rank == src else aligned_empty(c.cap)
+            buf = flat.to(self.world.device)  # (NCCL moves device tensors only)
+            self.world.wait(dist.broadcast(buf, src=src, group=self.group, async_op=True),
+                            f"sharing chunk {c.i}'s parameters")
+            if self.world.rank != src:
+                leaf.set_params(c, buf.cpu())
+
+    def _gather_optim(self, optim: dict) -> dict:
+        """Every replica's AdamW state of its own chunks, merged on replica 0 (the others keep their part)."""
+        if self.group is None:
+            return optim
+        got: list | None = [None] * self.n if self.index == 0 else None
+        try:
+            dist.gather_object(optim, got, dst=self.world.members["replica"][0], group=self.group)
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.world.rank}: gathering the optimizer state failed ({short_reason(e)}); "
+                            "a replica died or hung — stopping") from None
+        if self.index != 0:
+            return optim
+        merged: dict = {}
+        for part in got or []:
+            merged.update(part)
+        return merged
+
 
 class ReplicatedOffload(OverReplicas):
     """Data parallel over ``world``'s replica group around an offload engine (see the module docstring)."""
@@ -80,6 +134,7 @@ class ReplicatedOffload(OverReplicas):
     def __init__(self, child: OffloadEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
         super().__init__(child, node=node, world=world, speeds=speeds)
         self.child: OffloadEngine = child
+        self.leaf = child
         child.reducer = (adasum_over(world) if node.reduce == "adasum" else
                          self._sum_to_owner if node.shard else sum_over(world))
         if node.shard:
@@ -96,55 +151,16 @@ class ReplicatedOffload(OverReplicas):
         total = self.world.all_reduce(loss_sum.double().reshape(1), "replica", "the loss all-reduce")
         return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
 
-    # ---- shard=true --------------------------------------------------------------------------------------
-    def _owner(self, chunk: int) -> int:
-        """The process that updates ``chunk``."""
-        return self.world.members["replica"][chunk % self.n]
-
-    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> None:
-        """One chunk's gradients summed on its owner (the others' copies are left as they were, unused)."""
-        if self.group is None or not grads:
-            return
-        owner = self._owner(self.child.where[names[0]][0].i)
-        flat = flat_copy(grads)
-        self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
-                        f"the gradient reduction of {what}")
-        if self.world.rank == owner:
-            copy_back(grads, flat)
-
     def _global_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The norm over every replica's owned chunks from this replica's part."""
-        sq = local.double().pow(2).reshape(1)
-        return self.world.all_reduce(sq, "replica", "the gradient-norm all-reduce").sqrt().float().reshape(())
-
-    def _share_params(self) -> None:
-        """After the updates: every chunk's parameters from its owner to the other replicas."""
-        child = self.child
-        child.drain()
-        for c in child.chunks:
-            src = self._owner(c.i)
-            flat = child.master_params(c) if self.world.rank == src else aligned_empty(c.cap)
-            buf = flat.to(self.world.device)  # (NCCL moves device tensors only)
-            self.world.wait(dist.broadcast(buf, src=src, group=self.group, async_op=True),
-                            f"sharing chunk {c.i}'s parameters")
-            if self.world.rank != src:
-                child.set_params(c, buf.cpu())
+        return self._replicas_sq(local).sqrt().float().reshape(())
 
     # ---- Engine -------------------------------------------------------------------------------------------
     def state(self) -> TrainState:
         """The child's state; sharded, each replica's AdamW state of its own chunks gathered to replica 0."""
         st = self.child.state()
-        if not self.node.shard or self.group is None:
-            return st
-        got: list | None = [None] * self.n if self.index == 0 else None
-        try:
-            dist.gather_object(st.optim, got, dst=self.world.members["replica"][0], group=self.group)
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.world.rank}: gathering the optimizer state failed ({short_reason(e)}); "
-                            "a replica died or hung — stopping") from None
-        if self.index == 0:
-            for part in got:
-                st.optim.update(part)
+        if self.node.shard:
+            st.optim = self._gather_optim(st.optim)
         return st
 
 

@@ -11,6 +11,11 @@ The replica collectives cannot deadlock with the pipeline's point-to-point messa
 schedule over the same chunk layout, so the ranks of one stage meet at each chunk's reduction in the same order,
 and a rank waits there only for peers whose progress needs nothing from it. The chunk layout is replica 0's for
 each stage (shared at start-up), since each rank's planner measures its own bandwidths.
+
+With ``shard=true`` a stage's chunks are shared out over its replicas as under ``replicate(n, shard=true,
+offload(…))``: replica ``i % n`` owns chunk i (its AdamW state and update), a chunk's gradient is reduced to its
+owner, the norm sums the owners' parts over the replicas and then the stages, and owners broadcast their chunks'
+new parameters after the step.
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ class ReplicatedOffloadPipeline(OverReplicas):
 
     def __init__(self, child: OffloadPipelineEngine, *, node: Replicate, world: World,
                  speeds: list[float] | None = None):
-        if node.shard:
-            raise StratumError("replicate(shard=true) over pipeline(…, offload(…)) is not supported; use "
-                               "shard=false there (the offload leaf already keeps AdamW state off the device)")
         super().__init__(child, node=node, world=world, speeds=speeds)
         self.child: OffloadPipelineEngine = child
-        leaf = child.leaf
-        leaf.reducer = in_turn(leaf.reducer, adasum_over(world) if node.reduce == "adasum" else sum_over(world))
+        self.leaf = child.leaf
+        if node.shard and child.owns is None:
+            raise StratumError("replicate(shard=true) needs its offload pipeline built owning every n-th chunk")
+        across = (adasum_over(world) if node.reduce == "adasum" else
+                  self._sum_to_owner if node.shard else sum_over(world))
+        self.leaf.reducer = in_turn(self.leaf.reducer, across)
+        if node.shard:
+            child.gather_optim = self._gather_optim
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         mine = my_part(micro_batches, self.n, self.index, self.speeds)
@@ -59,7 +67,17 @@ class ReplicatedOffloadPipeline(OverReplicas):
         child = self.child
         child.runner.begin_step(lr, len(mine))
         loss_sum = child.forward_backward(mine, divisor)
-        norm = child.grad_norm()  # every replica holds the same reduced chunks: the pipeline's norm is the norm
+        norm = self._grad_norm()
         child.update(lr, clip_coef(norm, child.spec.grad_clip))
+        if self.node.shard:
+            self._share_params()
         total = self.world.all_reduce(loss_sum.reshape(1).clone(), "replica", "the loss all-reduce")
         return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global norm. Unsharded every replica holds the same reduced chunks, so the pipeline's norm is it;
+        sharded, each replica holds its own chunks' part: summed over the replicas, then over the stages."""
+        if not self.node.shard:
+            return self.child.grad_norm()
+        sq = self._replicas_sq(self.child.local_norms())
+        return self.child.reduce_norm(sq.sqrt().float())
