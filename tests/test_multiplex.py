@@ -1,5 +1,5 @@
-"""Multiplexing: a background job (train.priority = background) beside a burst foreground job — both finish with
-their standalone losses; the background really runs under SCHED_IDLE."""
+"""Multiplexing: a background job (train.priority = background) beside a foreground job — both finish with their
+standalone losses; the background really runs under SCHED_IDLE."""
 
 from __future__ import annotations
 
@@ -36,20 +36,27 @@ def losses(out: Path) -> list[float]:
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.timeout(180)
 def test_background_and_foreground_finish_with_their_standalone_losses(corpus_file, cache_dir, tmp_path):
-    # the standalone run, in this process: both jobs train the same model on the same data, so it is the
-    # reference of both (the foreground's burst plan has the plain engine's losses)
+    # Both jobs train the same model on the same data, so one standalone run (in this process) is the reference
+    # of both. The foreground runs in this process at normal priority while the background job runs beside it
+    # under SCHED_IDLE. (A burst foreground's idle ranks are what the background fills in
+    # benchmarks/multiplex_bench.py; here one process keeps the test's start-up cost to one process.)
     alone = tmp_path / "alone"
     train(load_config(None, overrides(corpus_file, cache_dir, alone)))
-    fg = start(overrides(corpus_file, cache_dir, tmp_path / "fg", "parallel.plan='burst(2, widths=2:1:1:2)'"))
     bg = start(overrides(corpus_file, cache_dir, tmp_path / "bg", "train.priority='background'"))
-    fg_out, bg_out = fg.communicate(timeout=150)[0], bg.communicate(timeout=150)[0]
-    assert fg.returncode == 0, fg_out[-3000:]
+    try:
+        train(load_config(None, overrides(corpus_file, cache_dir, tmp_path / "fg")))
+        bg_out = bg.communicate(timeout=150)[0]
+    finally:
+        if bg.poll() is None:
+            bg.kill()
+            bg.wait(timeout=10)
     assert bg.returncode == 0, bg_out[-3000:]
-    assert "priority: background (SCHED_IDLE" in bg_out and "priority:" not in fg_out
+    assert "priority: background (SCHED_IDLE" in bg_out
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the foreground (this process) kept its priority
     want = losses(alone)
     assert len(want) == 4
     assert losses(tmp_path / "bg") == pytest.approx(want, rel=1e-6)
-    assert losses(tmp_path / "fg") == pytest.approx(want, rel=1e-5)
+    assert losses(tmp_path / "fg") == pytest.approx(want, rel=1e-6)
 
 
 def test_an_unknown_priority_is_one_line():

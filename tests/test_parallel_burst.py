@@ -98,6 +98,7 @@ def worker(job_path: str) -> None:
     cpu = torch.device("cpu")
     init_process_group(world=int(os.environ["WORLD_SIZE"]), backend="gloo", device=cpu, timeout_s=60)
     results: dict = {}
+    plain: dict = {}  # the reference of both sizes (same model, same batches), trained once per model
     for n in job["sizes"]:
         for kind in ("gpt", "seq"):
             model = build(kind)
@@ -110,7 +111,9 @@ def worker(job_path: str) -> None:
             got["wall_s"] = time.perf_counter() - t0
             got["widths"] = widths
             if world.rank == 0:
-                got["plain"] = run(PlainEngine(build(kind), optim=SPEC, device=cpu))
+                if kind not in plain:
+                    plain[kind] = run(PlainEngine(build(kind), optim=SPEC, device=cpu))
+                got["plain"] = plain[kind]
             results[n, kind] = got
     if int(os.environ["RANK"]) == 0:
         torch.save(results, job["out"])

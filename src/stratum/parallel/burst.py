@@ -26,27 +26,20 @@ block. Every wait is bounded by the world's timeout.
 from __future__ import annotations
 
 import datetime
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratum.config import Config
 from stratum.data.tokens import Batch
 from stratum.dist.world import World
 from stratum.errors import StratumError
-from stratum.ir.hardware import Link
-from stratum.ir.costs import Costs
 from stratum.ir.plan import Burst
-from stratum.ir.prices import allreduce_s
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.model.placement import localize
 from stratum.model.streams import block_stream
-from stratum.offload.setup import quick_profile
-from stratum.plan.burst import BurstPlan, overlaps, plan_burst, spans
+from stratum.plan.burst import BurstPlan, overlaps, spans
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import leaf_optimizer, load_params
@@ -277,45 +270,3 @@ class BurstEngine(GradEngine):
     def memory_stats(self) -> dict[str, int]:
         return {"peak_device_bytes": peak_memory_bytes(self.device),
                 "optim_state_bytes": self.opt.state_bytes() if self.opt is not None else 0}
-
-
-# ---- planning the widths at start -----------------------------------------------------------------------------
-def measure_link(world: World, nbytes: int = 1 << 20, runs: int = 3) -> Link:
-    """The link of this world's all-reduce (collective: every rank takes part): latency from a one-number
-    all-reduce, bandwidth from an ``nbytes`` one, inverted through the ring all-reduce's price."""
-    n = world.size("replica")
-
-    def timed(numel: int) -> float:
-        t = torch.zeros(numel, device=world.device)
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            world.all_reduce(t, "replica", "measuring the link")
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    small, large = timed(1), timed(nbytes // 4)
-    unit = allreduce_s(nbytes, n, Link(bandwidth=1.0, latency=0.0))  # seconds per (byte/second)⁻¹
-    latency = small / (2 * (n - 1))
-    return Link(bandwidth=unit / max(large - small, 1e-9), latency=latency)
-
-
-def planned(cfg: Config, model: BlockSeq, world: World, node: Burst) -> BurstPlan:
-    """The widths rank 0 plans from a quick profile of ``model`` and the measured link, on every rank."""
-    link = measure_link(world)
-    plan = None
-    if world.rank == 0:
-        prof = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-                             device=world.device, precision=cfg.train.precision, seed=cfg.train.seed)
-        plan = plan_burst(Costs.blocks(prof), devices=node.n, link=link, amplification=node.amplification)
-    return world.share_object(plan, "replica", "the burst plan")
-
-
-def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec) -> BurstEngine:
-    """The burst node's engine: its given widths, or widths planned now."""
-    node = world.plan.burst
-    check_burst_model(model, node, cfg.train.micro_batch_size)
-    plan = None if node.width_list() else planned(cfg, model, world, node)
-    widths = node.width_list() or plan.widths
-    return BurstEngine(model, widths=widths, optim=optim, world=world, precision=cfg.train.precision, plan=plan,
-                       microbatches=cfg.train.grad_accum)

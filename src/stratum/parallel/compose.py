@@ -26,7 +26,8 @@ from stratum.model.build import build_model
 from stratum.model.placement import build_blocks
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.setup import offload_engine, placement_for
-from stratum.parallel.burst import burst_engine, check_burst_model
+from stratum.parallel.burst import check_burst_model
+from stratum.parallel.burst_setup import burst_engine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
 from stratum.parallel.replicate import ReplicateEngine
 from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
