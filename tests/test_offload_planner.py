@@ -411,7 +411,7 @@ def test_the_plan_does_not_depend_on_the_machine_s_speed(gpt, monkeypatch):
 
 def test_an_infeasible_budget_is_answered_in_the_units_typed(make_cfg, capsys):
     """"1GB" typed → the smallest budget in GB (rounded up: typed back, it fits); "1MiB" → in MiB."""
-    from stratum.offload.units import Size, fmt_at_least, parse_budget
+    from stratum.units import Size, fmt_at_least, parse_budget
     assert main(["plan", *_cli(make_cfg, "offload.device_budget='20kB'")]) == 2
     err = capsys.readouterr().err
     assert "offload.device_budget = 20kB " in err and "GiB" not in err and "MiB" not in err

@@ -10,7 +10,7 @@ from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
 from stratum.offload.belady import NextUse, Traffic, simulate_step
 from stratum.offload.chunks import pack
-from stratum.offload.units import fmt_bytes, parse_budget, parse_bytes
+from stratum.units import fmt_bytes, parse_budget, parse_bytes
 
 
 @pytest.mark.parametrize("text,n", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 G", 1_500_000_000),

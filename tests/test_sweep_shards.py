@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from stratum.errors import StratumError
-from stratum.offload.units import parse_budget
+from stratum.units import parse_budget
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step

@@ -398,7 +398,7 @@ class Config:
                                f"the plan")
 
     def _validate_offload(self) -> None:
-        from stratum.offload.units import parse_budget, parse_bytes
+        from stratum.units import parse_budget, parse_bytes
         o = self.offload
         parse_budget(o.device_budget, "offload.device_budget")
         parse_budget(o.host_budget, "offload.host_budget")

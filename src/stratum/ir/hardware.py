@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from stratum.errors import StratumError
-from stratum.offload.units import parse_bytes
+from stratum.units import parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

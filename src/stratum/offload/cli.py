@@ -51,7 +51,7 @@ def _escape_percent(text: str) -> str:
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     """``"10%,2GB"`` → [(label, device budget bytes)]: a percentage is of ``state_bytes`` (the training state)."""
-    from stratum.offload.units import Size, parse_bytes, parse_percent
+    from stratum.units import Size, parse_bytes, parse_percent
     out = []
     for item in (t.strip() for t in text.split(",")):
         if item.endswith("%"):
@@ -108,7 +108,7 @@ def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool
     per budget (``timed`` False: without the step time, which an estimate does not predict)."""
     from stratum.offload.planner import make_placement
     from stratum.offload.tiers import DEVICE
-    from stratum.offload.units import fmt_bytes
+    from stratum.units import fmt_bytes
 
     head = (f"{'device budget':>18} {'params':>6} {'optim':>6} {'slots':>5} {'activations':>11} {'peak device':>12} "
             f"{'peak host':>11} {'disk':>10} {'h2d/step':>10} {'d2h/step':>10} {'disk r+w':>10} {'step (s)':>9}")
@@ -131,7 +131,7 @@ def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool
 
 def untimed(plan) -> str:
     """The plan's description with its step-time line replaced by what an estimate knows: activation bytes."""
-    from stratum.offload.units import fmt_bytes
+    from stratum.units import fmt_bytes
     lines = [line for line in plan.describe().splitlines() if not line.startswith("  predicted step time")]
     lines.append(f"  activations {fmt_bytes(plan.act_bytes)} per micro-batch (from the shapes); step time not "
                  "predicted: --estimate runs nothing (leave it out to measure the blocks)")
@@ -141,7 +141,7 @@ def untimed(plan) -> str:
 def run(args: argparse.Namespace) -> int:
     from stratum.config import load_config
     from stratum.offload.planner import make_placement
-    from stratum.offload.units import fmt_bytes
+    from stratum.units import fmt_bytes
 
     if args.parallel:
         from stratum.plan.search_cli import run_search

@@ -25,7 +25,7 @@ from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import Layout, pack, param_order
 from stratum.offload.act_ring import RING
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, TIERS, Bandwidths, round_up
-from stratum.offload.units import fmt_at_least, fmt_bytes
+from stratum.units import fmt_at_least, fmt_bytes
 
 PREFETCH_DEPTHS = (0, 1, 2, 4)
 KEEP, SPILL, RECOMPUTE = "keep", "offload", "recompute"

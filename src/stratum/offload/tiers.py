@@ -33,7 +33,7 @@ from torch import Tensor
 from stratum.errors import StratumError
 from stratum.model.neutral import neutral
 from stratum.offload.host_alloc import page_aligned_empty
-from stratum.offload.units import fmt_bytes
+from stratum.units import fmt_bytes
 from stratum.procs import pid_alive
 
 DEVICE, HOST, DISK = "device", "host", "disk"

@@ -42,7 +42,7 @@ from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
 from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
 from stratum.offload.tiers import measure_bandwidths
-from stratum.offload.units import fmt_bytes
+from stratum.units import fmt_bytes
 from stratum.plan.process_probe import probe_processes
 from stratum.runtime.device import compute_rate
 from stratum.train.dryrun import device_memory_bytes

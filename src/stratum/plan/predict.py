@@ -40,7 +40,7 @@ from stratum.ir.costs import Costs
 from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
 from stratum.ir.prices import allreduce_s, with_link
-from stratum.offload.units import fmt_bytes
+from stratum.units import fmt_bytes
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.schedule.generators import generate

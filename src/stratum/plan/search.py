@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.ir.plan import Local, Offload, Pipeline, Plan, Replicate, Split, check
-from stratum.offload.units import fmt_bytes
+from stratum.units import fmt_bytes
 from stratum.plan.predict import Prediction, Workload, predict
 from stratum.schedule.generators import KINDS
 

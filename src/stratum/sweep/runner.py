@@ -20,7 +20,7 @@ from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
-from stratum.offload.units import fmt_bytes, parse_budget
+from stratum.units import fmt_bytes, parse_budget
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config, job_out_dir

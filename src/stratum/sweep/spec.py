@@ -35,7 +35,7 @@ from typing import Any
 
 from stratum.config import SECTIONS
 from stratum.errors import StratumError
-from stratum.offload.units import parse_budget
+from stratum.units import parse_budget
 
 SCHEDULERS = ("fifo", "lrtf", "sharded-lrtf", "planned")
 BACKENDS = ("local", "ray")

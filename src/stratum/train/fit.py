@@ -12,7 +12,7 @@ import torch
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.plan import Local
-from stratum.offload.units import fmt_bytes
+from stratum.units import fmt_bytes
 from stratum.train.dryrun import ADAMW_STATE_BYTES_PER_PARAM, device_memory_bytes, plain_fit
 
 TOKEN_BYTES = 8

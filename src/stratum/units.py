@@ -1,4 +1,5 @@
-"""Byte sizes in human units: ``"2GB"``, ``"512MiB"``, ``"1.5 G"`` → bytes, and back.
+"""Byte sizes in human units: ``"2GB"``, ``"512MiB"``, ``"1.5 G"`` → bytes, and back (read by the config, the
+offload planner, hardware specs and sweeps, so it sits at the bottom of the imports).
 
 A budget the user typed keeps its text (:class:`Size`), and sizes compared with it are written in the same family
 of units: a budget typed as ``"1GB"`` is answered in GB, not GiB, so the number in a message can be typed back.
