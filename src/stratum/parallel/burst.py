@@ -125,19 +125,21 @@ class BurstEngine(GradEngine):
         tensors alive until the sends are waited for."""
         works = []
         for dst, t in pieces:
-            head = torch.zeros(_HEADER, dtype=torch.int64)
-            head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
-            head[2:2 + t.dim()] = torch.tensor(t.shape)
+            if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+                raise StratumError(f"burst moves tensors of up to {_HEADER - 2} dimensions in {_DTYPES}; a block "
+                                   f"returned {t.dim()} dimensions of {t.dtype}")
+            head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
+                                dtype=torch.int64, device=self.device)
             t = t.contiguous()
             works += [(dist.isend(head, dst, tag=1), head), (dist.isend(t, dst, tag=2), t)]
         return works
 
     def _recv(self, src: int) -> torch.Tensor:
         """The next tensor from ``src``, shaped as the header that precedes it says."""
-        head = torch.zeros(_HEADER, dtype=torch.int64)
+        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(head, src, tag=1), f"a burst tensor header from rank {src}")
-        shape = tuple(int(d) for d in head[2:2 + int(head[1])])
-        buf = torch.empty(shape, dtype=_DTYPES[int(head[0])], device=self.device)
+        code, ndim, *dims = head.tolist()
+        buf = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
         self._wait(dist.irecv(buf, src, tag=2), f"a burst boundary tensor from rank {src}")
         return buf
 
