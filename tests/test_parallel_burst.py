@@ -27,7 +27,7 @@ from stratum.model.sequential import example_lm, from_sequential
 from stratum.parallel.burst import check_burst_model
 from stratum.runtime.engine import OptimSpec
 
-V, T, B, ACCUM, STEPS = 128, 16, 6, 2, 10
+V, T, B, ACCUM, STEPS, RESUMED = 128, 16, 6, 2, 10, 2
 SPEC = OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.5)
 PATTERNS = {2: {"gpt": (2, 1), "seq": (1, 2, 2)}, 4: {"gpt": (4, 2, 1), "seq": (1, 4, 4, 2)}}
 """Widths cycled over the blocks: on 2 processes GPT's tied embedding and head run at widths 2 and 1 (the tied
@@ -54,9 +54,9 @@ def micro_batches(step: int) -> list[Batch]:
             for m in range(ACCUM)]
 
 
-def run(engine, steps: int = STEPS) -> dict:
+def run(engine, steps: range = range(STEPS)) -> dict:
     losses, norms = [], []
-    for step in range(steps):
+    for step in steps:
         r = engine.train_step(micro_batches(step), 3e-3 * min(1.0, (step + 1) / 3))
         losses.append(r.loss)
         norms.append(r.grad_norm)
@@ -65,9 +65,9 @@ def run(engine, steps: int = STEPS) -> dict:
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------
-def burst_world(n: int, widths: tuple[int, ...]):
+def burst_world(n: int, widths: tuple[int, ...], engines: int):
     """The World of burst(n) on ranks 0 … n−1 of the job; None on the job's other ranks, which only join the
-    collective group creations (the burst world's own group and the engine's prefix groups)."""
+    collective group creations (the burst world's own group and the prefix groups of its ``engines`` engines)."""
     import datetime
 
     import torch.distributed as dist
@@ -81,7 +81,8 @@ def burst_world(n: int, widths: tuple[int, ...]):
         return mesh_world(plan, cpu, 60.0)
     group = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=60))
     if rank >= n:
-        prefix_groups(widths, 60.0)
+        for _ in range(engines):
+            prefix_groups(widths, 60.0)
         return None
     return World(plan=plan, rank=rank, coord=plan.coord(rank), device=cpu, backend="gloo", timeout_s=60.0,
                  groups={"replica": group}, members={"replica": list(range(n)), "stage_rank": [rank],
@@ -99,20 +100,29 @@ def worker(job_path: str) -> None:
     init_process_group(world=int(os.environ["WORLD_SIZE"]), backend="gloo", device=cpu, timeout_s=60)
     results: dict = {}
     plain: dict = {}  # the reference of both sizes (same model, same batches), trained once per model
+    plain_state: dict = {}
     for n in job["sizes"]:
         for kind in ("gpt", "seq"):
             model = build(kind)
             widths = widths_for(kind, n, len(model))
-            world = burst_world(n, widths)
+            world = burst_world(n, widths, engines=2)
             if world is None:
                 continue
             t0 = time.perf_counter()
             got = run(BurstEngine(model, widths=widths, optim=SPEC, world=world))
             got["wall_s"] = time.perf_counter() - t0
             got["widths"] = widths
+            if world.rank == 0 and kind not in plain:
+                ref = PlainEngine(build(kind), optim=SPEC, device=cpu)
+                plain[kind] = run(ref)
+                plain_state[kind] = ref.state()
+                plain[kind]["resumed"] = run(ref, range(STEPS, STEPS + RESUMED))["losses"]
+            # the plain engine's state after STEPS steps, loaded into a fresh burst engine on every rank
+            state = world.share_object(plain_state.get(kind), "replica", "the plain engine's state")
+            fresh = BurstEngine(build(kind), widths=widths, optim=SPEC, world=world)
+            fresh.load_state(state)
+            got["resumed"] = run(fresh, range(STEPS, STEPS + RESUMED))["losses"]
             if world.rank == 0:
-                if kind not in plain:
-                    plain[kind] = run(PlainEngine(build(kind), optim=SPEC, device=cpu))
                 got["plain"] = plain[kind]
             results[n, kind] = got
     if int(os.environ["RANK"]) == 0:
@@ -173,6 +183,10 @@ def test_burst_losses_equal_the_plain_engine(results, n, kind):
     for k, (a, b) in enumerate(zip(r["norms"], plain["norms"])):
         assert abs(a - b) <= 1e-4 * abs(b), f"{kind} on {n}: step {k} gradient norm {a} vs plain {b}"
     assert abs(r["eval"] - plain["eval"]) <= 1e-5 * abs(plain["eval"])
+    # the plain engine's state resumes under the burst plan (parameters and AdamW moments on every holder)
+    assert len(r["resumed"]) == RESUMED
+    for k, (a, b) in enumerate(zip(r["resumed"], plain["resumed"])):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{kind} on {n}: resumed step {k} loss {a} vs plain {b}"
     # rank 0 holds every block: its saved state is the whole model, trained as the plain engine trains it
     assert r["params"].keys() == plain["params"].keys()
     for name, p in plain["params"].items():
