@@ -8,7 +8,7 @@ Four studies, each writing JSON to ``benchmarks/results/``:
 - ``balance``: ``replicate(2)`` with process 1 throttled to a share of a core by a cgroup CPU quota (Linux cgroup
   v1 ``cpu.cfs_quota_us``, as a slower device would be): even shares against shares from the speeds measured
   at start-up (``parallel.speeds = auto``); goal ≥ 1.3×.
-- ``offload``: the offload leaf alone, under ``replicate(2, …)`` and under ``pipeline(2, …)``, each device under
+- ``offload``: the offload leaf alone, under ``replicate(2, …)``, ``pipeline(2, …)`` and both, each device under
   ``--budget``, against plain (the memory engine's overhead, and what the parallel nodes add to it).
 - ``shard``: per-rank AdamW state bytes of ``replicate(4, shard=true)`` against ``replicate(4)`` (≈ 1/4).
 
@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from stratum.ir.plan import parse_plan
 
 HERE = Path(__file__).resolve().parent
 CGROUP = Path("/sys/fs/cgroup/cpu/stratum-bench-throttle")
@@ -89,10 +91,9 @@ def _throttle_self(quota: float) -> None:
 # ---- the launcher ---------------------------------------------------------------------------------------------------
 def run(plan: str, nproc: int, *, threads: int, a: argparse.Namespace, extra: list[str] = ()) -> list[dict]:
     out_dir = Path(tempfile.mkdtemp(prefix="parbench-"))
+    replicas = parse_plan(plan).replicas  # each replica takes its share of the global batch
     args = [str(Path(__file__).resolve()), "worker", "--plan", plan, "--preset", a.preset, "--seq-len",
-            str(a.seq_len), "--micro-batch", str(a.micro_batch), "--micro-batches", str(a.micro_batches // nproc
-                                                                                      if "replicate" in plan
-                                                                                      else a.micro_batches),
+            str(a.seq_len), "--micro-batch", str(a.micro_batch), "--micro-batches", str(a.micro_batches // replicas),
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(threads), "--cache-dir",
             a.cache_dir, "--out-dir", str(out_dir), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -113,9 +114,10 @@ PLANS = [("replicate(2)", 2), ("replicate(2, shard=true)", 2), ("replicate(2, re
 
 
 def offload_plans(budget: str) -> list[tuple[str, int]]:
-    """The offload leaf alone, under replicate and under pipeline, each device under ``budget``."""
+    """The offload leaf alone, under replicate, under pipeline and under both, each device under ``budget``."""
     leaf = f"offload(device_budget={budget})"
-    return [(leaf, 1), (f"replicate(2, {leaf})", 2), (f"pipeline(2, {leaf})", 2)]
+    return [(leaf, 1), (f"replicate(2, {leaf})", 2), (f"pipeline(2, {leaf})", 2),
+            (f"replicate(2, pipeline(2, {leaf}))", 4)]
 
 
 def study_plans(a: argparse.Namespace) -> dict:
