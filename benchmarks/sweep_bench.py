@@ -6,8 +6,12 @@ The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.se
 order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
 same sweep file in its own directory, one after another, in this process (one worker server for all).
 
-Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job
-end) and two SIMULATED predictions of it: from the profiled forward+backward times the planner uses, and from
+Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
+base config trained at two model sizes, alone and 2 at once, ≈15 s). Per scheduler it reports the measured
+makespan (the scheduling loop's wall time: first job start to last job end) and three SIMULATED predictions of
+it: from each job's calibrated time (profile + calibration, known before any job runs: the prediction the 15 %
+goal is about), from the profiled forward+backward times alone (one set of profiles, taken up front with the
+calibration, for every scheduler's prediction), and from
 each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
 includes its waits for a slot).
@@ -17,6 +21,7 @@ Runbook::
     python benchmarks/sweep_bench.py                       # a few minutes on 2 cores
     python benchmarks/sweep_bench.py --steps 10 --out /tmp/sweep.json
     python benchmarks/sweep_bench.py --only fifo sharded-lrtf planned
+    python benchmarks/sweep_bench.py --calibration /tmp/cal.json   # a fresh calibration (default: cached in ~/.cache)
 
 Writes ``benchmarks/results/sweep.json``.
 """
@@ -29,10 +34,15 @@ import shutil
 import sysconfig
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from stratum.sweep.predict import predicted_seconds
-from stratum.sweep.runner import run_sweep, sweep_profiles
+from stratum.atomic import atomic_write_text
+from stratum.config import load_config
+from stratum.sweep.calibrate import Calibration, calibration
+from stratum.profile.profile import Profile
+from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
+from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.simulate import simulate, simulate_sharded
 from stratum.train.metrics import median
@@ -40,11 +50,26 @@ from stratum.train.trainer import read_metrics
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
+DEFAULT_CALIBRATION = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
             "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
 """Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
 SHARDED_BUDGET = "32MB"
 """sharded-lrtf: sweep.device_budget (every job runs under the offload engine at this budget)."""
+
+
+def base_text(*, steps: int, corpus: str, cache: str) -> str:
+    """The jobs' base config (the [data] and [train] tables of the sweep file)."""
+    return f"""[data]
+corpus = "{corpus}"
+cache_dir = "{cache}"
+[train]
+steps = {steps}
+micro_batch_size = 4
+eval_interval = 0
+eval_batches = 2
+ckpt_minutes = 0.0
+"""
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
@@ -60,16 +85,7 @@ segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 "model.preset" = ["mini", "small"]
 "optim.lr" = [1e-3, 3e-3]
 "data.seq_len" = [32, 64]
-[data]
-corpus = "{corpus}"
-cache_dir = "{cache}"
-[train]
-steps = {steps}
-micro_batch_size = 4
-eval_interval = 0
-eval_batches = 2
-ckpt_minutes = 0.0
-"""
+""" + base_text(steps=steps, corpus=corpus, cache=cache)
 
 
 def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
@@ -83,7 +99,8 @@ def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
     return busy
 
 
-def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
+def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calibration,
+        profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
@@ -91,9 +108,10 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
-    profiles = sweep_profiles(sweep)  # cached by the run (lrtf, planned) or measured now (fifo)
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
+    # the calibrated job time, spread over the job's steps (the simulators take step times)
+    cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cal) / steps[j] for j in steps}
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":
@@ -103,15 +121,20 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str) -> dict:
         meas_step_s = {j: busy / steps[j] for j, busy in slot_busy_s(root / name / "shard_tasks.jsonl",
                                                                       sweep.makespan_s).items()}
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
+        sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
     else:
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
+        sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
         sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
     return {"measured_makespan_s": sweep.makespan_s, "measured_busy_s": sum(r.run_s for r in rows),
-            "simulated_makespan_s_profile": sim_prof.makespan, "simulated_makespan_s_measured_steps": sim_meas.makespan,
+            "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
+            "simulated_makespan_s_measured_steps": sim_meas.makespan,
             "simulated_utilisation_profile": sim_prof.utilisation,
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
-                            "profiled_step_s": prof_step_s[r.id], "eval_loss": r.eval_loss} for r in rows}}
+                            "profiled_step_s": prof_step_s[r.id],
+                            "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss}
+                     for r in rows}}
 
 
 def main() -> None:
@@ -121,16 +144,29 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the schedulers to run (default: all)")
+    ap.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+                    help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
+        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache")))
+        t0 = time.perf_counter()
+        cal = calibration(load_config(root / "base.toml"), threads=1, slots=2, work_dir=root / "calibration",
+                          cache=args.calibration)
+        print(f"calibration ({time.perf_counter() - t0:.1f} s): {cal}", flush=True)
+        # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
+        path = root / "predict.toml"
+        path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
+                                   corpus=corpus, cache=str(root / "cache")))
+        profiles = job_profiles(open_sweep(path, say=lambda line: None).configs, threads=1, cache_dir=None)
         results = {}
         for s in args.only:
             t0 = time.perf_counter()
-            results[s] = one(s, root, args, corpus)
+            results[s] = one(s, root, args, corpus, cal, profiles)
             r = results[s]
             print(f"{s:8} makespan {r['measured_makespan_s']:7.1f} s measured; SIMULATED "
+                  f"{r['simulated_makespan_s_calibrated']:7.1f} s (calibrated), "
                   f"{r['simulated_makespan_s_profile']:7.1f} s (profiled step times), "
                   f"{r['simulated_makespan_s_measured_steps']:7.1f} s (measured step times)  "
                   f"[{time.perf_counter() - t0:.0f} s with profiling]", flush=True)
@@ -138,17 +174,21 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"]
     summary = {s: {"speedup_vs_fifo": fifo / results[s]["measured_makespan_s"],
+                   "measured_over_simulated_calibrated": results[s]["measured_makespan_s"]
+                   / results[s]["simulated_makespan_s_calibrated"],
                    "measured_over_simulated_measured_steps": results[s]["measured_makespan_s"]
                    / results[s]["simulated_makespan_s_measured_steps"],
                    "measured_over_simulated_profile": results[s]["measured_makespan_s"]
                    / results[s]["simulated_makespan_s_profile"]} for s in args.only}
     for s, v in summary.items():
         print(f"{s:8} {v['speedup_vs_fifo']:.2f}x fifo's throughput; measured / simulated: "
+              f"{v['measured_over_simulated_calibrated']:.2f} (calibrated), "
               f"{v['measured_over_simulated_measured_steps']:.2f} (measured step times), "
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
-                                    "results": results, "summary": summary}, indent=2) + "\n")
+    atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
+                                            "calibration": asdict(cal), "results": results, "summary": summary},
+                                           indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -14,6 +14,7 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
+from stratum.sweep.calibrate import Calibration
 from stratum.sweep.segment import segment_records
 from stratum.sweep.state import SweepState
 from stratum.train.metrics import median
@@ -61,11 +62,18 @@ def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
     return profile.step_s * cfg.micro_batches_per_step * steps
 
 
-def make_predict(state: SweepState, configs: dict[str, Config],
-                 profiles: dict[str, Profile]) -> Callable[[str], dict[str, float]]:
+def calibrated_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration) -> float:
+    """Wall seconds of a sweep job of ``steps`` optimizer steps: its profiled compute through this machine's
+    calibration (fixed start-up, evaluation and checkpoint; per-step overhead; slots sharing the cores)."""
+    return cal.job_seconds(profiled_step_s=predicted_seconds(profile, cfg, 1),
+                           state_bytes=profile.train_state_bytes, steps=steps)
+
+
+def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile], *,
+                 calibration: Calibration | None = None) -> Callable[[str], dict[str, float]]:
     """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
-    time once it has run, else its profiled time scaled by how far measured jobs ran from their profiles (so
-    started and unstarted jobs are compared in the same units)."""
+    time once it has run, else its calibrated time (given a calibration) or its profiled time scaled by how far
+    measured jobs ran from their profiles (so started and unstarted jobs are compared in the same units)."""
     def step_s(job_id: str) -> tuple[float, float | None]:
         profiled = predicted_seconds(profiles[job_id], configs[job_id], 1)
         recs = segment_records(configs[job_id])
@@ -74,6 +82,9 @@ def make_predict(state: SweepState, configs: dict[str, Config],
     def predict(job_id: str) -> dict[str, float]:
         row = state.job(job_id)
         profiled, measured = step_s(job_id)
+        if measured is None and calibration is not None:
+            return {"plain": calibrated_seconds(profiles[job_id], configs[job_id], row.steps - row.step,
+                                                calibration)}
         if measured is None:
             ratios = [m / p for p, m in map(step_s, configs) if m is not None and p > 0]
             measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)

@@ -1,0 +1,200 @@
+"""What a real sweep job costs beyond its profiled forward + backward: a calibration measured once per machine.
+
+A profile times the blocks' forward and backward only. A job run by the sweep also spends a fixed part (worker
+start, data and token cache, model build, the final evaluation and checkpoint), which grows with the model's
+training state, and a per-step part (optimizer step, data, Python) beside its profiled compute; and slots that
+share the machine's cores slow each other. The calibration runs the sweep's own base config at two model sizes
+through the sweep's own worker path, alone and then ``slots`` at once, and fits::
+
+    job seconds = (fixed_s + fixed_s_per_byte · state bytes
+                   + steps · (step_scale · profiled step seconds + step_overhead_s)) · contention
+
+It is cached as JSON beside the profiles, keyed by what it depends on; an unreadable or foreign cache is ignored
+(measured again), never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from stratum.atomic import atomic_write_text
+from stratum.config import Config, config_from_dict, to_toml
+from stratum.errors import StratumError
+from stratum.profile.profiler import profile_from_config
+from stratum.sweep.local import LocalBackend
+from stratum.sweep.segment import Segment
+from stratum.train.metrics import median
+from stratum.train.trainer import read_metrics
+
+CALIBRATION_PRESETS = ("mini", "small")
+"""The two model sizes the calibration trains (the lines below are fitted through them)."""
+CALIBRATION_STEPS = 6
+"""Optimizer steps of each calibration job."""
+CALIBRATION_TIMEOUT_S = 300.0
+"""A calibration job that runs longer than this is a failure, not a measurement."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One calibration job's figures."""
+
+    profiled_step_s: float
+    """Its profile's forward + backward seconds per optimizer step."""
+    state_bytes: int
+    """Its training state (parameters, gradients, optimizer moments), bytes."""
+    step_s: float
+    """Its measured median optimizer-step seconds."""
+    fixed_s: float
+    """Its wall seconds (worker start to exit) less its steps at the median step's seconds (so the first
+    steps' warm-up counts as fixed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """How a job's real seconds follow from its profile on this machine (see the module docstring)."""
+
+    fixed_s: float
+    """Seconds every job spends outside its steps, whatever its size."""
+    fixed_s_per_byte: float
+    """Further seconds outside the steps per byte of training state (build, evaluation, checkpoint)."""
+    step_scale: float
+    """Measured step seconds per profiled step second."""
+    step_overhead_s: float
+    """Measured step seconds beside the profiled compute (optimizer, data, Python)."""
+    contention: float
+    """A job's seconds with ``slots`` jobs running at once over its seconds alone."""
+
+    def job_seconds(self, *, profiled_step_s: float, state_bytes: int, steps: int) -> float:
+        """Predicted wall seconds of a job of ``steps`` optimizer steps run by the sweep."""
+        fixed = self.fixed_s + self.fixed_s_per_byte * state_bytes
+        per_step = self.step_scale * profiled_step_s + self.step_overhead_s
+        return max(0.0, fixed + steps * per_step) * self.contention
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of ys over xs; with one distinct x, slope 0 through the mean."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0.0:
+        return 0.0, my
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx
+
+
+def from_samples(alone: list[Sample], together: list[Sample]) -> Calibration:
+    """The calibration fitted to jobs measured alone, with contention = the jobs' summed step seconds run
+    together (``together[i]`` is ``alone[i]``'s job) over alone: weighted by step time, so the largest job, whose
+    steps are least dominated by timer and cache noise, counts most."""
+    step_scale, step_overhead_s = fit_line([s.profiled_step_s for s in alone], [s.step_s for s in alone])
+    per_byte, fixed_s = fit_line([float(s.state_bytes) for s in alone], [s.fixed_s for s in alone])
+    alone_s = sum(s.step_s for s in alone)
+    contention = sum(s.step_s for s in together) / alone_s if alone_s > 0 else 1.0
+    return Calibration(fixed_s=fixed_s, fixed_s_per_byte=per_byte, step_scale=step_scale,
+                       step_overhead_s=step_overhead_s, contention=max(1.0, contention))
+
+
+def calibration_key(base: Config, *, threads: int, slots: int) -> str:
+    """What a calibration depends on: the machine, torch, the workers' threads, the slots sharing the cores, and
+    the train settings a job's fixed part follows."""
+    t = base.train
+    return json.dumps([platform.node(), os.cpu_count(), torch.__version__, threads, slots, t.micro_batch_size,
+                       t.eval_interval, t.eval_batches, t.precision, t.device], sort_keys=True)
+
+
+def load_calibration(path: Path, key: str) -> Calibration | None:
+    """The cached calibration of ``key`` at ``path``; None if there is none, it is unreadable, or it is another
+    key's."""
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("key") != key:
+            return None
+        values = doc["calibration"]
+        names = {f.name for f in fields(Calibration)}
+        if not isinstance(values, dict) or set(values) != names:
+            return None
+        return Calibration(**{n: float(values[n]) for n in names})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save_calibration(path: Path, key: str, cal: Calibration) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"key": key, "calibration": asdict(cal)}, indent=1))
+
+
+def calibration(base: Config, *, threads: int, slots: int, work_dir: Path, cache: Path) -> Calibration:
+    """The cached calibration for ``base`` on this machine, measured (and cached) if there is none."""
+    key = calibration_key(base, threads=threads, slots=slots)
+    if (cal := load_calibration(cache, key)) is not None:
+        return cal
+    cal = measure(base, threads=threads, slots=slots, work_dir=work_dir)
+    save_calibration(cache, key, cal)
+    return cal
+
+
+def measure(base: Config, *, threads: int, slots: int, work_dir: Path) -> Calibration:
+    """Train ``base`` at each calibration preset through the sweep's worker path, alone, then ``slots`` copies
+    of each at once, and fit the calibration to what they took."""
+    configs = [_with(base, ("model", "preset", p), ("train", "steps", CALIBRATION_STEPS))
+               for p in CALIBRATION_PRESETS]
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profiles = [profile_from_config(c, runs=1) for c in configs]
+    finally:
+        torch.set_num_threads(threads_before)
+    backend = LocalBackend()
+    backend.warm_up()
+    alone, together = [], []
+    for i, (cfg, prof) in enumerate(zip(configs, profiles)):
+        alone.append(_run(backend, [cfg], prof, work_dir / f"alone{i}", threads)[0])
+        together.append(_run(backend, [cfg] * slots, prof, work_dir / f"together{i}", threads)[0])
+    return from_samples(alone, together)
+
+
+def _run(backend: LocalBackend, configs: list[Config], prof, root: Path, threads: int) -> list[Sample]:
+    """Run ``configs`` at once, one worker each, to their end; one Sample per job."""
+    segs: list[tuple[Segment, Path]] = []
+    for i, cfg in enumerate(configs):
+        out = root / f"j{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        job_cfg = _with(cfg, ("train", "out_dir", str(out)))
+        (out / "job.toml").write_text(to_toml(job_cfg))
+        segs.append((backend.start(job=f"cal{i}", slot=i, config_path=out / "job.toml", start_step=0,
+                                   stop_at=cfg.train.steps, device=None, threads=threads,
+                                   log_path=out / "log.txt"), out))
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
+    while len(ended) < len(segs) and time.monotonic() < deadline:
+        for i, (seg, _) in enumerate(segs):
+            if i not in ended and seg.worker.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.02)
+    samples = []
+    for i, (seg, out) in enumerate(segs):
+        if i not in ended or seg.worker.poll() != 0:
+            seg.worker.kill()
+            raise StratumError(f"a calibration job did not finish within {CALIBRATION_TIMEOUT_S:.0f} s or "
+                               f"failed; see {out / 'log.txt'}")
+        recs = read_metrics(out)
+        step_s = median(recs, "step_s")
+        samples.append(Sample(profiled_step_s=prof.step_s * configs[0].micro_batches_per_step,
+                              state_bytes=prof.train_state_bytes, step_s=step_s,
+                              fixed_s=ended[i] - seg.started - len(recs) * step_s))
+    return samples
+
+
+def _with(cfg: Config, *items: tuple[str, str, object]) -> Config:
+    """``cfg`` with (section, key, value) items replaced."""
+    d = cfg.to_dict()
+    for section, key, value in items:
+        d[section][key] = value
+    return config_from_dict(d)
