@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Test processes: the suite's distributed tests wait on their own processes much of the time, so two test processes
+# keep both cores of a small machine busy (each test process and what it spawns use one intra-op thread).
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test test-fast bench clean
 
@@ -20,10 +23,10 @@ train: setup
 	$(VENV)/bin/stratum train $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(PY) benchmarks/plain_engine.py
