@@ -12,7 +12,7 @@ import torch
 from stratum.config import Config, load_config
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Several test processes share the cores (`make test` runs one per core): one intra-op thread each, and the
+    # Several test processes share the cores (`make test` runs two): one intra-op thread each, and the
     # processes tests spawn inherit it — threads of several processes waiting on each other's cores run many
     # times slower than one thread each.
     os.environ["OMP_NUM_THREADS"] = "1"
