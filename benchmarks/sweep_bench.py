@@ -39,7 +39,7 @@ from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
-from stratum.sweep.calibrate import Calibration, calibration
+from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
 from stratum.profile.profile import Profile
 from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
@@ -50,7 +50,6 @@ from stratum.train.trainer import read_metrics
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
-DEFAULT_CALIBRATION = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
             "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
 """Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
@@ -144,7 +143,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the schedulers to run (default: all)")
-    ap.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+    ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")

@@ -3,14 +3,14 @@
 A profile times the blocks' forward and backward only. A job run by the sweep also spends a fixed part (worker
 start, data and token cache, model build, the final evaluation and checkpoint), which grows with the model's
 training state, and a per-step part (optimizer step, data, Python) beside its profiled compute; and slots that
-share the machine's cores slow each other. The calibration runs the sweep's own base config at two model sizes
-through the sweep's own worker path, alone and then ``slots`` at once, and fits::
+share the machine's cores slow each other. The calibration runs the sweep's own base config at three model
+sizes through the sweep's own worker path, alone and then ``slots`` at once, and fits::
 
     job seconds = (fixed_s + fixed_s_per_byte · state bytes
                    + steps · (step_scale · profiled step seconds + step_overhead_s)) · contention
 
-It is cached as JSON beside the profiles, keyed by what it depends on; an unreadable or foreign cache is ignored
-(measured again), never trusted.
+It is cached as JSON (DEFAULT_CACHE unless told otherwise), keyed by what it depends on; an unreadable or foreign
+cache is ignored (measured again), never trusted.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from stratum.sweep.segment import Segment
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics
 
-CALIBRATION_PRESETS = ("mini", "small")
-"""The two model sizes the calibration trains (the lines below are fitted through them)."""
-CALIBRATION_STEPS = 6
+CALIBRATION_PRESETS = ("tiny", "mini", "small")
+"""The model sizes the calibration trains (the lines are fitted through them by least squares)."""
+CALIBRATION_STEPS = 8
 """Optimizer steps of each calibration job."""
 CALIBRATION_TIMEOUT_S = 300.0
 """A calibration job that runs longer than this is a failure, not a measurement."""
+DEFAULT_CACHE = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
+"""Where a machine's calibration is kept unless told otherwise (one file: its key says whose it is)."""
 
 
 @dataclass(frozen=True, kw_only=True)
