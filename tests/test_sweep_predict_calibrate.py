@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from stratum.config import Config
-from stratum.sweep.calibrate import (Calibration, Sample, fit_line, from_samples, load_calibration,
-                                     save_calibration)
+from stratum.sweep.calibrate import (Calibration, Sample, calibration, calibration_key, fit_line, from_samples,
+                                     load_calibration, save_calibration)
 from stratum.sweep.predict import calibrated_seconds
 
 ALONE = [Sample(profiled_step_s=0.1, state_bytes=1_000_000, step_s=0.3, fixed_s=1.0),
@@ -70,3 +70,12 @@ def test_cache_round_trip_and_bad_caches_are_ignored(tmp_path):
     path.unlink()
     path.mkdir()  # a directory where the file should be
     assert load_calibration(path, "k") is None
+
+
+def test_a_cached_calibration_is_used_without_measuring(tmp_path):
+    base, cal = Config(), from_samples(ALONE, TOGETHER)
+    path = tmp_path / "cal.json"
+    save_calibration(path, calibration_key(base, threads=1, slots=2), cal)
+    # work_dir does not exist: measuring would have to create it; a hit never touches it
+    assert calibration(base, threads=1, slots=2, work_dir=tmp_path / "none", cache=path) == cal
+    assert not (tmp_path / "none").exists()
