@@ -180,12 +180,14 @@ def _run(backend: LocalBackend, configs: list[Config], prof, root: Path, threads
             if i not in ended and seg.worker.poll() is not None:
                 ended[i] = time.monotonic()
         time.sleep(0.02)
+    if bad := [out for i, (seg, out) in enumerate(segs) if i not in ended or seg.worker.poll() != 0]:
+        for seg, _ in segs:
+            if seg.worker.poll() is None:
+                seg.worker.kill()
+        raise StratumError(f"a calibration job did not finish within {CALIBRATION_TIMEOUT_S:.0f} s or "
+                           f"failed; see {bad[0] / 'log.txt'}")
     samples = []
     for i, (seg, out) in enumerate(segs):
-        if i not in ended or seg.worker.poll() != 0:
-            seg.worker.kill()
-            raise StratumError(f"a calibration job did not finish within {CALIBRATION_TIMEOUT_S:.0f} s or "
-                               f"failed; see {out / 'log.txt'}")
         recs = read_metrics(out)
         step_s = median(recs, "step_s")
         samples.append(Sample(profiled_step_s=prof.step_s * configs[0].micro_batches_per_step,
