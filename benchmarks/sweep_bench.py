@@ -7,7 +7,7 @@ order (the four long `small` jobs last, as a grid written smallest-first gives t
 same sweep file in its own directory, one after another, in this process (one worker server for all).
 
 Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
-base config trained at two model sizes, alone and 2 at once, ≈15 s). Per scheduler it reports the measured
+base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
 makespan (the scheduling loop's wall time: first job start to last job end) and three SIMULATED predictions of
 it: from each job's calibrated time (profile + calibration, known before any job runs: the prediction the 15 %
 goal is about), from the profiled forward+backward times alone (one set of profiles, taken up front with the
