@@ -9,7 +9,7 @@ ARGS ?=
 # keep both cores of a small machine busy (each test process and what it spawns use one intra-op thread).
 TEST_WORKERS ?= 2
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+# ruff and mypy as configured in pyproject.toml (rules, checked files); both must pass.
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) benchmarks/plain_engine.py

@@ -89,10 +89,10 @@ def elastic(config: PolicyConfig, cache: Path, jobs_per_trace: int, load: float,
     for seed in (0, 1, 2):
         costs: dict = {}
 
-        def step_s(job: Job) -> float:
-            costs.update(trace_costs([job], cache))
+        def step_s(job: Job) -> float:  # called by generate in this iteration only: this seed's costs
+            costs.update(trace_costs([job], cache))  # noqa: B023
             ranks = pick(hw, range(hw.num_devices), job.devices)
-            return dp_step(costs[(job.model, job.seq_len)], batch=job.batch, ranks=ranks, hw=hw).step_s
+            return dp_step(costs[(job.model, job.seq_len)], batch=job.batch, ranks=ranks, hw=hw).step_s  # noqa: B023
 
         jobs = generate(TraceSpec(jobs=jobs_per_trace, seed=seed, devices=64, load=load), step_s)
         horizon = jobs[-1].arrival_s

@@ -62,10 +62,9 @@ def side_by_side(mode: str, preset: str, micro: int, seq: int, steps: int, warmu
     from stratum.offload.engine import OffloadEngine
     from stratum.offload.setup import placement_for
     from stratum.runtime import optim_spec
-    from stratum.runtime.plain import PlainEngine
-
     from stratum.runtime.device import describe as describe_device
     from stratum.runtime.device import resolve_device, synchronize
+    from stratum.runtime.plain import PlainEngine
 
     cfg = _cfg(preset, micro, seq, extra)
     batches, vocab = _batches(cfg, steps + warmup)

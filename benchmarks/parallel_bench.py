@@ -140,7 +140,7 @@ def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> 
             r["peak_rss_mib"].append([x["peak_rss"] / 2**20 for x in ranks])
             print(f"round {rnd} {plan:<28} {r['tokens_per_s'][-1]:>10,.0f} tok/s", flush=True)
     base = rows["local"]["tokens_per_s"]
-    for plan, r in rows.items():
+    for r in rows.values():
         r["ratio_vs_plain"] = statistics.median(t / b for t, b in zip(r["tokens_per_s"], base))
         r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
     return {"study": study, "preset": a.preset, "threads": a.threads, "micro_batch": a.micro_batch,

@@ -104,10 +104,10 @@ def split_backward_side(a) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from stratum.model.build import build_model
+    from stratum.plan.partition import even_partition
     from stratum.runtime import stage
     from stratum.runtime.stage import StageRuntime
     from stratum.schedule.ir import Action
-    from stratum.plan.partition import even_partition
 
     torch.set_num_threads(1)
     split_input = stage._backward_input
@@ -132,10 +132,10 @@ def split_backward_side(a) -> dict:
         last = s == 3
         g_out = None if last else torch.randn(x.shape, generator=gen)
 
-        def act(kind, saved):
-            inputs = {"F": [x], "B": [] if last else [g_out], "I": [] if last else [g_out], "W": []}[kind]
+        def act(kind, saved):  # called within this iteration only, so it sees this stage's x, last, g_out, s
+            inputs = {"F": [x], "B": [] if last else [g_out], "I": [] if last else [g_out], "W": []}[kind]  # noqa: B023
             t0 = time.perf_counter()
-            rt._execute(Action(kind, s, 0), inputs, [batch], saved, training=True, scale=1.0,
+            rt._execute(Action(kind, s, 0), inputs, [batch], saved, training=True, scale=1.0,  # noqa: B023
                         loss_sum=torch.zeros((), dtype=torch.float64))
             return time.perf_counter() - t0
 
@@ -185,10 +185,10 @@ def worker(job_path: str) -> None:
     from stratum.dist.world import join_world
     from stratum.ir.plan import parse_plan
     from stratum.model.build import build_model
+    from stratum.plan.partition import even_partition
     from stratum.runtime import optim_spec
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate
-    from stratum.plan.partition import even_partition
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -323,7 +323,7 @@ def simulate_shared(schedule, costs, slots: float) -> float:
     cost ``latency + bytes / bandwidth`` and use no core), with processor sharing: while n ranks are inside an
     action each progresses at ``min(1, slots / n)`` seconds of profiled work per second. With slots >= P it is
     ``simulate``'s makespan."""
-    S, P = schedule.num_stages, schedule.num_ranks
+    P = schedule.num_ranks
     where = schedule.stage_to_rank
     end: dict = {}
     ptr = [0] * P
@@ -376,8 +376,8 @@ def simulate_shared(schedule, costs, slots: float) -> float:
 def simulate_side(job: dict, profile, world: int, threads: int, message_s: float) -> dict:
     """Per schedule: the makespan with core sharing (the prediction's term 2), and the two bounds."""
     from stratum.plan import evaluate, stage_costs
-    from stratum.schedule import generate
     from stratum.plan.partition import even_partition
+    from stratum.schedule import generate
     from stratum.sim.pipeline import simulate
 
     cores = os.cpu_count() or 1

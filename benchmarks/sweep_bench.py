@@ -39,8 +39,8 @@ from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
-from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
 from stratum.profile.profile import Profile
+from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
 from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import tasks_per_step

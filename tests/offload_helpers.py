@@ -65,6 +65,7 @@ def build(source: str, tmp_path, dropout: float | None = None) -> BlockSeq:
         return from_sequential(example_lm(vocab_size=V, seq_len=T, d_model=64, n_layer=LAYERS["sequential"]))
     if source == "hf":
         import transformers
+
         from stratum.model.hf import build_hf
         d = tmp_path / "gpt2-cfg"
         if not d.exists():

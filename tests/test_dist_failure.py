@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from stratum.train.checkpoint import load_checkpoint, latest_checkpoint
+from stratum.train.checkpoint import latest_checkpoint, load_checkpoint
 from stratum.train.trainer import read_metrics, train
 
 

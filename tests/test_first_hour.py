@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import pytest
+import torch
 
 from stratum.cli import main
 from stratum.config import load_config

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
+from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
 from stratum.model.gpt import PRESETS, build_gpt, gpt_param_count, init_gpt_block
 from stratum.model.sequential import build_sequential, from_block_builders, from_sequential
-from stratum.errors import StratumError
 
 
 def _train_losses(seq: BlockSeq, steps: int = 12, lr: float = 3e-3) -> list[float]:

@@ -9,12 +9,25 @@ import warnings
 import pytest
 import torch
 
-from offload_helpers import (DEV, REL, assert_same, assert_same_tensor, batches, fixed_times, lr, plain, plan, profile,
-                             spec, state_bytes)
-from offload_helpers import build as build_source
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.planner import Placement
 from stratum.offload.tiers import DEVICE, DISK, HOST
+
+from offload_helpers import (
+    DEV,
+    REL,
+    assert_same,
+    assert_same_tensor,
+    batches,
+    fixed_times,
+    lr,
+    plain,
+    plan,
+    profile,
+    spec,
+    state_bytes,
+)
+from offload_helpers import build as build_source
 
 STEPS = 8  # the first step records the access sequence, the next ones run the steady state: 8 cover both
 PLACEMENTS = {
@@ -603,8 +616,9 @@ def test_a_lazily_built_sequential_model_trains_like_the_eager_one():
     """An nn.Sequential factory that returns one constructor per block is built lazily (parameters on meta, each
     block built when the engine packs its chunks): parameters and moments on disk, the offload engine's losses
     and gradient norms equal plain's on the eager build."""
-    from offload_helpers import LAYERS, T, V
     from stratum.model.sequential import example_lm_blocks, from_block_builders
+
+    from offload_helpers import LAYERS, T, V
     blocks = example_lm_blocks(vocab_size=V, seq_len=T, d_model=64, n_layer=LAYERS["sequential"])
     eager = from_block_builders(blocks, seed=0)
     lazy = from_block_builders(blocks, seed=0, lazy=True)
@@ -628,8 +642,8 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
     the forward waits for its update (else: the losses would differ); the traffic is the plan's."""
     import dataclasses
 
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import _deferral_options, predict_placement
     if DEV.type != "cpu":
         pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")

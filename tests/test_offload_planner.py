@@ -8,11 +8,12 @@ import re
 
 import pytest
 
-from offload_helpers import build, fixed_times, plan, profile, state_bytes
 from stratum.cli import main
 from stratum.errors import StratumError
 from stratum.offload.tiers import DEVICE, DISK, HOST
 from stratum.train.trainer import read_metrics, train
+
+from offload_helpers import build, fixed_times, plan, profile, state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +143,8 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
     deferred updates to one with; the first moved less, and on the disk's usual rate its backward was disk-bound)."""
     import dataclasses
 
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import SLOW_DISK, TIE, choose, predict_placement
     from stratum.offload.tiers import Bandwidths
     close = 1.0 + TIE / 2
@@ -230,8 +231,8 @@ def test_step_time_is_modelled_per_window(gpt):
     """With clipping the host/disk update pass runs beside the next forward, so its traffic loads the forward's
     window: forward compute hides under it for free, while a long backward cannot hide it (the aggregate model,
     max(compute, traffic), got both wrong — 21 s predicted against 33 s measured beyond RAM)."""
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
@@ -254,8 +255,8 @@ def test_step_time_is_modelled_per_window(gpt):
 def test_prefetch_overlap_is_limited_by_free_slots(gpt):
     """Only the slots beside the running block's chunks can take the next block's: with one spare slot most of
     a transfer-bound step's traffic is exposed, with enough for a whole block none is."""
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
@@ -275,8 +276,8 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     """On a CPU without clipping, deferring the first-completed chunks' updates to beside the next forward moves
     their moment and parameter traffic out of the backward (plus one gradient write and read): the planner picks
     it when the backward is disk-bound and the forward has time to spare, and not when nothing is disk-bound."""
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import KEEP, _deferral_options, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
@@ -320,8 +321,8 @@ def test_a_cpu_counts_its_memcpys_as_compute(gpt):
     """On a CPU a host↔device copy is a memcpy on the cores that train (on the training thread itself): the step
     is compute plus every copied byte at the measured rate, prefetched or not, where a GPU's side stream hides
     them. Gradients handed to the host optimizer are not copied at all."""
-    from stratum.offload.chunks import pack
     from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
     from stratum.offload.planner import KEEP, predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt

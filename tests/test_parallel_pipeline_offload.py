@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stratum.train.trainer import train
+
 from test_parallel_replicate import _same_run, _stratum
 
 # one sequence per micro-batch: the activations of the micro-batches a stage holds at once fit beside a third of

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from stratum.train.trainer import read_metrics, train
+
 from test_parallel_replicate import _same_run, _stratum
 
 COMMON = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'"]

@@ -64,8 +64,8 @@ def spec():
 
 def train(model: BlockSeq, opt: torch.optim.Optimizer, steps: range) -> list[float]:
     """The engines' step: loss, backward, clip by the global norm from grad_sq_norm, AdamW."""
-    from stratum.runtime.tensors import grad_sq_norm, scale_grads_
     from stratum.runtime.engine import clip_coef
+    from stratum.runtime.tensors import grad_sq_norm, scale_grads_
 
     params = list(model.parameters())
     losses = []
@@ -98,9 +98,9 @@ def run_case(case: str, hf_paths: dict[str, str], mesh) -> dict:
     from torch.distributed.tensor import DTensor
 
     from stratum.parallel.split import apply_split
+    from stratum.runtime.optim import make_adamw
     from stratum.runtime.optim import make_adamw as adamw_for
     from stratum.runtime.tensors import full_tensor, grad_sq_norm, load_full_, shard_state
-    from stratum.runtime.optim import make_adamw
 
     ref, model = build(case, hf_paths), build(case, hf_paths)
     apply_split(model, split_blocks(model), mesh)

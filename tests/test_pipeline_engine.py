@@ -83,9 +83,9 @@ def worker(job_path: str) -> None:
     from stratum.dist.launch import destroy_process_group
     from stratum.dist.world import join_world
     from stratum.ir.plan import parse_plan
+    from stratum.plan.partition import even_partition
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
     from stratum.schedule import generate, loads
-    from stratum.plan.partition import even_partition
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -180,7 +180,7 @@ def _check(res: dict, ref: dict, name: str) -> None:
         assert abs(ng - nw) <= 1e-4 * max(abs(nw), 1e-6), f"{name}: grad norm at step {k}: {ng} vs plain {nw}"
     assert res["params"].keys() == ref["params"].keys(), name
     for n, p in ref["params"].items():
-        torch.testing.assert_close(res["params"][n], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name} {n}: {m}")
+        torch.testing.assert_close(res["params"][n], p, rtol=1e-4, atol=2e-5, msg=lambda m, n=n: f"{name} {n}: {m}")
     assert res["exp_avg"].keys() == ref["exp_avg"].keys(), name
 
 
@@ -238,8 +238,8 @@ def test_balanced_partition_minimises_the_heaviest_stage():
 def test_partition_from_a_profile_uses_the_dp_partitioner(make_cfg, tmp_path):
     """pipeline.partition = a Profile JSON: the cut comes from stratum.plan.partition on profiled time."""
     pytest.importorskip("stratum.plan.partition")
-    from stratum.profile.profile import BlockProfile, Profile
     from stratum.parallel.compose import check_plan as check_pipeline
+    from stratum.profile.profile import BlockProfile, Profile
 
     # a fake profile of the tiny GPT (4 blocks): block 1 is 5x slower than the others
     blocks = [BlockProfile(index=i, name=f"b{i}", kind="x", n_params=1, param_bytes=4, grad_bytes=4,

@@ -9,8 +9,16 @@ import pytest
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.hardware import Link
-from stratum.plan.burst import (FIXED_SHARE, brute_force, default_widths, overlaps, plan_burst, price_burst,
-                                reshard_s, spans)
+from stratum.plan.burst import (
+    FIXED_SHARE,
+    brute_force,
+    default_widths,
+    overlaps,
+    plan_burst,
+    price_burst,
+    reshard_s,
+    spans,
+)
 
 LINK = Link(bandwidth=1e6, latency=0.0)
 

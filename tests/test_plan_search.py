@@ -124,7 +124,7 @@ def test_infeasible_trees_are_listed_with_what_does_not_fit():
     assert table.splitlines()[0].endswith("(SIMULATED: cost-model predictions)")
     assert all(max(p.peak_bytes) <= 2 * MiB for p in res.ranked)
     with pytest.raises(StratumError, match="no plan for 4 devices fits"):
-        search(_work(), _hw(4, memory=10_000), 4).best
+        _ = search(_work(), _hw(4, memory=10_000), 4).best
     with pytest.raises(StratumError, match="--devices 8 but the hardware spec has 4 devices"):
         search(_work(), _hw(4), 8)
 

@@ -121,7 +121,7 @@ def test_auto_over_two_processes_trains_the_chosen_tree(corpus_file, cache_dir, 
 def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path):
     cfg = load_config(None, ["parallel.plan='auto'"])
     with pytest.raises(StratumError, match="chosen by the plan search when `stratum train` starts"):
-        cfg.plan
+        _ = cfg.plan
     with pytest.raises(StratumError, match="parallel.devices must be ≥ 0"):
         load_config(None, ["parallel.plan='auto'", "parallel.devices=-1"])
     with pytest.raises(StratumError, match="they go with parallel.plan = 'auto'"):

@@ -114,8 +114,8 @@ def test_profiles_and_probes_leave_rng_and_buffers_as_they_were(tmp_path):
     ``neutral``: a model with BatchNorm and dropout keeps its running statistics, and the RNG its state."""
     from stratum.model.neutral import persistent_buffers
     from stratum.model.sequential import batchnorm_lm_blocks, from_block_builders
-    from stratum.offload.setup import quick_profile
     from stratum.offload import tiers
+    from stratum.offload.setup import quick_profile
 
     seq = from_block_builders(batchnorm_lm_blocks(vocab_size=64, seq_len=8, d_model=16, n_layer=1, dropout=0.1),
                               seed=0)

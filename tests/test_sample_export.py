@@ -12,6 +12,7 @@ from stratum.errors import StratumError
 from stratum.train.sample import SampleSpec, generate, next_token
 from stratum.train.trained import load_trained
 from stratum.train.trainer import train
+
 from test_hardening import full_fs, ro_fs  # noqa: F401 (fixtures: small real filesystems, full or read-only)
 
 transformers = pytest.importorskip("transformers")

@@ -14,6 +14,7 @@ from stratum.errors import StratumError
 from stratum.train.checkpoint import CKPT_DIR
 from stratum.train.scalars import TENSORBOARD_DIR, WANDB_ID_FILE, TensorBoardSink, scalars
 from stratum.train.trainer import read_metrics, train
+
 from test_hardening import _fill, full_fs  # noqa: F401 (a small real filesystem, full)
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

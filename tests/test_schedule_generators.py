@@ -8,8 +8,7 @@ import json
 import pytest
 
 from stratum.errors import StratumError
-from stratum.schedule import KINDS, generate, validate, wave_stage_to_rank
-from stratum.schedule import cli
+from stratum.schedule import KINDS, cli, generate, validate, wave_stage_to_rank
 
 PS = (1, 2, 3, 4)
 MS = (1, 2, 3, 4, 8)

@@ -5,8 +5,20 @@ from __future__ import annotations
 import pytest
 
 from stratum.errors import StratumError
-from stratum.schedule import Action, Schedule, dumps, gpipe, interleaved, load, loads, one_f_one_b, save, wave
-from stratum.schedule import zb_1f1b, zb_wave
+from stratum.schedule import (
+    Action,
+    Schedule,
+    dumps,
+    gpipe,
+    interleaved,
+    load,
+    loads,
+    one_f_one_b,
+    save,
+    wave,
+    zb_1f1b,
+    zb_wave,
+)
 from stratum.schedule.ir import B, F
 
 

@@ -10,8 +10,16 @@ from types import SimpleNamespace
 import pytest
 
 from stratum.config import Config
-from stratum.sweep.calibrate import (Calibration, Sample, calibration, calibration_key, fit_line, from_samples,
-                                     load_calibration, save_calibration)
+from stratum.sweep.calibrate import (
+    Calibration,
+    Sample,
+    calibration,
+    calibration_key,
+    fit_line,
+    from_samples,
+    load_calibration,
+    save_calibration,
+)
 from stratum.sweep.predict import calibrated_seconds
 
 ALONE = [Sample(profiled_step_s=0.1, state_bytes=1_000_000, step_s=0.3, fixed_s=1.0),

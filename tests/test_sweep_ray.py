@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from test_sweep_run import job_losses, rows, standalone_losses, sweep_file
-
 from stratum.sweep.runner import run_sweep
+
+from test_sweep_run import job_losses, rows, standalone_losses, sweep_file
 
 ray = pytest.importorskip("ray", reason="Ray (the ray extra) is not installed")
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from stratum.cli import main
+from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.runner import run_sweep
-from stratum.procs import pid_alive
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
 

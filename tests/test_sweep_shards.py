@@ -11,12 +11,12 @@ import signal
 import pytest
 
 from stratum.errors import StratumError
-from stratum.units import parse_budget
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
+from stratum.units import parse_budget
 from tests.test_sweep_run import job_losses, rows, standalone_losses, sweep_file
 
 BUDGET = "1.2MB"

@@ -50,7 +50,7 @@ def as_blockseq(model: nn.Module, loss_fn: LossFn | None = None) -> BlockSeq:
         return model
     if isinstance(model, nn.Sequential):
         return from_sequential(model, name="user", loss_fn=loss_fn or lm_cross_entropy)
-    if hasattr(model, "config") and hasattr(getattr(model, "config"), "model_type"):
+    if hasattr(model, "config") and hasattr(model.config, "model_type"):
         return from_transformers(model)
     raise StratumError(f"stratum.parallelize takes an nn.Sequential, a transformers causal LM or a BlockSeq, "
                        f"not a {type(model).__name__}; wrap your layers in an nn.Sequential")

@@ -32,12 +32,12 @@ import sys
 from typing import NoReturn
 
 from stratum.errors import StratumError
+from stratum.log import console
 
 MAX_PROFILE_RUNS = 1000
 WORKERS_LOG = "workers.log"
 """In a multi-process run's out_dir: what the ranks wrote to stderr besides Stratum's own lines (tracebacks,
 torch's and gloo's messages), each line marked with its rank."""
-from stratum.log import console
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,8 +113,8 @@ def _run(args: argparse.Namespace) -> int:
         from stratum.schedule.cli import run as run_schedule
         return run_schedule(args)
     if args.command == "plan":
-        from stratum.offload.cli import run as run_plan
         from stratum.data.prepare import make_tokenizer
+        from stratum.offload.cli import run as run_plan
         from stratum.train.fit import check_blocks
         cfg = load_config(args.config, args.overrides)
         check_blocks(cfg, tokenizer_vocab=make_tokenizer(cfg).vocab_size)  # the plan profiles block by block

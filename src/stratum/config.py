@@ -358,7 +358,7 @@ class Config:
         _choice("parallel.backend", self.parallel.backend, PIPELINE_BACKENDS)
         _check("parallel.timeout_s", 1.0 <= self.parallel.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
         if self.parallel.plan.strip() != "auto":  # "auto" is resolved (and its tree checked) at start-up
-            self.plan  # parses and checks the plan expression
+            _ = self.plan  # parses and checks the plan expression
             self._validate_speeds()
         self._validate_auto()
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")

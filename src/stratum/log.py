@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 LOGGER = "stratum"
 

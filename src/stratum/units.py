@@ -41,7 +41,7 @@ class Size(int):
 
     text: str
 
-    def __new__(cls, n: int, text: str) -> "Size":
+    def __new__(cls, n: int, text: str) -> Size:
         obj = super().__new__(cls, n)
         obj.text = text.strip()
         return obj

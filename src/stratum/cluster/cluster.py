@@ -42,7 +42,7 @@ class Cluster:
     models: Mapping[str, ModelCosts]
 
     @classmethod
-    def of(cls, hw: Hardware, jobs: Sequence[Job], costs: Mapping[tuple[str, int], ModelCosts]) -> "Cluster":
+    def of(cls, hw: Hardware, jobs: Sequence[Job], costs: Mapping[tuple[str, int], ModelCosts]) -> Cluster:
         """The cluster for ``jobs``, whose model costs ``costs`` gives by (model, seq_len); every job must fit a
         device (one-line error otherwise)."""
         models = {j.id: costs[(j.model, j.seq_len)] for j in jobs}

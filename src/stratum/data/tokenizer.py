@@ -7,8 +7,9 @@ so a second run (or a resumed one) reuses the same merges.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -48,9 +49,10 @@ class BPETokenizer:
         self.name = f"bpe-{self.vocab_size}-{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
 
     @classmethod
-    def train_or_load(cls, path: Path, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+    def train_or_load(cls, path: Path, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         try:
-            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import decoders, models, pre_tokenizers, trainers
         except ImportError:
             raise StratumError("data.tokenizer = 'bpe' needs the tokenizers package: "
                                "pip install 'stratum[bpe]'") from None

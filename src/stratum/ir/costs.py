@@ -77,7 +77,7 @@ class Costs:
 
     # ---- made from ----------------------------------------------------------------------------------------
     @classmethod
-    def blocks(cls, profile) -> "Costs":
+    def blocks(cls, profile) -> Costs:
         """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
         bs = profile.blocks
         return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
@@ -86,7 +86,7 @@ class Costs:
                    param_bytes=[x.param_bytes for x in bs])
 
     @classmethod
-    def zeros(cls, n: int) -> "Costs":
+    def zeros(cls, n: int) -> Costs:
         """``n`` units that cost nothing (what is known without a profile)."""
         z, zb = (0.0,) * n, (0,) * n
         return cls(f=z, b=z, i=z, w=z, act_bytes=zb, out_bytes=zb, spill_bytes=zb, param_bytes=zb)
@@ -94,7 +94,7 @@ class Costs:
     @classmethod
     def unit(cls, num_stages: int, *, stages_per_rank: int = 1, f: float = 1.0, b: float = 2.0, i: float = 1.0,
              w: float = 1.0, act_bytes: float = 1.0, out_bytes: float = 0.0, latency: float = 0.0,
-             bandwidth: float = math.inf) -> "Costs":
+             bandwidth: float = math.inf) -> Costs:
         """Identical stages. With ``stages_per_rank`` = v the compute and activation of each stage are divided
         by v, so a rank's total work and memory per micro-batch stay those of a one-stage-per-rank pipeline
         (the fair way to compare interleaved/wave with 1F1B); message sizes are not divided."""
@@ -106,11 +106,11 @@ class Costs:
 
     @classmethod
     def from_profile(cls, profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
-                     bandwidth: float = math.inf) -> "Costs":
+                     bandwidth: float = math.inf) -> Costs:
         """A profile's blocks summed into the stages of ``partition``, with the link given."""
         return replace(cls.blocks(profile).over(partition), latency=latency, bandwidth=bandwidth)
 
-    def over(self, partition: Sequence[Sequence[int] | range]) -> "Costs":
+    def over(self, partition: Sequence[Sequence[int] | range]) -> Costs:
         """These units summed into groups (blocks into stages): ``partition[s]`` is group s's range, as
         ``range(a, b)`` or ``(a, b)`` (b exclusive), covering every unit contiguously, in order. Times, kept
         and spilled bytes add up; a group's message is its last unit's output."""

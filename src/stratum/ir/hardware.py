@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from stratum.errors import StratumError
 from stratum.units import parse_bytes
@@ -142,7 +143,7 @@ class Hardware:
     def uniform(cls, n: int, *, memory_bytes: int, speed: float = 1.0, per_node: int | None = None,
                 intra: Link = NOMINAL_INTRA, inter: Link = NOMINAL_INTER, host_bytes: int = 10**12,
                 disk_bytes: int = 10**13, host_link: Link = NOMINAL_HOST, disk_link: Link = NOMINAL_DISK,
-                name: str = "device") -> "Hardware":
+                name: str = "device") -> Hardware:
         """``n`` identical devices, ``per_node`` to a node (all on one node by default)."""
         per_node = n if per_node is None else per_node
         if n < 1 or per_node < 1:

@@ -26,8 +26,8 @@ here (:meth:`Plan.coord`, :meth:`Plan.rank_of`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Union
 
 from stratum.errors import StratumError
 
@@ -60,7 +60,7 @@ class Split:
     """Tensor parallelism inside blocks over ``n`` processes."""
 
     n: int
-    child: "Node" = field(default_factory=Local)
+    child: Node = field(default_factory=Local)
 
     def args(self) -> list[str]:
         return [str(self.n)]
@@ -75,7 +75,7 @@ class Pipeline:
     partition: str = "even"
     virtual: int = 2
     waves: int = 1
-    child: "Node" = field(default_factory=Local)
+    child: Node = field(default_factory=Local)
 
     def args(self) -> list[str]:
         return [str(self.ranks), f"schedule={self.schedule}", f"partition={self.partition}"] + \
@@ -92,7 +92,7 @@ class Replicate:
     """How replicas' gradients combine: mean (the plain engine's average) or adasum."""
     shard: bool = False
     """ZeRO-2: each replica keeps 1/n of the gradients and AdamW state (reduce-scatter, update, all-gather)."""
-    child: "Node" = field(default_factory=Local)
+    child: Node = field(default_factory=Local)
 
     def args(self) -> list[str]:
         return [str(self.n)] + ([f"reduce={self.reduce}"] if self.reduce != "mean" else []) + \
@@ -108,7 +108,7 @@ class Burst:
     """Processes per block, separated by ':' (e.g. "4:2:1:1"), each in 1..n; "" = planned from a profile."""
     amplification: float = 2.0
     """The planner's limit on a block's device-seconds relative to its one-process cost (DeepPool's)."""
-    child: "Node" = field(default_factory=Local)
+    child: Node = field(default_factory=Local)
 
     def width_list(self) -> tuple[int, ...]:
         """``widths`` as numbers; () when the planner chooses them."""
@@ -123,7 +123,7 @@ class Burst:
             ([f"amplification={self.amplification:g}"] if self.amplification != 2.0 else [])
 
 
-Node = Union[Replicate, Pipeline, Split, Offload, Local, Burst]
+Node = Replicate | Pipeline | Split | Offload | Local | Burst
 NAMES: dict[str, type] = {"replicate": Replicate, "pipeline": Pipeline, "split": Split, "offload": Offload,
                           "local": Local, "burst": Burst}
 # what each kind may hold: the kinds to its right in replicate → pipeline → split → leaf

@@ -11,14 +11,14 @@ engine cut them into stages and the profiler measure them one at a time.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stratum.model.streams import block_stream
-import torch.nn.functional as F
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 

@@ -13,7 +13,7 @@ no random initialisation runs for values that are overwritten at once.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -24,8 +24,8 @@ import contextlib
 import copy
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import Tensor, nn

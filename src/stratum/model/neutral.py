@@ -13,7 +13,7 @@ first occurrence of a shared tensor) so that a state saved under one placement l
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn

@@ -8,7 +8,7 @@ values the whole model would hold under the same seed.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

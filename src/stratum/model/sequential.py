@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -175,7 +175,7 @@ def build_sequential(factory: str, *, vocab_size: int, seq_len: int, seed: int =
     try:
         inspect.signature(fn).bind(vocab_size=vocab_size, seq_len=seq_len)
     except TypeError:
-        raise StratumError(f"model.factory {factory!r} must accept keyword arguments vocab_size and seq_len")
+        raise StratumError(f"model.factory {factory!r} must accept keyword arguments vocab_size and seq_len") from None
     except ValueError:
         pass  # builtins without a signature: let the call decide
     made = fn(vocab_size=vocab_size, seq_len=seq_len)

@@ -12,11 +12,12 @@ and the global RNG is left as it was.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from stratum.seeds import mix
+
 
 @contextlib.contextmanager
 def block_stream(stream: int | None, block: int, device: torch.device) -> Iterator[None]:

@@ -21,7 +21,6 @@ from torch import Tensor
 
 from stratum.offload.tiers import DiskStore, Tier, aligned_empty, round_up
 
-
 RING = 2
 """Host buffers of the ring (the planner charges RING × the largest block's spill bytes to the host tier)."""
 

@@ -41,9 +41,9 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
 from stratum.offload.planner import KEEP, SPILL, Placement, grads_to_host, runs_inline
 from stratum.offload.prefetch import Inline, Transfers, background_pool
-from stratum.offload.tasks import block_done
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
+from stratum.offload.tasks import block_done
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
@@ -180,10 +180,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             pinned = spec.tied or all_resident
             home = DEVICE if pinned else placement.param_tier
             c = ChunkState(spec=spec, pinned=pinned, home=home)
-            def fill(flat: Tensor) -> Tensor:
-                self._ensure_materialized(spec)
+            def fill(flat: Tensor) -> Tensor:  # called within this iteration only: ``spec`` is this chunk's
+                self._ensure_materialized(spec)  # noqa: B023
                 with torch.no_grad():
-                    for e in spec.entries:
+                    for e in spec.entries:  # noqa: B023
                         flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
                 return flat
             if pinned:

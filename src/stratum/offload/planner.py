@@ -21,9 +21,9 @@ from typing import NamedTuple
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
+from stratum.offload.act_ring import RING
 from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import Layout, pack, param_order
-from stratum.offload.act_ring import RING
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, TIERS, Bandwidths, round_up
 from stratum.units import fmt_at_least, fmt_bytes
 

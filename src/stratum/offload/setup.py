@@ -15,11 +15,11 @@ from stratum.offload.engine import OffloadEngine
 from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.planner import Placement, make_placement
 from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
-from stratum.units import parse_budget, parse_bytes
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import _measure_block, block_static_bytes
 from stratum.runtime.device import describe
 from stratum.runtime.optim import optim_spec
+from stratum.units import parse_budget, parse_bytes
 
 
 def overrides(cfg: Config) -> dict:

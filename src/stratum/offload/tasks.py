@@ -10,7 +10,7 @@ exactly as without a gate.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 Gate = Callable[[str, int, int], None]
 """(kind, block, blocks): kind "F" after block ``block``'s forward, "B" after its backward; ``blocks`` in all."""

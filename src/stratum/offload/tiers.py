@@ -33,8 +33,8 @@ from torch import Tensor
 from stratum.errors import StratumError
 from stratum.model.neutral import neutral
 from stratum.offload.host_alloc import page_aligned_empty
-from stratum.units import fmt_bytes
 from stratum.procs import pid_alive
+from stratum.units import fmt_bytes
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)

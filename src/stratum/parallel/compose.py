@@ -12,7 +12,6 @@ backend — is checked by :func:`check_plan` before any process starts.
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 

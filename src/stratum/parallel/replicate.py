@@ -30,6 +30,7 @@ from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
 from stratum.runtime.tensors import local_part
 
+
 def even_shares(total: int, n: int) -> list[int]:
     """``total`` micro-batches over ``n`` replicas as evenly as possible (earlier replicas take the rest)."""
     return [total // n + (i < total % n) for i in range(n)]

@@ -21,8 +21,8 @@ from torch import nn
 
 from stratum.dist.world import World
 from stratum.runtime.engine import OptimSpec
-from stratum.runtime.tensors import grad_sq_norm
 from stratum.runtime.optim import Optimizer, decays
+from stratum.runtime.tensors import grad_sq_norm
 
 
 @dataclass

@@ -24,22 +24,25 @@ scaling, whole copies for checkpoints) and :func:`stratum.runtime.optim.make_ada
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
-    distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
-    RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from stratum.errors import StratumError
 from stratum.model import gpt, hf
 from stratum.model.blockseq import BlockSeq
-
 
 REPLICATED_KINDS = (gpt.Embed, gpt.Head, hf.GPT2Embed, hf.TokenEmbed, hf.Head)
 """Embedding and head blocks: split leaves them whole on every rank of the group."""

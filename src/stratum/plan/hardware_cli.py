@@ -33,7 +33,7 @@ import shutil
 import socket
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -42,11 +42,11 @@ from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
 from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
 from stratum.offload.tiers import measure_bandwidths
-from stratum.units import fmt_bytes
 from stratum.plan.process_probe import probe_processes
 from stratum.runtime.device import compute_rate
 from stratum.train.dryrun import device_memory_bytes
 from stratum.train.threads import usable_cores
+from stratum.units import fmt_bytes
 
 PROBE_TIMEOUT_S = 120.0
 BIG, SMALL = 8 << 20, 4
@@ -103,7 +103,7 @@ def _lat(link: Link) -> str:
 # ---- measuring ----------------------------------------------------------------------------------------------
 def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
     """This machine's spec and the notes (measured figures) that go in its header."""
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     notes = [f"measured by `stratum hardware probe` on {socket.gethostname()} at {stamp}"]
     if devices is not None and devices < 1:
         raise StratumError(f"--devices must be >= 1, got {devices}")

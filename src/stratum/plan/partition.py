@@ -430,9 +430,9 @@ def partition(profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] 
 
     scale = [1.0 / x for x in sp]
     upper, h_cuts = (math.inf, None) if S == P else _heuristic(n, s2r, P, t_of, m_of, scale, lim)
-    val, cuts, exact = _dp(n, s2r, P, t_of, m_of, scale, lim, beam, upper)
+    _, cuts, exact = _dp(n, s2r, P, t_of, m_of, scale, lim, beam, upper)
     if not exact:   # Pareto fronts grew past ``beam``: keep the heuristic's cut
-        val, cuts = upper, h_cuts
+        cuts = h_cuts
     if cuts is None:
         zero = lambda s, i, j: 0.0  # noqa: E731
         up2 = math.inf if S == P else _heuristic(n, s2r, P, m_of, zero, [1.0] * P, None)[0]

@@ -40,12 +40,12 @@ from stratum.ir.costs import Costs
 from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
 from stratum.ir.prices import allreduce_s, with_link
-from stratum.units import fmt_bytes
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.schedule.generators import generate
 from stratum.schedule.ir import Schedule
 from stratum.sim.pipeline import simulate
+from stratum.units import fmt_bytes
 
 SPLIT_REDUCTIONS = 2
 """All-reduces of a split block's output per forward (and per backward): after attention and after the MLP."""

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.ir.plan import Local, Offload, Pipeline, Plan, Replicate, Split, check
-from stratum.units import fmt_bytes
 from stratum.plan.predict import Prediction, Workload, predict
 from stratum.schedule.generators import KINDS
+from stratum.units import fmt_bytes
 
 SCHEDULES = tuple(k for k in KINDS)
 """Schedule kinds the search tries (interleaved with 2 stages per rank, wave with one wave)."""

@@ -28,8 +28,8 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn

@@ -144,7 +144,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
+    def from_dict(cls, d: dict) -> Profile:
         try:
             if d.get("format_version") != FORMAT_VERSION:
                 raise StratumError(
@@ -162,7 +162,7 @@ class Profile:
         atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Profile":
+    def load(cls, path: str | os.PathLike) -> Profile:
         p = Path(path)
         if not p.is_file():
             raise StratumError(f"profile {p} does not exist; make one with `stratum profile --out {p}`")

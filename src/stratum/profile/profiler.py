@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 from torch import Tensor, nn
@@ -175,7 +175,7 @@ def profile_blockseq(seq: BlockSeq, *, micro_batch: int, seq_len: int, device: t
     return Profile(model=seq.info.name, device=describe(device), dtype=str(dtype).removeprefix("torch."),
                    precision=precision, micro_batch=micro_batch, seq_len=seq_len, runs=runs, blocks=blocks,
                    tied=[list(g.names) for g in seq.tied], torch_version=torch.__version__,
-                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                   created=datetime.now(UTC).isoformat(timespec="seconds"))
 
 
 def profile_from_config(cfg: Config, *, runs: int = 5) -> Profile:

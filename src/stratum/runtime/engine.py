@@ -95,7 +95,7 @@ class Engine(abc.ABC):
         """Seconds per step the engine's plan predicts, where it has one."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a default, not abstract: an engine that holds nothing keeps it)
         """Release threads, files and process groups."""
 
 

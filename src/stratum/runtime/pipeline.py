@@ -21,9 +21,9 @@ engines and between pipeline layouts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,8 @@ from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
-from stratum.runtime.tensors import full_tensor
 from stratum.runtime.stage import StageBlocks, StageRuntime
+from stratum.runtime.tensors import full_tensor
 from stratum.schedule.ir import Action, Schedule
 
 

@@ -15,7 +15,6 @@ from stratum.schedule.ir import Schedule
 from stratum.schedule.textio import load
 from stratum.schedule.validate import validate
 
-
 MAX_GENERATED = 100_000
 """Largest ranks × micro-batches × virtual × waves generated: 200 × 200 × 2 takes seconds, 2000 × 2000 hours."""
 VALID = "valid: every action present once, dependencies hold, no deadlock"

@@ -48,7 +48,7 @@ class Action:
         return f"{self.kind}{self.stage}.{self.mb}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         """Parse ``F3.1`` style notation."""
         mt = _ACTION_RE.match(text.strip())
         if not mt:

@@ -5,8 +5,8 @@ profile, then from its own measured step times once it has run."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

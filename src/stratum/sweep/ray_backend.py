@@ -40,7 +40,7 @@ class SlotActor:
 class RayWorker:
     """A segment running on a slot's actor (the runner's :class:`~stratum.sweep.segment.Worker`)."""
 
-    def __init__(self, backend: "RayBackend", slot: int, ref, pid: int | None):
+    def __init__(self, backend: RayBackend, slot: int, ref, pid: int | None):
         self.backend = backend
         self.slot = slot
         self.ref = ref

@@ -12,32 +12,40 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
-from stratum.units import fmt_bytes, parse_budget
+from stratum.procs import pid_alive
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config, job_out_dir
 from stratum.sweep.live import last_record
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.plot import loss_png
-from stratum.procs import pid_alive
 from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, make_policy
+from stratum.sweep.segment import (
+    INTERRUPTED_EXIT,
+    Backend,
+    Segment,
+    await_stop,
+    checkpoint_step,
+    diverged,
+    failure_reason,
+    segment_records,
+    stop_segment,
+)
 from stratum.sweep.shard_run import check_shardable, run_sharded
-from stratum.sweep.segment import (INTERRUPTED_EXIT, Backend, Segment, await_stop, checkpoint_step, diverged,
-                                   failure_reason, segment_records, stop_segment)
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
-from stratum.sweep.state import (DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState,
-                                 spec_fingerprint)
+from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, STOPPED, JobRow, SweepState, spec_fingerprint
+from stratum.units import fmt_bytes, parse_budget
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0

@@ -7,7 +7,8 @@ runner and the simulator call the same policies, so a simulated makespan and a m
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from stratum.sweep.makespan import MakespanPlan, plan_makespan
 

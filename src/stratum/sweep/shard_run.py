@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from stratum.atomic import atomic_write_text
 from stratum.config import Config

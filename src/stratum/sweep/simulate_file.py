@@ -5,8 +5,8 @@ written to the sweep directory."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from stratum.atomic import atomic_write_bytes
 from stratum.data.prepare import prepare_data

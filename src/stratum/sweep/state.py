@@ -11,9 +11,9 @@ import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from stratum.errors import StratumError
 

@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
-from stratum.atomic import (WriteError, atomic_replace_dir, atomic_write_json, atomic_write_text, digest_mismatch,
-                            file_digest)
+from stratum.atomic import (
+    WriteError,
+    atomic_replace_dir,
+    atomic_write_json,
+    atomic_write_text,
+    digest_mismatch,
+    file_digest,
+)
 from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
 from stratum.runtime.engine import TrainState

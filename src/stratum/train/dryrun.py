@@ -11,9 +11,9 @@ from stratum.ir.plan import Local, Offload
 from stratum.model.build import build_model
 from stratum.offload.cli import planning_profile
 from stratum.offload.setup import placement_for
-from stratum.units import fmt_bytes
 from stratum.parallel.compose import check_plan
 from stratum.runtime.device import describe, resolve_device
+from stratum.units import fmt_bytes
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments
 

@@ -12,8 +12,8 @@ import torch
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.plan import Local
-from stratum.units import fmt_bytes
 from stratum.train.dryrun import ADAMW_STATE_BYTES_PER_PARAM, device_memory_bytes, plain_fit
+from stratum.units import fmt_bytes
 
 TOKEN_BYTES = 8
 """int64 token ids."""

@@ -11,8 +11,8 @@ import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from stratum.errors import StratumError
 

@@ -20,8 +20,8 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.model.neutral import load_buffers
-from stratum.runtime.optim import load_params
 from stratum.runtime.engine import TrainState
+from stratum.runtime.optim import load_params
 from stratum.train.checkpoint import CKPT_DIR, fingerprint_hash, latest_checkpoint, load_checkpoint
 
 
@@ -65,7 +65,7 @@ def load_trained(path: str | Path) -> Trained:
     try:
         tokenizer = make_tokenizer(cfg)
     except StratumError as e:  # a BPE is found by its corpus: a moved corpus loses it
-        raise StratumError(f"checkpoint {ckpt.path}: its {cfg.data.tokenizer} tokenizer cannot be rebuilt ({e})")
+        raise StratumError(f"checkpoint {ckpt.path}: its {cfg.data.tokenizer} tokenizer cannot be rebuilt ({e})") from e
     model = build_model(cfg.model, tokenizer_vocab=tokenizer.vocab_size, seq_len=cfg.data.seq_len,
                         seed=cfg.train.seed, device="cpu")
     if fingerprint_hash(model.fingerprint()) != ckpt.meta.get("fingerprint_hash"):

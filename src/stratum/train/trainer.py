@@ -25,11 +25,18 @@ from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
+from stratum.parallel.multiplex import apply_priority
 from stratum.plan.fidelity import beside
 from stratum.plan.fidelity import describe as describe_prediction
 from stratum.runtime.device import describe, resolve_device, synchronize
-from stratum.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
-                                      remove_partial_writes, restore_rng, save_checkpoint)
+from stratum.train.checkpoint import (
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_writes,
+    restore_rng,
+    save_checkpoint,
+)
 from stratum.train.fit import check_fits
 from stratum.train.lock import hold_out_dir
 from stratum.train.lr import lr_at
@@ -38,7 +45,6 @@ from stratum.train.progress import StepDisplay, make_console
 from stratum.train.scalars import metrics_log
 from stratum.train.stopping import CheckpointClock, Interrupted, StopSignals, agree, removes_new_empty_out_dir
 from stratum.train.threads import apply_threads
-from stratum.parallel.multiplex import apply_priority
 
 logger = logging.getLogger(__name__)
 
