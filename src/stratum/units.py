@@ -46,14 +46,14 @@ class Size(int):
         obj.text = text.strip()
         return obj
 
-    def __getnewargs__(self) -> tuple[int, str]:  # copies and pickles keep the text
+    def __getnewargs__(self) -> tuple[int, str]:  # type: ignore[override]  # copies and pickles keep the text
         return int(self), self.text
 
     @property
     def binary(self) -> bool:
         """Typed in binary units (KiB, MiB, GiB, TiB)."""
         m = _RE.match(self.text)
-        return bool(m) and m.group(2).lower().endswith("ib")
+        return m is not None and m.group(2).lower().endswith("ib")
 
 
 def parse_budget(text: str, key: str, state_bytes: int | None = None) -> Size | None:

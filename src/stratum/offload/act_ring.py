@@ -97,6 +97,7 @@ class ActivationRing:
     def commit(self, i: int, event=None) -> None:
         """Block ``i``'s buffer is filled (on the device's stream up to ``event``): write it to its file."""
         s, self._filling = self._filling, None
+        assert s is not None, "ActivationRing.commit without put"
         s.block = i
         data = s.buf[:round_up(self.sizes[i])]
 
@@ -113,8 +114,11 @@ class ActivationRing:
         block ``i``'s until :meth:`prefetch` reuses it, so call that only after copying out."""
         s = self._find(i)
         if s is None:
-            self._read(i, self._victim(()))  # never None without a keep set
+            victim = self._victim(())
+            assert victim is not None  # never None without a keep set
+            self._read(i, victim)
             s = self._find(i)
+            assert s is not None
         self._settle(s)
         self._touch(s)
         return s.buf[:self.sizes[i]]

@@ -44,7 +44,7 @@ class Spilled:
         self.rel = rel
         self.shape, self.dtype = tuple(like.shape), like.dtype
         self.dev: Tensor | None = None
-        self.ready = None
+        self.ready: torch.cuda.Event | None = None
         """CUDA event after which ``dev`` holds the data (None on a CPU: copies are synchronous)."""
         self.nbytes = nbytes
         self.own = own
@@ -94,6 +94,18 @@ class ActivationSpill:
         self.bytes_d2h = 0
         self.bytes_h2d = 0
 
+    @property
+    def _ring(self) -> ActivationRing:
+        """``ring``, reached for only by disk blocks (there are none without a ring)."""
+        assert self.ring is not None
+        return self.ring
+
+    @property
+    def _side(self) -> torch.cuda.Stream:
+        """The side stream of a GPU's copies (reached for only where ``cuda``)."""
+        assert self.stream is not None
+        return self.stream
+
     # ---- forward ---------------------------------------------------------------------------------------------
     def begin_microbatch(self) -> None:
         """Every earlier spill is released; grow the host arena to what the last micro-batch needed."""
@@ -118,19 +130,20 @@ class ActivationSpill:
         i = self._current
         if i in self.disk_blocks:  # pack the block's saved tensors into one buffer and write it out
             todo = self.blocks[i]
-            buf = self.ring.put(i, self._block_bytes[i])
+            buf = self._ring.put(i, self._block_bytes[i])
             if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
             for t in todo:
-                dst = self._view(buf, t.rel, t)
+                dst, src = self._view(buf, t.rel, t), t.src
+                assert src is not None  # (a disk block's tensors keep their device original until here)
                 if self.cuda:
-                    with torch.cuda.stream(self.stream):
-                        dst.copy_(t.src, non_blocking=True)
-                    t.src.record_stream(self.stream)
+                    with torch.cuda.stream(self._side):
+                        dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._side)
                 else:
-                    dst.copy_(t.src)
+                    dst.copy_(src)
                 t.src = None
-            self.ring.commit(i, self._side_stream_done())
+            self._ring.commit(i, self._side_stream_done())
         # The cache holds the device originals so that a freed one's address cannot be mistaken for a new
         # tensor's within the block; after the block nothing more is saved into it.
         self._cache = {}
@@ -153,6 +166,7 @@ class ActivationSpill:
             src = _storage_bytes(x) if whole else x
             nbytes = src.numel() * src.element_size()
             i = self._current
+            assert i is not None  # (packing happens only while active: between begin_block and end_block)
             if i in self.disk_blocks:  # copied out with the rest of the block at its end (end_block)
                 s = Spilled(None, nbytes, False, src, src=src, rel=self._block_bytes[i])
             else:
@@ -175,10 +189,10 @@ class ActivationSpill:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
             own = True
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
                 host.copy_(x, non_blocking=True)
-            x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
+            x.record_stream(self._side)  # x's memory is not reused before the copy has read it
         else:
             host.copy_(x)
         return Spilled(host, nbytes, own, x, rel=rel)
@@ -188,7 +202,7 @@ class ActivationSpill:
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(self._side)
         return event
 
     @staticmethod
@@ -210,9 +224,9 @@ class ActivationSpill:
             self.device_bytes = self._dev.numel()
         off = (i % self._dev_regions) * self._region
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
         on_disk = i in self.disk_blocks
-        src = self.ring.get(i) if on_disk else self._host
+        src = self._ring.get(i) if on_disk else self._host
         first, end = min(s.rel for s in todo), max(s.rel + _aligned(s.nbytes) for s in todo)
         if not any(s.own for s in todo) and end - first == sum(_aligned(s.nbytes) for s in todo):
             # The block's tensors lie back to back in the arena (or its file's buffer), as they will on the
@@ -225,13 +239,15 @@ class ActivationSpill:
             for s in todo:
                 s.dev = self._view(self._dev, off, s)
                 off += _aligned(s.nbytes)
-                pairs.append((s.dev, self._view(src, s.rel, s) if on_disk else s.host))
+                host = self._view(src, s.rel, s) if on_disk else s.host
+                assert host is not None  # (a host-arena tensor has its host copy until released)
+                pairs.append((s.dev, host))
         if self.cuda:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self._side):
                 for dst, s_ in pairs:
                     dst.copy_(s_, non_blocking=True)
                 ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready.record(self._side)
             for s in todo:
                 s.ready = ready
         else:
@@ -239,12 +255,12 @@ class ActivationSpill:
                 dst.copy_(s_)
         self.bytes_h2d += sum(s.nbytes for s in todo)
         if on_disk:
-            self.ring.done_with(i, self._side_stream_done())
-            self.ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
+            self._ring.done_with(i, self._side_stream_done())
+            self._ring.prefetch(sorted((b for b in self.disk_blocks if b < i and b in self.blocks), reverse=True))
 
     def ready(self, i: int) -> bool:
         """Restoring block ``i`` now would not wait for a disk read (used to restore a block early)."""
-        return i not in self.disk_blocks or self.ring.ready(i)
+        return i not in self.disk_blocks or self._ring.ready(i)
 
     def unpack(self, s: Spilled | StorageView) -> Tensor:
         if isinstance(s, StorageView):
@@ -265,7 +281,7 @@ class ActivationSpill:
         self._block_bytes.pop(i, None)
         if not self.blocks and self._dev is not None:
             if self.cuda:  # the copies into it are ordered before anything that reuses its memory
-                self._dev.record_stream(self.stream)
+                self._dev.record_stream(self._side)
             self._dev = None
             self.device_bytes = 0
 

@@ -71,21 +71,44 @@ class ChunkState:
         return self.spec.capacity
 
     def p(self) -> Tensor:
+        assert self.slot is not None, f"chunk {self.i} is not on the device"
         return self.slot[: self.cap]
 
     def g(self) -> Tensor:
+        assert self.slot is not None, f"chunk {self.i} is not on the device"
         return self.slot[self.cap:]
+
+    def home_copy(self, what: str) -> Tensor:
+        """The host copy of the parameters (``what`` = 'p') or the gradients ('g'), where the chunk has one."""
+        t = self.hp if what == "p" else self.hg
+        assert t is not None, f"chunk {self.i} has no host copy of {what!r}"
+        return t
+
+    def step_counts(self) -> Tensor:
+        """``steps``, set when the chunk's moments are (the engine's ``_alloc_moments``)."""
+        assert self.steps is not None, f"chunk {self.i} has no step counts"
+        return self.steps
+
+    def moments(self) -> tuple[Tensor, Tensor]:
+        """``m`` and ``v`` where they are tensors (a device or host optimizer: not on disk, not another replica's)."""
+        assert self.m is not None and self.v is not None, f"chunk {self.i} has no moments here"
+        return self.m, self.v
+
+    def live_entries(self) -> list:
+        """``live``, set when the chunk's gradient completes."""
+        assert self.live is not None, f"chunk {self.i}: its gradient is not complete"
+        return self.live
 
     def count_steps(self) -> None:
         """Advance the step count of the entries that got a gradient (``live``); a chunk where one did not stops
         updating as one range (``uniform``)."""
-        if self.uniform and all(self.live):
-            self.steps.add_(1)
+        if self.uniform and all(self.live_entries()):
+            self.step_counts().add_(1)
             return
         self.uniform = False
-        live = [k for k, ok in enumerate(self.live) if ok]
+        live = [k for k, ok in enumerate(self.live_entries()) if ok]
         if live:
-            self.steps[live] += 1
+            self.step_counts()[live] += 1
 
     def param_items(self, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
                     hi: int | None = None) -> list[tuple]:
@@ -104,7 +127,7 @@ class ChunkState:
                     self.views.clear()
                 views = self.views[key] = [
                     (p[e.offset:e.offset + e.numel], m[e.offset:e.offset + e.numel], v[e.offset:e.offset + e.numel],
-                     self.steps[k], e.numel if e.offset < self.spec.n_decay else 0, e.numel)
+                     self.step_counts()[k], e.numel if e.offset < self.spec.n_decay else 0, e.numel)
                     for k, e in enumerate(self.spec.entries)]
             return [(pv, g.reshape(-1), mv, vv, st, nd, n) for (pv, mv, vv, st, nd, n), g in zip(views, grads)
                     if g is not None]
@@ -115,7 +138,7 @@ class ChunkState:
                 continue
             n = b - a
             out.append((p[a:b], g.reshape(-1)[a - e.offset:b - e.offset], m[a - lo:b - lo], v[a - lo:b - lo],
-                        self.steps[k], n if e.offset < self.spec.n_decay else 0, n))
+                        self.step_counts()[k], n if e.offset < self.spec.n_decay else 0, n))
         return out
 
     def flat_items(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
@@ -124,10 +147,11 @@ class ChunkState:
         or home copy, like ``p``): the whole range as one item where every parameter has a gradient (at every step
         so far), else parameter by parameter (``param_items``); ``m`` and ``v`` hold elements ``[lo, hi)``."""
         hi = self.cap if hi is None else hi
-        if self.uniform and all(self.live):
+        if self.uniform and all(self.live_entries()):
             if lo == 0:
                 self.count_steps()
             nd, used = min(max(self.spec.n_decay - lo, 0), hi - lo), min(self.spec.used - lo, hi - lo)
-            return [(p[lo:hi], g[lo:hi], m, v, self.steps[0], nd, used)]
-        grads = [g[e.offset:e.offset + e.numel] if ok else None for e, ok in zip(self.spec.entries, self.live)]
+            return [(p[lo:hi], g[lo:hi], m, v, self.step_counts()[0], nd, used)]
+        grads = [g[e.offset:e.offset + e.numel] if ok else None
+                 for e, ok in zip(self.spec.entries, self.live_entries())]
         return self.param_items(p, grads, m, v, lo, hi)

@@ -110,7 +110,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
         if placement.activations == SPILL:
-            ring = (ActivationRing(self.disk, self.tiers[HOST], pin=device.type == "cuda")
+            ring = (ActivationRing(self._disk, self.tiers[HOST], pin=device.type == "cuda")
                     if placement.disk_spill_blocks else None)
             self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(placement.disk_spill_blocks))
         self._boundary: set[int] = set()
@@ -173,7 +173,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         step at a 25 % budget)."""
         self._held: dict[int, Tensor] = {}
         """id(parameter) → its gradient of this step so far (``_grads_home`` chunks)."""
-        self.chunks: list[ChunkState] = [None] * len(self.layout.chunks)
+        built: dict[int, ChunkState] = {}
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
         for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
@@ -204,16 +204,17 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                     c.hg = self._alloc(HOST, spec.capacity, "host grads")
             else:
                 flat = fill(aligned_empty(spec.capacity).zero_())
-                self.disk.create(f"p{spec.index}", flat)
+                self._disk.create(f"p{spec.index}", flat)
                 flat.zero_()
-                self.disk.create(f"g{spec.index}", flat)
+                self._disk.create(f"g{spec.index}", flat)
                 del flat
             if not pinned:
                 for e in spec.entries:
                     e.param.data = self._placeholder(e.shape)
                     e.param.grad = None
             self._alloc_moments(c)
-            self.chunks[spec.index] = c
+            built[spec.index] = c
+        self.chunks: list[ChunkState] = [built[i] for i in range(len(self.layout.chunks))]
         self.staging: list[Tensor | None] = [None] * 4
         if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
                 self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
@@ -246,8 +247,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             pass
         elif ot == DISK:
             zeros = aligned_empty(spec.capacity).zero_()
-            self.disk.create(f"m{spec.index}", zeros)
-            self.disk.create(f"v{spec.index}", zeros)
+            self._disk.create(f"m{spec.index}", zeros)
+            self._disk.create(f"v{spec.index}", zeros)
             del zeros
         else:
             c.m = self._alloc(ot, spec.capacity, "exp_avg")
@@ -308,7 +309,10 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             x = b.x.to(self.device, non_blocking=True)
             y = b.y.to(self.device, non_blocking=True)
             self._act, self._act_seen = 0, set()
-            ins, outs, rng, bufs = [], [], [], []
+            ins: list[Tensor | None] = []  # each block's input (None once its backward is done)
+            outs: list[Tensor | None] = []  # each block's output (None: recomputed in the backward)
+            rng: list[tuple | None] = []
+            bufs: list[BufferSnapshot | None] = []
             kept: list[int] = []  # bytes of each kept block input (0 for token ids)
             held: dict[int, int] = {}  # block in on_device → bytes of its saved activations (held on the device)
             self._boundary = set()
@@ -364,19 +368,26 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                         if spill.cuda and i > 0 and spill.ready(i - 1):
                             spill.restore(i - 1)  # the next block's copy-back runs beside this backward
                         self._act = sum(kept[:i + 1]) + spill.device_bytes + sum(held.values())
-                    out = outs[i]
-                    if out is None:  # recompute: the first run's RNG state and buffer values, both kept after
+                    kept_out, x_in = outs[i], ins[i]
+                    assert x_in is not None
+                    if kept_out is not None:
+                        out = kept_out
+                    else:  # recompute: the first run's RNG state and buffer values, both kept after
                         t_re = time.perf_counter()
+                        state, snap = rng[i], bufs[i]
+                        assert state is not None and snap is not None
                         with neutral(self.model.blocks[i], devices=[self.device]):
-                            self._set_rng_state(rng[i])
-                            bufs[i].restore()
-                            out = self._forward_block(i, ins[i], y, i == L - 1, n, b.stream)
+                            self._set_rng_state(state)
+                            snap.restore()
+                            out = self._forward_block(i, x_in, y, i == L - 1, n, b.stream)
                         bufs[i] = None
                         self.phase_s["recompute"] += time.perf_counter() - t_re
                     if i == L - 1:
                         (out / divisor).backward()
                     else:
-                        torch.autograd.backward(out, ins[i + 1].grad)
+                        x_next = ins[i + 1]
+                        assert x_next is not None
+                        torch.autograd.backward(out, x_next.grad)
                     outs[i] = None
                     if i + 1 < L:
                         ins[i + 1] = None
@@ -410,7 +421,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self._lr = lr
         self._deferred = self.spec.grad_clip > 0
         self._grad_norms: dict[str, Tensor] = {}
-        self._spill_futs: dict[int, Future] = {}
+        self._spill_futs: dict[int, Future | None] = {}
         self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]
         for c in self.chunks:
             c.grad = None
@@ -424,6 +435,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         if self.device.type == "cpu":
             self._heap_trim.step_end()
         if self._first_step:
+            assert self.trace.recorded is not None  # (the trace's end_step records the first step's accesses)
             self._nxt = NextUse(self.trace.recorded)
         self._check()
         self.last_step_traffic = {k: v - self._moved0[k] for k, v in self.traffic().items()}

@@ -80,7 +80,7 @@ class Placement:
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
-    act_bytes: int = 0
+    act_bytes: float = 0
     predicted_peak: dict = field(default_factory=dict)
     """Tier → predicted peak bytes (device includes activations)."""
     predicted_traffic: dict = field(default_factory=dict)
@@ -191,7 +191,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
             spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
             deferred_chunks: frozenset[int] = frozenset(),
-            kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, int]:
+            kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, float]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed, except
     ``kept`` (Placement.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
@@ -228,8 +228,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     dev = sum(8 * c.capacity for c in pinned) + slots * slot_bytes(C, opt, ptier, bw) + act
     if n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
         dev += sum(4 * c.capacity for c in chunks if c.tied)
-    host = 0
-    disk = 0
+    host: float = 0
+    disk: float = 0
     if opt != DEVICE and async_copies:  # a GPU's pinned chunks keep fp32 master params + grads on the host
         host += sum(8 * c.capacity for c in pinned)
     if ptier == HOST:
@@ -258,16 +258,16 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         host += 2 * C * F32
     if ptier == DISK and n_stream and async_copies:  # a GPU's pinned buffer for its disk ↔ device copies
         host += C * F32
-    tr = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
+    tr: dict[str, float] = {"h2d": 0, "d2h": 0, "disk_read": 0, "disk_write": 0}
     # Bytes moved while the backward runs (the rest moves beside the forward): a clipped (deferred) host/disk
     # update pass runs beside the next step's forward, so its traffic loads the forward's window, not the
     # backward's — which decides, e.g., whether activations are better spilled to disk or recomputed.
-    back = dict.fromkeys(tr, 0)
+    back: dict[str, float] = dict.fromkeys(tr, 0)
     # Of the host↔device bytes, those a CPU moves by memcpy (on the cores that train: not overlapped with compute),
     # forward and backward; a disk-home chunk is read into its CPU slot directly (disk traffic only).
-    memcpy = {False: 0, True: 0}
+    memcpy: dict[bool, float] = {False: 0, True: 0}
 
-    def add(link: str, nbytes: int, in_backward: bool, copy: bool = True) -> None:
+    def add(link: str, nbytes: float, in_backward: bool, copy: bool = True) -> None:
         tr[link] += nbytes
         if in_backward:
             back[link] += nbytes
@@ -352,9 +352,9 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
         # On a CPU compute keeps every core busy: a memcpy (a spill, a chunk fetched from host RAM) takes its time
         # from compute wherever it runs. Counted as overlapped, fetches looked free: the plan at a 25 % budget
         # predicted 0.23 s for a 0.25 s step.
-        link = max(min(bw.h2d, bw.d2h), 1.0)
-        fwd += memcpy[False] / link
-        bwd += memcpy[True] / link
+        rate_hd = max(min(bw.h2d, bw.d2h), 1.0)
+        fwd += memcpy[False] / rate_hd
+        bwd += memcpy[True] / rate_hd
         compute = fwd + bwd
     if n_stream and slots <= layout.max_chunks_per_block():
         k = 0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
@@ -375,7 +375,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
 
 
 def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Bandwidths | None, n_micro: int,
-                 deferred: bool, n_params: int) -> tuple[dict, dict, float, float, int]:
+                 deferred: bool, n_params: int) -> tuple[dict, dict, float, float, float]:
     """:func:`predict` for ``plan``'s choices (``layout`` = its chunk layout)."""
     return predict(layout, R=plan.resident_chunks, opt=plan.optimizer_tier, ptier=plan.param_tier,
                    k=plan.prefetch_depth, acts=plan.activations, costs=costs, bw=bw, n_micro=n_micro,
@@ -385,10 +385,11 @@ def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Band
                    kept=frozenset(plan.kept_blocks))
 
 
-def _spill_choice(costs: Costs, room: int) -> frozenset[int]:
+def _spill_choice(costs: Costs, room: float) -> frozenset[int]:
     """The blocks to spill within ``room`` host bytes: most recompute seconds saved per byte first (greedy)."""
     order = sorted(range(len(costs.spill_bytes)), key=lambda i: -costs.f[i] / max(costs.spill_bytes[i], 1))
-    chosen, used = [], 0
+    chosen: list[int] = []
+    used: float = 0
     for i in order:
         if used + costs.spill_bytes[i] <= room:
             chosen.append(i)
@@ -510,7 +511,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     layouts: dict[int, Layout] = {}  # chunk elements → layout (to predict tied plans again on a slower disk)
     tried = 0
     cut = False
-    smallest = {DEVICE: None, HOST: None}
+    smallest: dict[str, int | None] = {DEVICE: None, HOST: None}
     for C in sizes:
         layout = pack(seq, C)
         layouts[layout.chunk_elems] = layout
@@ -586,12 +587,13 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                         before = here
     if not fits:
         parts = []
-        if smallest[DEVICE] is not None:
+        low_dev, low_host = smallest[DEVICE], smallest[HOST]
+        if low_dev is not None:
             parts.append(f"the smallest offload.device_budget that works with this host budget is "
-                         f"{fmt_at_least(smallest[DEVICE], device_budget)} ({smallest[DEVICE]:,} bytes)")
-        if smallest[HOST] is not None and (smallest[DEVICE] is None or host_budget is not None):
+                         f"{fmt_at_least(low_dev, device_budget)} ({low_dev:,} bytes)")
+        if low_host is not None and (low_dev is None or host_budget is not None):
             parts.append(f"the smallest offload.host_budget that works with this device budget is "
-                         f"{fmt_at_least(smallest[HOST], host_budget)} ({smallest[HOST]:,} bytes)")
+                         f"{fmt_at_least(low_host, host_budget)} ({low_host:,} bytes)")
         if not parts:
             parts.append("no placement fits even with the largest chunks on disk; raise both budgets "
                          "or free disk space under offload.disk_dir")

@@ -53,13 +53,14 @@ class Transfers:
             return self.pool.submit(fn, *args)
         released = torch.cuda.Event()
         released.record(torch.cuda.current_stream(self.device))
+        stream = self.stream
 
         def on_stream():
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(released)
+            with torch.cuda.stream(stream):
+                stream.wait_event(released)
                 fn(*args)
                 done = torch.cuda.Event()
-                done.record(self.stream)
+                done.record(stream)
             return done
         return self.pool.submit(on_stream)
 

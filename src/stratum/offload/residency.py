@@ -17,10 +17,11 @@ from stratum.errors import StratumError
 from stratum.offload.activations import Spilled, StorageView
 from stratum.offload.belady import choose_victim
 from stratum.offload.chunk_state import ChunkState
+from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DEVICE, F32, HOST
 
 
-class Residency:
+class Residency(EngineState):
     """Mixin: moving chunks between their home tier and the device slots (see the module docstring)."""
 
     # ---- binding parameters to slots ------------------------------------------------------------------------
@@ -34,7 +35,7 @@ class Residency:
                 continue  # its .grad is autograd's
             e.param.grad = None
             self._gtarget[id(e.param)] = c.g()[e.offset:e.offset + e.numel].view(e.shape)
-        self._ptr2chunk[c.slot.untyped_storage().data_ptr()] = c
+        self._ptr2chunk[p.untyped_storage().data_ptr()] = c
 
     def _placeholder(self, shape) -> Tensor:
         """What an evicted parameter points at: its shape (so numel and flop counts stay right), no memory."""
@@ -43,7 +44,7 @@ class Residency:
         return self._zero.expand(shape)
 
     def _unbind(self, c: ChunkState) -> None:
-        self._ptr2chunk.pop(c.slot.untyped_storage().data_ptr(), None)
+        self._ptr2chunk.pop(c.p().untyped_storage().data_ptr(), None)
         for e in c.spec.entries:
             e.param.data = self._placeholder(e.shape)
             e.param.grad = None
@@ -53,28 +54,30 @@ class Residency:
     def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:
         """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
         if c.home == HOST:
-            into.copy_(c.hp if what == "p" else c.hg, non_blocking=True)
+            into.copy_(c.home_copy(what), non_blocking=True)
         elif self.device.type == "cpu":
-            self.disk.read(f"{what}{c.i}", into)
+            self._disk.read(f"{what}{c.i}", into)
         else:  # GPU ← disk: through the pinned transfer buffer (the disk reads into aligned host memory only)
+            assert self.xfer_staging is not None  # (allocated for a GPU with parameters on disk)
             st = self.xfer_staging[:into.numel()]
-            self.disk.read(f"{what}{c.i}", st)
+            self._disk.read(f"{what}{c.i}", st)
             into.copy_(st, non_blocking=True)
             torch.cuda.current_stream(into.device).synchronize()  # the staging buffer is reused next
 
     def _write_home(self, c: ChunkState, what: str, src: Tensor) -> None:
         """Runs on the transfer thread (its side stream on a GPU)."""
         if c.home == HOST:
-            (c.hp if what == "p" else c.hg).copy_(src, non_blocking=True)
+            c.home_copy(what).copy_(src, non_blocking=True)
             if src.device.type == "cuda":
                 torch.cuda.current_stream(src.device).synchronize()
         elif src.device.type == "cuda":  # GPU → disk through the pinned transfer buffer, as reads come
+            assert self.xfer_staging is not None
             st = self.xfer_staging[:src.numel()]
             st.copy_(src, non_blocking=True)
             torch.cuda.current_stream(src.device).synchronize()
-            self.disk.write(f"{what}{c.i}", st)
+            self._disk.write(f"{what}{c.i}", st)
         else:
-            self.disk.write(f"{what}{c.i}", src)
+            self._disk.write(f"{what}{c.i}", src)
 
     def _fetch(self, c: ChunkState, slot_id: int, grads: bool) -> None:
         """Copy ``c`` into slot ``slot_id``, with its gradient so far when ``grads`` (the access that wants it
@@ -111,6 +114,7 @@ class Residency:
         """Release ``c``'s slot (writing back dirty params and live gradients first); returns the slot id."""
         assert not c.pinned
         slot, sid = c.slot, c.slot_id
+        assert slot is not None and sid is not None, f"chunk {c.i} evicted while not resident"
         write_p, write_g = c.dirty, c.grad == "dev"
         self._unbind(c)
         if write_g:
@@ -136,7 +140,9 @@ class Residency:
         if not cands:
             return None
         if t is not None and self._nxt is not None:
-            return self.chunks[choose_victim(cands, t, self._nxt)]
+            v = choose_victim(cands, t, self._nxt)
+            if v is not None:
+                return self.chunks[v]
         return self.chunks[min(cands, key=lambda i: self.chunks[i].last_use)]
 
     def _make_resident(self, c: ChunkState, protect: set[int], t: int | None, grads: bool) -> None:
@@ -157,7 +163,7 @@ class Residency:
         """Bring a resident chunk's gradient so far into its slot (it was fetched by a forward)."""
         c.grad = "dev"
         self.bytes_h2d += c.cap * F32
-        self.xfer.wait(self.xfer.submit(self._read_home, c, "g", c.slot[c.cap:]))
+        self.xfer.wait(self.xfer.submit(self._read_home, c, "g", c.g()))
 
     def _access(self, chunk_ids: tuple[int, ...], record: bool = True, grads: bool = False) -> None:
         """Make ``chunk_ids`` usable on the device now (with their gradients so far when ``grads``: a backward
@@ -187,7 +193,8 @@ class Residency:
             self._prefetch(t, protect)
 
     def _prefetch(self, t: int, protect: set[int]) -> None:
-        seq = self.trace.recorded
+        seq, nxt = self.trace.recorded, self._nxt
+        assert seq is not None and nxt is not None  # (called only while the trace is active: after the first step)
         n = len(seq)
         ahead: list[int] = []
         grads: dict[int, bool] = {}  # chunk → whether its next access wants its gradient
@@ -207,8 +214,8 @@ class Residency:
             cands = [r for r in self.resident if r not in keep]
             if not cands:
                 return
-            v = choose_victim(cands, t, self._nxt)
-            if self._nxt.after(v, t) <= self._nxt.after(i, t):
+            v = choose_victim(cands, t, nxt)
+            if v is None or nxt.after(v, t) <= nxt.after(i, t):
                 return
             self._fetch(c, self._evict(self.chunks[v]), grads[i])
 
@@ -226,7 +233,7 @@ class Residency:
                 return x
             # offset from the slot's start: the chunk may come back in another slot (aligned slots are views at
             # different offsets of their allocations)
-            return ("chunk", c.i, x.storage_offset() - c.slot.storage_offset(), tuple(x.shape), tuple(x.stride()),
+            return ("chunk", c.i, x.storage_offset() - c.p().storage_offset(), tuple(x.shape), tuple(x.stride()),
                     x.dtype)
         if ptr in self._boundary:
             return x
@@ -242,6 +249,7 @@ class Residency:
 
     def _unpack(self, obj):
         if isinstance(obj, (Spilled, StorageView)):
+            assert self.spill is not None  # (only a spill packs these)
             return self.spill.unpack(obj)
         if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == "chunk":
             _, i, off, shape, stride, dtype = obj
@@ -249,5 +257,6 @@ class Residency:
             if c.slot is None:  # not expected (blocks fetch before backward), but never wrong
                 self._access((i,), record=False, grads=True)
             self.xfer.wait(c.fut)
-            return c.slot.as_strided(shape, stride, c.slot.storage_offset() + off)
+            p = c.p()
+            return p.as_strided(shape, stride, p.storage_offset() + off)
         return obj

@@ -13,11 +13,12 @@ from torch import Tensor
 
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.offload.chunk_state import ChunkState
+from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DISK, aligned_empty
 from stratum.runtime.engine import TrainState
 
 
-class StateIO:
+class StateIO(EngineState):
     """Mixin: the engine's ``state`` and ``load_state`` (see the module docstring)."""
 
     def master_params(self, c: ChunkState) -> Tensor:
@@ -30,21 +31,23 @@ class StateIO:
             return c.p().detach().cpu().clone()
         if c.hp is not None:
             return c.hp.detach().cpu().clone()
-        return self.disk.read(f"p{c.i}", aligned_empty(c.cap))
+        return self._disk.read(f"p{c.i}", aligned_empty(c.cap))
 
     def _moments(self, c: ChunkState) -> tuple[Tensor, Tensor]:
         if self.placement.optimizer_tier == DISK:
-            return self.disk.read(f"m{c.i}", aligned_empty(c.cap)), self.disk.read(f"v{c.i}", aligned_empty(c.cap))
-        return c.m.detach().cpu().clone(), c.v.detach().cpu().clone()
+            return self._disk.read(f"m{c.i}", aligned_empty(c.cap)), self._disk.read(f"v{c.i}", aligned_empty(c.cap))
+        m, v = c.moments()
+        return m.detach().cpu().clone(), v.detach().cpu().clone()
 
     def state(self) -> TrainState:
         self._flush_pending()
-        params, optim = {}, {}
+        params: dict[str, Tensor] = {}
+        optim: dict[str, dict[str, Tensor]] = {}
         for c in self.chunks:
             flat = self.master_params(c)
             owned = self.owns(c.i)  # (another replica holds the AdamW state of the others)
-            m, v = self._moments(c) if owned else (None, None)
-            steps = c.steps.tolist()
+            m, v = self._moments(c) if owned else (flat, flat)  # (flat: not read where not owned)
+            steps = c.step_counts().tolist()
             for e, stepv in zip(c.spec.entries, steps):
                 sl = slice(e.offset, e.offset + e.numel)
                 params[e.name] = flat[sl].view(e.shape).clone()
@@ -64,7 +67,7 @@ class StateIO:
         if c.hp is not None:
             c.hp.copy_(flat)
         elif not c.pinned:
-            self.disk.write(f"p{c.i}", flat)
+            self._disk.write(f"p{c.i}", flat)
         c.dirty = False
 
     def load_state(self, state: TrainState) -> None:
@@ -85,11 +88,12 @@ class StateIO:
             if not self.owns(c.i):
                 pass
             elif self.placement.optimizer_tier == DISK:
-                self.disk.write(f"m{c.i}", m)
-                self.disk.write(f"v{c.i}", v)
+                self._disk.write(f"m{c.i}", m)
+                self._disk.write(f"v{c.i}", v)
             else:
-                c.m.copy_(m)
-                c.v.copy_(v)
-            c.steps.copy_(torch.tensor(steps))
+                cm, cv = c.moments()
+                cm.copy_(m)
+                cv.copy_(v)
+            c.step_counts().copy_(torch.tensor(steps))
             c.uniform = len(set(steps)) == 1
         load_buffers(self.model, state.buffers)

@@ -26,6 +26,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -275,7 +276,10 @@ ALIGN = 4096
 (512 B or 4 KiB); a page covers both. Chunk capacities are rounded to it (chunks.pack)."""
 
 
-def round_up(nbytes: int, to: int = ALIGN) -> int:
+_N = TypeVar("_N", int, float)
+
+
+def round_up(nbytes: _N, to: int = ALIGN) -> _N:
     return -(-nbytes // to) * to
 
 
@@ -296,7 +300,7 @@ def _is_aligned(t: Tensor, offset: int) -> bool:
 
 
 def _bytes(t: Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy().data).cast("B") if t.numel() else memoryview(b"")
 
 
 def anonymous_file(base: Path, direct: bool) -> int:

@@ -9,16 +9,19 @@ its optimizer pool (``opt_pool``: inline on a CPU, a thread otherwise), transfer
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.cpu_adam import adamw_chunks
+from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST
 
 
-class Updates:
+class Updates(EngineState):
     """Mixin: gradients and AdamW of the chunks (see the module docstring)."""
 
     # ---- gradients ------------------------------------------------------------------------------------------
@@ -28,17 +31,19 @@ class Updates:
         copied, later ones added. A ``.grad`` that viewed the slot instead made every step zero all slots and
         add every gradient into them: two extra passes over the gradients (about 3 % of a CPU step)."""
         k = id(param)
+        grad = param.grad
+        assert grad is not None  # a post-accumulate hook runs with the gradient in place
         if k in self._home_params:
             held = self._held.get(k)
             if held is None:
-                self._held[k] = param.grad
-                self.tiers[HOST].charge(param.grad.numel() * F32, "gradients held for the host optimizer")
+                self._held[k] = grad
+                self.tiers[HOST].charge(grad.numel() * F32, "gradients held for the host optimizer")
             else:
-                held.add_(param.grad)
+                held.add_(grad)
         elif k in self._fresh:
-            self._gtarget[k].add_(param.grad)
+            self._gtarget[k].add_(grad)
         else:
-            self._gtarget[k].copy_(param.grad)
+            self._gtarget[k].copy_(grad)
             self._fresh.add(k)
         param.grad = None
 
@@ -57,12 +62,13 @@ class Updates:
         views, names = [], []
         for c in chunks:
             if self._home_grads(c):
-                live = [(e, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
-                views += [g for _, g in live]
-                names += [e.name for e, _ in live]
+                assert c.held is not None
+                got = [(e, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
+                views += [g for _, g in got]
+                names += [e.name for e, _ in got]
                 continue
             g = c.g()  # a parameter without a gradient has no norm, as in the plain engine's clipping
-            live = [e for e, ok in zip(c.spec.entries, c.live) if ok]
+            live = [e for e, ok in zip(c.spec.entries, c.live_entries()) if ok]
             views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in live]
             names += [e.name for e in live]
         if views:  # (none where no parameter of these chunks got a gradient)
@@ -102,11 +108,14 @@ class Updates:
                 self._submit_host_update(c, None, src=c.slot)
             return
         # host/disk optimizer: hand the gradient to the host side now, free the slot of a streamed chunk
-        slot = c.slot
+        slot, hg = c.slot, c.hg
+        assert slot is not None
         if not self._home_grads(c):  # (autograd's tensors are handed over, not copied)
             self.bytes_d2h += c.cap * F32
+        fut: Future | None
         if c.pinned:
-            fut = self.xfer.submit(lambda: c.hg.copy_(slot[c.cap:], non_blocking=False))
+            assert hg is not None  # a pinned chunk with a host optimizer on a GPU has host grads (_build)
+            fut = self.xfer.submit(lambda: hg.copy_(slot[c.cap:], non_blocking=False))
         elif self._home_grads(c):  # the host optimizer takes autograd's tensors (c.held)
             fut = None
             self.free_slots.append(self._evict(c))
@@ -144,7 +153,7 @@ class Updates:
         """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
         if coef is not None:
             torch._foreach_mul_([c.g() for c in chunks], coef)
-        items = [it for c in chunks for it in c.flat_items(c.p(), c.g(), c.m, c.v)]
+        items = [it for c in chunks for it in c.flat_items(c.p(), c.g(), *c.moments())]
         adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
                      weight_decay=self.spec.weight_decay, count_step=False)
         for c in chunks:
@@ -159,7 +168,7 @@ class Updates:
         for c in self.owned():
             grads = [e.param.grad for e in c.spec.entries]
             c.live = [g is not None for g in grads]
-            items += c.param_items(c.p(), grads, c.m, c.v)
+            items += c.param_items(c.p(), grads, *c.moments())
         self._adamw_params(items, coef, self._lr)
         for c in self.chunks:
             for e in c.spec.entries:
@@ -204,7 +213,8 @@ class Updates:
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
-        self._adamw_params(c.param_items(p, held, c.m, c.v), coef, lr)
+        assert p is not None and c.hp is not None  # a ``_home_grads`` chunk lives on the host
+        self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
         if src is not None:
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
@@ -217,7 +227,8 @@ class Updates:
             assert self._spill_futs.pop(c.i, None) is None and (c.opt_fut is None or c.opt_fut.done())
             held, c.held = c.held, None
             c.grad, c.stale_home = None, False
-            items += c.param_items(c.hp, held, c.m, c.v)
+            assert held is not None and c.hp is not None  # (apply_updates chose chunks with held gradients)
+            items += c.param_items(c.hp, held, *c.moments())
             held_bytes += sum(g.numel() for g in held if g is not None) * F32
         self._adamw_params(items, coef, self._lr)
         self.tiers[HOST].release(held_bytes)
@@ -227,16 +238,16 @@ class Updates:
         """AdamW of ``c`` from its home copies (or its CPU slot ``src``); ``into``: a disk-home chunk's device
         slot being fetched, which receives the new parameters too (on a CPU the update runs in it)."""
         n = c.cap
-        st = self.staging
         on_disk = c.hp is None and not c.pinned
         reads: list = []
         if src is not None:
             p, g = src[:n], src[n:]
         elif on_disk:
-            p = into if into is not None and into.device.type == "cpu" else st[0][:n]
-            g = st[1][:n]
-            reads = [self.disk.read_async(f"p{c.i}", p), self.disk.read_async(f"g{c.i}", g)]
+            p = into if into is not None and into.device.type == "cpu" else self._staged(0)[:n]
+            g = self._staged(1)[:n]
+            reads = [self._disk.read_async(f"p{c.i}", p), self._disk.read_async(f"g{c.i}", g)]
         else:
+            assert c.hp is not None and c.hg is not None  # not on disk: a host home, or a pinned chunk's master
             p, g = c.hp, c.hg
 
         def arrived() -> None:
@@ -248,11 +259,11 @@ class Updates:
             if coef is not None:
                 g.mul_(coef.to(g.device))
                 coef = None
-        kw = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+        kw: dict[str, Any] = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         p_written = False
         if self.placement.optimizer_tier != DISK:
             arrived()
-            adamw_chunks(c.flat_items(p, g, c.m, c.v), count_step=False, **kw)
+            adamw_chunks(c.flat_items(p, g, *c.moments()), count_step=False, **kw)
         else:
             # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
             # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole. A
@@ -261,30 +272,30 @@ class Updates:
             piece = self.layout.chunk_elems
             for lo in range(0, c.spec.used, piece):
                 hi = min(c.cap, lo + piece)
-                m, v = st[2][:hi - lo], st[3][:hi - lo]
-                fm = self.disk.pool.submit(self.disk.read_range, f"m{c.i}", lo, m)
-                self.disk.read_range(f"v{c.i}", lo, v)
+                m, v = self._staged(2)[:hi - lo], self._staged(3)[:hi - lo]
+                fm = self._disk.pool.submit(self._disk.read_range, f"m{c.i}", lo, m)
+                self._disk.read_range(f"v{c.i}", lo, v)
                 fm.result()
                 arrived()
                 adamw_chunks(c.flat_items(p, g, m, v, lo, hi), count_step=False, **kw)
-                outs = [self.disk.pool.submit(self.disk.write_range, f"m{c.i}", lo, m)]
+                outs = [self._disk.pool.submit(self._disk.write_range, f"m{c.i}", lo, m)]
                 if on_disk and lo + piece >= c.spec.used:
-                    outs.append(self.disk.pool.submit(self.disk.write, f"p{c.i}", p))
+                    outs.append(self._disk.pool.submit(self._disk.write, f"p{c.i}", p))
                     p_written = True
-                self.disk.write_range(f"v{c.i}", lo, v)
+                self._disk.write_range(f"v{c.i}", lo, v)
                 for f in outs:
                     f.result()
             arrived()  # (a chunk with nothing in use has no piece)
         if on_disk:
             if not p_written:
-                self.disk.write(f"p{c.i}", p)
+                self._disk.write(f"p{c.i}", p)
             if into is not None and into.data_ptr() != p.data_ptr():  # a GPU slot: from the pinned staging
                 into.copy_(p, non_blocking=True)
                 torch.cuda.current_stream(into.device).synchronize()  # the staging is reused next
         elif src is not None and c.hp is not None:
             c.hp.copy_(p)
         if c.pinned and src is None:
-            c.slot[:n].copy_(p)
+            c.p().copy_(p)
 
     # ---- updates run by the next fetch -----------------------------------------------------------------------------
     def _update_at_fetch(self, c: ChunkState) -> bool:
@@ -343,7 +354,8 @@ class Updates:
         backward; the norms of streamed chunks were taken as each completed)."""
         if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
             live = [e for c in self.owned() for e in c.spec.entries if e.param.grad is not None]
-            for e, nrm in zip(live, torch._foreach_norm([e.param.grad for e in live], 2.0)):
+            grads = [e.param.grad for e in live if e.param.grad is not None]
+            for e, nrm in zip(live, torch._foreach_norm(grads, 2.0)):
                 self._grad_norms[e.name] = nrm
         return [(nm, self._grad_norms[nm]) for nm in self.names if nm in self._grad_norms]
 
@@ -385,11 +397,11 @@ class Updates:
             self.opt_pool.submit(note_pass)
 
     # ---- tied gradients ----------------------------------------------------------------------------------------
-    def _tied_grads_begin(self) -> list:
+    def _tied_grads_begin(self) -> list[tuple[ChunkState, Tensor | None, Any]]:
         """A tied tensor's gradient gets contributions from several blocks. The plain engine sums one
         micro-batch's contributions first and then adds that sum to the accumulated gradient; to round the same
         way, later micro-batches accumulate a tied chunk's gradient in a temporary buffer first."""
-        out = []
+        out: list[tuple[ChunkState, Tensor | None, Any]] = []
         for c in self.chunks:
             if c.spec.tied and self._all_on_device:
                 # autograd sums this micro-batch's contributions in a fresh .grad; _tied_grads_end adds it
