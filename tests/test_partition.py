@@ -97,6 +97,13 @@ def test_dp_with_memory_limits_equals_brute_force(seed):
         assert all(x <= lim * (1 + 1e-9) for x, lim in zip(p.rank_bytes, limits))
 
 
+def test_one_stage_per_rank_past_the_beam_falls_back_to_the_heuristic():
+    # a small beam gives the exact search up at once; without a heuristic cut this was a TypeError
+    prof = _profile([1.0 + 0.01 * i for i in range(40)])
+    got = partition(prof, [0, 1], beam=1)
+    assert got.bottleneck_s == pytest.approx(_brute(prof, [0, 1]))
+
+
 def test_faster_rank_gets_proportionally_more_blocks():
     p = partition(_profile([1.0] * 9), [0, 1], speeds=[1.0, 2.0])
     assert [len(r) for r in p.stages] == [3, 6]

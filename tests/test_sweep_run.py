@@ -19,7 +19,7 @@ import torch
 from stratum.cli import main
 from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
-from stratum.sweep.runner import run_sweep
+from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
 
@@ -237,6 +237,14 @@ def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_
     assert max(r["offload_device_peak_bytes"] for r in recs) <= 6_000_000
     # the offload engine reproduces the plain engine's losses (to float rounding of its chunked AdamW)
     assert job_losses(tmp_path / "sw", "j001") == pytest.approx(standalone_losses(path, "j001", tmp_path), rel=1e-6)
+
+
+def test_an_auto_slot_budget_leaves_every_job_as_it_is(tmp_path, corpus_file, cache_dir):
+    # "auto" is no budget (parse_budget: None): nothing is compared against it, nothing moves to offload
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "auto"',
+                      grid='"model.preset" = ["tiny"]', steps=4)
+    sweep = open_sweep(path, say=lambda line: None)
+    assert all(cfg.train.engine == "plain" for cfg in sweep.configs.values())
 
 
 def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path, corpus_file, cache_dir):

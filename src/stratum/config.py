@@ -15,6 +15,7 @@ import inspect
 import math
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -502,7 +503,7 @@ def parse_set(item: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults ← TOML file ← ``--set`` overrides, then validation. Raises StratumError on any mistake."""
     cfg = Config()
     if path is not None:
@@ -546,7 +547,9 @@ def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a config dataclass (read from the source)."""
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    cls_def = tree.body[0]
+    assert isinstance(cls_def, ast.ClassDef)
+    body = cls_def.body
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \

@@ -129,11 +129,9 @@ def init_process_group(*, world: int, backend: str, device: torch.device, timeou
     if ws != world:
         raise StratumError(f"the plan (parallel.plan) needs {world} processes but the launcher started "
                            f"WORLD_SIZE = {ws}; change the plan's sizes or start {world} processes")
-    kwargs = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rk, world_size=ws, timeout=timeout, **kwargs)
+        dist.init_process_group(backend, init_method="env://", rank=rk, world_size=ws, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     except (RuntimeError, ValueError) as e:  # rendezvous failures (a peer never came, port in use, ...)
         raise PeerError(f"rank {rk}: cannot join the process group within {timeout_s:g} s: "
                         f"{_first_line(e)}") from None

@@ -12,6 +12,7 @@ import datetime
 import pickle
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from stratum.dist.launch import PeerError, short_reason, wait_until
 from stratum.ir.plan import Coord, Plan
 
 DIMS = ("replica", "stage_rank", "split")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -73,7 +75,7 @@ class World:
         self.wait(dist.all_gather_single(out, mine, async_op=True), "gathering the ranks' speeds")
         return out.tolist()
 
-    def share_object(self, obj: object, dim: str, what: str) -> object:
+    def share_object(self, obj: _T, dim: str, what: str) -> _T:
         """The first member's ``obj`` along ``dim``, on every member (``obj`` itself when this rank is alone):
         what each rank derived from its own measurements (a plan, a cut) becomes one choice they all run."""
         grp = self.group(dim)

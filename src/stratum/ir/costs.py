@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from stratum.errors import StratumError
 
@@ -80,10 +81,11 @@ class Costs:
     def blocks(cls, profile) -> Costs:
         """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
         bs = profile.blocks
-        return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
-                   w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
-                   out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs],
-                   param_bytes=[x.param_bytes for x in bs])
+        return cls(f=tuple(x.fwd_s for x in bs), b=tuple(x.bwd_s for x in bs), i=tuple(x.bwd_input_s for x in bs),
+                   w=tuple(x.bwd_weight_s for x in bs), act_bytes=tuple(x.act_saved_bytes for x in bs),
+                   out_bytes=tuple(x.out_bytes for x in bs),
+                   spill_bytes=tuple(x.spill_bytes or x.act_saved_bytes for x in bs),
+                   param_bytes=tuple(x.param_bytes for x in bs))
 
     @classmethod
     def zeros(cls, n: int) -> Costs:
@@ -126,6 +128,6 @@ class Costs:
         if nxt != self.num_stages:
             raise StratumError(f"partition covers blocks 0..{nxt - 1}, but the profile has {self.num_stages} "
                                "blocks")
-        summed = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
-                  for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
-        return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])
+        summed: dict[str, Any] = {name: tuple(sum(getattr(self, name)[a:b]) for a, b in spans)
+                                  for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
+        return replace(self, **summed, out_bytes=tuple(self.out_bytes[b - 1] for _, b in spans))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from stratum.errors import StratumError
 
@@ -124,6 +125,7 @@ class Burst:
 
 
 Node = Replicate | Pipeline | Split | Offload | Local | Burst
+_K = TypeVar("_K", Replicate, Pipeline, Split, Burst)
 NAMES: dict[str, type] = {"replicate": Replicate, "pipeline": Pipeline, "split": Split, "offload": Offload,
                           "local": Local, "burst": Burst}
 # what each kind may hold: the kinds to its right in replicate → pipeline → split → leaf
@@ -164,8 +166,8 @@ class Plan:
 
     root: Node
 
-    def _find(self, kind: type) -> Node | None:
-        node = self.root
+    def _find(self, kind: type[_K]) -> _K | None:
+        node: Node | None = self.root
         while node is not None:
             if isinstance(node, kind):
                 return node
@@ -191,7 +193,7 @@ class Plan:
     @property
     def leaf(self) -> Offload | Local:
         node = self.root
-        while getattr(node, "child", None) is not None:
+        while isinstance(node, (Replicate, Pipeline, Split, Burst)):  # the kinds that hold a child
             node = node.child
         return node
 
@@ -422,7 +424,7 @@ def check(node: Node, text: str = "") -> None:
         if not node.amplification >= 1.0:
             raise StratumError(f"{where}burst(amplification={node.amplification:g}) must be >= 1 (a block's "
                                "device-seconds relative to its one-process cost)")
-    child = getattr(node, "child", None)
+    child: Node | None = getattr(node, "child", None)
     if child is None:
         return
     if not isinstance(child, _MAY_HOLD[type(node)]):

@@ -45,11 +45,11 @@ def parameters_on_meta():
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         register(self, name, param)
-    nn.Module.register_parameter = on_meta
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -125,8 +126,9 @@ def init_gpt_block(seq: BlockSeq, i: int, seed: int) -> None:
             elif isinstance(m, (nn.Linear, nn.Embedding)):
                 std = resid_std if name in ("proj", "fc_out") else 0.02
                 m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
+                bias = getattr(m, "bias", None)
+                if bias is not None:
+                    bias.zero_()
 
 
 def build_gpt(preset: str, *, vocab_size: int | None, seed: int, dropout: float = 0.0,
@@ -149,7 +151,7 @@ def build_gpt(preset: str, *, vocab_size: int | None, seed: int, dropout: float 
         embed = Embed(vocab, ctx, shape.d_model, dropout)
         blocks: list[nn.Module] = [embed]
         blocks += [Layer(shape.d_model, shape.n_head, dropout) for _ in range(shape.n_layer)]
-        blocks.append(Head(shape.d_model, embed.tok.weight))
+        blocks.append(Head(shape.d_model, cast(nn.Parameter, embed.tok.weight)))
     names = ["embed"] + [f"layer.{i}" for i in range(shape.n_layer)] + ["head"]
     info = ModelInfo(name=preset, vocab_size=vocab, max_seq_len=ctx, n_layer=shape.n_layer,
                      d_model=shape.d_model,

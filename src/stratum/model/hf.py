@@ -324,6 +324,7 @@ def _block_loader(model, blocks: list[nn.Module], weights_dir: Path, weights: _W
     def block_init(seq: BlockSeq, i: int) -> None:
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for pname, key in per_block[i]:  # each shard is opened once per block, not once per tensor
+            assert key is not None  # (a missing key was refused above)
             by_file.setdefault(keys[key], []).append((pname, key))
         for path, items in by_file.items():
             for (pname, key), t in zip(items, weights.read(path, [k for _, k in items])):
@@ -438,9 +439,9 @@ def from_transformers(model) -> BlockSeq:
     else:
         blocks, names = _flatten_llama_style(model)
 
-    d_model = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    d_model = getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 0) or 0
-    n_layer = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    n_layer = getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0)
     info = ModelInfo(
         name=model_type,
         vocab_size=int(config.vocab_size),
@@ -481,7 +482,7 @@ def build_hf(path: str, *, seed: int, dropout: float | None = None, device: torc
                         params_on_meta=weights is not None or per_block)
     model.train()  # from_pretrained returns eval mode; a BlockSeq starts in train mode like any nn.Module
     seq = from_transformers(model)
-    if weights is not None:
+    if weights is not None and weights_dir is not None:  # (weights come from weights_dir)
         seq.block_init = _block_loader(model, list(seq.blocks), weights_dir, weights)
     elif per_block:
         seq.block_init = _random_block_init(model, seed)

@@ -9,6 +9,7 @@ values the whole model would hold under the same seed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,9 @@ def replace_tensors(model: nn.Module, make: Callable[[nn.Parameter | torch.Tenso
     memo: dict[int, torch.Tensor] = {}
     keep_alive = []
     for mod in model.modules():
-        for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+        # (a swapped-in parameter may be a plain tensor, which _parameters' annotation refuses)
+        stores: tuple[tuple[dict[str, Any], bool], ...] = ((mod._parameters, True), (mod._buffers, False))
+        for store, is_param in stores:
             for name, t in list(store.items()):
                 if t is None:
                     continue

@@ -138,8 +138,8 @@ def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: in
         with torch.no_grad():
             for (_, p), (_, v) in zip(seq.blocks[i].named_parameters(), real.named_parameters()):
                 p.copy_(v)
-            for (_, b), (_, v) in zip(seq.blocks[i].named_buffers(), real.named_buffers()):
-                b.copy_(v)  # a buffer drawn at random follows the real build's draws, not the structure's
+            for (_, b), (_, rb) in zip(seq.blocks[i].named_buffers(), real.named_buffers()):
+                b.copy_(rb)  # a buffer drawn at random follows the real build's draws, not the structure's
     seq.block_init = block_init
     dev = torch.device(device)
     if not lazy and dev.type != "meta":

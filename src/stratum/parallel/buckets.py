@@ -85,6 +85,7 @@ class GradBuckets:
             self.world.wait(work, "the gradient all-reduce")
             off = 0
             for p in self.buckets[k]:
+                assert p.grad is not None  # (_start gave every parameter of the bucket one)
                 g = local_part(p.grad)
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()

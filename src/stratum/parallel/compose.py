@@ -134,7 +134,9 @@ def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> 
 
 def _split(model: BlockSeq, world: World, held: set[int]) -> None:
     """Tensor-parallelize the layer blocks this rank holds over its split group."""
-    check_split(model, world.plan.split.n)
+    split = world.plan.split
+    assert split is not None  # (called for a plan with a split node)
+    check_split(model, split.n)
     group = world.group("split")
     if group is not None:
         mesh = DeviceMesh.from_group(group, world.device.type)
@@ -148,14 +150,14 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
     plan = world.plan
     spec, precision = optim_spec(cfg), cfg.train.precision
     if plan.burst is not None:
-        engine = burst_engine(cfg, model, world, spec)
-        engine.name = render(plan.root)
-        return engine
+        burst = burst_engine(cfg, model, world, spec)
+        burst.name = render(plan.root)
+        return burst
     if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.pipeline is None:
-        engine = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate, world=world,
-                                   speeds=replica_speeds(speeds, plan))
-        engine.name = render(plan.root)
-        return engine
+        replicated = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate,
+                                       world=world, speeds=replica_speeds(speeds, plan))
+        replicated.name = render(plan.root)
+        return replicated
     if isinstance(plan.leaf, Offload) and plan.pipeline is None:
         return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
     if plan.pipeline is not None and pipeline_plan is None:
@@ -178,6 +180,7 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
             return replicated
     elif plan.pipeline is not None:
         node = plan.pipeline
+        assert pipeline_plan is not None  # (planned above)
         engine = PipelineEngine(model, plan=pipeline_plan, optim=spec, world=world, precision=precision,
                                 schedule_for=lambda m: make_schedule(node, m), make_optimizer=make_opt)
     else:

@@ -75,7 +75,7 @@ class OffloadPipelineEngine(PipelineEngine):
                        block_names=[model.block_names[g] for g in mine])
         self.sub = sub
         alias = {n: g.owner for g in model.tied for n in g.names}
-        self.to_global = {}
+        self.to_global: dict[str, str] = {}
         """Canonical name in this rank's BlockSeq → canonical name in the whole model."""
         for k, g in enumerate(mine):
             for name, _ in model.blocks[g].named_parameters(remove_duplicate=False):

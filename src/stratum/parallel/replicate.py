@@ -87,7 +87,8 @@ class ReplicateEngine(GradEngine):
         self.rebalance = rebalance
         """Re-measure the speeds every step from the replicas' own compute time (``parallel.speeds = auto``)."""
         self.pace: list[list[float]] = [[] for _ in range(self.n)]
-        self.sharded = child.opt if isinstance(getattr(child, "opt", None), ShardedAdamW) else None
+        opt = getattr(child, "opt", None)
+        self.sharded = opt if isinstance(opt, ShardedAdamW) else None
         if node.shard and self.sharded is None:
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
         self.adasum = adasum_over(world)
@@ -112,6 +113,7 @@ class ReplicateEngine(GradEngine):
         elif self.node.reduce == "adasum":
             self._adasum()
         else:
+            assert self.buckets is not None  # (a mean reduction without shard has its buckets)
             self.buckets.finish()
         loss_sum = self.world.all_reduce(loss_sum.clone(), "replica", "the loss all-reduce")
         if self.rebalance:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -78,7 +79,9 @@ class _Sharded(ParallelStyle):
         else:  # this rank's input columns in, the all-reduced output out
             prepare_in = partial(RowwiseParallel._prepare_input_fn, (Shard(-1),), (Shard(-1),))
             prepare_out = partial(RowwiseParallel._prepare_output_fn, (Replicate(),), True)
-        return distribute_module(module, device_mesh, self._partition, prepare_in, prepare_out)
+        # torch annotates output_fn as returning None; it returns the module's output, as torch's own styles do
+        return distribute_module(module, device_mesh, self._partition, prepare_in,
+                                 prepare_out)  # type: ignore[arg-type]
 
 
 def _fused_qkv_linear() -> ParallelStyle:
@@ -116,7 +119,8 @@ def _gpt_localize(block: gpt.Layer, n: int) -> None:
 
 
 def _gpt2_sizes(block: hf.GPT2Layer) -> dict[str, int]:
-    return {"attention heads": block.layer.attn.num_heads, "MLP width": block.layer.mlp.c_fc.nf}
+    layer: Any = block.layer  # a transformers GPT2Block
+    return {"attention heads": layer.attn.num_heads, "MLP width": layer.mlp.c_fc.nf}
 
 
 def _gpt2_styles(block: hf.GPT2Layer) -> dict[str, ParallelStyle]:
@@ -127,17 +131,18 @@ def _gpt2_styles(block: hf.GPT2Layer) -> dict[str, ParallelStyle]:
 def _gpt2_localize(block: hf.GPT2Layer, n: int) -> None:
     # GPT2Attention splits c_attn's output into q, k, v by ``split_size`` and infers the head count from the
     # width (``view(..., -1, head_dim)``); ``num_heads`` and ``embed_dim`` are set so nothing reads a global size.
-    attn = block.layer.attn
+    attn: Any = block.layer.attn
     attn.num_heads //= n
     attn.split_size //= n
     attn.embed_dim //= n
 
 
 def _llama_sizes(block: hf.LlamaStyleLayer) -> dict[str, int]:
-    attn = block.layer.self_attn
+    layer: Any = block.layer  # a transformers decoder layer (Llama, Mistral, Qwen2 ...)
+    attn = layer.self_attn
     return {"attention heads": attn.q_proj.out_features // attn.head_dim,
             "KV heads": attn.k_proj.out_features // attn.head_dim,
-            "MLP width": block.layer.mlp.gate_proj.out_features}
+            "MLP width": layer.mlp.gate_proj.out_features}
 
 
 def _llama_styles(block: hf.LlamaStyleLayer) -> dict[str, ParallelStyle]:
@@ -164,11 +169,12 @@ def _llama_localize(block: hf.LlamaStyleLayer, n: int) -> None:
 
 @dataclass(frozen=True)
 class _Kind:
-    sizes: Callable[[nn.Module], dict[str, int]]
+    # Each takes a block of the kind's own class.
+    sizes: Callable[[Any], dict[str, int]]
     """What must divide by n, by the name the error message uses."""
-    styles: Callable[[nn.Module], dict[str, ParallelStyle]]
+    styles: Callable[[Any], dict[str, ParallelStyle]]
     """parallelize_module's plan: submodule path inside the block → style."""
-    localize: Callable[[nn.Module, int], None]
+    localize: Callable[[Any, int], None]
     """After sharding: make the attention work with this rank's heads."""
 
 
@@ -242,6 +248,7 @@ def apply_split(model: BlockSeq, block_ids: Iterable[int], mesh: DeviceMesh) -> 
     for i in ids:
         block = model.blocks[i]
         kind = _kind(block)
+        assert kind is not None  # (_check_block refused a block split does not know)
         styles = kind.styles(block)
         for path in styles:  # parallelize_module skips a path that matches nothing; a renamed module must fail
             block.get_submodule(path)

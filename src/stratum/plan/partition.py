@@ -431,9 +431,10 @@ def partition(profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] 
     scale = [1.0 / x for x in sp]
     upper, h_cuts = (math.inf, None) if S == P else _heuristic(n, s2r, P, t_of, m_of, scale, lim)
     _, cuts, exact = _dp(n, s2r, P, t_of, m_of, scale, lim, beam, upper)
-    if not exact:   # Pareto fronts grew past ``beam``: keep the heuristic's cut
-        cuts = h_cuts
+    if not exact:   # Pareto fronts grew past ``beam``: keep the heuristic's cut (with one stage per rank: its DP)
+        cuts = h_cuts if S != P else _heuristic(n, s2r, P, t_of, m_of, scale, lim)[1]
     if cuts is None:
+        assert lim is not None  # without memory limits every cut fits, and the heuristic finds one
         zero = lambda s, i, j: 0.0  # noqa: E731
         up2 = math.inf if S == P else _heuristic(n, s2r, P, m_of, zero, [1.0] * P, None)[0]
         need, _, ex2 = _dp(n, s2r, P, m_of, zero, [1.0] * P, None, beam, up2)
@@ -457,6 +458,6 @@ def stage_costs(profile, part: Partition, *, latency: float = 0.0, bandwidth: fl
 
     c = Costs.from_profile(profile, part.stages, latency=latency, bandwidth=bandwidth)
     k = [1.0 / part.speeds[r] for r in part.stage_to_rank]
-    return Costs(f=[x * y for x, y in zip(c.f, k)], b=[x * y for x, y in zip(c.b, k)],
-                 i=[x * y for x, y in zip(c.i, k)], w=[x * y for x, y in zip(c.w, k)], act_bytes=c.act_bytes,
+    return Costs(f=tuple(x * y for x, y in zip(c.f, k)), b=tuple(x * y for x, y in zip(c.b, k)),
+                 i=tuple(x * y for x, y in zip(c.i, k)), w=tuple(x * y for x, y in zip(c.w, k)), act_bytes=c.act_bytes,
                  out_bytes=c.out_bytes, latency=latency, bandwidth=bandwidth)

@@ -30,6 +30,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -91,7 +92,8 @@ def _per_block(model: BlockSeq, x: Tensor, measure: Measure, what: str | None) -
                 logger.info(f"{what} block {model.block_names[i]} ({len(cache) + 1} of ~{total} distinct) …")
             cache[sig] = measure(i, x)
         prof, out = cache[sig]
-        blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **block_static_bytes(model, i)))
+        static: dict[str, Any] = block_static_bytes(model, i)
+        blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **static))
         x = out
     return blocks
 

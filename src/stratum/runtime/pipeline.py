@@ -184,6 +184,11 @@ class PipelineEngine(GradEngine):
         """The optimizer over this rank's parameters (the plan's, or the local AdamW)."""
         return leaf_optimizer(make_optimizer, self.named, self.spec, self.device)
 
+    def _opt(self) -> Optimizer:
+        """``opt``, there wherever these methods run (a leaf that carries its own AdamW overrides them)."""
+        assert self.opt is not None
+        return self.opt
+
     def _stage_runner(self) -> StageBlocks | None:
         """How this rank's blocks run (None: as modules on the device)."""
         return None
@@ -230,7 +235,7 @@ class PipelineEngine(GradEngine):
         return self.mesh.all_reduce(sq, "stage_rank", "the gradient-norm all-reduce").sqrt().float()
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
-        self.opt.step(lr, coef)
+        self._opt().step(lr, coef)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
@@ -246,12 +251,12 @@ class PipelineEngine(GradEngine):
 
     def _local_state(self) -> TrainState:
         """This rank's parameters, optimizer state and its own blocks' buffers, under canonical names."""
-        return TrainState(params={n: full_tensor(p) for n, p in self.named}, optim=self.opt.export(),
+        return TrainState(params={n: full_tensor(p) for n, p in self.named}, optim=self._opt().export(),
                           buffers=buffers_to_cpu(self.model, self.my_blocks))
 
     def state(self) -> TrainState:
         mine = self._local_state()
-        got: list = [None] * self.world if self.rank == 0 else None
+        got: list | None = [None] * self.world if self.rank == 0 else None
         try:  # to the first rank of this pipeline (each replica's pipeline holds a whole copy)
             if self.group is None:
                 got = [mine]
@@ -262,6 +267,7 @@ class PipelineEngine(GradEngine):
                             "a pipeline rank died or hung — stopping") from None
         if self.rank != 0:
             return TrainState(params={}, optim={})
+        assert got is not None
         full = TrainState(params={}, optim={})
         for st in got:
             full.params.update(st.params)
@@ -271,8 +277,8 @@ class PipelineEngine(GradEngine):
 
     def load_state(self, state: TrainState) -> None:
         load_params(self.named, state)
-        self.opt.load(state.optim)
+        self._opt().load(state.optim)
         load_buffers(self.model, state.buffers)  # other ranks' blocks are on meta here: skipped
 
     def memory_stats(self) -> dict[str, int]:
-        return {"peak_device_bytes": peak_memory_bytes(self.device), "optim_state_bytes": self.opt.state_bytes()}
+        return {"peak_device_bytes": peak_memory_bytes(self.device), "optim_state_bytes": self._opt().state_bytes()}

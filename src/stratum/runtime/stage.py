@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -246,7 +247,7 @@ class LocalBlocks:
 class StageRuntime:
     """Runs one rank's share of pipeline steps: its stages' blocks, its actions, its messages."""
 
-    def __init__(self, *, blocks: list[nn.Module], stages: list[range], stage_to_rank: tuple[int, ...],
+    def __init__(self, *, blocks: list[nn.Module], stages: list[range], stage_to_rank: Sequence[int],
                  loss_fn, rank: int, device: torch.device, precision: str, timeout_s: float, backend: str,
                  peers: tuple[int, ...] | None = None, lookahead: int = 2, runner: StageBlocks | None = None):
         self.rank = rank
@@ -368,7 +369,7 @@ class StageRuntime:
         saved: dict[tuple[int, int], _Saved] = {}
         local: dict[tuple[str, int, int], Tensor] = {}
         posted: dict[tuple[str, int, int], tuple[object, Tensor, Transfer]] = {}
-        sends: list[tuple[object, Tensor, Transfer]] = []
+        sends: list[tuple[dist.Work, Tensor, Transfer]] = []
         next_post = 0  # index of the first action whose receives are not posted yet
 
         def recv_ops(upto: int) -> list:
@@ -494,5 +495,6 @@ class StageRuntime:
 
     @staticmethod
     def _input_grad(sv: _Saved) -> Tensor:
-        g = sv.inp.grad if sv.inp is not None else None
+        assert sv.inp is not None  # (a stage that sends a gradient back took an input that wants one)
+        g = sv.inp.grad
         return g if g is not None else torch.zeros_like(sv.inp)

@@ -90,7 +90,9 @@ def load_full_(param: Tensor, full: Tensor) -> None:
     """Copy the whole tensor ``full`` into ``param`` (its local shard where ``param`` is a DTensor)."""
     with torch.no_grad():
         if isinstance(param, DTensor):
-            param.to_local().copy_(shard_like(full, param).to_local())
+            shard = shard_like(full, param)
+            assert isinstance(shard, DTensor)  # (laid out as param, a DTensor)
+            param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
 

@@ -88,7 +88,7 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
 def _virtual_order(m: int, v: int, group: int, reverse_chunks: bool) -> list[tuple[int, int]]:
     """Megatron's (chunk, mb) order: micro-batches in groups of ``group``; each group runs through every
     chunk before the next group starts. The last group may be smaller (m not a multiple of ``group``)."""
-    order = []
+    order: list[tuple[int, int]] = []
     for g0 in range(0, m, group):
         mbs = range(g0, min(g0 + group, m))
         for c in range(v):
@@ -415,6 +415,7 @@ def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool
                     (best is None or rf0[0] < best):
                 best, src = rf0[0], rf0
             if best is not None:
+                assert src is not None
                 heapq.heappop(src)
                 _, kind, s, k = best
             elif pend_w[r]:
@@ -476,6 +477,7 @@ def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg:
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 kind, s, k = a.kind, a.stage, a.mb
+                deps: tuple[tuple[float, int], ...]
                 if kind == "F":
                     deps = ((f_end[s - 1][k], s - 1),) if s > 0 else ()
                 elif kind == "W":

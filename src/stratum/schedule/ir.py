@@ -20,6 +20,7 @@ Notation used everywhere (table, text files, messages): ``F3.1`` is the forward 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stratum.errors import StratumError
@@ -83,9 +84,9 @@ class Schedule:
     """
 
     name: str
-    stage_to_rank: tuple[int, ...]
+    stage_to_rank: Sequence[int]
     num_microbatches: int
-    actions: tuple[tuple[Action, ...], ...]
+    actions: Sequence[Sequence[Action]]
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so a Schedule is hashable and truly frozen.

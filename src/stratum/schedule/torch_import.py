@@ -19,6 +19,7 @@ is loaded only when a ``torch:`` kind is asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -56,11 +57,12 @@ def torch_class(name: str) -> type:
 
 def _planned_order(cls: type, ranks: int, microbatches: int, virtual: int) -> dict:
     """``pipeline_order`` of ``cls`` built on planning stand-ins for ``ranks`` ranks."""
+    make: Any = cls  # given duck-typed stand-ins (_PlanningStage), which torch's annotations refuse
     if issubclass(cls, PipelineScheduleSingle):
-        sched = cls(_PlanningStage(0, ranks, ranks), microbatches)
+        sched = make(_PlanningStage(0, ranks, ranks), microbatches)
     else:
         n = ranks * virtual
-        sched = cls([_PlanningStage(s, n, ranks) for s in range(0, n, ranks)], microbatches)
+        sched = make([_PlanningStage(s, n, ranks) for s in range(0, n, ranks)], microbatches)
     return sched.pipeline_order
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def expand(spec: SweepSpec) -> list[Job]:
     points = list(itertools.product(*(spec.grid[k] for k in grid_keys))) if grid_keys else [()]
     samples = spec.settings.samples or (1 if spec.random else 0)
     rng = random.Random(spec.settings.seed)
-    jobs = []
+    jobs: list[Job] = []
     for point in points:
         base = list(zip(grid_keys, point))
         draws = [base + [(k, _draw(rng, r)) for k, r in spec.random.items()] for _ in range(samples)] \
@@ -81,7 +82,7 @@ def job_out_dir(sweep_dir: Path, job: Job) -> Path:
     return sweep_dir / "jobs" / job.id
 
 
-def job_config(spec: SweepSpec, job: Job, sweep_dir: Path, extra: list[str] = ()) -> Config:
+def job_config(spec: SweepSpec, job: Job, sweep_dir: Path, extra: Sequence[str] = ()) -> Config:
     """The job's full training config: sweep.base ← the file's sections ← the job's values ← its out_dir ←
     ``extra`` (what the sweep decides for it, e.g. the offload engine under sweep.device_budget)."""
     out = f"train.out_dir={toml_literal(str(job_out_dir(sweep_dir, job)))}"

@@ -31,7 +31,7 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker
     ctx.set_forkserver_preload(["stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo"])
@@ -83,11 +83,11 @@ class LocalWorker:
 
     def pause(self) -> None:
         """Stop the process where it is (SIGSTOP): its state stays in memory, it uses no CPU."""
-        if self.proc.exitcode is None:
+        if self.proc.exitcode is None and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self.proc.exitcode is None:
+        if self.proc.exitcode is None and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGCONT)
 
 

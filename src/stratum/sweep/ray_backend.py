@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from stratum.errors import StratumError
 from stratum.sweep.segment import Segment, run_segment
@@ -88,8 +89,8 @@ class RayBackend:
         self.address = address
         self.threads = threads
         self.gpu_slots = gpu_slots
-        self.actors: dict[int, tuple[object, int | None]] = {}
-        self._actor_cls = None
+        self.actors: dict[int, tuple[Any, int | None]] = {}  # (Ray's handles are untyped)
+        self._actor_cls: Any = None
         self.slots = slots
 
     def warm_up(self) -> None:
@@ -100,7 +101,7 @@ class RayBackend:
         for slot in range(self.slots):
             self._actor(slot)
 
-    def _actor(self, slot: int) -> tuple[object, int | None]:
+    def _actor(self, slot: int) -> tuple[Any, int | None]:
         """The slot's actor, (re)created if it has none; its pid where it runs on this machine."""
         if slot not in self.actors:
             gpus = 1 if slot in self.gpu_slots else 0

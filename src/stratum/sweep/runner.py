@@ -25,7 +25,7 @@ from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config, job_out_dir
 from stratum.sweep.live import last_record
-from stratum.sweep.local import LocalBackend
+from stratum.sweep.local import LocalBackend, LocalWorker
 from stratum.sweep.plot import loss_png
 from stratum.sweep.predict import job_profiles, make_predict, memory_need
 from stratum.sweep.ray_backend import RayBackend
@@ -117,6 +117,8 @@ def fit_to_budget(sweep: Sweep) -> None:
     are left as they are (the trainer checks those against their own budgets). Under sharded-lrtf every job runs
     under the offload engine (its shard tasks are the engine's blocks)."""
     budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
+    if budget is None:  # "auto": no budget to fit
+        return
     profiles = sweep_profiles(sweep)
     every = sweep.spec.settings.scheduler == "sharded-lrtf"
     for job_id, cfg in list(sweep.configs.items()):
@@ -301,6 +303,7 @@ def _fill(sweep: Sweep, slot: int, policy: Policy, predict, now: float) -> None:
     out = Path(cfg.train.out_dir)
     start = checkpoint_step(out)
     stop_at = _stop_at(sweep, start, row.steps)
+    assert sweep.backend is not None  # (run_sweep starts one before it schedules)
     seg = sweep.backend.start(job=task, slot=slot, config_path=out / "job.toml", start_step=start, stop_at=stop_at,
                               device=slot_device(sweep, slot), threads=job_threads(sweep.spec.settings),
                               log_path=out / "worker.log")
@@ -318,9 +321,10 @@ def _continue(sweep: Sweep, job: str, slot: int, predict, now: float) -> None:
     seg = sweep.resident.pop(job)
     seg.slot = slot
     seg.slice_from = _current_step(sweep, seg)
+    assert seg.paused_at is not None  # (set by _pause)
     seg.paused_s += time.monotonic() - seg.paused_at
     seg.paused_at = None
-    seg.worker.resume()
+    _paused_worker(seg).resume()
     sweep.running[slot] = seg
     if predict is not None:
         sweep.predicted_end[slot] = now + min(predict(job).values())
@@ -353,8 +357,15 @@ def _slice_over(sweep: Sweep, seg: Segment) -> bool:
                                                           and sweep.asha.promotable() is not None)
 
 
+def _paused_worker(seg: Segment) -> LocalWorker:
+    """``seg``'s worker, which slice_by = pause stops and continues: a local process (spec.py refuses pause on
+    another backend)."""
+    assert isinstance(seg.worker, LocalWorker)
+    return seg.worker
+
+
 def _pause(sweep: Sweep, slot: int, seg: Segment) -> None:
-    seg.worker.pause()
+    _paused_worker(seg).pause()
     seg.paused_at = time.monotonic()
     del sweep.running[slot]
     sweep.predicted_end.pop(slot, None)
@@ -408,7 +419,7 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
     records = segment_records(sweep.configs[seg.job])
     run_s = row.run_s + seg.run_s()
     rc = seg.poll()
-    reason = forced_reason or (failure_reason(rc, seg.log_path) if rc != 0 else diverged(records))
+    reason = forced_reason or (failure_reason(rc, seg.log_path) if rc else diverged(records))  # (rc: it ended)
     if rc == INTERRUPTED_EXIT and forced_reason is None:
         sweep.state.update(seg.job, status=PENDING, run_s=run_s, step=_last_step(records))
         sweep.say(f"{seg.job}: stopped by a signal with a checkpoint; it resumes on the next run")
@@ -455,7 +466,7 @@ def _stop_all(sweep: Sweep) -> None:
     for seg in segs:
         seg.worker.terminate()
     for seg in sweep.resident.values():
-        seg.worker.resume()  # a stopped process acts on SIGTERM once continued
+        _paused_worker(seg).resume()  # a stopped process acts on SIGTERM once continued
     for seg in segs:
         await_stop(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)

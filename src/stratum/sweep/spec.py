@@ -337,6 +337,7 @@ def _range_values(key: str, spec: dict[str, Any]) -> list[Any]:
         raise StratumError(f"[sweep.grid]: {key} = {spec!r} must be a list or a range {{start, stop, step}} or "
                            "{start, stop, num, log = true|false}")
     start, stop = nums
+    assert isinstance(start, (int, float)) and isinstance(stop, (int, float))  # (checked above)
     if "step" in spec:
         step = spec["step"]
         if not isinstance(step, (int, float)) or step <= 0 or stop < start:

@@ -174,7 +174,10 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise _corrupt(path / STATE_FILE, f"unreadable: {e}") from None
     if "step" in header and header["step"] != str(meta["step"]):
         raise _corrupt(path / "meta.json", f"it says step {meta['step']}, its tensors are of step {header['step']}")
-    params, optim, buffers, rng = {}, {}, {}, {}
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    rng: dict[str, torch.Tensor] = {}
     for k, v in tensors.items():
         kind, _, rest = k.partition("/")
         if kind == "param":
@@ -248,7 +251,8 @@ def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[s
     """Refuse a checkpoint of another model or data stream; return the harmless differences (for a warning)."""
     saved = ckpt.meta["config"]
     now = cfg.to_dict()
-    refused, changed = [], []
+    refused: list[str] = []
+    changed: list[str] = []
     for section, values in now.items():
         for key, value in values.items():
             old = saved.get(section, {}).get(key)

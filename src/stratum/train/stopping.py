@@ -15,8 +15,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -38,7 +40,7 @@ class StopSignals:
         from stratum.dist.launch import is_worker
         self.received: str | None = None
         self._escalate = not is_worker()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # Python handles signals there only
@@ -105,9 +107,9 @@ def remove_empty_dirs(created: list[Path]) -> None:
             for d in dirs:
                 with contextlib.suppress(OSError):
                     os.rmdir(os.path.join(root, d))
-    for d in reversed(created):
+    for made in reversed(created):
         with contextlib.suppress(OSError):
-            os.rmdir(d)
+            os.rmdir(made)
 
 
 def removes_new_empty_out_dir(fn):
