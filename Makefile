@@ -37,4 +37,4 @@ bench: setup
 	$(PY) benchmarks/plain_engine.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -45,13 +45,14 @@ class StateIO(EngineState):
         optim: dict[str, dict[str, Tensor]] = {}
         for c in self.chunks:
             flat = self.master_params(c)
-            owned = self.owns(c.i)  # (another replica holds the AdamW state of the others)
-            m, v = self._moments(c) if owned else (flat, flat)  # (flat: not read where not owned)
+            # (another replica holds the AdamW state of the chunks this one does not own)
+            moments = self._moments(c) if self.owns(c.i) else None
             steps = c.step_counts().tolist()
             for e, stepv in zip(c.spec.entries, steps):
                 sl = slice(e.offset, e.offset + e.numel)
                 params[e.name] = flat[sl].view(e.shape).clone()
-                if stepv > 0 and owned:  # a parameter never updated has no optimizer state, as torch's AdamW
+                if stepv > 0 and moments is not None:  # never updated: no optimizer state, as torch's AdamW
+                    m, v = moments
                     optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
                                      "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
         # parameters the engine does not manage (frozen) are read from the model
