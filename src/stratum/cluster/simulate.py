@@ -71,7 +71,7 @@ class SimResult:
 
     @property
     def makespan_s(self) -> float:
-        return max((j.end_s for j in self.completed), default=0.0)
+        return max((j.end_s for j in self.completed if j.end_s is not None), default=0.0)
 
     @property
     def utilisation(self) -> float:

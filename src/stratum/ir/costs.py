@@ -24,19 +24,20 @@ FIELDS = ("f", "b", "i", "w", "act_bytes", "out_bytes", "spill_bytes", "param_by
 
 @dataclass(frozen=True, kw_only=True)
 class Costs:
-    """Per-unit costs (seconds, bytes) and the point-to-point link (seconds, bytes/second); see the module."""
+    """Per-unit costs (seconds, bytes) and the point-to-point link (seconds, bytes/second); see the module.
+    The per-unit fields take any sequence and are stored as tuples."""
 
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    i: tuple[float, ...]
-    w: tuple[float, ...]
-    act_bytes: tuple[float, ...]
+    f: Sequence[float]
+    b: Sequence[float]
+    i: Sequence[float]
+    w: Sequence[float]
+    act_bytes: Sequence[float]
     """Bytes unit s keeps alive per micro-batch between its forward and its (weight) backward."""
-    out_bytes: tuple[float, ...]
+    out_bytes: Sequence[float]
     """Bytes of unit s's output activation (= bytes of the gradient sent back into it)."""
-    spill_bytes: tuple[float, ...] = ()
+    spill_bytes: Sequence[float] = ()
     """Bytes an activation spill of unit s copies (the profiler's measure; ``act_bytes`` where not given)."""
-    param_bytes: tuple[float, ...] = ()
+    param_bytes: Sequence[float] = ()
     """Bytes of unit s's parameters, and of its gradient (0 where not given)."""
     latency: float = 0.0
     bandwidth: float = math.inf
@@ -81,11 +82,10 @@ class Costs:
     def blocks(cls, profile) -> Costs:
         """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
         bs = profile.blocks
-        return cls(f=tuple(x.fwd_s for x in bs), b=tuple(x.bwd_s for x in bs), i=tuple(x.bwd_input_s for x in bs),
-                   w=tuple(x.bwd_weight_s for x in bs), act_bytes=tuple(x.act_saved_bytes for x in bs),
-                   out_bytes=tuple(x.out_bytes for x in bs),
-                   spill_bytes=tuple(x.spill_bytes or x.act_saved_bytes for x in bs),
-                   param_bytes=tuple(x.param_bytes for x in bs))
+        return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
+                   w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
+                   out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs],
+                   param_bytes=[x.param_bytes for x in bs])
 
     @classmethod
     def zeros(cls, n: int) -> Costs:
@@ -128,6 +128,6 @@ class Costs:
         if nxt != self.num_stages:
             raise StratumError(f"partition covers blocks 0..{nxt - 1}, but the profile has {self.num_stages} "
                                "blocks")
-        summed: dict[str, Any] = {name: tuple(sum(getattr(self, name)[a:b]) for a, b in spans)
+        summed: dict[str, Any] = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
                                   for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
-        return replace(self, **summed, out_bytes=tuple(self.out_bytes[b - 1] for _, b in spans))
+        return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])

@@ -148,12 +148,14 @@ class BurstEngine(GradEngine):
         forward, its gradient in the backward); None on a rank outside ``b``."""
         src, dst, r = spans(total, a), spans(total, b), self.rank
         moves = overlaps(src, dst)
-        sent = self._send_all([(d, h[lo - src[r][0]:hi - src[r][0]]) for s, d, lo, hi in moves
-                               if s == r and d != r])
+
+        def piece(lo: int, hi: int) -> torch.Tensor:  # of this rank's share (it has one where it sends)
+            assert h is not None
+            return h[lo - src[r][0]:hi - src[r][0]]
+        sent = self._send_all([(d, piece(lo, hi)) for s, d, lo, hi in moves if s == r and d != r])
         got = None
         if r < b:  # the pieces arrive in sample order, the ones this rank already holds copied locally
-            parts = [h[lo - src[r][0]:hi - src[r][0]] if s == r else self._recv(s)
-                     for s, d, lo, hi in moves if d == r]
+            parts = [piece(lo, hi) if s == r else self._recv(s) for s, d, lo, hi in moves if d == r]
             got = torch.cat(parts) if len(parts) > 1 else parts[0]
         for work, _ in sent:
             self._wait(work, "sending a burst boundary tensor")
@@ -173,6 +175,7 @@ class BurstEngine(GradEngine):
             if i > 0 and w[i] != w[i - 1]:
                 h = self._move(h, total, w[i - 1], w[i])
             if r < w[i]:
+                assert h is not None  # (this rank holds a share of block i's input)
                 inp = h.detach().requires_grad_(h.is_floating_point())
                 with block_stream(b.stream, i, self.device), autocast(self.device, self.precision):
                     out = blk(inp)
@@ -186,18 +189,21 @@ class BurstEngine(GradEngine):
         share = torch.zeros((), dtype=torch.float64, device=self.device)
         if r < w[-1]:
             lo, hi = spans(total, w[-1])[r]
+            last = outs[-1]
+            assert last is not None
             with autocast(self.device, self.precision):
-                loss = self.model.loss_fn(outs[-1], b.y[lo:hi].to(self.device)) * ((hi - lo) / total)
+                loss = self.model.loss_fn(last, b.y[lo:hi].to(self.device)) * ((hi - lo) / total)
             (loss / divisor).backward()
             share = loss.detach().double()
         for i in range(L - 1, 0, -1):
-            g = None
+            g, x_in, prev = None, ins[i], outs[i - 1]
             if r < w[i]:
-                g = ins[i].grad if ins[i].grad is not None else torch.zeros_like(ins[i])
+                assert x_in is not None
+                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
             if w[i] != w[i - 1]:
                 g = self._move(g, total, w[i], w[i - 1])
-            if r < w[i - 1] and outs[i - 1].requires_grad:
-                torch.autograd.backward(outs[i - 1], g)
+            if r < w[i - 1] and prev is not None and prev.requires_grad:  # (r < w[i - 1]: it has block i-1's)
+                torch.autograd.backward(prev, g)
         return share
 
     # ---- GradEngine ------------------------------------------------------------------------------------------
@@ -217,13 +223,14 @@ class BurstEngine(GradEngine):
                     p.grad = torch.zeros_like(p)
             if k < 2:
                 continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            grads = [p.grad for p in params if p.grad is not None]  # (all: set above)
+            flat = torch.cat([g.reshape(-1) for g in grads])
             self._wait(dist.all_reduce(flat, group=self.groups[k], async_op=True),
                        f"the gradient all-reduce over the first {k} ranks")
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
         return self.named
@@ -253,7 +260,8 @@ class BurstEngine(GradEngine):
     def state(self) -> TrainState:
         if self.rank != 0:
             return TrainState(params={}, optim={})
-        return TrainState(params={n: full_tensor(p) for n, p in self.named}, optim=self.opt.export(),
+        return TrainState(params={n: full_tensor(p) for n, p in self.named},
+                          optim=self.opt.export() if self.opt is not None else {},
                           buffers=buffers_to_cpu(self.model, self.held))
 
     def load_state(self, state: TrainState) -> None:

@@ -154,10 +154,10 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         burst.name = render(plan.root)
         return burst
     if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.pipeline is None:
-        replicated = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate,
-                                       world=world, speeds=replica_speeds(speeds, plan))
-        replicated.name = render(plan.root)
-        return replicated
+        replicas = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate,
+                                     world=world, speeds=replica_speeds(speeds, plan))
+        replicas.name = render(plan.root)
+        return replicas
     if isinstance(plan.leaf, Offload) and plan.pipeline is None:
         return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
     if plan.pipeline is not None and pipeline_plan is None:

@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
+from typing import TypeVar
 
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
@@ -33,6 +34,9 @@ from stratum.ir.prices import allreduce_s, transfer_s
 
 FIXED_SHARE = 0.05
 """φ: the share of a block's profiled time that does not shrink with its batch share."""
+
+
+_V = TypeVar("_V", int, float)  # sample counts, or fractions of a batch
 
 
 def spans(total: int, k: int) -> list[tuple[int, int]]:
@@ -45,8 +49,7 @@ def spans(total: int, k: int) -> list[tuple[int, int]]:
     return out
 
 
-def overlaps(src: Sequence[tuple[float, float]], dst: Sequence[tuple[float, float]]
-             ) -> list[tuple[int, int, float, float]]:
+def overlaps(src: Sequence[tuple[_V, _V]], dst: Sequence[tuple[_V, _V]]) -> list[tuple[int, int, _V, _V]]:
     """The messages that turn shares ``src`` (rank s holds ``src[s]``) into shares ``dst``: (from rank, to rank,
     start, stop) for every non-empty intersection, a rank's message to itself included (it is a local copy)."""
     return [(s, d, max(a, c), min(b, e)) for s, (a, b) in enumerate(src) for d, (c, e) in enumerate(dst)

@@ -182,7 +182,10 @@ def _copy_latency(device: torch.device) -> float:
 def _disk_latency(disk_dir: str) -> float:
     fd, path = tempfile.mkstemp(prefix=".stratum-probe-", dir=disk_dir)
     try:
-        return _best_s(lambda: (os.pwrite(fd, b"\0" * 4096, 0), os.fsync(fd)), repeats=5)
+        def write() -> None:
+            os.pwrite(fd, b"\0" * 4096, 0)
+            os.fsync(fd)
+        return _best_s(write, repeats=5)
     finally:
         os.close(fd)
         os.unlink(path)

@@ -458,6 +458,6 @@ def stage_costs(profile, part: Partition, *, latency: float = 0.0, bandwidth: fl
 
     c = Costs.from_profile(profile, part.stages, latency=latency, bandwidth=bandwidth)
     k = [1.0 / part.speeds[r] for r in part.stage_to_rank]
-    return Costs(f=tuple(x * y for x, y in zip(c.f, k)), b=tuple(x * y for x, y in zip(c.b, k)),
-                 i=tuple(x * y for x, y in zip(c.i, k)), w=tuple(x * y for x, y in zip(c.w, k)), act_bytes=c.act_bytes,
+    return Costs(f=[x * y for x, y in zip(c.f, k)], b=[x * y for x, y in zip(c.b, k)],
+                 i=[x * y for x, y in zip(c.i, k)], w=[x * y for x, y in zip(c.w, k)], act_bytes=c.act_bytes,
                  out_bytes=c.out_bytes, latency=latency, bandwidth=bandwidth)

@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
@@ -135,7 +136,8 @@ def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]
     state = [float(b.param_bytes + b.grad_bytes + b.optim_bytes) for b in work.profile.blocks]
     if s == 1:
         return c, state
-    cols = {k: list(getattr(c, k)) for k in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
+    cols: dict[str, Any] = {k: list(getattr(c, k)) for k in ("f", "b", "i", "w", "act_bytes", "spill_bytes",
+                                                              "param_bytes")}
     for k in work.splittable:
         for name in cols:
             cols[name][k] /= s
@@ -157,6 +159,7 @@ def _stages(work: Workload, plan: Plan, sched: Schedule) -> list[range]:
     ``parallel.speeds`` unset, as a tree the search chooses runs: the cut ignores the devices' speeds, the
     stage times do not."""
     node, n = plan.pipeline, len(work.profile.blocks)
+    assert node is not None  # (a plan with a pipeline node)
     if sched.num_stages > n:
         raise StratumError(f"{sched.num_stages} stages but the model has {n} blocks")
     if node.partition == "even":
@@ -186,6 +189,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     blocks, state = _split_costs(work, s, _mesh_link(hw, plan, "split"))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     stage_speed = [_slowest(hw, plan, "stage_rank", i) for i in range(p)]
+    cut: tuple[tuple[int, int], ...]
     if plan.pipeline is None:
         speed = min(hw.devices[k].speed for k in range(world))
         compute = m * sum(blocks.f[k] + blocks.b[k] for k in range(blocks.num_stages)) / speed
@@ -215,8 +219,8 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     why = ""
     over = [k for k in range(world) if peaks[k] > limits[k]]
     if over:
-        k = max(over, key=lambda j: peaks[j] - limits[j])
-        why = (f"rank {k} needs {fmt_bytes(peaks[k])} of its {fmt_bytes(limits[k])} "
+        worst = max(over, key=lambda j: peaks[j] - limits[j])
+        why = (f"rank {worst} needs {fmt_bytes(peaks[worst])} of its {fmt_bytes(limits[worst])} "
                f"({len(over)} of {world} ranks over)")
     return Prediction(plan=plan, step_s=compute + reduce + update, compute_s=compute, reduce_s=reduce,
                       update_s=update, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
@@ -244,6 +248,7 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
         raise StratumError("the search prices the offload leaf alone or under replicate")
     world = plan.world_size()
     leaf = plan.leaf
+    assert isinstance(leaf, Offload)  # (predict sends offload leaves here)
     step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
     compute = step / min(hw.devices[k].speed for k in range(world))
     reduce = allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"))

@@ -141,7 +141,10 @@ def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAUL
     if n > hw.num_devices:
         raise StratumError(f"--devices {n} but the hardware spec has {hw.num_devices} devices")
     deadline = time.perf_counter() + time_limit_s
-    fit, big, refused, complete = [], [], [], True
+    fit: list[Prediction] = []
+    big: list[Prediction] = []
+    refused: list[Refused] = []
+    complete = True
     seen: set[tuple] = set()
     for plan in candidates(work, n):
         if time.perf_counter() > deadline:

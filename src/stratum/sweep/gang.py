@@ -115,6 +115,7 @@ def _greedy_within(order: list[str], fitting: dict[str, dict[str, Option]], free
             key = (trial[job].end, opt.devices, name)
             if pick is None or key < pick[0]:
                 pick = (key, (name, opt))
+        assert pick is not None  # (the option of the least area is within any factor >= 1)
         picks[job] = pick[1]
         done.append(job)
     return list_schedule(done, picks, free_at)

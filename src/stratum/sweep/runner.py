@@ -185,6 +185,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         predict = make_predict(sweep.state, sweep.configs, sweep_profiles(sweep)) if needs_predictions else None
         t0 = time.monotonic()
         if s.scheduler == "sharded-lrtf":
+            assert predict is not None  # (sharded-lrtf needs predictions)
             run_sharded(state=sweep.state, configs=sweep.configs, profiles=sweep_profiles(sweep), predict=predict,
                         sweep_dir=sweep.dir, slots=s.slots, threads=job_threads(s), shard_blocks=s.shard_blocks,
                         retries=s.retries, time_budget_s=s.time_budget_s, say=say,
