@@ -155,4 +155,4 @@ def test_the_search_is_bounded_in_time_and_says_when_it_stopped():
     assert not res.complete and res.examined == 0
     assert "stopped at the time limit: not every tree was priced" in res.table().splitlines()[0]
     with pytest.raises(StratumError, match="stopped at its time limit before it priced a tree"):
-        res.best
+        _ = res.best
