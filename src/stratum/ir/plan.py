@@ -193,8 +193,9 @@ class Plan:
     @property
     def leaf(self) -> Offload | Local:
         node = self.root
-        while isinstance(node, (Replicate, Pipeline, Split, Burst)):  # the kinds that hold a child
-            node = node.child
+        while (child := getattr(node, "child", None)) is not None:
+            node = child
+        assert isinstance(node, (Offload, Local))  # (check: only a leaf kind holds no child)
         return node
 
     @property
