@@ -44,19 +44,22 @@ def measure_link(world: World, nbytes: int = 1 << 20, runs: int = 3) -> Link:
 def planned(cfg: Config, model: BlockSeq, world: World, node: Burst) -> BurstPlan:
     """The widths rank 0 plans from a quick profile of ``model`` and the measured link, on every rank."""
     link = measure_link(world)
-    plan = None
+    plan: BurstPlan | None = None
     if world.rank == 0:
         prof = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=world.device, precision=cfg.train.precision, seed=cfg.train.seed)
         plan = plan_burst(Costs.blocks(prof), devices=node.n, link=link, amplification=node.amplification)
-    return world.share_object(plan, "replica", "the burst plan")
+    shared = world.share_object(plan, "replica", "the burst plan")
+    assert shared is not None  # (rank 0's)
+    return shared
 
 
 def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec) -> BurstEngine:
     """The burst node's engine: its given widths, or widths planned now."""
     node = world.plan.burst
+    assert node is not None  # (a plan with a burst node)
     check_burst_model(model, node, cfg.train.micro_batch_size)
     plan = None if node.width_list() else planned(cfg, model, world, node)
-    widths = node.width_list() or plan.widths
+    widths = node.width_list() or (plan.widths if plan is not None else ())
     return BurstEngine(model, widths=widths, optim=optim, world=world, precision=cfg.train.precision, plan=plan,
                        microbatches=cfg.train.grad_accum)
