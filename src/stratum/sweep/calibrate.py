@@ -190,6 +190,8 @@ def _run(backend: LocalBackend, configs: list[Config], prof, root: Path, threads
     for i, (seg, out) in enumerate(segs):
         recs = read_metrics(out)
         step_s = median(recs, "step_s")
+        if step_s is None:
+            raise StratumError(f"a calibration job recorded no step times; see {out / 'log.txt'}")
         samples.append(Sample(profiled_step_s=prof.step_s * configs[0].micro_batches_per_step,
                               state_bytes=prof.train_state_bytes, step_s=step_s,
                               fixed_s=ended[i] - seg.started - len(recs) * step_s))
