@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import run_workers
 
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
@@ -132,30 +132,9 @@ def worker(job_path: str) -> None:
 
 def spawn_job(tmp_path: Path, sizes: tuple[int, ...], timeout: float = 120) -> dict:
     """One job of ``max(sizes)`` processes running every case; its rank 0's results by (size, model)."""
-    from stratum.dist.launch import free_port
-
     out, job = tmp_path / "results.pt", tmp_path / "job.json"
     job.write_text(json.dumps({"out": str(out), "sizes": list(sizes)}))
-    port, world = free_port(), max(sizes)
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(job)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    texts = []
-    try:
-        for p in procs:
-            texts.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, "\n".join(f"rank {r} (exit {c}):\n{t[-3000:]}"
-                                           for r, (c, t) in enumerate(zip(codes, texts)))
+    run_workers(__file__, job, max(sizes), timeout)
     return torch.load(out)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import run_workers
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -186,30 +186,9 @@ def worker(job_path: str) -> None:
 
 def spawn_job(tmp_path: Path, cases: list[str], hf_paths: dict[str, str], world: int = 2,
               timeout: float = 100) -> dict:
-    from stratum.dist.launch import free_port
-
     out, job = tmp_path / "results.pt", tmp_path / "job.json"
     job.write_text(json.dumps({"cases": cases, "out": str(out), "hf_paths": hf_paths}))
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(job)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, "\n".join(f"rank {r} (exit {c}):\n{o[-3000:]}"
-                                           for r, (c, o) in enumerate(zip(codes, outs)))
+    run_workers(__file__, job, world, timeout)
     return torch.load(out)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import run_workers
 
 from stratum.errors import StratumError
 
@@ -114,30 +114,10 @@ def worker(job_path: str) -> None:
 
 
 def spawn_job(tmp_path: Path, world: int, cases: list[dict], hf_dir: str | None = None, timeout: float = 400):
-    from stratum.dist.launch import free_port
-
     out = tmp_path / f"results_{world}.pt"
     job = tmp_path / f"job_{world}.json"
     job.write_text(json.dumps({"cases": cases, "out": str(out), "hf_dir": hf_dir}))
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(job)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, "\n".join(f"rank {r} (exit {c}):\n{o[-3000:]}" for r, (c, o) in
-                                           enumerate(zip(codes, outs)))
+    run_workers(__file__, job, world, timeout)
     return torch.load(out)
 
 
