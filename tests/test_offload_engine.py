@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stratum.offload.engine import OffloadEngine
-from stratum.offload.planner import Placement
+from stratum.offload.placement import Placement
 from stratum.offload.tiers import DEVICE, DISK, HOST
 
 from offload_helpers import (
@@ -644,7 +644,8 @@ def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, 
 
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import _deferral_options, predict_placement
+    from stratum.offload.planner import _deferral_options
+    from stratum.offload.step_model import predict_placement
     if DEV.type != "cpu":
         pytest.skip("deferred chunks are a CPU plan's (updates otherwise in the slot during the backward)")
     prof, _ = _reference("gpt", shared_tmp)

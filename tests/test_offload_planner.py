@@ -145,7 +145,8 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
 
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import SLOW_DISK, TIE, choose, predict_placement
+    from stratum.offload.planner import SLOW_DISK, TIE, choose
+    from stratum.offload.step_model import predict_placement
     from stratum.offload.tiers import Bandwidths
     close = 1.0 + TIE / 2
     on_slow = {"lean": 2.0, "balanced": 1.5, "outside": 1.0}.__getitem__
@@ -233,7 +234,8 @@ def test_step_time_is_modelled_per_window(gpt):
     max(compute, traffic), got both wrong — 21 s predicted against 33 s measured beyond RAM)."""
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, predict
+    from stratum.offload.placement import KEEP
+    from stratum.offload.step_model import predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -257,7 +259,8 @@ def test_prefetch_overlap_is_limited_by_free_slots(gpt):
     a transfer-bound step's traffic is exposed, with enough for a whole block none is."""
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, predict
+    from stratum.offload.placement import KEEP
+    from stratum.offload.step_model import predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -278,7 +281,9 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     it when the backward is disk-bound and the forward has time to spare, and not when nothing is disk-bound."""
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, _deferral_options, predict
+    from stratum.offload.placement import KEEP
+    from stratum.offload.planner import _deferral_options
+    from stratum.offload.step_model import predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -323,7 +328,8 @@ def test_a_cpu_counts_its_memcpys_as_compute(gpt):
     them. Gradients handed to the host optimizer are not copied at all."""
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import KEEP, predict
+    from stratum.offload.placement import KEEP
+    from stratum.offload.step_model import predict
     from stratum.offload.tiers import Bandwidths
     m, _ = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -352,8 +358,11 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     """Spilled activations of the forward's last block would be copied straight back (its backward is next):
     keeping them costs no device bytes and saves their round trip; keeping one more costs its bytes. The planner
     picks the free one on a CPU, where those copies cost compute."""
+    from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
-    from stratum.offload.planner import SPILL, Costs, _kept_options, predict
+    from stratum.offload.placement import SPILL
+    from stratum.offload.planner import _kept_options
+    from stratum.offload.step_model import predict
     from stratum.offload.tiers import Bandwidths
     m, prof = gpt
     L, lay = len(m), pack(m, 30_000)
@@ -427,3 +436,22 @@ def test_an_infeasible_budget_is_answered_in_the_units_typed(make_cfg, capsys):
     assert fmt_at_least(999, Size(10**9, "1 GB")) == "999 B"
     assert main(["plan", *_cli(make_cfg, "offload.device_budget='20KiB'")]) == 2
     assert "KiB (" in capsys.readouterr().err
+
+
+def test_slots_are_counted_at_the_layouts_rounded_chunk_size(gpt):
+    """A requested chunk size is rounded up to the layout's alignment; the slots the device budget allows are
+    counted at the rounded size, so the plan holds as many slots as fit, not the fewest after a count that
+    overshot (the search once sized slots at the requested size and then found that many did not fit)."""
+    from stratum.offload.chunks import ALIGN_ELEMS, pack
+    from stratum.offload.step_model import slot_bytes
+    m, prof = gpt
+    biggest = max(p.numel() for p in m.parameters())
+    for chunk in (biggest + 1, 2 * biggest + ALIGN_ELEMS // 2 + 1):
+        layout = pack(m, chunk)
+        assert layout.chunk_elems > chunk  # the case at hand: rounded up
+        budget = state_bytes(m) // 3
+        p = plan(m, prof, device_budget=budget, chunk_elems=chunk, optimizer_tier=HOST, activations="keep",
+                 n_micro=1, clip=0.0)
+        assert p.param_tier != DEVICE
+        one_more = slot_bytes(layout.chunk_elems, p.optimizer_tier, p.param_tier, None)
+        assert p.predicted_peak[DEVICE] + one_more > budget or p.resident_chunks == len(layout.streamable)

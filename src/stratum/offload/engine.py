@@ -39,10 +39,11 @@ from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
-from stratum.offload.planner import KEEP, SPILL, Placement, grads_to_host, runs_inline
+from stratum.offload.placement import KEEP, SPILL, Placement
 from stratum.offload.prefetch import Inline, Transfers, background_pool
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
+from stratum.offload.step_model import grads_to_host, runs_inline
 from stratum.offload.tasks import block_done
 from stratum.offload.tiers import DEVICE, DISK, F32, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace

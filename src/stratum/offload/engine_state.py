@@ -20,7 +20,7 @@ from stratum.offload.activations import ActivationSpill
 from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import Layout
-from stratum.offload.planner import Placement
+from stratum.offload.placement import Placement
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DiskStore, Tier
 from stratum.offload.trace import AccessTrace

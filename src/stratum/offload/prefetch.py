@@ -29,7 +29,7 @@ def background_pool(device: torch.device, name: str) -> ThreadPoolExecutor:
 
 class Inline(Executor):
     """Runs each task as it is submitted, on the caller's thread, and hands back its finished future: the
-    engine's transfer and optimizer "pools" where the work is a CPU's own (planner.runs_inline)."""
+    engine's transfer and optimizer "pools" where the work is a CPU's own (step_model.runs_inline)."""
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
@@ -42,7 +42,7 @@ class Inline(Executor):
 
 class Transfers:
     def __init__(self, device: torch.device, inline: bool = False):
-        """``inline``: run every transfer on the caller's thread (planner.runs_inline: a CPU's memcpys)."""
+        """``inline``: run every transfer on the caller's thread (step_model.runs_inline: a CPU's memcpys)."""
         self.device = device
         self.pool = Inline() if inline else background_pool(device, "stratum-prefetch")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

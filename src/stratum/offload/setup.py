@@ -13,7 +13,8 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import neutral
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.host_alloc import tune_allocator
-from stratum.offload.planner import Placement, make_placement
+from stratum.offload.placement import Placement
+from stratum.offload.planner import make_placement
 from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import _measure_block, block_static_bytes

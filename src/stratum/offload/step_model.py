@@ -1,0 +1,362 @@
+"""The offload step model: what one training step of a placement costs — peak bytes per tier, bytes moved per
+link, seconds — computed exactly as the engine allocates and moves them.
+
+The transfers follow from simulating OPT eviction on the step's chunk access sequence (:mod:`.belady`), the step
+time from the profile's block times and the bandwidths measured at start-up. The planner
+(:mod:`stratum.offload.planner`) prices every candidate with :func:`predict`; the engine's tests hold it to the
+bytes the engine really moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from stratum.ir.costs import Costs
+from stratum.offload.act_ring import RING
+from stratum.offload.belady import simulate_step
+from stratum.offload.chunks import ChunkSpec, Layout
+from stratum.offload.placement import KEEP, RECOMPUTE, SPILL, Placement
+from stratum.offload.tiers import DEVICE, DISK, F32, HOST, Bandwidths, round_up
+
+LINKS = ("h2d", "d2h", "disk_read", "disk_write")
+
+
+class Accesses(NamedTuple):
+    """The chunk accesses of one step, as the engine performs them."""
+    seq: list[tuple[int, ...]]
+    wants: list[bool]
+    """Per access: it wants the chunks' gradients (a backward's, or an update's)."""
+    consumed: dict[int, int]
+    """Chunk → the access after which the engine's update takes its gradient (its completion, or its update)."""
+
+
+def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier: str) -> Accesses:
+    """The chunk accesses of one step, as the engine performs them (streamed chunks only matter)."""
+    L = len(layout.block_chunks)
+    seq: list[tuple[int, ...]] = []
+    wants: list[bool] = []
+    for _ in range(n_micro):
+        seq += [tuple(layout.block_chunks[i]) for i in range(L)]
+        seq += [tuple(layout.block_chunks[i]) for i in reversed(range(L))]
+        wants += [False] * L + [True] * L
+    # a chunk's gradient is complete after the last micro-batch's backward of the first block that uses it
+    last_bwd = len(seq) - L
+    consumed = {c: last_bwd + (L - 1 - b) for c, b in layout.ready_block.items()}
+    if deferred and optimizer_tier == DEVICE:  # clipped device updates: one access per chunk after the backward
+        for c in layout.chunks:
+            consumed[c.index] = len(seq)
+            seq.append((c.index,))
+            wants.append(True)
+    return Accesses(seq, wants, consumed)
+
+
+def grads_to_host(opt: str, ptier: str, async_copies: bool) -> bool:
+    """Streamed chunks hand autograd's gradient tensors straight to the host optimizer (engine._grads_home):
+    on a CPU (no asynchronous copies: host RAM is the device's memory too) with parameters and moments on the
+    host."""
+    return not async_copies and ptier == HOST and opt == HOST
+
+
+def runs_inline(async_copies: bool, *tiers: str) -> bool:
+    """Work that touches only ``tiers`` runs on the training thread (prefetch.Inline), not on a thread beside it:
+    on a CPU, unless the work waits on the disk. There compute keeps every core busy, and a thread beside it adds
+    only contention: same-process A/B at a 25 % budget (GPT ``small``), chunk fetches 2 % and AdamW 1-2 % faster
+    in place than on their threads. A disk read or write waits on the device, and compute goes on beside it."""
+    return not async_copies and DISK not in tiers
+
+
+def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
+    """Bytes of one device slot: parameters and gradients, or parameters only (``grads_to_host``)."""
+    return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Candidate:
+    """One candidate placement with what the step model derives from it (see :func:`predict`'s arguments)."""
+
+    layout: Layout
+    R: int
+    opt: str
+    ptier: str
+    k: int
+    acts: str
+    costs: Costs
+    bw: Bandwidths | None
+    n_micro: int
+    deferred: bool
+    spilled: frozenset[int]
+    disk_spilled: frozenset[int]
+    deferred_chunks: frozenset[int]
+    kept: frozenset[int]
+
+    @property
+    def async_copies(self) -> bool:
+        return self.bw is not None and self.bw.async_copies
+
+    @property
+    def stream(self) -> list[ChunkSpec]:
+        return [c for c in self.layout.chunks if not c.tied and self.ptier != DEVICE]
+
+    @property
+    def pinned(self) -> list[ChunkSpec]:
+        return [c for c in self.layout.chunks if c.tied or self.ptier == DEVICE]
+
+    @property
+    def slots(self) -> int:
+        return min(self.R, len(self.stream))
+
+    @property
+    def recomputed(self) -> list[int]:
+        if self.acts == KEEP:
+            return []
+        L = len(self.costs.act_bytes)
+        return [i for i in range(L) if self.acts == RECOMPUTE or (i not in self.spilled and i not in self.kept)]
+
+    @property
+    def in_slot(self) -> bool:
+        """A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its
+        slot as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete) —
+        except the deferred chunks', whose gradients go home and whose updates run beside the next forward."""
+        return self.opt != DEVICE and not self.deferred and not self.async_copies
+
+    @property
+    def late(self) -> int:
+        return len(self.deferred_chunks) if self.in_slot else 0
+
+
+def _activation_bytes(c: _Candidate) -> float:
+    """Device bytes of one micro-batch's activations at their peak."""
+    costs, L = c.costs, len(c.costs.act_bytes)
+    one_block = max(costs.act_bytes, default=0)
+    if c.acts == KEEP:
+        return sum(costs.act_bytes)
+    if c.acts == RECOMPUTE:  # the kept block inputs + one block's saved tensors at a time
+        return one_block + sum(costs.out_bytes)
+    # the kept block boundaries + the block being run (+ the next one's copy-back on a GPU); with some blocks
+    # recomputed, a recomputed block's saved tensors meet the restore buffer, which lives from the first spilled
+    # block's backward to the last one's. Kept blocks' activations pile up from the first one's forward on: the
+    # forward's peak is the block running plus the kept ones before it. They are all released before the first
+    # restore (the kept blocks are the last of the forward, the first of the backward).
+    restore = (2 if c.async_copies else 1) * one_block
+    fwd_peak = max((costs.act_bytes[j] + sum(costs.act_bytes[k] for k in c.kept if k < j) for j in range(L)),
+                   default=0)
+    return max(restore + (one_block if c.recomputed else 0), fwd_peak) + sum(costs.out_bytes)
+
+
+def _peaks(c: _Candidate, act: float) -> dict[str, float]:
+    """Peak bytes per tier."""
+    chunks, C, costs = c.layout.chunks, c.layout.chunk_elems, c.costs
+    pinned, stream = c.pinned, c.stream
+    dev: float = sum(8 * ch.capacity for ch in pinned) + c.slots * slot_bytes(C, c.opt, c.ptier, c.bw) + act
+    if c.n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
+        dev += sum(4 * ch.capacity for ch in chunks if ch.tied)
+    host: float = 0
+    disk: float = 0
+    if c.opt != DEVICE and c.async_copies:  # a GPU's pinned chunks keep fp32 master params + grads on the host
+        host += sum(8 * ch.capacity for ch in pinned)
+    if c.ptier == HOST:
+        host += sum(8 * ch.capacity for ch in stream)
+    elif c.ptier == DISK:
+        disk += sum(8 * ch.capacity for ch in stream)
+    moments = sum(8 * ch.capacity for ch in chunks)
+    if c.opt == DEVICE:
+        dev += moments
+    elif c.opt == HOST:
+        host += moments
+    else:
+        disk += moments
+    if c.acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
+        host += sum(costs.spill_bytes[i] for i in c.spilled - c.disk_spilled)
+        if c.disk_spilled:
+            host += RING * max(round_up(costs.spill_bytes[i]) for i in c.disk_spilled)
+            disk += sum(round_up(costs.spill_bytes[i]) for i in c.disk_spilled)
+    if c.opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
+        host += 2 * C * F32
+    if c.ptier == DISK and c.opt != DEVICE and stream and (not c.in_slot or c.late):  # staging: params and grads
+        host += 2 * C * F32
+    if c.ptier == DISK and stream and c.async_copies:  # a GPU's pinned buffer for its disk ↔ device copies
+        host += C * F32
+    return {DEVICE: dev, HOST: host, DISK: disk}
+
+
+@dataclass
+class _Traffic:
+    """Bytes moved per step, per link; of them, those moved while the backward runs (the rest moves beside the
+    forward: a clipped (deferred) host/disk update pass runs beside the next step's forward, so its traffic loads
+    the forward's window, not the backward's — which decides, e.g., whether activations are better spilled to disk
+    or recomputed); and of the host↔device bytes, those a CPU moves by memcpy (on the cores that train: not
+    overlapped with compute), keyed by in_backward."""
+
+    total: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LINKS, 0.0))
+    back: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LINKS, 0.0))
+    memcpy: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+
+    def add(self, link: str, nbytes: float, in_backward: bool, copy: bool = True) -> None:
+        self.total[link] += nbytes
+        if in_backward:
+            self.back[link] += nbytes
+        if copy and link in ("h2d", "d2h"):
+            self.memcpy[in_backward] += nbytes
+
+    def forward(self) -> dict[str, float]:
+        return {key: self.total[key] - self.back[key] for key in self.total}
+
+
+def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
+    """Streamed chunks' fetches and gradient round trips, simulated on the step's access sequence."""
+    C, stream = c.layout.chunk_elems, c.stream
+    direct = c.ptier != DISK  # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O)
+    slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies)  # else autograd's gradients go to the host
+    acc = access_sequence(c.layout, c.n_micro, c.deferred, c.opt)
+    tied = {ch.index for ch in c.layout.chunks if ch.tied}
+    seq = [tuple(x for x in cs if x not in tied) for cs in acc.seq]
+    # A host/disk update outside the slot leaves the device copy stale: such chunks start a step not resident.
+    # Gradients held in slots make round trips between micro-batches.
+    stale = (frozenset(ch.index for ch in stream) if c.opt != DEVICE and not c.in_slot
+             else frozenset(c.deferred_chunks))
+    sim = simulate_step(seq, c.slots, wants=acc.wants if slot_grads else None, consumed=acc.consumed, stale=stale)
+    fetches = sim.fetches
+    half = fetches // 2  # forward and backward touch every block once each
+    t.add("h2d", half * C * F32, False, direct)
+    t.add("h2d", (fetches - half) * C * F32, True, direct)
+    t.add("h2d", sim.grad_reads * C * F32, True, direct)
+    t.add("d2h", (sim.grad_writes - sim.grad_writes_fwd) * C * F32, True, direct)
+    t.add("d2h", sim.grad_writes_fwd * C * F32, False, direct)
+    if c.opt == DEVICE:  # each updated chunk is written back once
+        t.add("d2h", len(stream) * C * F32, not c.deferred, direct)
+    if c.ptier == DISK:
+        t.add("disk_read", half * C * F32, False)
+        t.add("disk_read", (fetches - half + sim.grad_reads) * C * F32, True)
+        t.add("disk_write", (sim.grad_writes - sim.grad_writes_fwd) * C * F32, True)
+        t.add("disk_write", sim.grad_writes_fwd * C * F32, False)
+        if c.opt == DEVICE:
+            t.add("disk_write", len(stream) * C * F32, not c.deferred)
+
+
+def _update_traffic(c: _Candidate, t: _Traffic) -> None:
+    """What a host/disk optimizer moves: gradients home, updated parameters back, moments in and out."""
+    C, chunks, pinned, n_stream = c.layout.chunk_elems, c.layout.chunks, c.pinned, len(c.stream)
+    if c.opt != DEVICE:
+        direct = c.ptier != DISK
+        slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies)
+        if c.async_copies:  # on a CPU pinned chunks are updated in place (engine._in_slot)
+            t.add("d2h", sum(ch.capacity for ch in pinned) * F32, True)  # their gradients to the host
+            t.add("h2d", sum(ch.capacity for ch in pinned) * F32, not c.deferred)  # refreshed master copies
+        n_home = c.late if c.in_slot else n_stream  # chunks whose gradient goes home for a later update
+        if c.in_slot:  # the updated parameters go home
+            t.add("d2h" if c.ptier == HOST else "disk_write", (n_stream - c.late) * C * F32, True)
+        if n_home and slot_grads:  # gradients to the host (else: handed over)
+            t.add("d2h", n_home * C * F32, True, direct)
+            if c.ptier == DISK:
+                t.add("disk_write", n_home * C * F32, True)  # gradients out
+                beside_bwd = not (c.deferred or c.late)
+                t.add("disk_write", n_home * C * F32, beside_bwd)  # updated parameters back
+                # gradients for the update, and parameters — except for a clipped update: it runs in the next
+                # forward's fetch of the chunk (ChunkState.pending), whose read is counted with the fetches
+                t.add("disk_read", (1 if c.deferred else 2) * n_home * C * F32, beside_bwd)
+    if c.opt == DISK:
+        moments = sum(8 * ch.capacity for ch in chunks)
+        moments_late = moments if c.deferred else 8 * C * c.late
+        for link in ("disk_read", "disk_write"):
+            t.add(link, moments - moments_late, True)
+            t.add(link, moments_late, False)
+
+
+def _spill_traffic(c: _Candidate, t: _Traffic) -> None:
+    """Spilled activations: out in the forward, back for the backward."""
+    costs = c.costs
+    spilled_bytes = c.n_micro * sum(costs.spill_bytes[i] for i in c.spilled) if c.acts == SPILL else 0
+    if c.acts == SPILL and c.disk_spilled:  # written in the forward, read back for the backward, except the last
+        # RING blocks written: still in the ring's buffers when their backward comes (act_ring.py)
+        in_ring = set(sorted(c.disk_spilled)[-RING:])
+        t.add("disk_write", c.n_micro * sum(round_up(costs.spill_bytes[i]) for i in c.disk_spilled), False)
+        t.add("disk_read", c.n_micro * sum(round_up(costs.spill_bytes[i]) for i in c.disk_spilled - in_ring), True)
+    t.add("h2d", spilled_bytes, True)
+    t.add("d2h", spilled_bytes, False)
+
+
+def _hidden_fraction(c: _Candidate) -> float:
+    """The fraction of the shorter of compute and transfers that prefetch overlaps with the longer."""
+    n_stream, need_max = len(c.stream), c.layout.max_chunks_per_block()
+    if c.k == 0 or (n_stream and c.slots <= need_max):
+        return 0.0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
+    # prefetch overlaps transfers with compute, window by window; deeper prefetch hides more of the per-access
+    # latency, and only as many chunks as there are slots beside the running block's can be in flight (adjacent
+    # blocks share a chunk): 5 slots for 4-chunk blocks measured 31 s/step with 10 s of waits where full overlap
+    # predicted 21 s
+    need = need_max if n_stream else 1
+    in_flight = 1.0 if not n_stream else min(1.0, (c.slots - need) / max(need - 1, 1))
+    return min(1.0, 0.5 + 0.25 * c.k) * in_flight
+
+
+def _step_seconds(c: _Candidate, t: _Traffic, n_params: int, bw: Bandwidths) -> tuple[float, float]:
+    """(predicted step seconds, compute seconds) at the measured bandwidths."""
+    costs = c.costs
+    fwd = c.n_micro * sum(costs.f)
+    bwd = c.n_micro * (sum(costs.b) + sum(costs.f[i] for i in c.recomputed))
+    rate = bw.adam_params_per_s
+    if runs_inline(c.async_copies, c.opt, c.ptier) and bw.adam_inline_params_per_s > 0:
+        rate = bw.adam_inline_params_per_s
+    adam = n_params / max(rate, 1.0)
+
+    def moved(tr: dict[str, float]) -> float:
+        disk = tr["disk_read"] / max(bw.disk_read, 1.0) + tr["disk_write"] / max(bw.disk_write, 1.0)
+        if not c.async_copies:  # a CPU's host↔device bytes are memcpys, counted with compute below
+            return disk
+        return disk + tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
+    if not c.async_copies:
+        # On a CPU compute keeps every core busy: a memcpy (a spill, a chunk fetched from host RAM) takes its time
+        # from compute wherever it runs. Counted as overlapped, fetches looked free: the plan at a 25 % budget
+        # predicted 0.23 s for a 0.25 s step.
+        rate_hd = max(min(bw.h2d, bw.d2h), 1.0)
+        fwd += t.memcpy[False] / rate_hd
+        bwd += t.memcpy[True] / rate_hd
+    hidden = _hidden_fraction(c)
+
+    def window(comp: float, m: float) -> float:
+        return max(comp, m) + (1 - hidden) * min(comp, m)
+    step = window(fwd, moved(t.forward())) + window(bwd, moved(t.back)) + adam
+    return step, fwd + bwd
+
+
+def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
+            bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
+            spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
+            deferred_chunks: frozenset[int] = frozenset(),
+            kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, float]:
+    """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
+    ``R`` device chunk slots, ``opt`` the optimizer's tier, ``ptier`` the parameters' home, ``k`` prefetch depth,
+    ``acts`` keep | offload | recompute; ``deferred``: clipped updates (after the whole backward).
+    ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed, except
+    ``kept`` (Placement.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
+    ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
+    ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot)."""
+    L = len(costs.act_bytes)
+    kept = kept if acts == SPILL else frozenset()
+    c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,
+                   deferred=deferred, spilled=(frozenset(range(L)) if spilled is None else spilled) - kept,
+                   disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept)
+    act = _activation_bytes(c)
+    peaks = _peaks(c, act)
+    t = _Traffic()
+    if c.stream and c.slots > 0:
+        _stream_traffic(c, t)
+    _update_traffic(c, t)
+    _spill_traffic(c, t)
+    if bw is None:
+        compute = n_micro * sum(costs.f) + n_micro * (sum(costs.b) + sum(costs.f[i] for i in c.recomputed))
+        return peaks, t.total, compute, compute, act
+    step, compute = _step_seconds(c, t, n_params, bw)
+    return peaks, t.total, step, compute, act
+
+
+def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Bandwidths | None, n_micro: int,
+                      deferred: bool, n_params: int) -> tuple[dict, dict, float, float, float]:
+    """:func:`predict` for ``plan``'s choices (``layout`` = its chunk layout)."""
+    return predict(layout, R=plan.resident_chunks, opt=plan.optimizer_tier, ptier=plan.param_tier,
+                   k=plan.prefetch_depth, acts=plan.activations, costs=costs, bw=bw, n_micro=n_micro,
+                   deferred=deferred, n_params=n_params,
+                   spilled=None if plan.spill_blocks is None else frozenset(plan.spill_blocks),
+                   disk_spilled=frozenset(plan.disk_spill_blocks), deferred_chunks=frozenset(plan.deferred_chunks),
+                   kept=frozenset(plan.kept_blocks))
