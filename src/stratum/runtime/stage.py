@@ -29,8 +29,9 @@ the message.
 from __future__ import annotations
 
 import os
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -361,88 +362,40 @@ class StageRuntime:
         """Run this rank's actions of ``sched`` over ``batches``; the summed (unscaled) loss of the micro-batches
         whose last stage is here (zero elsewhere), as a float64 tensor on the device."""
         plan = self.plan_of(sched)
-        S, dev = self.S, self.device
         shapes = self._ensure_shapes(batches[0].x, training)
         shapes_of = {mb: self._ensure_shapes(b.x, training) for mb, b in enumerate(batches)} \
             if len({tuple(b.x.shape) for b in batches}) > 1 else None
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+
+        def boundary(t: Transfer) -> tuple[torch.Size, torch.dtype]:
+            return (shapes_of[t.mb] if shapes_of else shapes)[t.src_stage if t.tensor == "act" else t.dst_stage]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         saved: dict[tuple[int, int], _Saved] = {}
-        local: dict[tuple[str, int, int], Tensor] = {}
-        posted: dict[tuple[str, int, int], tuple[object, Tensor, Transfer]] = {}
-        sends: list[tuple[dist.Work, Tensor, Transfer]] = []
-        next_post = 0  # index of the first action whose receives are not posted yet
-
-        def recv_ops(upto: int) -> list:
-            nonlocal next_post
-            ops = []
-            while next_post < min(upto, len(plan)):
-                for t in plan[next_post].recv:
-                    if t.local:
-                        continue
-                    shp, dt = (shapes_of[t.mb] if shapes_of else shapes)[
-                        t.src_stage if t.tensor == "act" else t.dst_stage]
-                    buf = torch.empty(shp, dtype=dt, device=dev)
-                    ops.append((dist.P2POp(dist.irecv, buf, self.peers[t.src_rank], tag=_tag(t, S)), buf, t,
-                                True))
-                next_post += 1
-            return ops
-
-        def launch(ops: list) -> None:
-            if not ops:
-                return
-            works = dist.batch_isend_irecv([o for o, _, _, _ in ops])
-            for w, (_, buf, t, is_recv) in zip(works, ops):
-                if is_recv:
-                    posted[_key(t)] = (w, buf, t)
-                else:
-                    sends.append((w, buf, t))  # the tensor stays referenced until its send completes
-
-        def take(t: Transfer) -> Tensor:
-            if t.local:
-                return local.pop(_key(t))
-            if _key(t) not in posted:
-                launch(recv_ops(len(plan)))  # not reached with a lookahead >= 0; kept for safety
-            w, buf, _ = posted.pop(_key(t))
-            name = "activation" if t.tensor == "act" else "gradient"
-            self._wait(w, f"the {name} of stage {t.src_stage} micro-batch {t.mb} from rank {t.src_rank}",
-                       self._deadline())
-            return buf
-
-        launch(recv_ops(1 + self.lookahead))
+        box = _Mailbox(self, plan, boundary)
+        box.post_receives(1 + self.lookahead)
         for k, ac in enumerate(plan):
             if self._fault is not None and self._fault == (self.step_index, k):
-                import signal
-                if os.environ.get(FAULT_ENV + "_FILE"):  # when it happened, for the test's stopwatch
-                    with open(os.environ[FAULT_ENV + "_FILE"], "w") as fh:
-                        fh.write(repr(time.time()))
-                os.kill(os.getpid(), getattr(signal, self._fault_signal))
-            inputs = [take(t) for t in ac.recv]
+                self._inject_fault()
+            inputs = [box.take(t) for t in ac.recv]
             t0 = time.perf_counter()
             out_msgs = self._execute(ac.action, inputs, batches, saved, training=training, scale=scale,
                                      loss_sum=loss_sum)
             self.stats["compute_s"] += time.perf_counter() - t0
-            ops = []
-            for t, tensor in zip(ac.send, out_msgs):
-                if t.local:
-                    local[_key(t)] = tensor
-                else:
-                    tensor = tensor.contiguous()
-                    ops.append((dist.P2POp(dist.isend, tensor, self.peers[t.dst_rank], tag=_tag(t, S)),
-                                tensor, t, False))
             # this action's sends and the receives of the actions ahead go out in one batch
-            launch(ops + recv_ops(k + 2 + self.lookahead))
-            if len(sends) > 8:  # drop finished sends, so their tensors can be freed before the step ends
-                sends[:] = [x for x in sends if not x[0].is_completed()]
-        for w, _, t in sends:
-            name = "activation" if t.tensor == "act" else "gradient"
-            self._wait(w, f"rank {t.dst_rank} to take the {name} of stage {t.src_stage} micro-batch {t.mb}",
-                       self._deadline())
-        if posted or local or saved:  # a valid schedule consumes everything it produces
+            box.send(ac.send, out_msgs, post_upto=k + 2 + self.lookahead)
+        box.finish_sends()
+        if box.posted or box.local or saved:  # a valid schedule consumes everything it produces
             raise RuntimeError(f"rank {self.rank}: schedule {sched.name} left work behind: "
-                               f"{sorted(posted)[:3]} {sorted(local)[:3]} {sorted(saved)[:3]}")
+                               f"{sorted(box.posted)[:3]} {sorted(box.local)[:3]} {sorted(saved)[:3]}")
         if training:
             self.step_index += 1
         return loss_sum
+
+    def _inject_fault(self) -> None:
+        """The FAULT_ENV test hook: this process kills or stops itself here."""
+        if os.environ.get(FAULT_ENV + "_FILE"):  # when it happened, for the test's stopwatch
+            with open(os.environ[FAULT_ENV + "_FILE"], "w") as fh:
+                fh.write(repr(time.time()))
+        os.kill(os.getpid(), getattr(signal, self._fault_signal))
 
     def _execute(self, a: Action, inputs: list[Tensor], batches: list[Batch], saved: dict, *, training: bool,
                  scale: float, loss_sum: Tensor) -> list[Tensor]:
@@ -498,3 +451,76 @@ class StageRuntime:
         assert sv.inp is not None  # (a stage that sends a gradient back took an input that wants one)
         g = sv.inp.grad
         return g if g is not None else torch.zeros_like(sv.inp)
+
+
+class _Mailbox:
+    """One step's messages on one rank: receives posted ahead of the actions that take them (pre-allocated at
+    their boundary's shape), local hand-offs between this rank's stages, and sends kept referenced until they
+    complete."""
+
+    def __init__(self, rt: StageRuntime, plan: list[ActionComm],
+                 boundary: Callable[[Transfer], tuple[torch.Size, torch.dtype]]):
+        self.rt, self.plan, self.boundary = rt, plan, boundary
+        self.local: dict[tuple[str, int, int], Tensor] = {}
+        self.posted: dict[tuple[str, int, int], tuple[object, Tensor, Transfer]] = {}
+        self.sends: list[tuple[dist.Work, Tensor, Transfer]] = []
+        self.next_post = 0  # index of the first action whose receives are not posted yet
+
+    def _recv_ops(self, upto: int) -> list:
+        rt, ops = self.rt, []
+        while self.next_post < min(upto, len(self.plan)):
+            for t in self.plan[self.next_post].recv:
+                if t.local:
+                    continue
+                shp, dt = self.boundary(t)
+                buf = torch.empty(shp, dtype=dt, device=rt.device)
+                ops.append((dist.P2POp(dist.irecv, buf, rt.peers[t.src_rank], tag=_tag(t, rt.S)), buf, t, True))
+            self.next_post += 1
+        return ops
+
+    def _launch(self, ops: list) -> None:
+        if not ops:
+            return
+        works = dist.batch_isend_irecv([o for o, _, _, _ in ops])
+        for w, (_, buf, t, is_recv) in zip(works, ops):
+            if is_recv:
+                self.posted[_key(t)] = (w, buf, t)
+            else:
+                self.sends.append((w, buf, t))  # the tensor stays referenced until its send completes
+
+    def post_receives(self, upto: int) -> None:
+        """Post the receives of the actions before index ``upto``."""
+        self._launch(self._recv_ops(upto))
+
+    def take(self, t: Transfer) -> Tensor:
+        """The tensor ``t`` delivers, once it has arrived."""
+        if t.local:
+            return self.local.pop(_key(t))
+        if _key(t) not in self.posted:
+            self.post_receives(len(self.plan))  # not reached with a lookahead >= 0; kept for safety
+        w, buf, _ = self.posted.pop(_key(t))
+        name = "activation" if t.tensor == "act" else "gradient"
+        self.rt._wait(w, f"the {name} of stage {t.src_stage} micro-batch {t.mb} from rank {t.src_rank}",
+                      self.rt._deadline())
+        return buf
+
+    def send(self, transfers: Sequence[Transfer], tensors: Sequence[Tensor], *, post_upto: int) -> None:
+        """Hand on an action's outputs, in one batch with the receives of the actions before ``post_upto``."""
+        rt, ops = self.rt, []
+        for t, tensor in zip(transfers, tensors):
+            if t.local:
+                self.local[_key(t)] = tensor
+            else:
+                tensor = tensor.contiguous()
+                ops.append((dist.P2POp(dist.isend, tensor, rt.peers[t.dst_rank], tag=_tag(t, rt.S)), tensor, t,
+                            False))
+        self._launch(ops + self._recv_ops(post_upto))
+        if len(self.sends) > 8:  # drop finished sends, so their tensors can be freed before the step ends
+            self.sends[:] = [x for x in self.sends if not x[0].is_completed()]
+
+    def finish_sends(self) -> None:
+        """Wait for every send of the step to be taken."""
+        for w, _, t in self.sends:
+            name = "activation" if t.tensor == "act" else "gradient"
+            self.rt._wait(w, f"rank {t.dst_rank} to take the {name} of stage {t.src_stage} micro-batch {t.mb}",
+                          self.rt._deadline())
