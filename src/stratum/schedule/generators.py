@@ -6,10 +6,11 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
 - *Merge* (GPipe, 1F1B, interleaved): each rank has a forward order and a backward order; it runs ``warmup``
   forwards, then alternates one forward and one backward, then drains the backwards. GPipe is warmup = all.
   This reproduces the textbook (Megatron) schedules exactly, so their closed-form bubbles hold.
-- *List scheduling* (zb-1f1b, and inside the wave generators): an event simulation with unit costs (F=1, B=2,
-  I=1, W=1 per stage) in which a rank that falls idle picks among the actions whose inputs are ready. The order
-  in which the actions ran is the schedule, so it is deadlock-free by construction, whatever the real costs.
-- *Wave* (wave, zb-wave; see :func:`_capped_list_schedule`): Hanayo's zig-zag placement, ordered by the same
+- *List scheduling* (zb-1f1b, and inside the wave generators; :mod:`stratum.schedule.list_schedule`): an event
+  simulation with unit costs (F=1, B=2, I=1, W=1 per stage) in which a rank that falls idle picks among the
+  actions whose inputs are ready. The order in which the actions ran is the schedule, so it is deadlock-free by
+  construction, whatever the real costs.
+- *Wave* (wave, zb-wave; see :func:`stratum.schedule.wave_order.capped_order`): Hanayo's zig-zag placement, ordered by the same
   kind of event simulation under a cap on the stage activations a rank holds (interleaved v=2W's peak). The
   rule for the full-backward wave is *paced*: every action has a target time on an ideal timeline where
   micro-batch k enters at ``pace * k`` and rides its waves down, through the local turns and back; a free rank
@@ -26,14 +27,15 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
 
 from stratum.errors import StratumError
 from stratum.schedule.ir import Action, Schedule
+from stratum.schedule.list_schedule import POLICIES, list_schedule
 from stratum.schedule.validate import _deadlock, validate
 from stratum.schedule.vfill import fill_first_order
+from stratum.schedule.wave_order import WaveRule, capped_order
 
 
 def _check_pm(ranks: int, microbatches: int) -> None:
@@ -138,110 +140,6 @@ def interleaved(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
 
 
 # ---- list scheduling ----------------------------------------------------------------------------------------
-UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-POLICIES = ("b-first", "f-first", "alternate")
-"""When a rank is free: ``b-first`` runs a ready backward before a forward; ``f-first`` a forward (within the
-activation limit) before a backward; ``alternate`` switches kind after each backward. W always comes last."""
-
-
-def _list_schedule(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limits: Sequence[int],
-                   f_key: Callable[[Action], tuple], cost: dict[str, float] | None = None,
-                   policy: str = "b-first") -> Schedule:
-    """Greedy list scheduling (see the module docstring).
-
-    ``limits[r]`` bounds the micro-batches rank r holds activations for: a micro-batch is admitted by its F
-    on the rank's first stage and released when its last B (or W) on the rank has been issued. Counting whole
-    micro-batches rather than stage activations keeps a rank from spending its budget on first-stage
-    forwards of new micro-batches while the later stages of admitted ones wait (which stalls the pipeline).
-    """
-    cost = cost or UNIT_COST
-    S, P = len(stage_to_rank), max(stage_to_rank) + 1
-    bk = "I" if split else "B"
-    pending_f = [sorted((Action("F", s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)),
-                        key=f_key) for r in range(P)]
-    pending_b: list[list[Action]] = [[] for _ in range(P)]   # backwards whose stage forward has been issued
-    pending_w: list[list[Action]] = [[] for _ in range(P)]   # weight grads whose I has been issued
-    done_at: dict[Action, float] = {}
-    first_stage = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
-    n_local = [sum(1 for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
-    live = [0] * P                      # admitted micro-batches per rank
-    released: dict[tuple[int, int], int] = {}   # (rank, mb) -> stages whose activation is freed
-    busy_until = [0.0] * P
-    order: list[list[Action]] = [[] for _ in range(P)]
-    total = S * m * (3 if split else 2)
-    n_issued, t = 0, 0.0
-
-    def ready(a: Action) -> bool:
-        s, k = a.stage, a.mb
-        if a.kind == "F":
-            return s == 0 or done_at.get(Action("F", s - 1, k), float("inf")) <= t
-        need = [Action("F", s, k)] + ([Action(bk, s + 1, k)] if s + 1 < S else [])
-        return all(done_at.get(d, float("inf")) <= t for d in need)
-
-    def issue(r: int, a: Action) -> None:
-        nonlocal n_issued
-        order[r].append(a)
-        done_at[a] = t + cost[a.kind]
-        busy_until[r] = t + cost[a.kind]
-        n_issued += 1
-        if a.kind == "F":
-            live[r] += a.stage == first_stage[r]
-            pending_b[r].append(Action(bk, a.stage, a.mb))
-        elif a.kind == "I":
-            pending_w[r].append(Action("W", a.stage, a.mb))
-        if a.kind in "BW":
-            n = released[(r, a.mb)] = released.get((r, a.mb), 0) + 1
-            live[r] -= n == n_local[r]
-
-    def next_f(r: int, force: bool) -> Action | None:
-        for i, a in enumerate(pending_f[r]):
-            if ready(a) and (a.stage != first_stage[r] or live[r] < limits[r] or force):
-                return pending_f[r].pop(i)
-        return None
-
-    def pick(r: int, force: bool) -> Action | None:
-        bs = [a for a in pending_b[r] if ready(a)]
-        if policy == "f-first" or (policy == "alternate" and order[r] and order[r][-1].kind != "F"):
-            f = next_f(r, force)
-            if f is not None:
-                return f
-        if bs:
-            # Smallest micro-batch, then the later stage: the one the ranks upstream are waiting on.
-            a = min(bs, key=lambda a: (a.mb, -a.stage))
-            pending_b[r].remove(a)
-            return a
-        f = next_f(r, force)
-        if f is not None:
-            return f
-        if pending_w[r]:
-            return pending_w[r].pop(0)
-        return None
-
-    while n_issued < total:
-        started = False
-        for r in range(P):
-            if busy_until[r] <= t:
-                a = pick(r, force=False)
-                if a is not None:
-                    issue(r, a)
-                    started = True
-        future = [b for b in busy_until if b > t]
-        if future:
-            t = min(future)
-        elif not started:
-            # Every rank idle and blocked only by its activation limit: let the first rank with a ready
-            # forward exceed it, so the generator always terminates (the schedule just uses more memory).
-            for r in range(P):
-                a = pick(r, force=True)
-                if a is not None:
-                    issue(r, a)
-                    break
-            else:  # pragma: no cover - impossible: some F or some backward is always ready
-                raise RuntimeError("list scheduler stuck")
-            t = min(b for b in busy_until if b > t)
-    return Schedule(name=name, stage_to_rank=stage_to_rank, num_microbatches=m, actions=order)
-
-
 def _fuse_backward(sched: Schedule, name: str) -> Schedule:
     """Turn a split schedule into a full-backward one: B where I was, W dropped. Still deadlock-free (B has
     exactly I's dependencies and nothing depends on W), and activations are freed earlier."""
@@ -270,11 +168,11 @@ def _best_of(name: str, stage_to_rank: tuple[int, ...], m: int, *, split: bool, 
     cands = []
     for limits in limit_sets:
         for policy in POLICIES:
-            s = _list_schedule(name, stage_to_rank, m, split=True, limits=limits, f_key=f_key, policy=policy)
+            s = list_schedule(name, stage_to_rank, m, split=True, limits=limits, f_key=f_key, policy=policy)
             if not split:
                 # Fusing a good split order often packs better than list-scheduling full backwards directly.
                 cands.append(_fuse_backward(s, name))
-                s = _list_schedule(name, stage_to_rank, m, split=False, limits=limits, f_key=f_key, policy=policy)
+                s = list_schedule(name, stage_to_rank, m, split=False, limits=limits, f_key=f_key, policy=policy)
             cands.append(s)
     scored = []
     for k, s in enumerate(cands):
@@ -319,143 +217,6 @@ def _check_waves(waves: int) -> None:
 NOMINAL_MSG = 0.2
 """Message cost, in units of one rank's forward time per micro-batch, that the wave generators also score their
 candidates with (besides free messages), so the order they keep tolerates a real link."""
-
-
-def _capped_list_schedule(stage_to_rank: tuple[int, ...], m: int, *, split: bool, cap: int, reserve: int = 0,
-                          msg: float = 0.0, rule: str = "deepest", f_ties: bool = False, pace: float = 0.0,
-                          b_off: float = 0.0, wave_f: Sequence[float] = (), wave_b: Sequence[float] = (),
-                          owed_slack: int | None = None,
-                          msg_window: tuple[float, float] | None = None) -> list[list[Action]] | None:
-    """The wave's order: an event simulation of the zig-zag pipeline under a per-rank activation cap.
-
-    Unit costs per stage action (F=1, B=2, I=W=1) and a message delay ``msg`` between stages on different ranks
-    (0 = free; > 0 leaves the slack a real link needs; with ``msg_window`` only for results produced in that
-    time window, so that the warm-up and the cool-down stay packed as with free messages while the steady
-    state in between keeps slack on its hops). When a rank is free it starts the ready action that
-    comes first under ``rule``:
-
-    - ``"paced"`` (the wave rule): each action has a target time on an ideal timeline in which micro-batch k
-      enters at ``pace * k`` and rides straight through the forward waves and back (F of stage s at s, its
-      backward ``b_off`` after the last forward, one backward cost per stage on the way back); the earliest
-      target runs first, a backward winning a tie unless ``f_ties``. With pace = v (a rank's forward work per
-      micro-batch) the warm-up fills each rank with forwards up to the cap, which is what lets the rank holding
-      the middle turn (the one with no slack at the lower bound) stay busy until its first backward comes
-      back; afterwards the targets interleave forwards and backwards so that each backward wave keeps moving.
-      ``wave_f`` / ``wave_b`` shift the targets of the forwards / backwards on each half-wave (stages
-      [jP, (j+1)P)), which moves slack onto the hops between ranks;
-    - ``"deepest"``: the action of the deepest stage first, forward or backward, then the oldest micro-batch;
-    - ``"b-first"``: any ready backward (deepest first), else the deepest ready forward.
-
-    A forward needs the rank to hold fewer than ``cap`` stage activations (``cap - reserve`` for a new
-    micro-batch entering the rank's first stage, which keeps room for the ones already inside; with
-    ``owed_slack`` also only while live activations plus the forwards the rank still owes its admitted
-    micro-batches stay below ``cap + owed_slack``, so that their later waves are not locked out); with nothing
-    else to do a rank runs a deferred weight gradient W (oldest first). The order in which actions ran is the
-    schedule (deadlock-free whatever the real costs). Returns per-rank action lists, or None if the cap starves
-    the pipeline. Heaps of ready actions keep this O(n log n): a few ms for P=8, m=32.
-    """
-    S, P = len(stage_to_rank), max(stage_to_rank) + 1
-    bk = "I" if split else "B"
-    cost = {"F": 1.0, bk: 1.0 if split else 2.0, "W": 1.0}
-    eps = 1e-9
-    first = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
-    bc = cost[bk]
-    n_local = [sum(1 for x in stage_to_rank if x == r) for r in range(P)]
-    owed = [0] * P      # forwards this rank still has to run for the micro-batches it has admitted
-    admit_room = math.inf if owed_slack is None else owed_slack
-
-    def in_window(x: float) -> bool:
-        return msg_window is None or msg_window[0] <= x <= msg_window[1]
-
-    def prio(kind: str, s: int, k: int) -> tuple:
-        is_f = kind == "F"
-        if rule == "paced":
-            w = s // P   # which half-wave (down, up, down, ...) the stage is on
-            target = (s + (wave_f[w] if wave_f else 0.0) if is_f else
-                      S + b_off + bc * (S - 1 - s) + (wave_b[w] if wave_b else 0.0)) + pace * k
-            return (target, is_f != f_ties, -s, k)
-        if rule == "b-first":
-            return (is_f, -s, k)
-        return (-s, is_f != f_ties, k)
-
-    # ready[r]: [backwards, forwards into a later stage, forwards into the rank's first stage]
-    ready: list[list[list[tuple]]] = [[[], [], []] for _ in range(P)]
-    need: dict[tuple[int, int], int] = {}   # backward of (stage, mb): inputs still missing
-    pend_w: list[list[tuple[int, int]]] = [[] for _ in range(P)]
-    live = [0] * P
-    free = [0.0] * P
-    order: list[list[Action]] = [[] for _ in range(P)]
-    events: list[tuple[float, int, str, int, int]] = []   # (time, seq, what became ready, stage, mb)
-    seq = 0
-    for k in range(m):
-        heapq.heappush(ready[stage_to_rank[0]][2], (prio("F", 0, k), "F", 0, k))
-
-    def make_ready(kind: str, s: int, k: int) -> None:
-        r = stage_to_rank[s]
-        if kind == "F":
-            heapq.heappush(ready[r][2 if s == first[r] else 1], (prio("F", s, k), "F", s, k))
-            return
-        n = need.get((s, k), 1 if s == S - 1 else 2) - 1
-        need[(s, k)] = n
-        if n == 0:
-            heapq.heappush(ready[r][0], (prio(bk, s, k), bk, s, k))
-
-    t, n_done, total = 0.0, 0, S * m * (3 if split else 2)
-    while n_done < total:
-        for r in range(P):
-            if free[r] > t + eps:
-                continue
-            rb, rf, rf0 = ready[r]
-            best, src = None, None
-            if rb:
-                best, src = rb[0], rb
-            if rf and live[r] < cap and (best is None or rf[0] < best):
-                best, src = rf[0], rf
-            if rf0 and live[r] < cap - reserve and live[r] + owed[r] < cap + admit_room and \
-                    (best is None or rf0[0] < best):
-                best, src = rf0[0], rf0
-            if best is not None:
-                assert src is not None
-                heapq.heappop(src)
-                _, kind, s, k = best
-            elif pend_w[r]:
-                kind, (s, k) = "W", pend_w[r].pop(0)
-            else:
-                continue
-            end = t + cost[kind]
-            free[r] = end
-            n_done += 1
-            order[r].append(Action(kind, s, k))
-            seq += 1
-            heapq.heappush(events, (end, seq, "", r, 0))   # the rank is free again
-            if kind == "F":
-                live[r] += 1
-                owed[r] += n_local[r] - 1 if s == first[r] else -1
-                seq += 1
-                heapq.heappush(events, (end, seq, bk, s, k))          # its own backward has its activation
-                if s + 1 < S:
-                    d = msg if stage_to_rank[s + 1] != r and in_window(end) else 0.0
-                    seq += 1
-                    heapq.heappush(events, (end + d, seq, "F", s + 1, k))
-            elif kind == bk:
-                if split:
-                    pend_w[r].append((s, k))
-                else:
-                    live[r] -= 1
-                if s > 0:
-                    d = msg if stage_to_rank[s - 1] != r and in_window(end) else 0.0
-                    seq += 1
-                    heapq.heappush(events, (end + d, seq, bk, s - 1, k))
-            else:
-                live[r] -= 1
-        if not events:
-            return None
-        t = max(t, events[0][0])
-        while events and events[0][0] <= t + eps:
-            _, _, kind, s, k = heapq.heappop(events)
-            if kind:
-                make_ready(kind, s, k)
-    return order
 
 
 def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg: float) -> tuple[float, int]:
@@ -547,21 +308,21 @@ _ZB_OLDER = (("deepest", 0, 1, True, 1), ("deepest", 0, 2, False, 1), ("b-first"
              ("deepest", 0, 0, True, 0))
 
 
-def _wave_grid(v: int, top: int, split: bool, span: float = 0.0) -> list[dict]:
-    """The candidate rule parameters of :func:`_wave` (see :func:`_capped_list_schedule`); ``span`` is the
+def _wave_grid(v: int, top: int, split: bool, span: float = 0.0) -> list[WaveRule]:
+    """The candidate rule parameters of :func:`_wave` (see :func:`capped_order`); ``span`` is the
     free-message lower bound in slots, which the W=2 message windows are fractions of."""
     if not split:
-        out = [dict(rule="paced", cap=top, pace=p * v, b_off=o * v / 2, f_ties=ft) for p, o, ft in _WAVE_PACED]
+        out = [WaveRule(rule="paced", cap=top, pace=p * v, b_off=o * v / 2, f_ties=ft) for p, o, ft in _WAVE_PACED]
         if v == 4:
-            out += [dict(rule="paced", cap=top, pace=v, wave_f=wf, wave_b=wb, b_off=o, owed_slack=sl, f_ties=ft)
+            out += [WaveRule(rule="paced", cap=top, pace=v, wave_f=wf, wave_b=wb, b_off=o, owed_slack=sl, f_ties=ft)
                     for wf, wb, o, sl, ft in _WAVE2_LAGGED]
-            out += [dict(rule="paced", cap=top, pace=v, wave_f=wf, wave_b=wb, b_off=o, owed_slack=sl, f_ties=ft,
+            out += [WaveRule(rule="paced", cap=top, pace=v, wave_f=wf, wave_b=wb, b_off=o, owed_slack=sl, f_ties=ft,
                          msg=d * NOMINAL_MSG * v, msg_window=(a * span, b * span))
                     for (a, b), d, wf, wb, o, sl, ft in _WAVE2_WINDOWED]
         return out
-    out = [dict(rule="paced", cap=max(1, top - j), pace=p * v, b_off=o * v / 2, f_ties=ft)
+    out = [WaveRule(rule="paced", cap=max(1, top - j), pace=p * v, b_off=o * v / 2, f_ties=ft)
            for p, o, ft, j in _ZB_PACED]
-    out += [dict(rule=rule, cap=max(1, top - j), reserve=res, f_ties=ft, msg=NOMINAL_MSG * v * slack)
+    out += [WaveRule(rule=rule, cap=max(1, top - j), reserve=res, f_ties=ft, msg=NOMINAL_MSG * v * slack)
             for rule, j, res, ft, slack in _ZB_OLDER]
     return out
 
@@ -597,7 +358,7 @@ def _least_regret(scored: list[tuple]) -> list[list[Action]]:
 
 
 def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> Schedule:
-    """Orders from :func:`_capped_list_schedule` over a short list of rule parameters; keep, among those within
+    """Orders from :func:`capped_order` over a short list of rule parameters; keep, among those within
     the activation bound (interleaved v=2W's peak; for zb-wave also 1F1B's P micro-batches), for the wave the
     smallest unit-cost makespan with free messages, then with messages costing ``NOMINAL_MSG`` of a rank's
     forward; for zb-wave the least regret over those two link models among the orders no longer with free
@@ -610,12 +371,12 @@ def _wave(name: str, ranks: int, microbatches: int, waves: int, split: bool) -> 
     bound = _zb_bound(P, m, v) if split else _interleaved_peak(P, m, v)
     top = max(1, int(bound * v + 1e-9))               # stage activations of 1/v micro-batch each
     grid = _wave_grid(v, top, split, span=3 * v * m + 3 * (P - 1))
-    orders = [_capped_list_schedule(s2r, m, split=split, **kw) for kw in grid]
+    orders = [capped_order(s2r, m, split=split, rule=rule) for rule in grid]
     if not split:
         # With m close to P the step is all warm-up and cool-down; there, admitting whole micro-batches
         # oldest-first (scheduled with split backwards, then fused) packs tighter than the paced rule at W=2
         # (it reaches the m = P bound of docs/schedules.md, the paced rule ends a quarter forward later).
-        sc = _fuse_backward(_list_schedule(name, s2r, m, split=True, limits=[P] * P, f_key=_wave_key,
+        sc = _fuse_backward(list_schedule(name, s2r, m, split=True, limits=[P] * P, f_key=_wave_key,
                                            policy="b-first"), name)
         orders.append([list(a) for a in sc.actions])
     elif waves == 1:
