@@ -157,6 +157,9 @@ def test_real_profile_of_tiny_gpt_and_stage_costs():
     assert res.makespan > 0
     fast = stage_costs(prof, partition(prof, [0, 1], speeds=[2.0, 2.0]))
     assert sum(fast.f) == pytest.approx(sum(b.fwd_s for b in prof.blocks) / 2)
+    # a rank's speed scales its times only: the bytes a stage keeps, spills and reduces stay the profile's
+    assert sum(fast.spill_bytes) == sum(b.spill_bytes for b in prof.blocks) > 0
+    assert sum(fast.param_bytes) == sum(b.param_bytes for b in prof.blocks) > 0
 
 
 def test_cli_simulate_with_balanced_partition(tmp_path, capsys):

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stratum.errors import StratumError
+from stratum.ir.costs import Costs
 
 DEFAULT_BEAM = 64
 
@@ -451,13 +452,10 @@ def partition(profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] 
                     method="dp" if exact else "heuristic", exact=exact)
 
 
-def stage_costs(profile, part: Partition, *, latency: float = 0.0, bandwidth: float = math.inf):
-    """:class:`stratum.sim.pipeline.Costs` of ``part``'s stages for the simulator: the profile's per-block
-    costs summed over each stage (:meth:`Costs.from_profile`) and divided by the speed of the stage's rank."""
-    from stratum.sim.pipeline import Costs
-
+def stage_costs(profile, part: Partition, *, latency: float = 0.0, bandwidth: float = math.inf) -> Costs:
+    """:class:`Costs` of ``part``'s stages for the simulator: the profile's per-block costs summed over each stage
+    (:meth:`Costs.from_profile`), times divided by the speed of the stage's rank; bytes as they are."""
     c = Costs.from_profile(profile, part.stages, latency=latency, bandwidth=bandwidth)
     k = [1.0 / part.speeds[r] for r in part.stage_to_rank]
-    return Costs(f=[x * y for x, y in zip(c.f, k)], b=[x * y for x, y in zip(c.b, k)],
-                 i=[x * y for x, y in zip(c.i, k)], w=[x * y for x, y in zip(c.w, k)], act_bytes=c.act_bytes,
-                 out_bytes=c.out_bytes, latency=latency, bandwidth=bandwidth)
+    return replace(c, f=[x * y for x, y in zip(c.f, k)], b=[x * y for x, y in zip(c.b, k)],
+                   i=[x * y for x, y in zip(c.i, k)], w=[x * y for x, y in zip(c.w, k)])
