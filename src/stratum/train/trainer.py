@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,16 +20,18 @@ from rich.console import Console
 
 from stratum.atomic import atomic_write_json, atomic_write_text
 from stratum.config import Config, to_toml
-from stratum.data.prepare import prepare_data
+from stratum.data.prepare import Dataset, prepare_data
 from stratum.data.tokens import TRAIN, VAL
 from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
 from stratum.log import console_unless_configured
+from stratum.model.blockseq import BlockSeq
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.parallel.multiplex import apply_priority
 from stratum.plan.fidelity import beside
 from stratum.plan.fidelity import describe as describe_prediction
 from stratum.runtime.device import describe, resolve_device, synchronize
+from stratum.runtime.engine import Engine
 from stratum.train.checkpoint import (
     check_compatible,
     latest_checkpoint,
@@ -121,18 +124,10 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
 
 
 def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World) -> dict:
-    console = console or make_console()
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
     main, device = world.is_main, world.device
-
-    if main:
-        remove_partial_writes(out_dir)  # this run holds out_dir: any temp file in it is a killed run's
-    ckpt_path = latest_checkpoint(out_dir)
-    if ckpt_path is not None and not t.resume:
-        raise StratumError(f"train.out_dir {str(out_dir)!r} already holds checkpoints; set train.resume = true "
-                           "to continue that run, or choose a new train.out_dir")
-
+    ckpt_path = _checkpoint_to_resume(cfg, out_dir, main)
     # every rank prepares its data (caches are written atomically, so ranks sharing a cache directory are safe;
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
@@ -162,62 +157,103 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         engine.load_state(ckpt.state)
         restore_rng(ckpt.rng)
     end = min(t.steps, stop_at) if stop_at is not None else t.steps
-
-    flops_per_token = model.flops_per_token(cfg.data.seq_len)
     if main:
         atomic_write_text(out_dir / "config.toml", to_toml(cfg))
     _log_start(cfg, model=model, engine=engine, world=world, stages=stages, data=data,
                start=start, end=end)
+    run = _Run(cfg=cfg, engine=engine, model=model, data=data, world=world, out_dir=out_dir,
+               fingerprint=fingerprint, start=start, end=end)
+    return _run_steps(run, console or make_console())
 
-    log = metrics_log(cfg, out_dir, resume_step=start) if main else _Quiet()
-    display = StepDisplay(console, total=t.steps, start=start, log_interval=t.log_interval) if main else _Quiet()
-    eval_batches = [b for i in range(t.eval_batches) if cfg.data.val_fraction > 0  # no split: no evaluation
-                    for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
-    per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
-    run_start = time.perf_counter()
-    last_ckpt = None
-    clock = CheckpointClock(t.ckpt_minutes)
+
+def _checkpoint_to_resume(cfg: Config, out_dir: Path, main: bool) -> Path | None:
+    """The checkpoint this run resumes from (None: a fresh run); refused where resuming was not asked for."""
+    if main:
+        remove_partial_writes(out_dir)  # this run holds out_dir: any temp file in it is a killed run's
+    ckpt_path = latest_checkpoint(out_dir)
+    if ckpt_path is not None and not cfg.train.resume:
+        raise StratumError(f"train.out_dir {str(out_dir)!r} already holds checkpoints; set train.resume = true "
+                           "to continue that run, or choose a new train.out_dir")
+    return ckpt_path
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What the step loop of one invocation works with, set up by :func:`_train`."""
+
+    cfg: Config
+    engine: Engine
+    model: BlockSeq
+    data: Dataset
+    world: World
+    out_dir: Path
+    fingerprint: dict
+    start: int
+    """The first step this invocation runs (the checkpoint's, or 0)."""
+    end: int
+    """The step it stops after (train.steps, or --stop-at)."""
+
+
+def _run_steps(run: _Run, console: Console) -> dict:
+    """Run the steps start..end with metrics, display and checkpoints; write and return the summary."""
+    cfg, main, out_dir = run.cfg, run.world.is_main, run.out_dir
+    log = metrics_log(cfg, out_dir, resume_step=run.start) if main else _Quiet()
+    display = StepDisplay(console, total=cfg.train.steps, start=run.start,
+                          log_interval=cfg.train.log_interval) if main else _Quiet()
     signals = StopSignals()
-    stopped = False
+    run_start = time.perf_counter()
     try:
         signals.install()
-        for step in range(start, end):
-            rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
-                            flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
-            done = step + 1
-            if broken := _non_finite(rec):  # this step's update may have spoilt the state: it is not saved
-                raise StratumError(f"the {broken} became {rec[broken]} at step {done}; lower optim.lr or raise "
-                                   "optim.warmup_fraction — no checkpoint of this state was written (last good "
-                                   f"checkpoint: {latest_checkpoint(out_dir) or 'none'})")
-            log.write(rec)
-            display.step(rec)
-            # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
-            by_time, stop = agree([clock.due(), signals.received is not None], device)
-            if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
-                state = engine.state()  # collective under a multi-process engine; full state on rank 0
-                if main:
-                    last_ckpt = save_checkpoint(out_dir, step=done, state=state, cfg=cfg,
-                                                fingerprint=fingerprint, keep=t.keep_checkpoints)
-                clock.saved()
-            if stop:
-                end, stopped = done, True
-                break
+        end, stopped, last_ckpt = _step_loop(run, log, display, signals)
     finally:
         signals.restore()
         display.close()
         log.close()
-        engine.close()
+        run.engine.close()
 
-    summary = _summary(log.records, model=model, engine=engine, world=world, cfg=cfg, start=start, end=end,
-                       wall=time.perf_counter() - run_start, checkpoint=last_ckpt)
+    summary = _summary(log.records, model=run.model, engine=run.engine, world=run.world, cfg=cfg, start=run.start,
+                       end=end, wall=time.perf_counter() - run_start, checkpoint=last_ckpt)
     if main:
         atomic_write_json(out_dir / "summary.json", summary)
         _log_summary(summary)
-    if stopped and end < t.steps:
-        logger.info(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of {t.steps}, "
-                    "with a checkpoint: run the same command to resume")
+    if stopped and end < cfg.train.steps:
+        logger.info(f"stopped by {signals.received or 'a signal to another rank'} at step {end} of "
+                    f"{cfg.train.steps}, with a checkpoint: run the same command to resume")
         raise Interrupted(f"stopped at step {end}")
     return summary
+
+
+def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool, Path | None]:
+    """The steps themselves: (the step it ended after, whether a signal stopped it, the last checkpoint)."""
+    cfg, t, engine, device = run.cfg, run.cfg.train, run.engine, run.world.device
+    data, end = run.data, run.end
+    flops_per_token = run.model.flops_per_token(cfg.data.seq_len)
+    eval_batches = [b for i in range(t.eval_batches) if cfg.data.val_fraction > 0  # no split: no evaluation
+                    for b in data.sampler.micro_batches(VAL, i, t.micro_batch_size, 1)]
+    per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
+    clock = CheckpointClock(t.ckpt_minutes)
+    last_ckpt = None
+    for step in range(run.start, end):
+        rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
+                        flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
+        done = step + 1
+        if broken := _non_finite(rec):  # this step's update may have spoilt the state: it is not saved
+            raise StratumError(f"the {broken} became {rec[broken]} at step {done}; lower optim.lr or raise "
+                               "optim.warmup_fraction — no checkpoint of this state was written (last good "
+                               f"checkpoint: {latest_checkpoint(run.out_dir) or 'none'})")
+        log.write(rec)
+        display.step(rec)
+        # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
+        by_time, stop = agree([clock.due(), signals.received is not None], device)
+        if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
+            state = engine.state()  # collective under a multi-process engine; full state on rank 0
+            if run.world.is_main:
+                last_ckpt = save_checkpoint(run.out_dir, step=done, state=state, cfg=cfg,
+                                            fingerprint=run.fingerprint, keep=t.keep_checkpoints)
+            clock.saved()
+        if stop:
+            return done, True, last_ckpt
+    return end, False, last_ckpt
 
 
 def _non_finite(rec: dict) -> str | None:
