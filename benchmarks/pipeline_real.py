@@ -188,7 +188,7 @@ def worker(job_path: str) -> None:
     from stratum.plan.partition import even_partition
     from stratum.runtime import optim_spec
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
-    from stratum.schedule import generate
+    from stratum.schedule.generators import generate
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -375,9 +375,8 @@ def simulate_shared(schedule, costs, slots: float) -> float:
 
 def simulate_side(job: dict, profile, world: int, threads: int, message_s: float) -> dict:
     """Per schedule: the makespan with core sharing (the prediction's term 2), and the two bounds."""
-    from stratum.plan import evaluate, stage_costs
-    from stratum.plan.partition import even_partition
-    from stratum.schedule import generate
+    from stratum.plan.partition import evaluate, even_partition, stage_costs
+    from stratum.schedule.generators import generate
     from stratum.sim.pipeline import simulate
 
     cores = os.cpu_count() or 1

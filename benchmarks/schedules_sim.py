@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/schedules_sim.py     (writes benchmarks/results/schedules_sim.json, prints the table; ~2 s)
 
-Nothing here runs a model: every number comes from ``stratum.sim.simulate`` (event simulation).
+Nothing here runs a model: every number comes from ``stratum.sim.pipeline.simulate`` (event simulation).
 Cost model, per rank and micro-batch (split evenly over the rank's stages, so every schedule does the same work):
 forward 10 ms, backward 20 ms (input-grad 10 ms + weight-grad 10 ms); activation memory 1 unit = what one
 micro-batch keeps alive for all of one rank's layers. Communication:
@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from stratum.atomic import atomic_write_json
-from stratum.schedule import generate, validate
-from stratum.sim import Costs, simulate
+from stratum.schedule.generators import generate
+from stratum.schedule.validate import validate
+from stratum.sim.pipeline import Costs, simulate
 
 F_S, B_S, I_S, W_S = 0.010, 0.020, 0.010, 0.010
 MSG_BYTES = 4 * 1024 * 2048 * 2

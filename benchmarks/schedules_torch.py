@@ -4,7 +4,7 @@ Run:  python benchmarks/schedules_torch.py [--profile PROFILE.json] [--message-s
       (writes benchmarks/results/schedules_torch.json and the profile it used, schedules_torch_profile.json,
       and prints the tables; ~1 min on 2 cores)
 
-Nothing here runs a pipeline: every makespan is ``stratum.sim.simulate`` of a schedule's action lists, torch's
+Nothing here runs a pipeline: every makespan is ``stratum.sim.pipeline.simulate`` of a schedule's action lists, torch's
 imported through their public ``pipeline_order`` (kinds ``torch:NAME``, :mod:`stratum.schedule.torch_import`).
 Costs come from a real model's profile: GPT ``small`` (6 layers, d = 384, byte vocabulary as in pipeline_real.py),
 micro-batch 4 x 128 tokens, fp32, one
@@ -41,8 +41,8 @@ from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_blockseq
-from stratum.schedule import generate
-from stratum.sim import Costs, simulate
+from stratum.schedule.generators import generate
+from stratum.sim.pipeline import Costs, simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "schedules_torch.json"
 GRID = [(P, m) for P in (2, 4, 8) for m in (P, 2 * P, 4 * P)]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from stratum.errors import StratumError
-from stratum.plan import Partition, evaluate, inflight_from_schedule, partition, stage_costs
+from stratum.plan.partition import Partition, evaluate, inflight_from_schedule, partition, stage_costs
 from stratum.profile import BlockProfile, Profile
-from stratum.schedule import generate, wave_stage_to_rank
-from stratum.sim import simulate
+from stratum.schedule.generators import generate, wave_stage_to_rank
+from stratum.sim.pipeline import simulate
 
 
 def _profile(times, *, state=None, act=None, out=100) -> Profile:

@@ -85,7 +85,8 @@ def worker(job_path: str) -> None:
     from stratum.ir.plan import parse_plan
     from stratum.plan.partition import even_partition
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
-    from stratum.schedule import generate, loads
+    from stratum.schedule.generators import generate
+    from stratum.schedule.textio import loads
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -186,7 +187,7 @@ def test_one_rank_in_process_matches_plain(references, hf_dir):
     from stratum.dist.world import single_world
     from stratum.ir.plan import parse_plan
     from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
-    from stratum.schedule import generate
+    from stratum.schedule.generators import generate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from stratum.errors import StratumError
-from stratum.schedule import KINDS, cli, generate, validate, wave_stage_to_rank
+from stratum.schedule import cli
+from stratum.schedule.generators import KINDS, generate, wave_stage_to_rank
+from stratum.schedule.validate import validate
 
 PS = (1, 2, 3, 4)
 MS = (1, 2, 3, 4, 8)
@@ -86,7 +88,7 @@ def test_cli_bad_input_raises_stratum_error(tmp_path):
 
 # ---- the wave generators against their baselines (SIMULATED, unit costs) -----------------------------------
 def _mk(s, latency=0.0):
-    from stratum.sim import Costs, simulate
+    from stratum.sim.pipeline import Costs, simulate
 
     v = s.num_stages // s.num_ranks
     r = simulate(s, Costs.unit(s.num_stages, stages_per_rank=v, out_bytes=1.0, latency=latency))
@@ -116,7 +118,7 @@ def test_wave_memory_within_interleaved_and_above_the_placement_lower_bound(P, m
 def test_hand_derived_wave_reaches_the_lower_bound_at_p2_m4():
     """A hand-built zig-zag order (docs/schedules.md): P=2, m=4, W=1 has interleaved v=2's bubble 1/9 at its
     peak activation 2.5, the lower bound (P-1)/(vm+P-1); the wave generator finds the same makespan."""
-    from stratum.schedule import loads
+    from stratum.schedule.textio import loads
 
     s = loads("name: wave-hand\nstages: 0 1 1 0\nmicrobatches: 4\n"
               "rank 0: F0.0 F0.1 F0.2 F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F0.3 B0.0 B0.1 F3.3 B3.3 B0.2 B0.3\n"

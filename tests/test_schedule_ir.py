@@ -5,21 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stratum.errors import StratumError
-from stratum.schedule import (
-    Action,
-    Schedule,
-    dumps,
-    gpipe,
-    interleaved,
-    load,
-    loads,
-    one_f_one_b,
-    save,
-    wave,
-    zb_1f1b,
-    zb_wave,
-)
-from stratum.schedule.ir import B, F
+from stratum.schedule.generators import gpipe, interleaved, one_f_one_b, wave, zb_1f1b, zb_wave
+from stratum.schedule.ir import Action, B, F, Schedule
+from stratum.schedule.textio import dumps, load, loads, save
 
 
 def _table(*rows: str) -> str:

@@ -8,10 +8,13 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from stratum.errors import StratumError
-from stratum.schedule import Schedule, dumps, generate, loads, validate, wave_stage_to_rank
+from stratum.schedule.generators import generate, wave_stage_to_rank
+from stratum.schedule.ir import Schedule
+from stratum.schedule.textio import dumps, loads
 from stratum.schedule.torch_import import TORCH_NAMES, _planned_order, from_torch
+from stratum.schedule.validate import validate
 from stratum.schedule.vfill import fill_first_order
-from stratum.sim import Costs, simulate
+from stratum.sim.pipeline import Costs, simulate
 
 from test_pipeline_engine import M, _check, build, run_engine, spawn_job, spec
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stratum.errors import StratumError
-from stratum.schedule import comm_plan, interleaved, loads, messages, one_f_one_b, validate, wave
-from stratum.schedule.validate import channel_order_mismatches
+from stratum.schedule.generators import interleaved, one_f_one_b, wave
+from stratum.schedule.textio import loads
+from stratum.schedule.validate import channel_order_mismatches, comm_plan, messages, validate
 
 GOOD = "stages: 0 1\nmicrobatches: 2\nrank 0: {r0}\nrank 1: {r1}\n"
 R0 = "F0.0 F0.1 B0.0 B0.1"

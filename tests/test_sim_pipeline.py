@@ -7,9 +7,10 @@ import json
 import pytest
 
 from stratum.errors import StratumError
+from stratum.plan.partition import even_partition
 from stratum.profile import BlockProfile, Profile
-from stratum.schedule import generate, gpipe, interleaved, one_f_one_b, wave, zb_1f1b
-from stratum.sim import Costs, even_partition, simulate
+from stratum.schedule.generators import generate, gpipe, interleaved, one_f_one_b, wave, zb_1f1b
+from stratum.sim.pipeline import Costs, simulate
 
 
 def _unit(s, **kw):

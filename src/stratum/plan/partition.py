@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
+from stratum.sim.pipeline import simulate
 
 DEFAULT_BEAM = 64
 
@@ -198,8 +199,6 @@ def inflight_from_schedule(schedule) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once when ``schedule`` runs with unit
     costs (F=1, B=2, I=W=1 per rank, split over the rank's stages) and free messages: from the start of a
     forward to the end of its backward (of W for a split backward)."""
-    from stratum.sim.pipeline import Costs, simulate
-
     v = max(1, schedule.num_stages // schedule.num_ranks)
     res = simulate(schedule, Costs.unit(schedule.num_stages, stages_per_rank=v))
     events: list[list[tuple[float, int]]] = [[] for _ in range(schedule.num_stages)]

@@ -10,10 +10,13 @@ import argparse
 import math
 
 from stratum.errors import StratumError
+from stratum.plan.partition import even_partition, inflight_from_schedule, partition, stage_costs
+from stratum.profile.profile import Profile
 from stratum.schedule.generators import KINDS, TORCH_PREFIX, generate, is_kind
 from stratum.schedule.ir import Schedule
-from stratum.schedule.textio import load
+from stratum.schedule.textio import load, save
 from stratum.schedule.validate import validate
+from stratum.sim.pipeline import Costs, simulate
 
 MAX_GENERATED = 100_000
 """Largest ranks × micro-batches × virtual × waves generated: 200 × 200 × 2 takes seconds, 2000 × 2000 hours."""
@@ -86,17 +89,12 @@ def _schedule(args) -> Schedule:
 
 def run(args) -> int:
     """Execute ``stratum schedule show|simulate``; returns the exit code."""
-    from stratum.plan.partition import even_partition
-    from stratum.sim.pipeline import Costs, simulate
-
     sched = _schedule(args)
     if args.schedule_cmd == "show":
         print(sched.describe())
         print(sched.table())
         print(VALID)
         if args.save:
-            from stratum.schedule.textio import save
-
             save(sched, args.save)
             print(f"wrote {args.save}")
         return 0
@@ -110,14 +108,10 @@ def run(args) -> int:
         raise StratumError("--latency must be a finite number ≥ 0 seconds and --bandwidth a number > 0 bytes/s")
     S = sched.num_stages
     if args.profile:
-        from stratum.profile import Profile
-
         prof = Profile.load(args.profile)
         if len(prof.blocks) < S:
             raise StratumError(f"profile has {len(prof.blocks)} blocks, fewer than the schedule's {S} stages")
         if getattr(args, "partition", "even") == "balanced":
-            from stratum.plan import inflight_from_schedule, partition, stage_costs
-
             part = partition(prof, sched.stage_to_rank, inflight=inflight_from_schedule(sched))
             print(part.table())
             costs = stage_costs(prof, part, latency=args.latency, bandwidth=args.bandwidth)

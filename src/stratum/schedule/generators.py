@@ -36,6 +36,7 @@ from stratum.schedule.list_schedule import POLICIES, list_schedule
 from stratum.schedule.validate import _deadlock, validate
 from stratum.schedule.vfill import fill_first_order
 from stratum.schedule.wave_order import WaveRule, capped_order
+from stratum.sim.pipeline import Costs, simulate
 
 
 def _check_pm(ranks: int, microbatches: int) -> None:
@@ -151,8 +152,6 @@ def _fuse_backward(sched: Schedule, name: str) -> Schedule:
 
 def _unit_sim(sched: Schedule, stages_per_rank: int) -> tuple[float, float]:
     """(makespan, max per-rank peak activation) under unit costs, activation 1 per rank-micro-batch."""
-    from stratum.sim.pipeline import Costs, simulate  # local: stratum.sim imports this package
-
     res = simulate(sched, Costs.unit(sched.num_stages, stages_per_rank=stages_per_rank))
     return res.makespan, max(res.peak_act)
 
@@ -222,7 +221,7 @@ candidates with (besides free messages), so the order they keep tolerates a real
 def _order_times(stage_to_rank: tuple[int, ...], order: list[list[Action]], msg: float) -> tuple[float, int]:
     """(makespan, max per-rank peak stage activations) of per-rank orders under the unit costs and a message
     delay ``msg``, with the simulator's semantics (an action starts when its rank is free and its inputs are
-    there). The same numbers as :func:`stratum.sim.simulate` with ``Costs.unit`` (times v), much faster."""
+    there). The same numbers as :func:`stratum.sim.pipeline.simulate` with ``Costs.unit`` (times v), much faster."""
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     S, m = len(stage_to_rank), 1 + max(a.mb for o in order for a in o)
     never = math.inf
