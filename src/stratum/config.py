@@ -23,6 +23,9 @@ from typing import Any
 from stratum.errors import StratumError
 from stratum.extras import require
 from stratum.ir.plan import Plan, parse_plan
+from stratum.model.gpt import PRESETS
+from stratum.schedule.generators import KINDS, is_kind
+from stratum.units import parse_budget, parse_bytes
 
 SOURCES = ("gpt", "sequential", "hf")
 TOKENIZERS = ("byte", "bpe")
@@ -301,7 +304,6 @@ class Config:
         m, d, o, t = self.model, self.data, self.optim, self.train
         _choice("model.source", m.source, SOURCES)
         if m.source == "gpt":
-            from stratum.model.gpt import PRESETS
             _choice("model.preset", m.preset, tuple(PRESETS))
         if m.source == "hf" and not m.hf_path:
             raise StratumError("model.source = 'hf' needs model.hf_path (a config.json or a model directory)")
@@ -378,7 +380,6 @@ class Config:
 
     def _validate_schedule(self) -> None:
         """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""
-        from stratum.schedule.generators import KINDS, is_kind
         text = self.pipeline.schedule.strip()
         if not is_kind(text) and not Path(text).expanduser().is_file():
             raise StratumError(f"pipeline.schedule = {_show(text)} is neither a schedule kind ({', '.join(KINDS)}, "
@@ -399,7 +400,6 @@ class Config:
                                f"the plan")
 
     def _validate_offload(self) -> None:
-        from stratum.units import parse_budget, parse_bytes
         o = self.offload
         parse_budget(o.device_budget, "offload.device_budget")
         parse_budget(o.host_budget, "offload.host_budget")

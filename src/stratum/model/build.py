@@ -9,6 +9,8 @@ import torch
 from stratum.config import ModelConfig
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.model.gpt import PRESETS, build_gpt, init_gpt_block
+from stratum.model.sequential import build_sequential
 
 
 def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: int,
@@ -23,20 +25,17 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
     The model's vocabulary must cover the tokenizer's, and its context the training sequence length.
     """
     if cfg.source == "gpt":
-        from stratum.model.gpt import PRESETS, build_gpt
         vocab = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or tokenizer_vocab
         _check_vocab(vocab, tokenizer_vocab)
         if seq_len > PRESETS[cfg.preset].max_seq_len:
             raise StratumError(f"data.seq_len = {seq_len} exceeds preset {cfg.preset!r}'s context of "
                                f"{PRESETS[cfg.preset].max_seq_len}")
         if lazy:
-            from stratum.model.gpt import init_gpt_block
             seq = build_gpt(cfg.preset, vocab_size=vocab, seed=seed, dropout=cfg.dropout, device="meta")
             seq.block_init = functools.partial(init_gpt_block, seed=seed)
             return seq
         return build_gpt(cfg.preset, vocab_size=vocab, seed=seed, dropout=cfg.dropout, device=device)
     if cfg.source == "sequential":
-        from stratum.model.sequential import build_sequential
         vocab = cfg.vocab_size or tokenizer_vocab
         _check_vocab(vocab, tokenizer_vocab)
         torch.manual_seed(seed)

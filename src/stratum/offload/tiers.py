@@ -33,7 +33,9 @@ from torch import Tensor
 
 from stratum.errors import StratumError
 from stratum.model.neutral import neutral
+from stratum.offload.cpu_adam import adamw_flat
 from stratum.offload.host_alloc import page_aligned_empty
+from stratum.offload.prefetch import background_pool
 from stratum.procs import pid_alive
 from stratum.units import fmt_bytes
 
@@ -187,7 +189,6 @@ def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, fl
 
 
 def _measure_adam(n: int) -> float:
-    from stratum.offload.cpu_adam import adamw_flat
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     step = torch.zeros(())
@@ -219,7 +220,6 @@ def _measure_adam_here() -> float:
 @functools.lru_cache(maxsize=4)
 def _measure_adam_beside(device: torch.device) -> float:
     """CPU AdamW parameters/s as the optimizer thread runs it (prefetch.background_pool: one thread on a CPU)."""
-    from stratum.offload.prefetch import background_pool
     pool = background_pool(device, "stratum-adam-probe")
     try:
         return pool.submit(_measure_adam, 1 << 22).result()

@@ -20,7 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from stratum.config import Config
+from stratum.data.prepare import make_tokenizer
 from stratum.model.blockseq import BlockSeq
+from stratum.model.build import build_model
 from stratum.model.neutral import neutral
 from stratum.profile.profile import BlockProfile, Profile, spill_key
 from stratum.runtime.device import autocast, describe, resolve_device, synchronize
@@ -183,8 +185,6 @@ def profile_from_config(cfg: Config, *, runs: int = 5) -> Profile:
 
     The model is built on ``meta`` and materialised one block at a time, so presets larger than memory work.
     """
-    from stratum.data.prepare import make_tokenizer
-    from stratum.model.build import build_model
 
     device = resolve_device(cfg.train.device)
     tok = make_tokenizer(cfg)

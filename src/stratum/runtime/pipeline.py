@@ -45,7 +45,10 @@ from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.stage import StageBlocks, StageRuntime
 from stratum.runtime.tensors import full_tensor
+from stratum.schedule.generators import KINDS, generate, is_kind
 from stratum.schedule.ir import Action, Schedule
+from stratum.schedule.textio import load
+from stratum.schedule.validate import channel_order_mismatches
 
 
 # ---- planning: schedule + partition, checked before any process starts ----------------------------------------
@@ -61,8 +64,6 @@ class PipelinePlan:
 
 def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
     """The schedule the pipeline node names (a generator kind or a text file) for ``microbatches``."""
-    from stratum.schedule.generators import KINDS, generate, is_kind
-
     if is_kind(p.schedule):
         try:
             return generate(p.schedule, ranks=p.ranks, microbatches=microbatches, virtual=p.virtual,
@@ -74,7 +75,6 @@ def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
     if not path.is_file():
         raise StratumError(f"pipeline.schedule = {p.schedule!r} is neither a schedule kind ({', '.join(KINDS)}) "
                            "nor an existing schedule file")
-    from stratum.schedule.textio import load
     sched = load(path)  # validated
     if sched.num_ranks != p.ranks:
         raise StratumError(f"schedule file {path} has {sched.num_ranks} ranks but pipeline.ranks = {p.ranks}")
@@ -140,7 +140,6 @@ class PipelineEngine(GradEngine):
         self.backend = world.backend
         self.model = model
         if self.backend == "nccl":
-            from stratum.schedule.validate import channel_order_mismatches
             bad = channel_order_mismatches(sched)
             if bad:  # NCCL ignores tags and pairs the messages of a channel first-in-first-out
                 raise StratumError(f"schedule {sched.name} receives messages in another order than it sends "

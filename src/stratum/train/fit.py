@@ -12,6 +12,7 @@ import torch
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.plan import Local
+from stratum.model.build import build_model
 from stratum.train.dryrun import ADAMW_STATE_BYTES_PER_PARAM, device_memory_bytes, plain_fit
 from stratum.units import fmt_bytes
 
@@ -58,8 +59,6 @@ def check_batches(cfg: Config) -> None:
 def check_blocks(cfg: Config, *, tokenizer_vocab: int):
     """Refuse batches that cannot fit in host RAM, and a model with a block whose training state cannot: every
     engine (and the profiler) holds at least one whole block at a time. Returns the model on the meta device."""
-    from stratum.model.build import build_model
-
     check_batches(cfg)
     model = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")

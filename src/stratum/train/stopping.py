@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from stratum.dist.launch import is_worker
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -37,7 +39,6 @@ class StopSignals:
     launcher kills workers that outlast its grace period anyway."""
 
     def __init__(self) -> None:
-        from stratum.dist.launch import is_worker
         self.received: str | None = None
         self._escalate = not is_worker()
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
