@@ -77,10 +77,28 @@ def test_split_over_offload_matches_plain_and_its_checkpoint_resumes_plain(make_
 def test_pipelined_split_over_offload_matches_plain(make_cfg, tmp_path):
     """pipeline(2, split(2, offload(…))) on 4 processes under 1F1B, clipped: each stage's split ranks chunk
     their shards; the tied embedding and head are summed over the pipeline ranks as without split."""
-    train(make_cfg(*COMMON, out=tmp_path / "plain"))
-    _stratum(make_cfg(*COMMON, out=tmp_path / "pso"), "parallel.plan='pipeline(2, split(2, offload(device_budget=40%)))'",
-             *COMMON, f"offload.disk_dir={str(tmp_path)!r}", timeout=380)
+    # one sequence of 16 tokens per micro-batch: the micro-batches a stage holds at once fit beside its chunks
+    common = [*COMMON, "train.micro_batch_size=1", "data.seq_len=16", "train.grad_accum=4"]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "pso"),
+                   "parallel.plan='pipeline(2, split(2, offload(device_budget=30%)))'", *common,
+                   f"offload.disk_dir={str(tmp_path)!r}", timeout=380)
+    assert out.count("offload plan:") == 4 and "device-resident chunks" in out
     _same_losses(tmp_path / "pso", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_replicated_split_over_offload_matches_plain(make_cfg, tmp_path):
+    """replicate(2, split(2, offload(…))) on 4 processes, unclipped: each chunk's shard gradients are summed over
+    the replicas as the chunk completes and updated inside the backward."""
+    common = [*COMMON, "optim.grad_clip=0.0"]
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "rso"),
+                   "parallel.plan='replicate(2, split(2, offload(device_budget=40%)))'", *common,
+                   f"offload.disk_dir={str(tmp_path)!r}", timeout=380)
+    assert out.count("offload plan:") == 4 and "device-resident chunks" in out
+    _same_losses(tmp_path / "rso", tmp_path / "plain")
 
 
 def test_offload_under_split_is_a_plan_and_shows_in_the_table():
