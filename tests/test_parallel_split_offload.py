@@ -14,7 +14,7 @@ from stratum.parallel.split import layer_cuts, split_blocks
 from stratum.train.checkpoint import latest_checkpoint, load_checkpoint
 from stratum.train.trainer import read_metrics, train
 
-from test_parallel_replicate import _stratum
+from test_parallel_replicate import _stratum, hf_config  # noqa: F401 (a fixture)
 
 COMMON = ["model.preset='mini'", "train.steps=10", "train.eval_interval=5", "train.grad_accum=2"]
 
@@ -106,3 +106,18 @@ def test_offload_under_split_is_a_plan_and_shows_in_the_table():
     assert plan.world_size() == 8 and plan.splits == 2
     assert "1/2 of each layer's heads and MLP (shard 1)" in plan.table(lambda r: [r])
     assert "offload" in plan.table(lambda r: [r])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("hf_config", ["gpt2", "llama"], indirect=True)
+def test_split_over_offload_on_transformers_blocks_matches_plain(make_cfg, tmp_path, hf_config):
+    """GPT-2 (Conv1D, a fused q|k|v) and Llama (GQA; q, k, v and gate, up reading one replicated input) blocks cut
+    into plain shards under split(2, offload(…))."""
+    common = ["train.steps=10", "train.eval_interval=5", "model.source='hf'", f"model.hf_path={hf_config!r}",
+              "train.grad_accum=4"]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "so"), "parallel.plan='split(2, offload(device_budget=600KB))'",
+                   *common, f"offload.disk_dir={str(tmp_path)!r}")
+    assert out.count("offload plan:") == 2
+    _same_losses(tmp_path / "so", tmp_path / "plain")

@@ -45,8 +45,8 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
-        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
-                           "parameters yet; use shard=false with split")
+        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split parameters "
+                           "yet; use shard=false with split")
     dev = resolve_device(cfg.train.device)
     if plan.world_size() > 1:
         resolve_backend(cfg.parallel.backend, dev)
