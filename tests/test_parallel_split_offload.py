@@ -111,7 +111,7 @@ def test_offload_under_split_is_a_plan_and_shows_in_the_table():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("hf_config", ["gpt2", "llama"], indirect=True)
-def test_split_over_offload_on_transformers_blocks_matches_plain(make_cfg, tmp_path, hf_config):
+def test_split_over_offload_on_transformers_blocks_matches_plain(make_cfg, tmp_path, hf_config):  # noqa: F811
     """GPT-2 (Conv1D, a fused q|k|v) and Llama (GQA; q, k, v and gate, up reading one replicated input) blocks cut
     into plain shards under split(2, offload(…))."""
     common = ["train.steps=10", "train.eval_interval=5", "model.source='hf'", f"model.hf_path={hf_config!r}",

@@ -12,6 +12,8 @@ backend — is checked by :func:`check_plan` before any process starts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -197,7 +199,7 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         node = plan.pipeline
         rep = plan.replicate
         owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
-        kw = dict(cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world, precision=precision,
+        kw: dict[str, Any] = dict(cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world, precision=precision,
                   schedule_for=lambda m: make_schedule(node, m), owns=owns)
         engine = (OffloadPipelineEngine(model, **kw) if layout is None else
                   SplitOffloadPipeline(model, layout=layout, **kw))

@@ -24,6 +24,7 @@ Functions and methods marked *collective* must be called by every rank of the sp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,11 +84,12 @@ class _FromSplit(torch.autograd.Function):
         return grad, None
 
 
-def _to_split_hook(module: nn.Module, args: tuple) -> tuple:
+# The modules carry the split's attributes (set by _cut_module), so a block's copy works alike: typed as Any.
+def _to_split_hook(module: Any, args: tuple) -> tuple:
     return (_ToSplit.apply(args[0], module.split_comm), *args[1:])
 
 
-def _entry_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _entry_hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     comm = module.split_comm
     names = module.split_kwargs
     if not names:
@@ -95,10 +97,10 @@ def _entry_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return args, {k: _ToSplit.apply(v, comm) if k in names else v for k, v in kwargs.items()}
 
 
-def _row_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _row_forward(self: Any, x: Tensor) -> Tensor:
     """A row-parallel product: this rank's input columns times its weight rows, summed over the group, then the
     (whole) bias once."""
-    w = self.weight
+    w: Tensor = self.weight
     if isinstance(self, nn.Linear):
         y = F.linear(x, w)
     else:  # transformers' Conv1D: weight (in, out)
@@ -165,7 +167,7 @@ class ShardLayout:
         return total + whole.to(total.device)
 
 
-def _cut_module(mod: nn.Module, prefix: str, cut: ModuleCut, layout: ShardLayout) -> None:
+def _cut_module(mod: Any, prefix: str, cut: ModuleCut, layout: ShardLayout) -> None:
     """Replace ``mod``'s parameters by this rank's shards (rank 0's values: collective) and give it the split's
     communication for its role."""
     for pname, pl in cut.placements.items():
