@@ -56,8 +56,8 @@ def _rank_state_bytes(preset: str, n: int) -> int:
 @pytest.mark.timeout(300)
 def test_split_over_offload_matches_plain_and_its_checkpoint_resumes_plain(make_cfg, tmp_path):
     """split(2) over a device budget of 40 % of each rank's state (chunks stream), clipped, 10 steps; the device
-    tier's peak stays under the budget. Then saved under the same plan after 5 steps and resumed under plain: the
-    losses continue as the uninterrupted run's."""
+    tier's peak stays under the budget. Then, recomputing activations, saved under the same plan after 5 steps and
+    resumed under plain: the losses continue as the uninterrupted run's."""
     train(make_cfg(*COMMON, out=tmp_path / "plain"))
     plan = "parallel.plan='split(2, offload(device_budget=40%))'"
     disk = f"offload.disk_dir={str(tmp_path)!r}"
@@ -67,7 +67,10 @@ def test_split_over_offload_matches_plain_and_its_checkpoint_resumes_plain(make_
     budget = 0.4 * _rank_state_bytes("mini", 2)
     peaks = [r["offload_device_peak_bytes"] for r in read_metrics(tmp_path / "so")]
     assert 0 < max(peaks) <= budget
-    _stratum(make_cfg(*COMMON, out=tmp_path / "chain"), plan, *COMMON, disk, stop_at=5)
+    # recomputed blocks re-run their split collectives in the backward (every rank runs split rank 0's plan)
+    out = _stratum(make_cfg(*COMMON, out=tmp_path / "chain"), plan, *COMMON, disk, "offload.activations='recompute'",
+                   stop_at=5)
+    assert "recompute" in out
     train(make_cfg(*COMMON, out=tmp_path / "chain"))
     _same_losses(tmp_path / "chain", tmp_path / "plain")
 
