@@ -23,6 +23,7 @@ Functions and methods marked *collective* must be called by every rank of the sp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +143,7 @@ class ShardLayout:
                               src_data_rank=None)
         return d.to_local().to("cpu", copy=True)
 
-    def _map(self, state: TrainState, fn) -> TrainState:
+    def _map(self, state: TrainState, fn: Callable[[str, Tensor], Tensor]) -> TrainState:
         params = {n: fn(n, t) if n in self.placements else t for n, t in state.params.items()}
         optim = {n: ({k: fn(n, v) if k != "step" else v for k, v in st.items()} if n in self.placements else st)
                  for n, st in state.optim.items()}
@@ -159,10 +160,14 @@ class ShardLayout:
     def sq_norm(self, norms: list[tuple[str, Tensor]]) -> Tensor:
         """Squared global norm (float64, 1-element) from this rank's per-parameter norms (collective): the shards'
         squares summed over the group, the whole tensors' counted once."""
-        sq = [n.double().square() for _, n in norms]
-        shard = sum((s for (name, _), s in zip(norms, sq) if name in self.placements), torch.zeros((), dtype=torch.float64))
-        whole = sum((s for (name, _), s in zip(norms, sq) if name not in self.placements),
-                    torch.zeros((), dtype=torch.float64))
+        dev = norms[0][1].device if norms else torch.device("cpu")
+        shard, whole = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(2))
+        for name, n in norms:
+            sq = n.double().square()
+            if name in self.placements:
+                shard = shard + sq
+            else:
+                whole = whole + sq
         total = self.comm.sum_(shard.reshape(1).to(self.mesh.device_type), "the split gradient-norm all-reduce")
         return total + whole.to(total.device)
 
