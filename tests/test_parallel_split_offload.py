@@ -53,20 +53,29 @@ def _rank_state_bytes(preset: str, n: int) -> int:
     return 16 * total
 
 
+PLAN = "parallel.plan='split(2, offload(device_budget=40%))'"
+
+
 @pytest.mark.timeout(300)
-def test_split_over_offload_matches_plain_and_its_checkpoint_resumes_plain(make_cfg, tmp_path):
+def test_split_over_offload_matches_plain(make_cfg, tmp_path):
     """split(2) over a device budget of 40 % of each rank's state (chunks stream), clipped, 10 steps; the device
-    tier's peak stays under the budget. Then, recomputing activations, saved under the same plan after 5 steps and
-    resumed under plain: the losses continue as the uninterrupted run's."""
+    tier's peak stays under the budget."""
     train(make_cfg(*COMMON, out=tmp_path / "plain"))
-    plan = "parallel.plan='split(2, offload(device_budget=40%))'"
-    disk = f"offload.disk_dir={str(tmp_path)!r}"
-    out = _stratum(make_cfg(*COMMON, out=tmp_path / "so"), plan, *COMMON, disk)
+    out = _stratum(make_cfg(*COMMON, out=tmp_path / "so"), PLAN, *COMMON, f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 2 and "device-resident chunks" in out
     _same_losses(tmp_path / "so", tmp_path / "plain")
     budget = 0.4 * _rank_state_bytes("mini", 2)
     peaks = [r["offload_device_peak_bytes"] for r in read_metrics(tmp_path / "so")]
     assert 0 < max(peaks) <= budget
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_split_over_offload_checkpoint_resumes_under_plain(make_cfg, tmp_path):
+    """Recomputing activations, saved under split(2, offload(…)) after 5 steps and resumed under plain: the
+    losses continue as the uninterrupted run's."""
+    train(make_cfg(*COMMON, out=tmp_path / "plain"))
+    plan, disk = PLAN, f"offload.disk_dir={str(tmp_path)!r}"
     # recomputed blocks re-run their split collectives in the backward (every rank runs split rank 0's plan)
     out = _stratum(make_cfg(*COMMON, out=tmp_path / "chain"), plan, *COMMON, disk, "offload.activations='recompute'",
                    stop_at=5)
