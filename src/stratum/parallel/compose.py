@@ -199,8 +199,8 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         node = plan.pipeline
         rep = plan.replicate
         owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
-        kw: dict[str, Any] = dict(cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world, precision=precision,
-                  schedule_for=lambda m: make_schedule(node, m), owns=owns)
+        kw: dict[str, Any] = dict(cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
+                                  precision=precision, schedule_for=lambda m: make_schedule(node, m), owns=owns)
         engine = (OffloadPipelineEngine(model, **kw) if layout is None else
                   SplitOffloadPipeline(model, layout=layout, **kw))
         if plan.replicate is not None:

@@ -260,7 +260,8 @@ class SplitOffload(Engine):
 
 class SplitOffloadPipeline(OffloadPipelineEngine):
     """``pipeline(m, split(n, offload(…)))``: each pipeline rank's blocks are its split shards (cut before the
-    pipeline builds its stages); the norm and the checkpoints go through the shard layout."""
+    pipeline builds its stages); the norm and the checkpoints go through the shard layout. A pipeline keeps its
+    activations on the device, so no block is recomputed and its split ranks need not share one placement."""
 
     def __init__(self, model: BlockSeq, *, layout: ShardLayout, **kw):
         self.layout = layout
