@@ -8,8 +8,8 @@ Four studies, each writing JSON to ``benchmarks/results/``:
 - ``balance``: ``replicate(2)`` with process 1 throttled to a share of a core by a cgroup CPU quota (Linux cgroup
   v1 ``cpu.cfs_quota_us``, as a slower device would be): even shares against shares from the speeds measured
   at start-up (``parallel.speeds = auto``); goal ≥ 1.3×.
-- ``offload``: the offload leaf alone, under ``replicate(2, …)``, ``pipeline(2, …)`` and both, each device under
-  ``--budget``, against plain (the memory engine's overhead, and what the parallel nodes add to it).
+- ``offload``: the offload leaf alone, under ``replicate(2, …)``, ``pipeline(2, …)``, both, and ``split(2, …)``,
+  each device under ``--budget`` (``--only PLAN``, repeatable: those plans of either study), against plain (the memory engine's overhead, and what the parallel nodes add to it).
 - ``shard``: per-rank AdamW state bytes of ``replicate(4, shard=true)`` against ``replicate(4)`` (≈ 1/4).
 
 Runbook::
@@ -117,7 +117,7 @@ def offload_plans(budget: str) -> list[tuple[str, int]]:
     """The offload leaf alone, under replicate, under pipeline and under both, each device under ``budget``."""
     leaf = f"offload(device_budget={budget})"
     return [(leaf, 1), (f"replicate(2, {leaf})", 2), (f"pipeline(2, {leaf})", 2),
-            (f"replicate(2, pipeline(2, {leaf}))", 4)]
+            (f"replicate(2, pipeline(2, {leaf}))", 4), (f"split(2, {leaf})", 2)]
 
 
 def study_plans(a: argparse.Namespace) -> dict:
@@ -125,7 +125,9 @@ def study_plans(a: argparse.Namespace) -> dict:
 
 
 def study_offload(a: argparse.Namespace) -> dict:
-    return compare(a, offload_plans(a.budget), "offload") | {"budget": a.budget}
+    plans = (offload_plans(a.budget) if not a.only else
+             [(p, n) for p, n in offload_plans(a.budget) + PLANS if p in a.only])
+    return compare(a, plans, "offload") | {"budget": a.budget}
 
 
 def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> dict:
@@ -191,6 +193,9 @@ def main() -> None:
     ap.add_argument("--quota", type=float, default=0.25, help="balance: the throttled process's share of a core")
     ap.add_argument("--throttle-rank", type=int, default=-1)
     ap.add_argument("--budget", default="50%", help="offload: each device's budget (a size or a percentage)")
+    ap.add_argument("--only", action="append", default=[],
+                    help="offload: run only this plan beside plain (repeatable; one of the offload or plans "
+                         "studies' plans, as they write it)")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")

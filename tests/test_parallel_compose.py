@@ -58,7 +58,9 @@ def test_dry_run_prints_the_plan_its_batch_math_and_who_holds_what(make_cfg, cap
     ("split(2, pipeline(2))", "split cannot hold pipeline"),
     ("pipeline(8)", "needs 8 stages but the model has only 4 blocks"),
     ("split(3)", "has 2 attention heads, not divisible by 3"),
-    ("split(2, offload(device_budget=25%))", "split cannot hold offload"),
+    ("split(2, split(2, offload(device_budget=25%)))", "split cannot hold split"),
+    ("replicate(2, shard=true, split(2, offload(device_budget=25%)))", "cannot shard split"),
+    ("pipeline(2, schedule=zb-1f1b, split(2, offload))", "splits the backward"),
     ("pipeline(2, schedule=zb-1f1b, offload)", "splits the backward"),
     ("replicate(2, shard=true, split(2))", "cannot shard split"),
 ])

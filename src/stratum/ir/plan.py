@@ -132,7 +132,7 @@ NAMES: dict[str, type] = {"replicate": Replicate, "pipeline": Pipeline, "split":
 _MAY_HOLD: dict[type, tuple[type, ...]] = {
     Replicate: (Pipeline, Split, Offload, Local),
     Pipeline: (Split, Offload, Local),
-    Split: (Local,),
+    Split: (Offload, Local),
     Burst: (Local,),
 }
 

@@ -12,6 +12,8 @@ backend — is checked by :func:`check_plan` before any process starts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -33,6 +35,7 @@ from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
 from stratum.parallel.replicate_pipeline_offload import ReplicatedOffloadPipeline
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
+from stratum.parallel.split_offload import ShardLayout, SplitOffload, SplitOffloadPipeline, split_locally
 from stratum.runtime.device import compute_rate, resolve_device
 from stratum.runtime.engine import Engine, GradEngine
 from stratum.runtime.optim import MakeOptimizer, optim_spec
@@ -44,8 +47,8 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:
-        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split (DTensor) "
-                           "parameters yet; use shard=false with split")
+        raise StratumError(f"parallel.plan {str(plan)!r}: replicate(shard=true) cannot shard split parameters "
+                           "yet; use shard=false with split")
     dev = resolve_device(cfg.train.device)
     if plan.world_size() > 1:
         resolve_backend(cfg.parallel.backend, dev)
@@ -74,7 +77,8 @@ def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int,
     process, where given)."""
     plan, t = world.plan, cfg.train
     if plan.pipeline is None:
-        lazy = isinstance(plan.leaf, Offload)
+        # split cuts whole blocks into shards before the memory engine packs them: built eagerly
+        lazy = isinstance(plan.leaf, Offload) and plan.split is None
         return build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                            lazy=lazy), None
     meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
@@ -125,11 +129,39 @@ def _offload_leaf(cfg: Config, leaf: Offload, model: BlockSeq, world: World) -> 
     the same chunk layout: it orders the gradient reductions); under replicate(shard=true) each replica updates
     (and holds the AdamW state of) every n-th chunk."""
     cfg = leaf_config(cfg, leaf)
-    placement = world.share_object(placement_for(cfg, model, world.device, always_profile=True), "replica",
-                                   "the offload placement")
+    placement = placement_for(cfg, model, world.device, always_profile=True)
+    # a split group's ranks re-run a recomputed block's collectives together: they run split rank 0's placement
+    placement = world.share_object(placement, "split", "the offload placement")
+    placement = world.share_object(placement, "replica", "the offload placement")
     rep = world.plan.replicate
     owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
     return offload_engine(cfg, model, world.device, placement, owns)
+
+
+def _split_offload(model: BlockSeq, world: World, held: set[int]) -> ShardLayout | None:
+    """Under ``split(n > 1, offload(…))``: the held layer blocks cut into this rank's plain shards (the memory
+    engine chunks ordinary tensors, not DTensors); None for any other plan."""
+    plan = world.plan
+    if plan.split is None or not isinstance(plan.leaf, Offload) or world.group("split") is None:
+        return None
+    check_split(model, plan.split.n)
+    return split_locally(model, held, world)
+
+
+def _offload_tree(cfg: Config, leaf: Offload, model: BlockSeq, world: World,
+                  speeds: list[float] | None) -> Engine:
+    """The offload leaf without a pipeline: alone, under replicate, under split, or both."""
+    plan = world.plan
+    layout = _split_offload(model, world, set(range(len(model))))
+    eng = _offload_leaf(cfg, leaf, model, world)
+    engine: Engine = eng  # named by the memory engine itself when alone
+    if plan.replicate is not None:
+        engine = ReplicatedOffload(eng, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan))
+    if layout is not None:
+        engine = SplitOffload(engine, eng, layout)
+    if engine is not eng:
+        engine.name = render(plan.root)
+    return engine
 
 
 def _split(model: BlockSeq, world: World, held: set[int]) -> None:
@@ -153,26 +185,24 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         burst = burst_engine(cfg, model, world, spec)
         burst.name = render(plan.root)
         return burst
-    if isinstance(plan.leaf, Offload) and plan.replicate is not None and plan.pipeline is None:
-        replicas = ReplicatedOffload(_offload_leaf(cfg, plan.leaf, model, world), node=plan.replicate,
-                                     world=world, speeds=replica_speeds(speeds, plan))
-        replicas.name = render(plan.root)
-        return replicas
     if isinstance(plan.leaf, Offload) and plan.pipeline is None:
-        return _offload_leaf(cfg, plan.leaf, model, world)  # named by the memory engine itself
+        return _offload_tree(cfg, plan.leaf, model, world, speeds)
     if plan.pipeline is not None and pipeline_plan is None:
         pipeline_plan = plan_pipeline(plan.pipeline, model, cfg.train.grad_accum, stage_speeds(speeds, plan))
-    if plan.split is not None:
-        held = pipeline_plan.blocks_of(world.coord.stage_rank) if pipeline_plan else range(len(model))
-        _split(model, world, set(held))
+    held = set(pipeline_plan.blocks_of(world.coord.stage_rank) if pipeline_plan else range(len(model)))
+    layout = _split_offload(model, world, held)
+    if plan.split is not None and layout is None:
+        _split(model, world, held)
     make_opt = _optimizer(plan, cfg, world)
     engine: GradEngine
     if plan.pipeline is not None and isinstance(plan.leaf, Offload):
         node = plan.pipeline
         rep = plan.replicate
         owns = chunk_owner(world.size("replica"), world.coord.replica) if rep is not None and rep.shard else None
-        engine = OffloadPipelineEngine(model, cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
-                                       precision=precision, schedule_for=lambda m: make_schedule(node, m), owns=owns)
+        kw: dict[str, Any] = dict(cfg=cfg, leaf=plan.leaf, plan=pipeline_plan, optim=spec, world=world,
+                                  precision=precision, schedule_for=lambda m: make_schedule(node, m), owns=owns)
+        engine = (OffloadPipelineEngine(model, **kw) if layout is None else
+                  SplitOffloadPipeline(model, layout=layout, **kw))
         if plan.replicate is not None:
             replicated = ReplicatedOffloadPipeline(engine, node=plan.replicate, world=world,
                                                    speeds=replica_speeds(speeds, plan))

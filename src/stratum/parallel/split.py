@@ -230,6 +230,46 @@ def check_split(model: BlockSeq, n: int) -> None:
             _check_block(i, block, n)
 
 
+@dataclass(frozen=True)
+class ModuleCut:
+    """How one submodule of a layer block is cut, read from the block kind's parallel styles (one table serves
+    the DTensor split here and the plain-shard split of :mod:`stratum.parallel.split_offload`)."""
+
+    role: str
+    """"column" (output columns sharded), "row" (input rows sharded, output summed over the group) or "entry"
+    (a module whose column-parallel children read one replicated input)."""
+    placements: dict[str, Placement]
+    """Parameter name → its placement over the split group."""
+    kwargs: tuple[str, ...] = ()
+    """An entry's keyword inputs that are taken replicated (none: its first positional input)."""
+
+
+def _cut_of(style: ParallelStyle) -> ModuleCut:
+    if isinstance(style, _Sharded):
+        return ModuleCut("column" if style.colwise else "row", dict(style.placements))
+    if isinstance(style, ColwiseParallel):  # nn.Linear (out, in): output columns are weight rows
+        return ModuleCut("column", {"weight": Shard(0), "bias": Shard(0)})
+    if isinstance(style, RowwiseParallel):
+        return ModuleCut("row", {"weight": Shard(1), "bias": Replicate()})
+    if isinstance(style, PrepareModuleInput):
+        return ModuleCut("entry", {}, tuple(style.input_kwarg_layouts))
+    raise TypeError(f"split has no cut for the parallel style {type(style).__name__}")
+
+
+def layer_cuts(block: nn.Module) -> dict[str, ModuleCut]:
+    """Submodule path inside the layer block → how split cuts it (a block kind split knows)."""
+    kind = _kind(block)
+    assert kind is not None  # (check_split refuses a block kind split does not know)
+    return {path: _cut_of(style) for path, style in kind.styles(block).items()}
+
+
+def localize_heads(block: nn.Module, n: int) -> None:
+    """After its parameters are cut ``n`` ways: make the block's attention work with this rank's heads."""
+    kind = _kind(block)
+    assert kind is not None  # (as layer_cuts)
+    kind.localize(block, n)
+
+
 def apply_split(model: BlockSeq, block_ids: Iterable[int], mesh: DeviceMesh) -> None:
     """Shard the blocks ``block_ids`` of ``model`` in place over the 1-D ``mesh`` (collective: every rank of the
     mesh calls it with the same blocks; rank 0's values are the ones kept). Parameters become new DTensor
