@@ -28,9 +28,10 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.plan.partition import inflight_from_schedule
+from stratum.profile.profile import Profile
 from stratum.runtime.engine import StepResult, TrainState
 from stratum.runtime.optim import MakeOptimizer, Optimizer
-from stratum.runtime.pipeline import PipelineEngine
+from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
 from stratum.runtime.stage import StageBlocks
 from stratum.schedule.ir import Schedule
 
@@ -39,6 +40,31 @@ def leaf_config(cfg: Config, leaf: Offload) -> Config:
     """``cfg`` with the leaf's budgets in ``[offload]`` (an empty one keeps the section's)."""
     budgets = {k: v for k, v in dataclasses.asdict(leaf).items() if v}
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets))
+
+
+def stage_config(cfg: Config) -> Config:
+    """The config a pipeline rank's memory engine plans with: its activations stay on the device (the stage
+    runtime holds the in-flight micro-batches' activations; the engine does not spill or recompute them)."""
+    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, activations="keep"))
+
+
+def stage_seq(model: BlockSeq, mine: list[int]) -> BlockSeq:
+    """A pipeline rank's blocks (``mine``, global indices) as a BlockSeq of their own."""
+    return BlockSeq([model.blocks[g] for g in mine], model.loss_fn, model.info,
+                    block_names=[model.block_names[g] for g in mine])
+
+
+def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: BlockSeq) -> Profile:
+    """A pipeline rank's blocks' costs from the whole model's profile: each block's activations (with its input,
+    which the runner keeps) times the micro-batches its stage holds at once under the plan's schedule."""
+    inflight = inflight_from_schedule(plan.schedule)
+    stage_of = {i: s for s, r in enumerate(plan.stages) for i in r}
+    blocks = []
+    for k, g in enumerate(mine):
+        b, n = prof.blocks[g], inflight[stage_of[g]]
+        held = b.act_saved_bytes + (prof.blocks[g - 1].out_bytes if g else 0)  # + its kept input (runner)
+        blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=held * n, spill_bytes=held * n))
+    return dataclasses.replace(prof, blocks=blocks, tied=[list(t.names) for t in sub.tied])
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -71,9 +97,7 @@ class OffloadPipelineEngine(PipelineEngine):
     def _stage_runner(self) -> StageBlocks:
         model, plan = self.model, self.plan
         mine = self.my_blocks
-        sub = BlockSeq([model.blocks[g] for g in mine], model.loss_fn, model.info,
-                       block_names=[model.block_names[g] for g in mine])
-        self.sub = sub
+        sub = self.sub = stage_seq(model, mine)
         alias = {n: g.owner for g in model.tied for n in g.names}
         self.to_global: dict[str, str] = {}
         """Canonical name in this rank's BlockSeq → canonical name in the whole model."""
@@ -83,7 +107,7 @@ class OffloadPipelineEngine(PipelineEngine):
             for name, _ in model.blocks[g].named_buffers():
                 self.to_global[f"blocks.{k}.{name}"] = f"blocks.{g}.{name}"
         self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
-        cfg = dataclasses.replace(self.cfg, offload=dataclasses.replace(self.cfg.offload, activations="keep"))
+        cfg = stage_config(self.cfg)
         placement = self._agreed(lambda: placement_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
         # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
         placement = self.mesh.share_object(placement, "replica", "the offload placement")
@@ -113,18 +137,9 @@ class OffloadPipelineEngine(PipelineEngine):
         return placement
 
     def _rank_profile(self, cfg: Config, sub: BlockSeq):
-        """This rank's blocks' costs, each block's activations (with its input, which the runner keeps) times the
-        micro-batches its stage holds at once."""
         prof = quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=self.device, precision=cfg.train.precision, seed=cfg.train.seed)
-        inflight = inflight_from_schedule(self.plan.schedule)
-        stage_of = {i: s for s, r in enumerate(self.plan.stages) for i in r}
-        blocks = []
-        for k, g in enumerate(self.my_blocks):
-            b, n = prof.blocks[g], inflight[stage_of[g]]
-            held = b.act_saved_bytes + (prof.blocks[g - 1].out_bytes if g else 0)  # + its kept input (runner)
-            blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=held * n, spill_bytes=held * n))
-        return dataclasses.replace(prof, blocks=blocks, tied=[list(t.names) for t in sub.tied])
+        return stage_profile(prof, self.plan, self.my_blocks, sub)
 
     def _tied_reducer(self, groups: dict[str, object]):
         """Sum the gradients of tensors tied to other pipeline ranks (``groups``: local name → its group)."""

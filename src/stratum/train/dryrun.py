@@ -7,12 +7,17 @@ import torch
 from stratum.config import Config, to_toml
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
+from stratum.errors import StratumError
 from stratum.ir.plan import Local, Offload
+from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.offload.cli import planning_profile
 from stratum.offload.setup import placement_for
 from stratum.parallel.compose import check_plan
+from stratum.parallel.pipeline_offload import leaf_config, stage_config, stage_profile, stage_seq
+from stratum.profile.profile import Profile
 from stratum.runtime.device import describe, resolve_device
+from stratum.runtime.pipeline import PipelinePlan
 from stratum.units import fmt_bytes
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments
@@ -78,5 +83,31 @@ def dry_run(cfg: Config) -> dict:
     if isinstance(plan.root, Local):
         print(plain_fit(state, device_memory_bytes(device), device))
     if isinstance(plan.leaf, Offload):
-        print(placement_for(cfg, model, device, profile=planning_profile(cfg, model, device)).describe())
+        _print_placements(leaf_config(cfg, plan.leaf), model, device, stages, split=plan.split is not None)
     return {"params": n, "train_state_bytes": state}
+
+
+def _print_placements(cfg: Config, model: BlockSeq, device: torch.device, stages: PipelinePlan | None, *,
+                      split: bool) -> None:
+    """The offload leaf's placement under its own budgets: the model's, or each pipeline rank's for its blocks
+    (as that rank plans it at start-up)."""
+    prof = planning_profile(cfg, model, device)
+    if split:
+        print("offload under split: each split rank plans its 1/n of every block's split weights at start-up; "
+              "the placement below is the unsplit model's, an upper bound on a rank's")
+    if stages is None:
+        print(_placement_text(cfg, model, device, prof))
+        return
+    for rank in range(stages.schedule.num_ranks):
+        mine = stages.blocks_of(rank)
+        sub = stage_seq(model, mine)
+        print(f"pipeline rank {rank} (blocks {mine[0]}–{mine[-1]}):")
+        print(_placement_text(stage_config(cfg), sub, device, stage_profile(prof, stages, mine, sub)))
+
+
+def _placement_text(cfg: Config, model: BlockSeq, device: torch.device, prof: Profile) -> str:
+    """The placement's description, or why none fits (the run would stop there with that line)."""
+    try:
+        return placement_for(cfg, model, device, profile=prof).describe()
+    except StratumError as e:
+        return f"does not fit — {e}"
