@@ -34,17 +34,20 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
+from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.job_strategy import pinned
 from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import tasks_per_step
-from stratum.sweep.simulate import simulate, simulate_sharded
+from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
+from stratum.sweep.strategies import scaled
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics
 
@@ -53,18 +56,22 @@ DEFAULT_OUT = HERE / "results" / "sweep.json"
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
             "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
 """Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
+GLOBAL_BATCH = 4
+"""Sequences per optimizer step of every job (micro_batch_size × grad_accum)."""
 SHARDED_BUDGET = "32MB"
 """sharded-lrtf: sweep.device_budget (every job runs under the offload engine at this budget)."""
 
 
-def base_text(*, steps: int, corpus: str, cache: str) -> str:
-    """The jobs' base config (the [data] and [train] tables of the sweep file)."""
+def base_text(*, steps: int, corpus: str, cache: str, grad_accum: int = 1) -> str:
+    """The jobs' base config (the [data] and [train] tables of the sweep file): 4 sequences per step, in
+    ``grad_accum`` micro-batches."""
     return f"""[data]
 corpus = "{corpus}"
 cache_dir = "{cache}"
 [train]
 steps = {steps}
-micro_batch_size = 4
+micro_batch_size = {GLOBAL_BATCH // grad_accum}
+grad_accum = {grad_accum}
 eval_interval = 0
 eval_batches = 2
 ckpt_minutes = 0.0
@@ -72,7 +79,7 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str) -> str:
+               cache: str, grad_accum: int = 1) -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
@@ -84,7 +91,7 @@ segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 "model.preset" = ["mini", "small"]
 "optim.lr" = [1e-3, 3e-3]
 "data.seq_len" = [32, 64]
-""" + base_text(steps=steps, corpus=corpus, cache=cache)
+""" + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
 
 
 def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
@@ -98,12 +105,22 @@ def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
     return busy
 
 
+def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float]) -> SimResult:
+    """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
+    run takes ``local_s`` — the strategies' times those ratios of it, as the runner predicts them."""
+    plan = plan_jobs({j: scaled(candidates[j], local_s[j]) for j in local_s}, [0.0, 0.0], time_limit_s=10.0)
+    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
+    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
+    return SimResult(runs=runs, makespan=plan.makespan,
+                     utilisation=busy / (2 * plan.makespan) if plan.makespan else 0.0)
+
+
 def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calibration,
         profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
-                               corpus=corpus, cache=str(root / "cache")))
+                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -122,6 +139,13 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
         sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
+    elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
+        ran = {j: pinned(sweep.state, j) or "local" for j in steps}
+        sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps})
+        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps})
+        # each job as it ran: its strategy, its measured step time
+        sim_meas = planned_sim({j: {ran[j]: replace(sweep.candidates[j][ran[j]], seconds=1.0)} for j in steps},
+                               {j: meas_step_s[j] * steps[j] for j in steps})
     else:
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
         sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
@@ -132,7 +156,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
             "simulated_utilisation_profile": sim_prof.utilisation,
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
                             "profiled_step_s": prof_step_s[r.id],
-                            "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss}
+                            "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss,
+                            "strategy": pinned(sweep.state, r.id) or "local"}
                      for r in rows}}
 
 
@@ -143,13 +168,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the schedulers to run (default: all)")
+    ap.add_argument("--grad-accum", type=int, default=1, choices=[1, 2, 4],
+                    help=f"micro-batches per step (of {GLOBAL_BATCH} sequences in all): 2 lets planned run a job "
+                         "as replicate(2) or pipeline(2) over both slots")
     ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
-        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache")))
+        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache"),
+                                                  grad_accum=args.grad_accum))
         t0 = time.perf_counter()
         cal = calibration(load_config(root / "base.toml"), threads=1, slots=2, work_dir=root / "calibration",
                           cache=args.calibration)
@@ -157,7 +186,7 @@ def main() -> None:
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
-                                   corpus=corpus, cache=str(root / "cache")))
+                                   corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum))
         profiles = job_profiles(open_sweep(path, say=lambda line: None).configs, threads=1, cache_dir=None)
         results = {}
         for s in args.only:
@@ -186,6 +215,7 @@ def main() -> None:
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
+                                            "grad_accum": args.grad_accum,
                                             "calibration": asdict(cal), "results": results, "summary": summary},
                                            indent=2) + "\n")
     print(f"wrote {args.out}")

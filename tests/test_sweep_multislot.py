@@ -187,3 +187,32 @@ def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes_to_the_plain_loss
     swept = job_losses(sweep_dir, "j000")  # every step once: the retry resumed from the checkpoint
     plain = plain_losses(path, "j000", tmp_path / "plain")
     assert close(swept, plain), (swept, plain)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_started(tmp_path, corpus_file,
+                                                                                    cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "planned"\nplans = ["replicate(2)"]',
+                      grid='"train.seed" = [4]', steps=16, extra="grad_accum = 2\neval_interval = 0\nckpt_interval = 4")
+    sweep_dir = tmp_path / "sw"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        job_dir = sweep_dir / "jobs" / "j000"
+        while not (job_dir / "metrics.jsonl").exists() or len(read_metrics(job_dir)) < 6:
+            assert proc.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline, "the job never got to step 6"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    got = rows(sweep_dir)
+    assert got["j000"]["status"] == "done" and got["j000"]["attempts"] == 0, (got, lines)
+    assert any("j000: was running when the sweep stopped" in ln for ln in lines)
+    assert any("j000: started on slots 0,1" in ln and "as replicate(2), steps " in ln for ln in lines)
+    swept = job_losses(sweep_dir, "j000")  # every step once, resumed from its checkpoint as replicate(2)
+    assert close(swept, plain_losses(path, "j000", tmp_path / "plain"))
