@@ -54,8 +54,11 @@ from stratum.train.trainer import read_metrics
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
-            "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
-"""Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
+            "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint"),
+            "planned-1slot": ("planned", "checkpoint")}
+"""Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker;
+planned-1slot is planned with sweep.plans = ["local"] (every job on one slot), planned may also run a job as
+replicate(2) or pipeline(2) over both slots."""
 GLOBAL_BATCH = 4
 """Sequences per optimizer step of every job (micro_batch_size × grad_accum)."""
 SHARDED_BUDGET = "32MB"
@@ -79,12 +82,13 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str, grad_accum: int = 1) -> str:
+               cache: str, grad_accum: int = 1, name: str = "") -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
 scheduler = "{scheduler}"
 slice_by = "{slice_by}"
+{'plans = ["local"]' if name == "planned-1slot" else ""}
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 {f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
 [sweep.grid]
@@ -120,7 +124,7 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
-                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum))
+                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -198,6 +202,8 @@ def main() -> None:
                   f"{r['simulated_makespan_s_profile']:7.1f} s (profiled step times), "
                   f"{r['simulated_makespan_s_measured_steps']:7.1f} s (measured step times)  "
                   f"[{time.perf_counter() - t0:.0f} s with profiling]", flush=True)
+            ran = [f"{j}:{v['strategy']}" for j, v in r["jobs"].items() if v["strategy"] != "local"]
+            print(f"{'':8} jobs over two slots: {', '.join(ran) or 'none'}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"]

@@ -10,27 +10,24 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
-from stratum.sweep.expand import expand, job_config
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.makespan import plan_makespan
 from stratum.sweep.runner import run_sweep
 from stratum.sweep.schedulers import Planned, Start
 from stratum.sweep.spec import load_sweep
 from stratum.sweep.strategies import plan_overrides, relative_options
-from stratum.train.trainer import read_metrics, train
+from stratum.train.trainer import read_metrics
 
 from test_sweep_gang import _profile
-from test_sweep_run import job_losses, poll_rows, rows, sweep_file
+from test_sweep_run import job_losses, kill_midway, rows, standalone_losses, sweep_file, sweep_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,20 +96,6 @@ def test_bad_sweep_plans_are_one_line_errors(tmp_path, corpus_file, cache_dir, s
 
 
 # ---- real runs ------------------------------------------------------------------------------------------------
-def plain_losses(path: Path, job_id: str, out: Path) -> list[float]:
-    """The job's own config (grad_accum micro-batches on one process, one thread), trained in this process."""
-    spec = load_sweep(path)
-    job = next(j for j in expand(spec) if j.id == job_id)
-    cfg = job_config(spec, job, out)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    return [r["loss"] for r in read_metrics(cfg.train.out_dir)]
-
-
 def train_alone(job_toml: Path, out: Path) -> list[float]:
     """`stratum train --config jobs/<id>/job.toml` as a person repeats the job (its out_dir moved)."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
@@ -143,11 +126,12 @@ def test_replicate_2_jobs_hold_both_slots_and_equal_their_standalone_and_plain_r
     assert cfg.parallel.plan == "replicate(2)" and cfg.train.grad_accum == 1 and cfg.plan.world_size() == 2
     swept = job_losses(sweep.dir, "j000")
     assert swept == train_alone(job_toml, tmp_path / "alone")
-    plain = plain_losses(path, "j000", tmp_path / "plain")
+    plain = standalone_losses(path, "j000", tmp_path / "plain")
     assert close(swept, plain), (swept, plain)
 
 
 def _ranks(launcher: int) -> list[int]:
+    """The launcher's children: its ranks, once both started."""
     try:
         text = Path(f"/proc/{launcher}/task/{launcher}/children").read_text()
     except OSError:
@@ -164,19 +148,7 @@ def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes_to_the_plain_loss
     sweep_dir = tmp_path / "sw"
     killed: list[int] = []
 
-    def kill_a_rank() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not killed:
-            r = poll_rows(sweep_dir).get("j000")
-            if r and r["status"] == "running" and r["pid"] and len(read_metrics(sweep_dir / "jobs" / "j000")) >= 6:
-                ranks = _ranks(r["pid"])
-                if len(ranks) == 2:
-                    os.kill(ranks[1], signal.SIGKILL)
-                    killed.append(ranks[1])
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_a_rank)
-    killer.start()
+    killer = kill_midway(sweep_dir, "j000", 6, lambda pid: (_ranks(pid)[1:] or [None])[0], killed)
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     killer.join()
@@ -185,7 +157,7 @@ def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes_to_the_plain_loss
     assert got["j000"]["status"] == "done" and got["j000"]["attempts"] == 1, (got, lines)
     assert any("j000: failed: exit code 3: rank 1 was killed by SIGKILL" in ln for ln in lines), lines
     swept = job_losses(sweep_dir, "j000")  # every step once: the retry resumed from the checkpoint
-    plain = plain_losses(path, "j000", tmp_path / "plain")
+    plain = standalone_losses(path, "j000", tmp_path / "plain")
     assert close(swept, plain), (swept, plain)
 
 
@@ -195,9 +167,7 @@ def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_start
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "planned"\nplans = ["replicate(2)"]',
                       grid='"train.seed" = [4]', steps=16, extra="grad_accum = 2\neval_interval = 0\nckpt_interval = 4")
     sweep_dir = tmp_path / "sw"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = sweep_process(path)
     try:
         deadline = time.monotonic() + 180
         job_dir = sweep_dir / "jobs" / "j000"
@@ -215,4 +185,4 @@ def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_start
     assert any("j000: was running when the sweep stopped" in ln for ln in lines)
     assert any("j000: started on slots 0,1" in ln and "as replicate(2), steps " in ln for ln in lines)
     swept = job_losses(sweep_dir, "j000")  # every step once, resumed from its checkpoint as replicate(2)
-    assert close(swept, plain_losses(path, "j000", tmp_path / "plain"))
+    assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))

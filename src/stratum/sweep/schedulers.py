@@ -58,9 +58,10 @@ class Lrtf:
 
 class Planned:
     """Follows a makespan plan (:func:`stratum.sweep.gang.plan_jobs`: MILP, greedy fallback) over the pending
-    jobs' options, re-planned whenever the set of pending or running jobs changes (a job ended — early, late or
-    failed — or started), with the running jobs' slots busy until their predicted ends. Starts the jobs the plan
-    starts now whose slots are all free; a job whose slots are not yet all free waits for the next plan."""
+    jobs' options, re-planned whenever the pending and running jobs are not what the plan expects (a job ended —
+    early, late or failed — or started off the plan), with the running jobs' slots busy until their predicted
+    ends. Starts the jobs whose planned start has come and whose slots are all free; a job whose slots are not
+    yet all free waits for them."""
 
     def __init__(self, options: Callable[[str], dict[str, Option]], slots: int, *, time_limit_s: float):
         self.options = options
@@ -68,23 +69,31 @@ class Planned:
         self.time_limit_s = time_limit_s
         self.plans: list[GangPlan] = []
         self._key: tuple | None = None
+        self._planned_at = 0.0
 
     def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
         if not pending:
             return []
-        key = (tuple(pending), tuple(sorted((s, j) for s, (j, _) in running.items())))
-        if key != self._key:
+        if _key(pending, running) != self._key:
             free_at = [max(0.0, running[s][1] - now) if s in running else 0.0 for s in range(self.slots)]
             self.plans.append(plan_jobs({j: self.options(j) for j in pending}, free_at,
                                         time_limit_s=self.time_limit_s))
-            self._key = key
+            self._planned_at = now
         out: list[Start] = []
         taken: set[int] = set()
         for job, p in sorted(self.plans[-1].placed.items(), key=lambda kv: (kv[1].start, kv[0])):
-            if p.start <= 1e-9 and set(p.slots) <= set(free) - taken:
+            if job in pending and self._planned_at + p.start <= now + 1e-9 and set(p.slots) <= set(free) - taken:
                 out.append(Start(job=job, slots=p.slots, strategy=p.strategy))
                 taken.update(p.slots)
+        # starting what the plan starts keeps it valid: the next call re-plans only if something else changed
+        started = {st.job for st in out}
+        self._key = _key([j for j in pending if j not in started],
+                         {**running, **{s: (st.job, 0.0) for st in out for s in st.slots}})
         return out
+
+
+def _key(pending: list[str], running: Running) -> tuple:
+    return tuple(pending), tuple(sorted((s, j) for s, (j, _) in running.items()))
 
 
 def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None, slots: int,
