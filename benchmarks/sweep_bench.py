@@ -3,8 +3,11 @@ checkpoint or a paused worker, sharded-lrtf at sweep.device_budget = SHARDED_BUD
 the simulator's prediction of the same schedule.
 
 The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.seq_len ∈ {32, 64}, in that grid
-order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
-same sweep file in its own directory, one after another, in this process (one worker server for all).
+order (the four long `small` jobs last, as a grid written smallest-first gives them); or (``--grid 3``) three
+equal `small` jobs. Each scheduler runs the same sweep file in its own directory, one after another, in this
+process (one worker server for all). ``--grad-accum 2`` splits each step's 4 sequences into 2 micro-batches, so
+planned may run a job as replicate(2) or pipeline(2) over both slots (planned-1slot: the same with every job on
+one slot).
 
 Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
 base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
@@ -22,6 +25,8 @@ Runbook::
     python benchmarks/sweep_bench.py --steps 10 --out /tmp/sweep.json
     python benchmarks/sweep_bench.py --only fifo sharded-lrtf planned
     python benchmarks/sweep_bench.py --calibration /tmp/cal.json   # a fresh calibration (default: cached in ~/.cache)
+    python benchmarks/sweep_bench.py --only fifo planned-1slot planned --grad-accum 2 --grid 3 \
+        --out benchmarks/results/sweep_planned_3jobs.json                 # strategies over both slots
 
 Writes ``benchmarks/results/sweep.json``.
 """
@@ -59,6 +64,10 @@ VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrt
 """Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker;
 planned-1slot is planned with sweep.plans = ["local"] (every job on one slot), planned may also run a job as
 replicate(2) or pipeline(2) over both slots."""
+GRIDS = {"8": '"model.preset" = ["mini", "small"]\n"optim.lr" = [1e-3, 3e-3]\n"data.seq_len" = [32, 64]',
+         "3": '"model.preset" = ["small"]\n"optim.lr" = [1e-3, 2e-3, 3e-3]\n"data.seq_len" = [64]'}
+"""--grid: the 8 jobs of the runbook, or 3 equal `small` jobs (an odd count on 2 slots: one runs alone at the end
+unless a job spans both slots)."""
 GLOBAL_BATCH = 4
 """Sequences per optimizer step of every job (micro_batch_size × grad_accum)."""
 SHARDED_BUDGET = "32MB"
@@ -82,7 +91,7 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str, grad_accum: int = 1, name: str = "") -> str:
+               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8") -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
@@ -92,9 +101,7 @@ slice_by = "{slice_by}"
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 {f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
 [sweep.grid]
-"model.preset" = ["mini", "small"]
-"optim.lr" = [1e-3, 3e-3]
-"data.seq_len" = [32, 64]
+{GRIDS[grid]}
 """ + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
 
 
@@ -124,7 +131,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
-                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name))
+                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name,
+                               grid=args.grid))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -161,7 +169,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
                             "profiled_step_s": prof_step_s[r.id],
                             "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss,
-                            "strategy": pinned(sweep.state, r.id) or "local"}
+                            "strategy": pinned(sweep.state, r.id) or "local",
+                            "strategy_time_over_local": {n: o.seconds for n, o in sweep.candidates.get(r.id, {}).items()}}
                      for r in rows}}
 
 
@@ -175,6 +184,7 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1, choices=[1, 2, 4],
                     help=f"micro-batches per step (of {GLOBAL_BATCH} sequences in all): 2 lets planned run a job "
                          "as replicate(2) or pipeline(2) over both slots")
+    ap.add_argument("--grid", choices=list(GRIDS), default="8", help="the jobs (GRIDS)")
     ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
@@ -190,7 +200,8 @@ def main() -> None:
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
-                                   corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum))
+                                   corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum,
+                                   grid=args.grid))
         profiles = job_profiles(open_sweep(path, say=lambda line: None).configs, threads=1, cache_dir=None)
         results = {}
         for s in args.only:
@@ -203,7 +214,9 @@ def main() -> None:
                   f"{r['simulated_makespan_s_measured_steps']:7.1f} s (measured step times)  "
                   f"[{time.perf_counter() - t0:.0f} s with profiling]", flush=True)
             ran = [f"{j}:{v['strategy']}" for j, v in r["jobs"].items() if v["strategy"] != "local"]
-            print(f"{'':8} jobs over two slots: {', '.join(ran) or 'none'}", flush=True)
+            offered = sorted({n for v in r["jobs"].values() for n in v["strategy_time_over_local"]} - {"local"})
+            print(f"{'':8} jobs over two slots: {', '.join(ran) or 'none'} (offered: {', '.join(offered) or 'none'})",
+                  flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"]
@@ -221,7 +234,7 @@ def main() -> None:
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
-                                            "grad_accum": args.grad_accum,
+                                            "grad_accum": args.grad_accum, "grid": GRIDS[args.grid],
                                             "calibration": asdict(cal), "results": results, "summary": summary},
                                            indent=2) + "\n")
     print(f"wrote {args.out}")
