@@ -186,3 +186,19 @@ def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_start
     assert any("j000: started on slots 0,1" in ln and "as replicate(2), steps " in ln for ln in lines)
     swept = job_losses(sweep_dir, "j000")  # every step once, resumed from its checkpoint as replicate(2)
     assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))
+
+
+@pytest.mark.slow
+def test_asha_promotes_a_replicate_2_job_onto_both_slots_from_its_rung_checkpoint(tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='scheduler = "planned"\nplans = ["replicate(2)"]\nearly_stop = "asha"\nasha_min_steps = 2\n'
+                            'asha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]', steps=4,
+                      extra="grad_accum = 2\neval_interval = 2")
+    lines: list[str] = []
+    sweep = run_sweep(path, say=lines.append)
+    got = rows(sweep.dir)
+    assert got["j000"]["status"] == "done" and got["j001"]["status"] == "stopped", (got, lines)
+    assert any("j000: promoted at step 2" in ln for ln in lines)
+    assert any("j000: started on slots 0,1" in ln and "as replicate(2), steps 2 → 4" in ln for ln in lines), lines
+    swept = job_losses(sweep.dir, "j000")
+    assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))
