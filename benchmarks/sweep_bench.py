@@ -116,10 +116,14 @@ def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
     return busy
 
 
-def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float]) -> SimResult:
+def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
+                launch_s: dict[int, float]) -> SimResult:
     """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
-    run takes ``local_s`` — the strategies' times those ratios of it, as the runner predicts them."""
-    plan = plan_jobs({j: scaled(candidates[j], local_s[j]) for j in local_s}, [0.0, 0.0], time_limit_s=10.0)
+    run takes ``local_s`` — the strategies' times those ratios of it plus a multi-process run's start-up, as the
+    runner predicts them."""
+    options = {j: {n: replace(o, seconds=o.seconds + launch_s.get(o.devices, 0.0))
+                   for n, o in scaled(candidates[j], local_s[j]).items()} for j in local_s}
+    plan = plan_jobs(options, [0.0, 0.0], time_limit_s=10.0)
     busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
     runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
     return SimResult(runs=runs, makespan=plan.makespan,
@@ -153,16 +157,16 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
     elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
         ran = {j: pinned(sweep.state, j) or "local" for j in steps}
-        sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps})
-        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps})
+        sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
+        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
         # each job as it ran: its strategy, its measured step time
         sim_meas = planned_sim({j: {ran[j]: replace(sweep.candidates[j][ran[j]], seconds=1.0)} for j in steps},
-                               {j: meas_step_s[j] * steps[j] for j in steps})
+                               {j: meas_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
     else:
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
         sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
         sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
-    return {"measured_makespan_s": sweep.makespan_s, "measured_busy_s": sum(r.run_s for r in rows),
+    return {"measured_makespan_s": sweep.makespan_s, "launch_s": sweep.launch_s, "measured_busy_s": sum(r.run_s for r in rows),
             "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
             "simulated_makespan_s_measured_steps": sim_meas.makespan,
             "simulated_utilisation_profile": sim_prof.utilisation,

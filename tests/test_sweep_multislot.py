@@ -19,10 +19,12 @@ from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.job_strategy import options_of
 from stratum.sweep.makespan import plan_makespan
 from stratum.sweep.runner import run_sweep
 from stratum.sweep.schedulers import Planned, Start
 from stratum.sweep.spec import load_sweep
+from stratum.sweep.state import SweepState
 from stratum.sweep.strategies import plan_overrides, relative_options
 from stratum.train.trainer import read_metrics
 
@@ -66,6 +68,16 @@ def test_relative_options_price_plans_against_local_and_drop_what_cannot_help(tm
     assert opts["replicate(2)"].devices == 2 and 0.4 < opts["replicate(2)"].seconds < 1.0
     one = load_config(None, [])  # one micro-batch: no replicas to share it, a pipeline of it has no overlap
     assert set(relative_options(_profile(1e-3, 4000, 1000, blocks=4), one, ["local", "replicate(2)", "pipeline(2)"], hw)) == {"local"}
+
+
+def test_options_add_a_multi_process_start_up_per_segment_left(tmp_path):
+    state = SweepState(tmp_path)
+    state.add_jobs([("a", 0, "a", 4)])
+    cands = {"a": {"local": Option(seconds=1.0), "replicate(2)": Option(seconds=0.5, devices=2)}}
+    whole = options_of(cands, state, {}, lambda j: {"plain": 10.0}, {2: 3.0}, 0)("a")
+    assert whole == {"local": Option(seconds=10.0), "replicate(2)": Option(seconds=8.0, devices=2)}
+    sliced = options_of(cands, state, {}, lambda j: {"plain": 10.0}, {2: 3.0}, 2)("a")  # 4 steps: 2 segments
+    assert sliced["replicate(2)"].seconds == 11.0 and sliced["local"].seconds == 10.0
 
 
 def test_plan_overrides_keep_the_global_batch():

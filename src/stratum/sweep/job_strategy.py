@@ -6,6 +6,7 @@ segment, retry and resumed sweep runs it the same way (its checkpoints are that 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -16,6 +17,7 @@ from stratum.plan.search_cli import machine_hardware
 from stratum.profile.profile import Profile
 from stratum.sweep.expand import Job, job_config, job_out_dir
 from stratum.sweep.gang import Option
+from stratum.sweep.launch_cost import launch_seconds
 from stratum.sweep.segment import segment_records
 from stratum.sweep.spec import SweepSpec, job_threads, plan_slots
 from stratum.sweep.state import SweepState
@@ -93,22 +95,33 @@ def apply_pins(spec: SweepSpec, jobs: dict[str, Job], configs: dict[str, Config]
             configs[job_id] = strategy_config(spec, jobs[job_id], cfg, plan, sweep_dir)
 
 
+def launch_costs(candidates: dict[str, dict[str, Option]], cache_dir: Path) -> dict[int, float]:
+    """Slots → the start-up a job over that many slots pays beyond a one-slot job (measured once, cached)."""
+    sizes = {o.devices for opts in candidates.values() for o in opts.values() if o.devices > 1}
+    return {k: launch_seconds(k, cache_dir) for k in sorted(sizes)}
+
+
 def options_of(candidates: dict[str, dict[str, Option]], state: SweepState, configs: dict[str, Config],
-               predict: Callable[[str], dict[str, float]]) -> Callable[[str], dict[str, Option]]:
-    """Job → its strategies in seconds for what remains of it: its predicted local time times each one's ratio;
-    a started job only its own strategy (once it has run over several slots, its measured time is that
-    strategy's, taken as it is)."""
+               predict: Callable[[str], dict[str, float]], launch_s: dict[int, float],
+               segment_steps: int) -> Callable[[str], dict[str, Option]]:
+    """Job → its strategies in seconds for what remains of it: its predicted local time times each one's ratio,
+    plus, over several slots, the start-up of each segment left (``launch_s``); a started job only its own
+    strategy (once it has run over several slots, its measured time is that strategy's, taken as it is)."""
     def options(job_id: str) -> dict[str, Option]:
         remaining = min(predict(job_id).values())
         plan = pinned(state, job_id)
         opts = candidates[job_id]
         if plan is None:
-            return scaled(opts, remaining)
-        if plan not in opts:  # sweep.plans changed since it started: it goes on as it started
-            return {plan: Option(seconds=remaining, devices=plan_slots(plan))}
-        if plan != "local" and len(segment_records(configs[job_id])) > 1:
-            return {plan: Option(seconds=remaining, devices=opts[plan].devices)}
-        return scaled({plan: opts[plan]}, remaining)
+            out = scaled(opts, remaining)
+        elif plan not in opts:  # sweep.plans changed since it started: it goes on as it started
+            out = {plan: Option(seconds=remaining, devices=plan_slots(plan))}
+        elif plan != "local" and len(segment_records(configs[job_id])) > 1:
+            out = {plan: Option(seconds=remaining, devices=opts[plan].devices)}
+        else:
+            out = scaled({plan: opts[plan]}, remaining)
+        row = state.job(job_id)
+        segments = -(-(row.steps - row.step) // segment_steps) if segment_steps else 1
+        return {n: replace(o, seconds=o.seconds + segments * launch_s.get(o.devices, 0.0)) for n, o in out.items()}
     return options
 
 

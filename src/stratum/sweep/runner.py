@@ -68,8 +68,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         retries=s.retries, time_budget_s=s.time_budget_s, say=say,
                         tick=(lambda: tick(sweep)) if tick is not None else None)
         else:
-            options = options_of(sweep.candidates, sweep.state, sweep.configs, predict) \
-                if s.scheduler == "planned" and predict is not None else None
+            options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, sweep.launch_s,
+                                 s.segment_steps) if s.scheduler == "planned" and predict is not None else None
             policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
                                  options=options)
             expect: Expect | None = None

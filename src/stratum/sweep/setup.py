@@ -16,7 +16,7 @@ from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
 from stratum.sweep.gang import Option
-from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, write_job_config
+from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.segment import Backend, Segment
 from stratum.sweep.shard_run import check_shardable
@@ -45,6 +45,8 @@ class Sweep:
     """The rung bookkeeping when sweep.early_stop = asha."""
     candidates: dict[str, dict[str, Option]] = field(default_factory=dict)
     """planned: job → the strategies it may run as, each Option's seconds a multiple of its local time."""
+    launch_s: dict[int, float] = field(default_factory=dict)
+    """planned: slots → the start-up a job over that many slots pays beyond a one-slot job, per segment."""
     running: dict[int, Segment] = field(default_factory=dict)
     """Slot → the segment running there (a job over k slots: the same segment on each)."""
     predicted_end: dict[int, float] = field(default_factory=dict)
@@ -86,6 +88,7 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
         fit_to_budget(sweep)
     if spec.settings.scheduler == "planned":
         sweep.candidates = job_candidates(spec, sweep.jobs, sweep.configs, sweep_profiles(sweep), sweep_dir)
+        sweep.launch_s = launch_costs(sweep.candidates, next(iter(sweep.configs.values())).cache_dir / "hardware")
         apply_pins(spec, sweep.jobs, sweep.configs, state, sweep_dir)
     return sweep
 
