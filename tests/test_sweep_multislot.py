@@ -121,18 +121,21 @@ def close(a: list[float], b: list[float], rel: float = 1e-5) -> bool:
 
 
 @pytest.mark.slow
-def test_replicate_2_jobs_hold_both_slots_and_equal_their_standalone_and_plain_runs(tmp_path, corpus_file,
-                                                                                     cache_dir):
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "planned"\nplans = ["replicate(2)"]',
-                      grid='"train.seed" = [1, 2]', steps=4, extra="grad_accum = 2\neval_interval = 2")
+def test_replicate_2_jobs_hold_both_slots_through_asha_and_equal_their_standalone_and_plain_runs(
+        tmp_path, corpus_file, cache_dir):
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='scheduler = "planned"\nplans = ["replicate(2)"]\nearly_stop = "asha"\nasha_min_steps = 2\n'
+                            'asha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]', steps=4,
+                      extra="grad_accum = 2\neval_interval = 2")
     lines: list[str] = []
     sweep = run_sweep(path, say=lines.append)
     got = rows(sweep.dir)
-    assert all(r["status"] == "done" for r in got.values()), (got, lines)
+    assert got["j000"]["status"] == "done" and got["j001"]["status"] == "stopped", (got, lines)
     started = [ln for ln in lines if ": started on" in ln]
-    assert len(started) == 2 and all("slots 0,1" in ln and "as replicate(2)" in ln for ln in started)
-    # both need both slots: the second starts after the first is done
-    assert lines.index(next(ln for ln in lines if ": done" in ln)) < lines.index(started[1])
+    assert len(started) == 3 and all("slots 0,1" in ln and "as replicate(2)" in ln for ln in started), lines
+    # each needs both slots: one job's segment after the other's, and the promotion from the rung's checkpoint
+    assert lines.index(next(ln for ln in lines if "j000: at rung 2" in ln)) < lines.index(started[1])
+    assert any("j000: promoted at step 2" in ln for ln in lines) and "steps 2 → 4" in started[2]
     job_toml = sweep.dir / "jobs" / "j000" / "job.toml"
     cfg = load_config(job_toml)
     assert cfg.parallel.plan == "replicate(2)" and cfg.train.grad_accum == 1 and cfg.plan.world_size() == 2
@@ -199,18 +202,3 @@ def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_start
     swept = job_losses(sweep_dir, "j000")  # every step once, resumed from its checkpoint as replicate(2)
     assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))
 
-
-@pytest.mark.slow
-def test_asha_promotes_a_replicate_2_job_onto_both_slots_from_its_rung_checkpoint(tmp_path, corpus_file, cache_dir):
-    path = sweep_file(tmp_path, corpus_file, cache_dir,
-                      sweep='scheduler = "planned"\nplans = ["replicate(2)"]\nearly_stop = "asha"\nasha_min_steps = 2\n'
-                            'asha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]', steps=4,
-                      extra="grad_accum = 2\neval_interval = 2")
-    lines: list[str] = []
-    sweep = run_sweep(path, say=lines.append)
-    got = rows(sweep.dir)
-    assert got["j000"]["status"] == "done" and got["j001"]["status"] == "stopped", (got, lines)
-    assert any("j000: promoted at step 2" in ln for ln in lines)
-    assert any("j000: started on slots 0,1" in ln and "as replicate(2), steps 2 → 4" in ln for ln in lines), lines
-    swept = job_losses(sweep.dir, "j000")
-    assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))
