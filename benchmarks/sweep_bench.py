@@ -3,8 +3,11 @@ checkpoint or a paused worker, sharded-lrtf at sweep.device_budget = SHARDED_BUD
 the simulator's prediction of the same schedule.
 
 The jobs: model.preset ∈ {mini, small} × optim.lr ∈ {1e-3, 3e-3} × data.seq_len ∈ {32, 64}, in that grid
-order (the four long `small` jobs last, as a grid written smallest-first gives them). Each scheduler runs the
-same sweep file in its own directory, one after another, in this process (one worker server for all).
+order (the four long `small` jobs last, as a grid written smallest-first gives them); or (``--grid 3``) three
+equal `small` jobs. Each scheduler runs the same sweep file in its own directory, one after another, in this
+process (one worker server for all). ``--grad-accum 2`` splits each step's 4 sequences into 2 micro-batches, so
+planned may run a job as replicate(2) or pipeline(2) over both slots (planned-1slot: the same with every job on
+one slot).
 
 Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
 base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
@@ -22,6 +25,8 @@ Runbook::
     python benchmarks/sweep_bench.py --steps 10 --out /tmp/sweep.json
     python benchmarks/sweep_bench.py --only fifo sharded-lrtf planned
     python benchmarks/sweep_bench.py --calibration /tmp/cal.json   # a fresh calibration (default: cached in ~/.cache)
+    python benchmarks/sweep_bench.py --only fifo planned-1slot planned --grad-accum 2 --grid 3 \
+        --out benchmarks/results/sweep_planned_3jobs.json                 # strategies over both slots
 
 Writes ``benchmarks/results/sweep.json``.
 """
@@ -34,37 +39,51 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
+from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.job_strategy import pinned
 from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_lrtf import tasks_per_step
-from stratum.sweep.simulate import simulate, simulate_sharded
+from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
+from stratum.sweep.strategies import scaled
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
 VARIANTS = {"fifo": ("fifo", "checkpoint"), "lrtf": ("lrtf", "checkpoint"), "lrtf-pause": ("lrtf", "pause"),
-            "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint")}
-"""Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker."""
+            "sharded-lrtf": ("sharded-lrtf", "checkpoint"), "planned": ("planned", "checkpoint"),
+            "planned-1slot": ("planned", "checkpoint")}
+"""Name → (sweep.scheduler, sweep.slice_by): lrtf's slices end with a checkpoint, or by pausing the worker;
+planned-1slot is planned with sweep.plans = ["local"] (every job on one slot), planned may also run a job as
+replicate(2) or pipeline(2) over both slots."""
+GRIDS = {"8": '"model.preset" = ["mini", "small"]\n"optim.lr" = [1e-3, 3e-3]\n"data.seq_len" = [32, 64]',
+         "3": '"model.preset" = ["small"]\n"optim.lr" = [1e-3, 2e-3, 3e-3]\n"data.seq_len" = [64]'}
+"""--grid: the 8 jobs of the runbook, or 3 equal `small` jobs (an odd count on 2 slots: one runs alone at the end
+unless a job spans both slots)."""
+GLOBAL_BATCH = 4
+"""Sequences per optimizer step of every job (micro_batch_size × grad_accum)."""
 SHARDED_BUDGET = "32MB"
 """sharded-lrtf: sweep.device_budget (every job runs under the offload engine at this budget)."""
 
 
-def base_text(*, steps: int, corpus: str, cache: str) -> str:
-    """The jobs' base config (the [data] and [train] tables of the sweep file)."""
+def base_text(*, steps: int, corpus: str, cache: str, grad_accum: int = 1) -> str:
+    """The jobs' base config (the [data] and [train] tables of the sweep file): 4 sequences per step, in
+    ``grad_accum`` micro-batches."""
     return f"""[data]
 corpus = "{corpus}"
 cache_dir = "{cache}"
 [train]
 steps = {steps}
-micro_batch_size = 4
+micro_batch_size = {GLOBAL_BATCH // grad_accum}
+grad_accum = {grad_accum}
 eval_interval = 0
 eval_batches = 2
 ckpt_minutes = 0.0
@@ -72,19 +91,18 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str) -> str:
+               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8") -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
 scheduler = "{scheduler}"
 slice_by = "{slice_by}"
+{'plans = ["local"]' if name == "planned-1slot" else ""}
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 {f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
 [sweep.grid]
-"model.preset" = ["mini", "small"]
-"optim.lr" = [1e-3, 3e-3]
-"data.seq_len" = [32, 64]
-""" + base_text(steps=steps, corpus=corpus, cache=cache)
+{GRIDS[grid]}
+""" + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
 
 
 def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
@@ -98,12 +116,27 @@ def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
     return busy
 
 
+def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
+                launch_s: dict[int, float]) -> SimResult:
+    """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
+    run takes ``local_s`` — the strategies' times those ratios of it plus a multi-process run's start-up, as the
+    runner predicts them."""
+    options = {j: {n: replace(o, seconds=o.seconds + launch_s.get(o.devices, 0.0))
+                   for n, o in scaled(candidates[j], local_s[j]).items()} for j in local_s}
+    plan = plan_jobs(options, [0.0, 0.0], time_limit_s=10.0)
+    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
+    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
+    return SimResult(runs=runs, makespan=plan.makespan,
+                     utilisation=busy / (2 * plan.makespan) if plan.makespan else 0.0)
+
+
 def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calibration,
         profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
-                               corpus=corpus, cache=str(root / "cache")))
+                               corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name,
+                               grid=args.grid))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -122,17 +155,26 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
         sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
+    elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
+        ran = {j: pinned(sweep.state, j) or "local" for j in steps}
+        sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
+        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
+        # each job as it ran: its strategy, its measured step time
+        sim_meas = planned_sim({j: {ran[j]: replace(sweep.candidates[j][ran[j]], seconds=1.0)} for j in steps},
+                               {j: meas_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
     else:
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
         sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
         sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
-    return {"measured_makespan_s": sweep.makespan_s, "measured_busy_s": sum(r.run_s for r in rows),
+    return {"measured_makespan_s": sweep.makespan_s, "launch_s": sweep.launch_s, "measured_busy_s": sum(r.run_s for r in rows),
             "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
             "simulated_makespan_s_measured_steps": sim_meas.makespan,
             "simulated_utilisation_profile": sim_prof.utilisation,
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
                             "profiled_step_s": prof_step_s[r.id],
-                            "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss}
+                            "calibrated_job_s": cal_step_s[r.id] * steps[r.id], "eval_loss": r.eval_loss,
+                            "strategy": pinned(sweep.state, r.id) or "local",
+                            "strategy_time_over_local": {n: o.seconds for n, o in sweep.candidates.get(r.id, {}).items()}}
                      for r in rows}}
 
 
@@ -143,13 +185,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the schedulers to run (default: all)")
+    ap.add_argument("--grad-accum", type=int, default=1, choices=[1, 2, 4],
+                    help=f"micro-batches per step (of {GLOBAL_BATCH} sequences in all): 2 lets planned run a job "
+                         "as replicate(2) or pipeline(2) over both slots")
+    ap.add_argument("--grid", choices=list(GRIDS), default="8", help="the jobs (GRIDS)")
     ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
-        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache")))
+        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache"),
+                                                  grad_accum=args.grad_accum))
         t0 = time.perf_counter()
         cal = calibration(load_config(root / "base.toml"), threads=1, slots=2, work_dir=root / "calibration",
                           cache=args.calibration)
@@ -157,7 +204,8 @@ def main() -> None:
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
-                                   corpus=corpus, cache=str(root / "cache")))
+                                   corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum,
+                                   grid=args.grid))
         profiles = job_profiles(open_sweep(path, say=lambda line: None).configs, threads=1, cache_dir=None)
         results = {}
         for s in args.only:
@@ -169,6 +217,10 @@ def main() -> None:
                   f"{r['simulated_makespan_s_profile']:7.1f} s (profiled step times), "
                   f"{r['simulated_makespan_s_measured_steps']:7.1f} s (measured step times)  "
                   f"[{time.perf_counter() - t0:.0f} s with profiling]", flush=True)
+            ran = [f"{j}:{v['strategy']}" for j, v in r["jobs"].items() if v["strategy"] != "local"]
+            offered = sorted({n for v in r["jobs"].values() for n in v["strategy_time_over_local"]} - {"local"})
+            print(f"{'':8} jobs over two slots: {', '.join(ran) or 'none'} (offered: {', '.join(offered) or 'none'})",
+                  flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"]
@@ -186,6 +238,7 @@ def main() -> None:
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
+                                            "grad_accum": args.grad_accum, "grid": GRIDS[args.grid],
                                             "calibration": asdict(cal), "results": results, "summary": summary},
                                            indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,32 @@ def poll_rows(sweep_dir: Path) -> dict[str, dict]:
         return {}
 
 
+def sweep_process(path: Path) -> subprocess.Popen:
+    """`stratum sweep --config path` in a process of its own (to kill -9)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_midway(sweep_dir: Path, job_id: str, steps: int, victim: Callable[[int], int | None], killed: list[int],
+                timeout_s: float = 180.0) -> threading.Thread:
+    """A thread that SIGKILLs ``victim(worker pid)`` (None: not yet) once the job runs and has logged ``steps``
+    steps, and appends its pid to ``killed``."""
+    def kill() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not killed:
+            r = poll_rows(sweep_dir).get(job_id)
+            if r and r["status"] == "running" and r["pid"] and len(read_metrics(sweep_dir / "jobs" / job_id)) >= steps:
+                pid = victim(r["pid"])
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
 @pytest.fixture(scope="module")
 def four_jobs(tmp_path_factory, corpus_file, cache_dir):
     tmp = tmp_path_factory.mktemp("sweep4")
@@ -145,18 +172,7 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
                       grid='"optim.lr" = [3e-3, 1e5, 2e-3]', steps=60, extra="eval_interval = 0\nckpt_interval = 5")
     sweep_dir = tmp_path / "sw"
     killed: list[int] = []
-
-    def kill_j002_midway() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not killed:
-            r = poll_rows(sweep_dir).get("j002")
-            if r and r["status"] == "running" and r["pid"] and len(read_metrics(sweep_dir / "jobs" / "j002")) >= 12:
-                os.kill(r["pid"], signal.SIGKILL)
-                killed.append(r["pid"])
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_j002_midway)
-    killer.start()
+    killer = kill_midway(sweep_dir, "j002", 12, lambda pid: pid, killed)
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     killer.join()
@@ -175,9 +191,7 @@ def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpu
                       grid='"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]', steps=24,
                       extra="eval_interval = 12\nckpt_interval = 4")
     sweep_dir = tmp_path / "sw"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = sweep_process(path)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -99,8 +99,9 @@ def check_jobs(spec: SweepSpec, jobs: list[Job], sweep_dir: Path) -> list[Config
     configs = [job_config(spec, j, sweep_dir) for j in jobs]
     for cfg, job in zip(configs, jobs):
         if cfg.plan.world_size() > 1:
-            raise StratumError(f"sweep job {job.id}: parallel plans over several processes are not run by sweeps "
-                               f"yet (plan {cfg.plan}); use one process per job")
+            raise StratumError(f"sweep job {job.id}: a job's own parallel.plan over several processes (plan "
+                               f"{cfg.plan}) is not run by sweeps; leave it out and let scheduler = \"planned\" "
+                               "run jobs as replicate(k) or pipeline(k) over k slots (sweep.plans)")
     if spec.settings.backend == "local":  # Ray places slots on its cluster's resources (or says it cannot)
         check_devices(spec, configs[0])
     return configs

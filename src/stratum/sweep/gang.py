@@ -14,7 +14,7 @@ is also the fallback without PuLP or without an integer solution in time. :func:
 and the choices into starts (as early as the slots allow), so every plan returned is feasible by construction.
 
 When every option is on one slot, order within a slot does not matter and the plain assignment MILP of
-:mod:`stratum.sweep.makespan` (no order variables, a much tighter model) is what the local runner uses.
+:mod:`stratum.sweep.makespan` (no order variables, a much tighter model) solves it (:func:`plan_jobs`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import importlib
 import time
 from dataclasses import dataclass
 
-from stratum.sweep.makespan import pulp_available
+from stratum.sweep.makespan import plan_makespan, pulp_available
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +152,10 @@ def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limi
     o = {(a, b): pulp.LpVariable(f"o_{jobs.index(a)}_{jobs.index(b)}", cat="Binary") for a, b in pairs}
     dur = {j: pulp.lpSum(y[j, n] * opt.seconds for n, opt in opts[j].items()) for j in jobs}
     prob += cmax
+    # the slots' busy time fits under C on every slot: implied by the rest, but it gives the relaxation the area
+    # bound, so a plan that meets it is proved optimal at once instead of at the time limit
+    prob += len(free_at) * cmax >= sum(free_at) + pulp.lpSum(y[j, n] * opt.seconds * opt.devices
+                                                               for j in jobs for n, opt in opts[j].items())
     for j in jobs:
         prob += pulp.lpSum(y[j, n] for n in opts[j]) == 1
         prob += pulp.lpSum(z[j, s] for s in slots) == pulp.lpSum(y[j, n] * opt.devices for n, opt in opts[j].items())
@@ -186,6 +190,20 @@ def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limi
     optimal = pulp.LpStatus[status] == "Optimal" and getattr(prob, "sol_status", 1) == 1
     return GangPlan(placed=placed, makespan=_makespan(placed, free_at), method="milp", optimal=optimal,
                     solve_s=time.perf_counter() - t0)
+
+
+def plan_jobs(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float) -> GangPlan:
+    """The plan the planned scheduler follows: :func:`plan_gang`'s, or — when every option holds one slot — the
+    assignment MILP's (:func:`stratum.sweep.makespan.plan_makespan`), each slot's queue started back to back."""
+    if any(o.devices > 1 for opts in options.values() for o in opts.values()):
+        return plan_gang(options, free_at, time_limit_s=time_limit_s)
+    flat = plan_makespan({j: {n: o.seconds for n, o in opts.items()} for j, opts in options.items()}, free_at,
+                         time_limit_s=time_limit_s)
+    order = [j for queue in flat.queues for j in queue]
+    picks = {j: (c.strategy, options[j][c.strategy]) for j, c in flat.choices.items()}
+    placed = list_schedule(order, picks, free_at, {j: (c.slot,) for j, c in flat.choices.items()})
+    return GangPlan(placed=placed, makespan=_makespan(placed, free_at), method=flat.method, optimal=flat.optimal,
+                    solve_s=flat.solve_s)
 
 
 def gang_table(plan: GangPlan) -> str:

@@ -9,7 +9,6 @@ its directory behind the next one; a worker forked just as the sweep died exits 
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -18,17 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from stratum.procs import pid_alive
-from stratum.sweep.segment import Segment, run_segment
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+from stratum.sweep.launched import launch_train
+from stratum.sweep.parent_death import die_with_sweep
+from stratum.sweep.segment import Segment, Worker, run_segment
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
@@ -36,13 +27,6 @@ def _context() -> multiprocessing.context.ForkServerContext:
     # torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker
     ctx.set_forkserver_preload(["stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo"])
     return ctx
-
-
-def die_with_sweep(sweep_pid: int) -> None:
-    """Arm the death signal; exit now if the sweep died before it was armed (nobody waits for us)."""
-    _die_with_parent()
-    if not pid_alive(sweep_pid):
-        os._exit(1)
 
 
 def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
@@ -100,10 +84,17 @@ class LocalBackend:
         multiprocessing.forkserver.ensure_running()
 
     def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
-              threads: int, log_path: Path) -> Segment:
-        """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``."""
-        worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path),
-                                             os.getpid()), f"stratum-sweep-{job}")
+              threads: int, log_path: Path, processes: int = 1) -> Segment:
+        """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``: a forked
+        worker, or for a plan of several processes a ``stratum train`` launcher of them
+        (:mod:`stratum.sweep.launched`)."""
+        worker: Worker
+        if processes > 1:
+            assert device is None  # (spec.py: jobs over several slots run on CPU slots)
+            worker = launch_train(config_path, stop_at, threads, log_path)
+        else:
+            worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path),
+                                                 os.getpid()), f"stratum-sweep-{job}")
         return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 

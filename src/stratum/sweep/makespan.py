@@ -7,7 +7,8 @@ nothing better in time, the greedy plan (longest job first onto the slot that fr
 strategy) is used. Order within a slot does not change its finishing time; longest first is used, so a slot that
 falls behind its prediction holds the short jobs the re-plan can move.
 
-Strategies that span several slots at once (pipeline or replicate over k devices) are not modelled yet.
+Strategies that span several slots at once (pipeline or replicate over k devices) are planned by
+:mod:`stratum.sweep.gang`, which falls back to this model when every option holds one slot.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ when this backend is chosen. The actors are owned by the sweep process: if it di
 A segment asked to stop gets SIGTERM when its actor runs on this machine (the trainer checkpoints after its step);
 elsewhere its actor is killed and the job resumes from its last checkpoint. A dead actor is reported as a dead
 worker and replaced at the slot's next segment.
+
+A job runs on one slot here: the planned scheduler offers only ``local`` on Ray, and ``sweep.plans`` naming a
+strategy over several slots is a one-line error before the sweep starts (a k-slot job would need a placement
+group of k bundles and the plan's process group formed across actors).
 """
 
 from __future__ import annotations
@@ -122,7 +126,9 @@ class RayBackend:
         self.actors.pop(slot, None)
 
     def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
-              threads: int, log_path: Path) -> Segment:
+              threads: int, log_path: Path, processes: int = 1) -> Segment:
+        if processes > 1:  # spec.py refuses sweep.plans over several slots on Ray before the sweep starts
+            raise StratumError(f"{job}: the ray backend runs one slot per job, not a plan of {processes} processes")
         actor, pid = self._actor(slot)
         if device is not None and device.startswith("cuda"):
             device = "cuda"  # Ray gives the actor its GPU as the only visible one

@@ -1,77 +1,114 @@
-"""Which job a freed slot takes: ``fifo`` (sweep order), ``lrtf`` (longest remaining time first) or ``planned``
-(the makespan plan's queue for that slot).
+"""Which jobs the free slots start: ``fifo`` (sweep order), ``lrtf`` (longest remaining time first) or ``planned``
+(the makespan plan: each job's strategy, its slots — one, or k at once for replicate(k) / pipeline(k) — and its
+turn).
 
-A policy sees the pending jobs (in sweep order), what runs where with its predicted end, and the time; the real
-runner and the simulator call the same policies, so a simulated makespan and a measured one share their choices.
+A policy sees the free slots, the pending jobs (in sweep order), what runs where with its predicted end, and the
+time; the real runner and the simulator call the same policies, so a simulated makespan and a measured one share
+their choices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
-from stratum.sweep.makespan import MakespanPlan, plan_makespan
+from stratum.sweep.gang import GangPlan, Option, plan_jobs
+
+Running = dict[int, tuple[str, float]]
+"""Slot → (the job running there, its predicted end); a job over k slots appears on each of them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start:
+    """A job to start now."""
+
+    job: str
+    """Its id."""
+    slots: tuple[int, ...]
+    """The free slots it holds until it ends (one, or k for a k-slot strategy)."""
+    strategy: str = "local"
+    """How it runs: local (its own config on one slot), or a Plan tree over its slots (replicate(k), …)."""
 
 
 class Policy(Protocol):
-    def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
-        """The job slot ``slot`` starts now, or None to leave it idle."""
+    def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
+        """The jobs the free slots ``free`` start now (none: leave them idle)."""
 
 
 class Fifo:
     """One job per free slot, in sweep order: the baseline of running a list of configs."""
 
-    def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
-        return pending[0] if pending else None
+    def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
+        return [Start(job=j, slots=(s,)) for s, j in zip(free, pending)]
 
 
 class Lrtf:
-    """The pending job with the longest remaining predicted time (ties: sweep order) — Hydra's rule, applied to
+    """The pending jobs with the longest remaining predicted time (ties: sweep order) — Hydra's rule, applied to
     time slices of whole jobs (segments of sweep.segment_steps steps) rather than to shards of layers."""
 
     def __init__(self, predict: Callable[[str], dict[str, float]]):
         self.predict = predict
 
-    def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
-        if not pending:
-            return None
+    def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
         remaining = {j: min(self.predict(j).values()) for j in pending}
-        return max(pending, key=lambda j: (remaining[j], -pending.index(j)))
+        order = sorted(pending, key=lambda j: (-remaining[j], pending.index(j)))
+        return [Start(job=j, slots=(s,)) for s, j in zip(free, order)]
 
 
 class Planned:
-    """Follows a makespan plan (MILP, greedy fallback) over the pending jobs, re-planned whenever the set of
-    pending or running jobs changes (a job ended — early, late or failed — or started), with the running jobs'
-    slots busy until their predicted ends."""
+    """Follows a makespan plan (:func:`stratum.sweep.gang.plan_jobs`: MILP, greedy fallback) over the pending
+    jobs' options, re-planned whenever the pending and running jobs are not what the plan expects (a job ended —
+    early, late or failed — or started off the plan), with the running jobs' slots busy until their predicted
+    ends. Starts the jobs whose planned start has come and whose slots are all free; a job whose slots are not
+    yet all free waits for them."""
 
-    def __init__(self, predict: Callable[[str], dict[str, float]], slots: int, *, time_limit_s: float):
-        self.predict = predict
+    def __init__(self, options: Callable[[str], dict[str, Option]], slots: int, *, time_limit_s: float):
+        self.options = options
         self.slots = slots
         self.time_limit_s = time_limit_s
-        self.plans: list[MakespanPlan] = []
+        self.plans: list[GangPlan] = []
         self._key: tuple | None = None
+        self._planned_at = 0.0
 
-    def pick(self, slot: int, pending: list[str], running: dict[int, tuple[str, float]], now: float) -> str | None:
+    def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
         if not pending:
-            return None
-        key = (tuple(pending), tuple(sorted((s, j) for s, (j, _) in running.items())))
-        if key != self._key:
+            return []
+        if _key(pending, running) != self._key:
             free_at = [max(0.0, running[s][1] - now) if s in running else 0.0 for s in range(self.slots)]
-            self.plans.append(plan_makespan({j: self.predict(j) for j in pending}, free_at,
-                                            time_limit_s=self.time_limit_s))
-            self._key = key
-        queue = self.plans[-1].queues[slot]
-        return queue[0] if queue else None
+            self.plans.append(plan_jobs({j: self.options(j) for j in pending}, free_at,
+                                        time_limit_s=self.time_limit_s))
+            self._planned_at = now
+        out: list[Start] = []
+        taken: set[int] = set()
+        for job, p in sorted(self.plans[-1].placed.items(), key=lambda kv: (kv[1].start, kv[0])):
+            if job in pending and self._planned_at + p.start <= now + 1e-9 and set(p.slots) <= set(free) - taken:
+                out.append(Start(job=job, slots=p.slots, strategy=p.strategy))
+                taken.update(p.slots)
+        # starting what the plan starts keeps it valid: the next call re-plans only if something else changed
+        started = {st.job for st in out}
+        self._key = _key([j for j in pending if j not in started],
+                         {**running, **{s: (st.job, 0.0) for st in out for s in st.slots}})
+        return out
+
+
+def _key(pending: list[str], running: Running) -> tuple:
+    return tuple(pending), tuple(sorted((s, j) for s, (j, _) in running.items()))
 
 
 def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None, slots: int,
-                time_limit_s: float) -> Policy:
+                time_limit_s: float, options: Callable[[str], dict[str, Option]] | None = None) -> Policy:
+    """The policy ``name``; ``planned`` plans over ``options`` (each job's strategies), by default one slot per
+    strategy of ``predict``."""
     if name == "fifo":
         return Fifo()
     if name == "lrtf":
         assert predict is not None
         return Lrtf(predict)
     if name == "planned":
-        assert predict is not None
-        return Planned(predict, slots, time_limit_s=time_limit_s)
+        if options is None:
+            assert predict is not None
+            pred = predict
+            options = lambda j: {n: Option(seconds=t) for n, t in pred(j).items()}  # noqa: E731
+        return Planned(options, slots, time_limit_s=time_limit_s)
     raise ValueError(name)

@@ -36,15 +36,14 @@ def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *,
     runs: list[tuple[float, int, str, float]] = []
     now = 0.0
     while pending or running:
-        for s in range(slots):
-            if s not in running and pending:
-                job = policy.pick(s, pending, running, now)
-                if job is not None:
-                    n = min(segment_steps or remaining[job], remaining[job])
-                    pending.remove(job)
-                    running[s] = (job, now + n * step_s[job])
-                    runs.append((now, s, job, now + n * step_s[job]))
-                    remaining[job] -= n
+        free = [s for s in range(slots) if s not in running]
+        for start in policy.starts(free, pending, running, now) if free and pending else []:
+            job, (s,) = start.job, start.slots  # (one slot each: every strategy here is the job's step time)
+            n = min(segment_steps or remaining[job], remaining[job])
+            pending.remove(job)
+            running[s] = (job, now + n * step_s[job])
+            runs.append((now, s, job, now + n * step_s[job]))
+            remaining[job] -= n
         if not running:
             raise RuntimeError(f"the policy left {len(pending)} job(s) unscheduled with every slot free")
         now = min(end for _, end in running.values())

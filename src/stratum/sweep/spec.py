@@ -28,6 +28,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,11 @@ class SweepSettings:
     """sharded-lrtf: blocks per shard task (a task is their forward, or their backward, for one micro-batch)."""
     plan_time_limit_s: float = 10.0
     """planned: the MILP solver's time limit; past it the best plan found so far is used (greedy if none)."""
+    plans: list[str] = field(default_factory=list)
+    """planned: the strategies a job may run as — "local" (one slot: the job's own config) and Plan trees over k
+    slots at once, "replicate(k)" or "pipeline(k)" (k processes of threads_per_job threads, the same global
+    batch); [] = local, and on the local backend without sweep.devices also replicate(k) and pipeline(k) for
+    k = 2..slots."""
 
 
 @dataclass(kw_only=True)
@@ -219,7 +225,8 @@ def _typed(key: str, value: Any, typ: type) -> Any:
         return float(value)
     if typ is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise StratumError(f"{key} must be a list of device names, e.g. [\"cuda:0\", \"cuda:1\"]")
+            raise StratumError(f"{key} must be a list of strings, e.g. [\"cuda:0\", \"cuda:1\"] or [\"local\", "
+                               "\"replicate(2)\"]")
         return value
     if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
         what = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[typ]
@@ -272,6 +279,48 @@ def _check_settings(s: SweepSettings) -> None:
         raise StratumError("sweep.early_stop = \"asha\" needs sweep.asha_min_steps ≥ 1 (the first rung, in steps)")
     if s.devices:
         s.slots = len(s.devices)
+    _check_plans(s)
+
+
+SLOT_PLAN = re.compile(r"(replicate|pipeline)\((\d+)\)")
+"""A strategy over several slots: replicate(k) or pipeline(k)."""
+
+
+def plan_slots(text: str) -> int:
+    """The slots a sweep.plans entry holds at once: 1 for local, k for replicate(k) or pipeline(k)."""
+    m = SLOT_PLAN.fullmatch(text.replace(" ", ""))
+    return int(m.group(2)) if m else 1
+
+
+def _check_plans(s: SweepSettings) -> None:
+    """sweep.plans: known strategies, read by the planned scheduler, several slots only where they can run."""
+    if not s.plans:
+        return
+    if s.scheduler != "planned":
+        raise StratumError("sweep.plans is read by scheduler = \"planned\" (the strategies it chooses between); "
+                           "remove it or set scheduler = \"planned\"")
+    for text in s.plans:
+        if text != "local" and not SLOT_PLAN.fullmatch(text.replace(" ", "")):
+            raise StratumError(f"sweep.plans: {text!r} is not \"local\", \"replicate(k)\" or \"pipeline(k)\"")
+        k = plan_slots(text)
+        if not 1 <= k <= s.slots or (text != "local" and k < 2):
+            raise StratumError(f"sweep.plans: {text!r} holds {k} slots; it needs 2 ≤ k ≤ sweep.slots ({s.slots})")
+    if any(plan_slots(t) > 1 for t in s.plans):
+        _check_multi_slot(s)
+
+
+def _check_multi_slot(s: SweepSettings) -> None:
+    """A job over k slots is one `stratum train` run of k local processes: the local backend, CPU slots, and
+    slices that end with a checkpoint."""
+    if s.backend != "local":
+        raise StratumError("sweep.plans: jobs over several slots run as local multi-process `stratum train` runs; "
+                           "the ray backend runs one slot per job: use plans = [\"local\"] or backend = \"local\"")
+    if s.devices:
+        raise StratumError("sweep.plans: jobs over several slots run on CPU slots; remove sweep.devices or use "
+                           "plans = [\"local\"]")
+    if s.slice_by == "pause":
+        raise StratumError("sweep.plans: a job over several slots cannot be paused (its ranks wait on each other "
+                           "with time limits); use slice_by = \"checkpoint\"")
 
 
 def _check_sharded(s: SweepSettings) -> None:

@@ -8,10 +8,18 @@ over the replicas), is not a candidate. ``offload`` is one device streaming the 
 Hydra's shards do (:func:`streamed_tasks_s`: each task the longer of its compute and its transfer, double-buffered;
 the offload planner's own finer prediction needs the built model), holding the saved activations and two shards'
 parameters and gradients on the device.
+
+The local runner's planned scheduler offers each job ``local`` and ``replicate(k)``/``pipeline(k)`` over k of
+its slots (:func:`relative_options`): a strategy's time is the job's own predicted local time (measured, or
+profiled and scaled) times the cost model's step-time ratio of that plan to ``local`` on this machine's slots,
+for the same steps — what the runner then runs with :func:`plan_overrides`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.ir.plan import parse_plan
@@ -19,6 +27,7 @@ from stratum.ir.prices import transfer_s
 from stratum.plan.predict import Workload, predict
 from stratum.profile.profile import Profile
 from stratum.sweep.gang import Option
+from stratum.sweep.spec import SweepSettings
 
 
 def candidate_plans(max_devices: int) -> list[str]:
@@ -78,3 +87,59 @@ def streamed_tasks_s(profile: Profile, hw: Hardware, shard_blocks: int) -> list[
         fwd.append(max(sum(b.fwd_s for b in g) / speed, params_in))
         bwd.append(max(sum(b.bwd_s for b in g) / speed, params_in + grads_out))
     return fwd + bwd[::-1]
+
+
+# ---- the local runner's strategies ---------------------------------------------------------------------------
+def sweep_plans(s: SweepSettings) -> list[str]:
+    """The strategies the planned scheduler chooses between for each job: sweep.plans, or by default ``local``
+    and, where a job may hold several slots (local backend, CPU slots, checkpoint slices), replicate(k) and
+    pipeline(k) for k = 2..slots."""
+    if s.plans:
+        return list(s.plans)
+    multi = s.backend == "local" and not s.devices and s.slice_by == "checkpoint"
+    return candidate_plans(s.slots) if multi else ["local"]
+
+
+def plan_overrides(text: str, cfg: Config, threads: int) -> list[str]:
+    """The config overrides that run ``cfg``'s job as the strategy ``text`` with the same global batch (the
+    replicas share the step's micro-batches) and ``threads`` torch threads per process; [] for local."""
+    if text == "local":
+        return []
+    plan = parse_plan(text)
+    accum = cfg.train.grad_accum
+    if accum % plan.replicas:
+        raise StratumError(f"{text}: train.grad_accum = {accum} micro-batches do not divide over "
+                           f"{plan.replicas} replicas")
+    return [f"parallel.plan={text!r}", f"train.grad_accum={accum // plan.replicas}", f"train.threads={threads}"]
+
+
+def relative_options(profile: Profile, cfg: Config, plans: list[str], hw: Hardware | None) -> dict[str, Option]:
+    """Each strategy of ``plans`` the job can run as, with its predicted time as a multiple of its ``local``
+    time (the cost model's step time over local's on ``hw``, the slots as devices; ``hw`` may be None when
+    ``plans`` is only local). A strategy the model cannot run (micro-batches that do not divide over replicas,
+    fewer blocks than stages), that does not fit, or that is predicted no faster than local (where local is
+    offered) is left out."""
+    work = Workload(profile=profile, microbatches=cfg.micro_batches_per_step)
+    out: dict[str, Option] = {}
+    local_s = predict(parse_plan("local"), work, hw).step_s if hw is not None else 0.0
+    for text in plans:
+        if text == "local":
+            out[text] = Option(seconds=1.0, devices=1)
+            continue
+        assert hw is not None  # (a multi-slot strategy is priced on the slots)
+        try:
+            plan_overrides(text, cfg, 1)
+            pred = predict(parse_plan(text), work, hw)
+        except StratumError:
+            continue
+        if pred.fits and local_s > 0:
+            out[text] = Option(seconds=pred.step_s / local_s, devices=pred.plan.world_size(),
+                               peak_bytes=max(pred.peak_bytes))
+    if "local" in out:  # a plan over more slots that is no faster than one slot never shortens a schedule
+        out = {n: o for n, o in out.items() if n == "local" or o.seconds < 1.0}
+    return out
+
+
+def scaled(options: dict[str, Option], local_s: float) -> dict[str, Option]:
+    """``relative_options`` in seconds, for a job whose local run has ``local_s`` seconds left."""
+    return {n: replace(o, seconds=o.seconds * local_s) for n, o in options.items()}

@@ -1,0 +1,161 @@
+"""Giving the free slots work: an ASHA promotion first, else the scheduler's starts — a new segment of a job on
+its slot (or its k slots, for a strategy over several), or a paused worker continued — and pausing a worker
+whose time slice is over (slice_by = pause)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from stratum.sweep.job_strategy import job_toml, pin, pinned, strategy_config, write_job_config
+from stratum.sweep.live import last_record
+from stratum.sweep.local import LocalWorker
+from stratum.sweep.schedulers import Policy, Start
+from stratum.sweep.segment import Segment, checkpoint_step
+from stratum.sweep.setup import Sweep, slot_device
+from stratum.sweep.spec import job_threads, plan_slots
+from stratum.sweep.state import PENDING, RUNNING
+
+Expect = Callable[[Start], float]
+"""A start → its predicted seconds (the planned scheduler's busy-until for its slots)."""
+
+
+def pending(sweep: Sweep) -> list[str]:
+    return [j.id for j in sweep.state.jobs() if j.status == PENDING]
+
+
+def unique(segments) -> list[Segment]:
+    """Each segment once (a job over k slots sits on each of them), in slot order."""
+    out: list[Segment] = []
+    for seg in segments:
+        if not any(seg is s for s in out):
+            out.append(seg)
+    return out
+
+
+def fill(sweep: Sweep, policy: Policy, expect: Expect | None, now: float) -> None:
+    """Start work on the free slots: ASHA promotions first (a promotion needing more slots than are free holds
+    them until it has its slots), then the scheduler's starts."""
+    free = [s for s in range(sweep.spec.settings.slots) if s not in sweep.running]
+    while free and sweep.asha is not None and (promo := sweep.asha.promotable()) is not None:
+        job_id, rung = promo
+        plan = pinned(sweep.state, job_id) or "local"
+        if plan_slots(plan) > len(free):
+            return
+        sweep.asha.promote(job_id, rung)
+        sweep.say(f"{job_id}: promoted at step {rung} (among the best 1/{sweep.asha.eta} there)")
+        start = Start(job=job_id, slots=tuple(free[:plan_slots(plan)]), strategy=plan)
+        launch(sweep, start, expect, now)
+        free = free[len(start.slots):]
+    if not free:
+        return
+    running = {sl: (seg.job, sweep.predicted_end.get(sl, now)) for sl, seg in sweep.running.items()}
+    for start in policy.starts(free, pending(sweep), running, now):
+        launch(sweep, start, expect, now)
+
+
+def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> None:
+    """Run ``start``: continue its paused worker, or start a segment from its last checkpoint as its strategy
+    (recorded at its first start, with its job.toml)."""
+    if start.job in sweep.resident:
+        _continue(sweep, start, expect, now)
+        return
+    if pinned(sweep.state, start.job) is None:
+        _pin(sweep, start.job, start.strategy)
+    row = sweep.state.job(start.job)
+    out = Path(sweep.configs[start.job].train.out_dir)
+    from_step = checkpoint_step(out)
+    stop_at = _stop_at(sweep, from_step, row.steps)
+    assert sweep.backend is not None  # (run_sweep starts one before it schedules)
+    seg = sweep.backend.start(job=start.job, slot=start.slots[0], config_path=out / "job.toml", start_step=from_step,
+                              stop_at=stop_at, device=slot_device(sweep, start.slots[0]),
+                              threads=job_threads(sweep.spec.settings), log_path=out / "worker.log",
+                              processes=len(start.slots))
+    _occupy(sweep, start, seg, expect, now)
+    sweep.state.update(start.job, status=RUNNING, slot=start.slots[0], pid=seg.worker.pid)
+    seg.slice_from = from_step
+    where = f"slot {start.slots[0]}" if len(start.slots) == 1 else f"slots {','.join(map(str, start.slots))}"
+    sweep.say(f"{start.job}: started on {where} ({sweep.jobs[start.job].label})"
+              + (f" as {start.strategy}" if start.strategy != "local" else "") + f", steps {from_step} → {stop_at}"
+              + (f", attempt {row.attempts + 1}" if row.attempts else ""))
+
+
+def _pin(sweep: Sweep, job_id: str, plan: str) -> None:
+    """Record the job's strategy; over several slots its config becomes that plan's, and so does its job.toml."""
+    if plan != "local":
+        job = sweep.jobs[job_id]
+        sweep.configs[job_id] = strategy_config(sweep.spec, job, sweep.configs[job_id], plan, sweep.dir)
+        write_job_config(job_toml(sweep.dir, job), sweep.configs[job_id])
+    pin(sweep.state, job_id, plan)
+
+
+def _occupy(sweep: Sweep, start: Start, seg: Segment, expect: Expect | None, now: float) -> None:
+    for slot in start.slots:
+        sweep.running[slot] = seg
+        if expect is not None:
+            sweep.predicted_end[slot] = now + expect(start)
+
+
+def _continue(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> None:
+    """Continue a paused worker on its slot (slice_by = pause): its state never left its memory."""
+    job = start.job
+    seg = sweep.resident.pop(job)
+    seg.slot = start.slots[0]
+    seg.slice_from = current_step(sweep, seg)
+    assert seg.paused_at is not None  # (set by pause)
+    seg.paused_s += time.monotonic() - seg.paused_at
+    seg.paused_at = None
+    paused_worker(seg).resume()
+    _occupy(sweep, start, seg, expect, now)
+    sweep.state.update(job, status=RUNNING, slot=seg.slot)
+    sweep.say(f"{job}: continued on slot {seg.slot} at step {seg.slice_from}")
+
+
+def current_step(sweep: Sweep, seg: Segment) -> int:
+    rec = last_record(Path(sweep.configs[seg.job].train.out_dir) / "metrics.jsonl")
+    return rec["step"] if rec is not None else seg.start_step
+
+
+def _stop_at(sweep: Sweep, step: int, steps: int) -> int:
+    """Where a job's next segment ends: its end, its next ASHA rung or (slice_by = checkpoint) the end of a time
+    slice, whichever first."""
+    s = sweep.spec.settings
+    stop = sweep.asha.next_stop(step, steps) if sweep.asha is not None else steps
+    seg = s.segment_steps if s.slice_by == "checkpoint" else 0
+    return min(stop, step + seg) if seg else stop
+
+
+def slice_over(sweep: Sweep, seg: Segment) -> bool:
+    """slice_by = pause: the segment has run its slice and another job waits for a slot."""
+    s = sweep.spec.settings
+    if s.slice_by != "pause" or not s.segment_steps:
+        return False
+    if current_step(sweep, seg) < seg.slice_from + s.segment_steps:
+        return False
+    return any(j != seg.job for j in pending(sweep)) or (sweep.asha is not None
+                                                         and sweep.asha.promotable() is not None)
+
+
+def paused_worker(seg: Segment) -> LocalWorker:
+    """``seg``'s worker, which slice_by = pause stops and continues: a local process (spec.py refuses pause on
+    another backend, and with strategies over several slots)."""
+    assert isinstance(seg.worker, LocalWorker)
+    return seg.worker
+
+
+def pause(sweep: Sweep, seg: Segment) -> None:
+    paused_worker(seg).pause()
+    seg.paused_at = time.monotonic()
+    release(sweep, seg)
+    sweep.resident[seg.job] = seg
+    step = current_step(sweep, seg)
+    sweep.state.update(seg.job, status=PENDING, step=step)
+    sweep.say(f"{seg.job}: paused at step {step}, its state kept in its worker's memory")
+
+
+def release(sweep: Sweep, seg: Segment) -> None:
+    """Free the slots ``seg`` holds."""
+    for slot in [s for s, x in sweep.running.items() if x is seg]:
+        del sweep.running[slot]
+        sweep.predicted_end.pop(slot, None)

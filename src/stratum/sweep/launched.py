@@ -1,0 +1,77 @@
+"""A job that holds several slots: one ordinary multi-process ``stratum train`` run of its plan (``replicate(k)``,
+``pipeline(k)``: k gloo processes, each with the job's threads), as a person runs ``stratum train --config
+jobs/<id>/job.toml``.
+
+The launcher (``python -m stratum train``) spawns the ranks and waits for them with the plan's time limits: a
+rank that dies or hangs stops the others (``stratum.dist.launch.spawn_local``), so a dead rank ends the run with
+an error line, never a hung sweep. The launcher leads a process group of its own (its ranks are in it), so the
+sweep can kill a whole run at once; it dies with the sweep (``PR_SET_PDEATHSIG``), and its ranks then stop with a
+checkpoint (their own death signal, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from stratum.sweep.parent_death import die_with_sweep
+
+LAUNCH_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "STRATUM_WORKER")
+"""A sweep started inside a launched job must not hand its rank to the runs it launches."""
+
+
+class LaunchedWorker:
+    """A ``stratum train`` launcher and its ranks (the runner's :class:`~stratum.sweep.segment.Worker`)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.pid: int | None = proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def terminate(self) -> None:
+        """SIGTERM to the launcher: it asks every rank to stop after its step with a checkpoint, then exits
+        130."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the launcher and its ranks (its process group)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def join(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout_s)
+
+
+def launch_train(config_path: Path, stop_at: int, threads: int, log_path: Path) -> LaunchedWorker:
+    """Start ``stratum train --config config_path --stop-at stop_at`` with ``threads`` torch threads per rank,
+    its output appended to ``log_path``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
+    env["OMP_NUM_THREADS"] = str(threads)
+    sweep_pid = os.getpid()
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stratum", "train", "--config", str(config_path), "--stop-at", str(stop_at)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=lambda: die_with_sweep(sweep_pid))
+    return LaunchedWorker(proc)
+
+
+def group_alive(pid: int) -> bool:
+    """A process of the group ``pid`` leads (a launcher's ranks) still runs."""
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

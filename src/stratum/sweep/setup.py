@@ -1,0 +1,156 @@
+"""A sweep, opened: its file parsed, its jobs expanded and checked (one-line errors before any job starts), its
+state database created or reopened, and what the sweep decides for its jobs (the offload engine under
+sweep.device_budget; the planned scheduler's strategies) recorded in their configs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stratum.config import Config
+from stratum.data.prepare import prepare_data
+from stratum.errors import StratumError
+from stratum.profile.profile import Profile
+from stratum.sweep.asha import Asha
+from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
+from stratum.sweep.gang import Option
+from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
+from stratum.sweep.predict import job_profiles, memory_need
+from stratum.sweep.segment import Backend, Segment
+from stratum.sweep.shard_run import check_shardable
+from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
+from stratum.sweep.state import PAUSED, STOPPED, SweepState, spec_fingerprint
+from stratum.units import fmt_bytes, parse_budget
+
+
+@dataclass(kw_only=True)
+class Sweep:
+    """A loaded, checked sweep and its state."""
+
+    spec: SweepSpec
+    """The parsed sweep file."""
+    jobs: dict[str, Job]
+    """Job id → job, in sweep order."""
+    configs: dict[str, Config]
+    """Job id → its training config."""
+    dir: Path
+    """The sweep directory."""
+    state: SweepState
+    """state.db."""
+    say: Callable[[str], None]
+    """Where progress lines go."""
+    asha: Asha | None = None
+    """The rung bookkeeping when sweep.early_stop = asha."""
+    candidates: dict[str, dict[str, Option]] = field(default_factory=dict)
+    """planned: job → the strategies it may run as, each Option's seconds a multiple of its local time."""
+    launch_s: dict[int, float] = field(default_factory=dict)
+    """planned: slots → the start-up a job over that many slots pays beyond a one-slot job, per segment."""
+    running: dict[int, Segment] = field(default_factory=dict)
+    """Slot → the segment running there (a job over k slots: the same segment on each)."""
+    predicted_end: dict[int, float] = field(default_factory=dict)
+    """Slot → the predicted end (seconds since the sweep started) of its segment (planned scheduler)."""
+    resident: dict[str, Segment] = field(default_factory=dict)
+    """Job → its paused worker (slice_by = pause): the job's state in that process's memory until it continues."""
+    backend: Backend | None = None
+    """Where segments run (set by :func:`stratum.sweep.runner.run_sweep`)."""
+    makespan_s: float = 0.0
+    """Wall seconds of this invocation's scheduling loop: first segment start to last segment end."""
+
+
+def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
+    """Parse, expand and check the sweep; create or reopen its state (one-line errors before any job starts)."""
+    spec = load_sweep(path)
+    jobs = expand(spec)
+    sweep_dir = Path(spec.settings.out_dir).expanduser()
+    configs = check_jobs(spec, jobs, sweep_dir)
+    if spec.settings.early_stop == "asha":
+        _check_asha(spec, jobs, configs)
+    for cfg in distinct_data(configs):
+        prepare_data(cfg)  # corpus errors before anything is written; and the workers find the caches ready
+    state = SweepState(sweep_dir)
+    fingerprint = spec_fingerprint({j.id: j.overrides for j in jobs}, spec.base_overrides)
+    recorded = state.meta("jobs")
+    if recorded is not None and recorded != fingerprint:
+        raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
+                           "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
+    if recorded is None:
+        state.set_meta("jobs", fingerprint)
+    state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
+    sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
+                  dir=sweep_dir, state=state, say=say)
+    if spec.settings.early_stop == "asha":
+        sweep.asha = _asha_from_state(spec, state)
+    if spec.settings.scheduler == "sharded-lrtf":
+        check_shardable(sweep.configs)
+    if spec.settings.device_budget.strip():
+        fit_to_budget(sweep)
+    if spec.settings.scheduler == "planned":
+        sweep.candidates = job_candidates(spec, sweep.jobs, sweep.configs, sweep_profiles(sweep), sweep_dir)
+        sweep.launch_s = launch_costs(sweep.candidates, next(iter(sweep.configs.values())).cache_dir / "hardware")
+        apply_pins(spec, sweep.jobs, sweep.configs, state, sweep_dir)
+    return sweep
+
+
+def fit_to_budget(sweep: Sweep) -> None:
+    """Jobs that would not fit a slot's sweep.device_budget under the plain engine run under the offload engine
+    with that budget (their state on the host and disk tiers between uses); jobs with their own engine or plan
+    are left as they are (the trainer checks those against their own budgets). Under sharded-lrtf every job runs
+    under the offload engine (its shard tasks are the engine's blocks)."""
+    budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
+    if budget is None:  # "auto": no budget to fit
+        return
+    profiles = sweep_profiles(sweep)
+    every = sweep.spec.settings.scheduler == "sharded-lrtf"
+    for job_id, cfg in list(sweep.configs.items()):
+        need = memory_need(profiles[job_id])
+        if (need <= budget and not every) or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
+            continue
+        text = sweep.spec.settings.device_budget.strip()
+        sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, [
+            "train.engine='offload'", f"offload.device_budget={text!r}"])
+        sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, "
+                  + (f"over sweep.device_budget = {text}: it runs" if need > budget else "runs as shard tasks")
+                  + " under the offload engine")
+
+
+def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
+    s = spec.settings
+    for job, cfg in zip(jobs, configs):
+        ev = cfg.train.eval_interval
+        if ev == 0 or s.asha_min_steps % ev:
+            raise StratumError(f"sweep job {job.id}: asha compares eval losses at rungs, so train.eval_interval "
+                               f"({ev}) must divide sweep.asha_min_steps ({s.asha_min_steps}); e.g. set "
+                               f"train.eval_interval = {s.asha_min_steps}")
+
+
+def _asha_from_state(spec: SweepSpec, state: SweepState) -> Asha:
+    """The rung results recorded so far; a job that reported at a rung and is no longer paused (or stopped)
+    there was promoted from it."""
+    asha = Asha(min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
+    status = {j.id: (j.status, j.step) for j in state.jobs()}
+    for job, step, metric in state.rungs():
+        asha.report(job, step, metric)
+        st, at = status[job]
+        if not (st in (PAUSED, STOPPED) and at == step):
+            asha.promote(job, step)
+    return asha
+
+
+def slot_device(sweep: Sweep, slot: int) -> str | None:
+    """The device a slot's jobs run on; None = the job's own train.device."""
+    devices = sweep.spec.settings.devices
+    return devices[slot] if devices else None
+
+
+def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
+    """The sweep's job profiles, cached in <sweep dir>/profiles/."""
+    return job_profiles(sweep.configs, threads=job_threads(sweep.spec.settings),
+                        cache_dir=sweep.dir / "profiles")
+
+
+def write_job_configs(sweep: Sweep) -> None:
+    """jobs/<id>/job.toml of every job."""
+    for job_id, cfg in sweep.configs.items():
+        write_job_config(job_toml(sweep.dir, sweep.jobs[job_id]), cfg)
