@@ -10,7 +10,8 @@ Before the sweeps it takes (or reads from its cache) the machine's calibration (
 base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
 makespan (the scheduling loop's wall time: first job start to last job end) and three SIMULATED predictions of
 it: from each job's calibrated time (profile + calibration, known before any job runs: the prediction the 15 %
-goal is about), from the profiled forward+backward times alone (one set of profiles, taken up front with the
+goal is about; sharded-lrtf: the offload plan's predicted step through sharded-lrtf's own calibration,
+stratum.sweep.shard_calibrate, measured — or read from its cache beside the plain one — when it is run), from the profiled forward+backward times alone (one set of profiles, taken up front with the
 calibration, for every scheduler's prediction), and from
 each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
@@ -41,7 +42,7 @@ from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
-from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
+from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds, sharded_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shard_calibrate import shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
@@ -100,10 +101,14 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cals: dict
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
-    # the calibrated job time (sharded-lrtf: its own calibration of the offload engine's shard tasks), spread over
-    # the job's steps (the simulators take step times)
-    cal = cals["sharded-lrtf" if scheduler == "sharded-lrtf" else "plain"]
-    cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cal) / steps[j] for j in steps}
+    # the calibrated job time, spread over the job's steps (the simulators take step times); sharded-lrtf: its
+    # offload plan's step through its own calibration (the job's config carries the budget)
+    if scheduler == "sharded-lrtf":
+        cal_step_s = {j: sharded_seconds(profiles[j], sweep.configs[j], steps[j], cals[scheduler]) / steps[j]
+                      for j in steps}
+    else:
+        cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cals["plain"]) / steps[j]
+                      for j in steps}
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":

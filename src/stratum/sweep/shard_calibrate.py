@@ -4,12 +4,16 @@ Under sharded-lrtf every job runs under the offload engine at the sweep's device
 handed between slots, so its seconds on a slot are not a plain job's: the engine's set-up (its placement plan and
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
 another job's set-up all add to its profiled compute. This calibration measures them the way a sweep runs them:
-the base config at each calibration preset as ``slots + 1`` offload jobs in the sweep's own shard worker
-(:mod:`stratum.sweep.shard_worker`) on ``slots`` slots — every slot busy, tasks handed between jobs, the jobs'
-set-ups one at a time — and fits :class:`stratum.sweep.calibrate.Calibration`'s form to the jobs' mean
-slot-holding seconds, read from the worker's grant log: a step's seconds are its tasks' (median over the steps),
-the fixed part the rest (the first task holds the job's set-up; the one after its last step the last optimizer
-step, evaluation and checkpoint).
+the base config at each calibration preset, ``slots`` offload jobs of each, all in one shard worker
+(:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed between
+jobs, the jobs' set-ups one at a time, the worker's one-time costs (the engine's bandwidth probes) shared by its
+jobs — and fits :class:`stratum.sweep.calibrate.Calibration`'s form to each job's slot-holding seconds, read from
+the worker's grant log: a step's seconds are its tasks' (median over the steps), the fixed part the rest (the
+first task holds the job's set-up; the one after its last step the last optimizer step, evaluation and
+checkpoint). Its "profiled step" is the offload planner's predicted step at the budget
+(:func:`stratum.sweep.predict.offload_step_s`), not the plain profile's: what the budget costs — recomputed or
+spilled activations, chunk copies — differs by model and sequence length, and the planner models it, so the
+calibration is left to fit what it does not (hand-overs, the gate, the optimizer, contention).
 
 It is cached beside the plain calibration (``<cache stem>.sharded.json``), keyed also by the budget and the
 shard size.
@@ -39,6 +43,7 @@ from stratum.sweep.calibrate import (
     with_items,
 )
 from stratum.sweep.local import start_process
+from stratum.sweep.predict import offload_step_s
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import ShardJob, shard_worker_main, task_seconds
 
@@ -64,31 +69,33 @@ def shard_calibration(base: Config, *, threads: int, slots: int, budget: str, sh
 
 def measure_sharded(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int,
                     work_dir: Path) -> Calibration:
-    """Train ``base`` at each calibration preset as ``slots + 1`` sharded-lrtf jobs at ``budget`` on ``slots``
-    slots; the calibration fitted to their mean slot-holding seconds (measured under the sweep's contention, so
-    its contention factor is 1)."""
+    """Train ``base`` at each calibration preset, ``slots`` copies of each, as sharded-lrtf jobs at ``budget`` in
+    one shard worker on ``slots`` slots; the calibration fitted to each job's slot-holding seconds (measured under
+    the sweep's contention, so its contention factor is 1)."""
     plain = calibration_configs(base)
     profiles = calibration_profiles(plain, threads)
-    samples = []
-    for i, (cfg, prof) in enumerate(zip(plain, profiles)):
-        cfg = with_items(cfg, ("train", "engine", "offload"), ("offload", "device_budget", budget))
-        samples.append(_run(cfg, prof, copies=slots + 1, slots=slots, threads=threads, shard_blocks=shard_blocks,
-                            root=work_dir / f"sharded{i}"))
+    configs = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", budget)) for c in plain]
+    jobs: list[tuple[ShardJob, Config, Profile]] = []
+    for i, (cfg, prof) in enumerate(zip(configs, profiles)):
+        per_step = tasks_per_step(len(prof.blocks), shard_blocks, cfg.micro_batches_per_step)
+        for k in range(slots):
+            out = work_dir / "sharded" / f"p{i}c{k}"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "job.toml").write_text(to_toml(with_items(cfg, ("train", "out_dir", str(out)))))
+            # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
+            jobs.append((ShardJob(id=f"p{i}c{k}", config_path=str(out / "job.toml"),
+                                  tasks_left=per_step * cfg.train.steps, task_s=prof.step_s / per_step,
+                                  shard_blocks=shard_blocks), cfg, prof))
+    tasks = _run([j for j, _, _ in jobs], slots=slots, threads=threads, root=work_dir / "sharded")
+    predicted = [offload_step_s(cfg, prof) for cfg, prof in zip(configs, profiles)]
+    samples = [sample_from_tasks(tasks.get(job.id, []), per_step=job.tasks_left // cfg.train.steps,
+                                 steps=cfg.train.steps, profiled_step_s=predicted[configs.index(cfg)],
+                                 state_bytes=prof.train_state_bytes) for job, cfg, prof in jobs]
     return from_samples(samples, samples)
 
 
-def _run(cfg: Config, prof: Profile, *, copies: int, slots: int, threads: int, shard_blocks: int,
-         root: Path) -> Sample:
-    """``copies`` jobs of ``cfg`` in one shard worker on ``slots`` slots, to their end; their mean Sample."""
-    per_step = tasks_per_step(len(prof.blocks), shard_blocks, cfg.micro_batches_per_step)
-    steps = cfg.train.steps
-    jobs = []
-    for i in range(copies):
-        out = root / f"j{i}"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "job.toml").write_text(to_toml(with_items(cfg, ("train", "out_dir", str(out)))))
-        jobs.append(ShardJob(id=f"cal{i}", config_path=str(out / "job.toml"), tasks_left=per_step * steps,
-                             task_s=1.0, shard_blocks=shard_blocks))
+def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[str, list[float]]:
+    """``jobs`` in one shard worker on ``slots`` slots, to their end; each job's tasks' seconds on a slot."""
     spec_path = root / "shard_spec.json"
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(root), "slots": slots, "threads": threads,
                                              "jobs": [vars(j) for j in jobs]}))
@@ -102,13 +109,8 @@ def _run(cfg: Config, prof: Profile, *, copies: int, slots: int, threads: int, s
         if worker.poll() is None:
             worker.kill()
         raise StratumError(f"a sharded calibration job did not finish within {CALIBRATION_TIMEOUT_S:.0f} s or "
-                           f"failed; see {root / 'shards.log'} and {root / 'j0' / 'worker.log'}")
-    tasks = task_seconds(root / "shard_tasks.jsonl")
-    each = [sample_from_tasks(tasks.get(j.id, []), per_step=per_step, steps=steps,
-                              profiled_step_s=prof.step_s * cfg.micro_batches_per_step,
-                              state_bytes=prof.train_state_bytes) for j in jobs]
-    return Sample(profiled_step_s=each[0].profiled_step_s, state_bytes=each[0].state_bytes,
-                  step_s=sum(e.step_s for e in each) / len(each), fixed_s=sum(e.fixed_s for e in each) / len(each))
+                           f"failed; see {root / 'shards.log'} and its jobs' worker.log")
+    return task_seconds(root / "shard_tasks.jsonl")
 
 
 def sample_from_tasks(tasks: list[float], *, per_step: int, steps: int, profiled_step_s: float,

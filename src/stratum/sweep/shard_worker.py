@@ -1,19 +1,23 @@
-"""The ``sharded-lrtf`` worker: one process trains every given job, each in its own thread, and lets at most
-``slots`` of them compute at once — a slot goes, at every shard-task boundary, to the waiting job with the longest
-remaining time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
+"""The ``sharded-lrtf`` worker: one process trains every given job, each in its own thread, and lets at most ``slots``
+of them compute at once — a slot goes, at every shard-task boundary, to the waiting job with the longest remaining
+time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
 
 Every job runs ``stratum train``'s own loop (metrics, evaluation, checkpoints, summary) under the offload engine,
-whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and
-at a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state
-stays in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). A job's
-step is computed exactly as alone: what it computes depends on its own state only; model set-up (which seeds and
-draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws during steps) are
-refused by the sweep file's checks.
+whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and at
+a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state stays
+in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). While every slot is
+busy, the waiting job the next freed slot goes to (as things stand) stages its next shard: its engine starts moving
+that shard's chunks to its device slots (``stage``, the engine's prefetch with nothing in use), so its task starts
+with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only; model
+set-up (which seeds and draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws
+during steps) are refused by the sweep file's checks.
 
-Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend).
-Its lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot,
-job, its task index, the waiting jobs' remaining seconds) to ``<sweep dir>/shard_tasks.jsonl``; each job's exit
-code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at the end.
+Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend). Its
+lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot, job,
+its task index, the waiting jobs' remaining seconds), stage (job, the task it stages for, chunk fetches started) and
+job end (slot, job) to ``<sweep dir>/shard_tasks.jsonl`` (:func:`task_seconds` reads each task's seconds on its slot
+from it); each job's exit code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at
+the end.
 """
 
 from __future__ import annotations
