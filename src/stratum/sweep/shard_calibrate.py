@@ -53,11 +53,16 @@ def shard_cache_path(cache: Path) -> Path:
     return cache.with_name(f"{cache.stem}.sharded{cache.suffix or '.json'}")
 
 
+def shard_calibration_key(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int) -> str:
+    """What a sharded calibration depends on: the plain one's key, the budget and the shard size."""
+    return json.dumps([calibration_key(base, threads=threads, slots=slots), "sharded-lrtf", budget, shard_blocks])
+
+
 def shard_calibration(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int, work_dir: Path,
                       cache: Path) -> Calibration:
     """The cached sharded-lrtf calibration for ``base`` at ``budget`` on this machine, measured (and cached at
     :func:`shard_cache_path` of ``cache``) if there is none."""
-    key = json.dumps([calibration_key(base, threads=threads, slots=slots), "sharded-lrtf", budget, shard_blocks])
+    key = shard_calibration_key(base, threads=threads, slots=slots, budget=budget, shard_blocks=shard_blocks)
     path = shard_cache_path(cache)
     if (cal := load_calibration(path, key)) is not None:
         return cal
