@@ -13,7 +13,8 @@ Before the sweeps it takes (or reads from its cache) the machine's calibration (
 base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
 makespan (the scheduling loop's wall time: first job start to last job end) and three SIMULATED predictions of
 it: from each job's calibrated time (profile + calibration, known before any job runs: the prediction the 15 %
-goal is about), from the profiled forward+backward times alone (one set of profiles, taken up front with the
+goal is about; sharded-lrtf: the offload plan's predicted step through sharded-lrtf's own calibration,
+stratum.sweep.shard_calibrate, measured — or read from its cache beside the plain one — when it is run), from the profiled forward+backward times alone (one set of profiles, taken up front with the
 calibration, for every scheduler's prediction), and from
 each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
@@ -48,9 +49,11 @@ from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.job_strategy import pinned
-from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds
+from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds, sharded_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.shard_calibrate import shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_worker import task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
 from stratum.sweep.strategies import scaled
 from stratum.train.metrics import median
@@ -105,17 +108,6 @@ segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 """ + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
 
 
-def slot_busy_s(grants_path: Path, end_s: float) -> dict[str, float]:
-    """sharded-lrtf: each job's seconds holding a slot — from each grant to the next grant of the same slot (the
-    last one to ``end_s``), set-up included."""
-    grants = [json.loads(ln) for ln in grants_path.read_text().splitlines()]
-    busy: dict[str, float] = {}
-    for i, g in enumerate(grants):
-        nxt = next((h["t"] for h in grants[i + 1:] if h["slot"] == g["slot"]), end_s)
-        busy[g["job"]] = busy.get(g["job"], 0.0) + max(0.0, nxt - g["t"])
-    return busy
-
-
 def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
                 launch_s: dict[int, float]) -> SimResult:
     """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
@@ -130,7 +122,7 @@ def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, flo
                      utilisation=busy / (2 * plan.makespan) if plan.makespan else 0.0)
 
 
-def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calibration,
+def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cals: dict[str, Calibration],
         profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
@@ -143,15 +135,20 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cal: Calib
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
     # the calibrated job time, spread over the job's steps (the simulators take step times)
-    cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cal) / steps[j] for j in steps}
+    # sharded-lrtf: its offload plan's step through its own calibration (the job's config carries the budget)
+    if scheduler == "sharded-lrtf":
+        cal_step_s = {j: sharded_seconds(profiles[j], sweep.configs[j], steps[j], cals[scheduler]) / steps[j]
+                      for j in steps}
+    else:
+        cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cals["plain"]) / steps[j]
+                      for j in steps}
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":
         tasks = {j: tasks_per_step(len(profiles[j].blocks), 1, sweep.configs[j].micro_batches_per_step)
                  for j in steps}
         # a job's step time in its metrics includes its waits for a slot: its busy time comes from the grants
-        meas_step_s = {j: busy / steps[j] for j, busy in slot_busy_s(root / name / "shard_tasks.jsonl",
-                                                                      sweep.makespan_s).items()}
+        meas_step_s = {j: sum(ts) / steps[j] for j, ts in task_seconds(root / name / "shard_tasks.jsonl").items()}
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
         sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
@@ -198,9 +195,12 @@ def main() -> None:
         (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache"),
                                                   grad_accum=args.grad_accum))
         t0 = time.perf_counter()
-        cal = calibration(load_config(root / "base.toml"), threads=1, slots=2, work_dir=root / "calibration",
-                          cache=args.calibration)
-        print(f"calibration ({time.perf_counter() - t0:.1f} s): {cal}", flush=True)
+        base = load_config(root / "base.toml")
+        cals = {"plain": calibration(base, threads=1, slots=2, work_dir=root / "calibration", cache=args.calibration)}
+        if "sharded-lrtf" in args.only:
+            cals["sharded-lrtf"] = shard_calibration(base, threads=1, slots=2, budget=SHARDED_BUDGET, shard_blocks=1,
+                                                     work_dir=root / "calibration", cache=args.calibration)
+        print(f"calibration ({time.perf_counter() - t0:.1f} s): {cals}", flush=True)
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
@@ -210,7 +210,7 @@ def main() -> None:
         results = {}
         for s in args.only:
             t0 = time.perf_counter()
-            results[s] = one(s, root, args, corpus, cal, profiles)
+            results[s] = one(s, root, args, corpus, cals, profiles)
             r = results[s]
             print(f"{s:8} makespan {r['measured_makespan_s']:7.1f} s measured; SIMULATED "
                   f"{r['simulated_makespan_s_calibrated']:7.1f} s (calibrated), "
@@ -239,7 +239,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
                                             "grad_accum": args.grad_accum, "grid": GRIDS[args.grid],
-                                            "calibration": asdict(cal), "results": results, "summary": summary},
+                                            "calibration": {k: asdict(c) for k, c in cals.items()},
+                                            "results": results, "summary": summary},
                                            indent=2) + "\n")
     print(f"wrote {args.out}")
 

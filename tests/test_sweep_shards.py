@@ -93,7 +93,8 @@ def test_jobs_whose_state_exceeds_the_budget_run_under_it(sharded):
 
 def test_every_grant_is_the_rule_s_choice(sharded):
     path, tmp, _, _ = sharded
-    grants = [json.loads(ln) for ln in (tmp / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (tmp / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    grants = [r for r in records if "remaining" in r]  # (the others: jobs' ends and stages)
     order = ["j000", "j001", "j002", "j003"]
     workers = [i for i, g in enumerate(grants) if i == 0 or g["t"] < grants[i - 1]["t"]]  # each starts at t ≈ 0
     runs = [grants[a:b] for a, b in zip(workers, workers[1:] + [len(grants)])]
@@ -126,3 +127,20 @@ def test_sharded_lrtf_needs_a_budget_and_no_dropout(tmp_path, corpus_file, cache
     with pytest.raises(StratumError, match="j001: .*model.dropout must be 0"):
         open_sweep(path, say=lambda _: None)
     assert not (tmp_path / "sw" / "jobs").exists()
+
+
+def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded):
+    """While every slot is busy, the waiting job that the next freed slot goes to moves its next shard's chunks
+    to its device slots (the engine's stage hook); its losses stay its `stratum train` run's (the test above)."""
+    _, tmp, _, _ = sharded
+    records = [json.loads(ln) for ln in (tmp / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if i == 0 or r["t"] < records[i - 1]["t"]]  # a new worker
+    runs = [records[a:b] for a, b in zip(starts, starts[1:] + [len(records)])]
+    stages = [r for r in records if "stage" in r]
+    assert stages and sum(r["chunks"] for r in stages) > 0
+    for run in runs:  # once per wait: one stage per job and task
+        keys = [(r["job"], r["stage"]) for r in run if "stage" in r]
+        assert len(keys) == len(set(keys))
+    last = runs[-1]  # the worker that runs its jobs to their ends: each staged task is then granted
+    grants = {(r["job"], r["task"]) for r in last if "remaining" in r}
+    assert all((r["job"], r["stage"]) in grants for r in last if "stage" in r)

@@ -350,7 +350,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                             held[i] = self._act - sum(kept[:i]) - sum(held.values())
                         self._act = sum(kept) + sum(held.values())
                     x = out
-                    block_done("F", i, L)
+                    block_done("F", i, L, self.stage_next)
                 loss = x
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
@@ -404,7 +404,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
                             if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
                                 self._grad_complete(self.chunks[ci])
                     self._check()
-                    block_done("B", i, L)
+                    block_done("B", i, L, self.stage_next)
                 self._tied_grads_end(tied_tmp)
                 if last_mb:
                     for c, *_ in tied_tmp:
@@ -414,6 +414,17 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         total_norm = self._update_after_backward()
         self.end_step()
         return total, total_norm
+
+    def stage_next(self) -> int:
+        """Between two blocks, with no chunk in use: start fetching the next accesses' chunks (the recorded
+        sequence's, as :meth:`_prefetch` does, now free to evict the chunks the last block used if OPT says so).
+        A scheduler that lets another job compute before this one's next shard task calls it meanwhile; the
+        number of chunk fetches started (0 before the sequence is recorded)."""
+        if not self.trace.active or self.placement.prefetch_depth == 0 or self.trace.pos == 0:
+            return 0
+        before = self.n_fetches
+        self._prefetch(self.trace.pos - 1, set())
+        return self.n_fetches - before
 
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""

@@ -12,8 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-Gate = Callable[[str, int, int], None]
-"""(kind, block, blocks): kind "F" after block ``block``'s forward, "B" after its backward; ``blocks`` in all."""
+Stage = Callable[[], int]
+"""Starts moving the engine's next accesses' chunks to the device now (its prefetch with nothing in use); the
+number of chunk fetches it started."""
+Gate = Callable[[str, int, int, Stage], None]
+"""(kind, block, blocks, stage): kind "F" after block ``block``'s forward, "B" after its backward; ``blocks`` in
+all; ``stage`` may be called (on the same thread) while the gate waits, before the job's next task."""
 
 _local = threading.local()
 
@@ -23,8 +27,8 @@ def set_gate(gate: Gate | None) -> None:
     _local.gate = gate
 
 
-def block_done(kind: str, block: int, blocks: int) -> None:
+def block_done(kind: str, block: int, blocks: int, stage: Stage) -> None:
     """Called by the engine after a block's forward ("F") or backward ("B")."""
     gate = getattr(_local, "gate", None)
     if gate is not None:
-        gate(kind, block, blocks)
+        gate(kind, block, blocks, stage)

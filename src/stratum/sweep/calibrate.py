@@ -27,6 +27,7 @@ import torch
 from stratum.atomic import atomic_write_text
 from stratum.config import Config, config_from_dict, to_toml
 from stratum.errors import StratumError
+from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.segment import Segment
@@ -145,14 +146,8 @@ def calibration(base: Config, *, threads: int, slots: int, work_dir: Path, cache
 def measure(base: Config, *, threads: int, slots: int, work_dir: Path) -> Calibration:
     """Train ``base`` at each calibration preset through the sweep's worker path, alone, then ``slots`` copies
     of each at once, and fit the calibration to what they took."""
-    configs = [_with(base, ("model", "preset", p), ("train", "steps", CALIBRATION_STEPS))
-               for p in CALIBRATION_PRESETS]
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        profiles = [profile_from_config(c, runs=1) for c in configs]
-    finally:
-        torch.set_num_threads(threads_before)
+    configs = calibration_configs(base)
+    profiles = calibration_profiles(configs, threads)
     backend = LocalBackend()
     backend.warm_up()
     alone, together = [], []
@@ -162,13 +157,29 @@ def measure(base: Config, *, threads: int, slots: int, work_dir: Path) -> Calibr
     return from_samples(alone, together)
 
 
-def _run(backend: LocalBackend, configs: list[Config], prof, root: Path, threads: int) -> list[Sample]:
+def calibration_configs(base: Config, *items: tuple[str, str, object]) -> list[Config]:
+    """``base`` at each calibration preset, CALIBRATION_STEPS steps, with (section, key, value) ``items``."""
+    return [with_items(base, ("model", "preset", p), ("train", "steps", CALIBRATION_STEPS), *items)
+            for p in CALIBRATION_PRESETS]
+
+
+def calibration_profiles(configs: list[Config], threads: int) -> list[Profile]:
+    """Each config's profile, measured at the workers' thread count."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return [profile_from_config(c, runs=1) for c in configs]
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path, threads: int) -> list[Sample]:
     """Run ``configs`` at once, one worker each, to their end; one Sample per job."""
     segs: list[tuple[Segment, Path]] = []
     for i, cfg in enumerate(configs):
         out = root / f"j{i}"
         out.mkdir(parents=True, exist_ok=True)
-        job_cfg = _with(cfg, ("train", "out_dir", str(out)))
+        job_cfg = with_items(cfg, ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
         segs.append((backend.start(job=f"cal{i}", slot=i, config_path=out / "job.toml", start_step=0,
                                    stop_at=cfg.train.steps, device=None, threads=threads,
@@ -198,7 +209,7 @@ def _run(backend: LocalBackend, configs: list[Config], prof, root: Path, threads
     return samples
 
 
-def _with(cfg: Config, *items: tuple[str, str, object]) -> Config:
+def with_items(cfg: Config, *items: tuple[str, str, object]) -> Config:
     """``cfg`` with (section, key, value) items replaced."""
     d = cfg.to_dict()
     for section, key, value in items:

@@ -12,8 +12,13 @@ import torch
 
 from stratum.atomic import atomic_write_text
 from stratum.config import Config
+from stratum.data.corpus import resolve_corpus
+from stratum.data.prepare import make_tokenizer
+from stratum.model.build import build_model
+from stratum.offload.setup import placement_for
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
+from stratum.runtime.device import resolve_device
 from stratum.sweep.calibrate import Calibration
 from stratum.sweep.segment import segment_records
 from stratum.sweep.state import SweepState
@@ -67,6 +72,23 @@ def calibrated_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibrati
     calibration (fixed start-up, evaluation and checkpoint; per-step overhead; slots sharing the cores)."""
     return cal.job_seconds(profiled_step_s=predicted_seconds(profile, cfg, 1),
                            state_bytes=profile.train_state_bytes, steps=steps)
+
+
+def offload_step_s(cfg: Config, profile: Profile) -> float:
+    """Seconds of one optimizer step of ``cfg`` under the offload engine at its ``offload`` budgets, as the engine's
+    planner predicts them from ``profile`` (compute, recompute, chunk copies at this machine's measured
+    bandwidths); the model is built on the meta device (no memory)."""
+    tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
+    model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                        device="meta")
+    return placement_for(cfg, model, resolve_device(cfg.train.device), profile=profile).predicted_step_s
+
+
+def sharded_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration) -> float:
+    """Seconds a sharded-lrtf job of ``steps`` optimizer steps holds a slot: its offload plan's predicted step
+    through the sharded calibration (:mod:`stratum.sweep.shard_calibrate`); ``cfg`` with its offload budget."""
+    return cal.job_seconds(profiled_step_s=offload_step_s(cfg, profile), state_bytes=profile.train_state_bytes,
+                           steps=steps)
 
 
 def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile], *,

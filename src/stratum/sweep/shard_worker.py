@@ -1,19 +1,23 @@
-"""The ``sharded-lrtf`` worker: one process trains every given job, each in its own thread, and lets at most
-``slots`` of them compute at once — a slot goes, at every shard-task boundary, to the waiting job with the longest
-remaining time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
+"""The ``sharded-lrtf`` worker: one process trains every given job, each in its own thread, and lets at most ``slots``
+of them compute at once — a slot goes, at every shard-task boundary, to the waiting job with the longest remaining
+time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
 
 Every job runs ``stratum train``'s own loop (metrics, evaluation, checkpoints, summary) under the offload engine,
-whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and
-at a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state
-stays in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). A job's
-step is computed exactly as alone: what it computes depends on its own state only; model set-up (which seeds and
-draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws during steps) are
-refused by the sweep file's checks.
+whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and at
+a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state stays
+in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). While every slot is
+busy, the waiting job the next freed slot goes to (as things stand) stages its next shard: its engine starts moving
+that shard's chunks to its device slots (``stage``, the engine's prefetch with nothing in use), so its task starts
+with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only; model
+set-up (which seeds and draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws
+during steps) are refused by the sweep file's checks.
 
-Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend).
-Its lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot,
-job, its task index, the waiting jobs' remaining seconds) to ``<sweep dir>/shard_tasks.jsonl``; each job's exit
-code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at the end.
+Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend). Its
+lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot, job,
+its task index, the waiting jobs' remaining seconds), stage (job, the task it stages for, chunk fetches started) and
+job end (slot, job) to ``<sweep dir>/shard_tasks.jsonl`` (:func:`task_seconds` reads each task's seconds on its slot
+from it); each job's exit code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at
+the end.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.errors import StratumError
-from stratum.offload.tasks import set_gate
+from stratum.offload.tasks import Stage, set_gate
 from stratum.sweep.local import die_with_sweep
 from stratum.sweep.shard_lrtf import pick_longest
 from stratum.train.trainer import train
@@ -75,6 +79,10 @@ class SlotScheduler:
     granted: dict[str, int] = field(default_factory=dict)
     done_tasks: dict[str, int] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
+    next_up: str | None = None
+    """The waiting job the next freed slot goes to as things stand (every slot busy): it stages its next shard."""
+    staged: set[str] = field(default_factory=set)
+    """Waiting jobs that have staged their next shard since their last grant."""
     stopping: bool = False
     opened: bool = False
     """Grants start once every job waits (all are ready at the start: the first grants compare them all)."""
@@ -84,25 +92,48 @@ class SlotScheduler:
         self.free = list(range(self.slots))
         self._log = open(self.tasks_path, "a")
 
-    def acquire(self, job: str, remaining_s: float) -> int:
+    def acquire(self, job: str, remaining_s: float, stage: Stage | None = None) -> int:
         """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
-        ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number."""
+        ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number. While it
+        waits as the next in line, it runs ``stage`` once (its next shard's chunks move while others compute)."""
         with self.cond:
             self._free(job)
             self.waiting[job] = remaining_s
             self._grant()
+            self.cond.notify_all()  # open_when_waiting counts the waiting jobs
             # no time limit: under LRTF a short job may rightly wait for hours; every granted thread gives its
             # slot back in a finally, and a stop wakes every waiter
-            self.cond.wait_for(lambda: job in self.granted or self.stopping)
+            self.cond.wait_for(lambda: job in self.granted or self.stopping or self._stages(job, stage))
+            if job not in self.granted and not self.stopping:
+                assert stage is not None  # (woken to stage)
+                self._stage(job, stage)
+                self.cond.wait_for(lambda: job in self.granted or self.stopping)
             if job not in self.granted:
                 self.waiting.pop(job, None)
                 raise Stopped()
             return self.granted[job]
 
+    def _stages(self, job: str, stage: Stage | None) -> bool:
+        return stage is not None and self.next_up == job and job not in self.staged
+
+    def _stage(self, job: str, stage: Stage) -> None:
+        """Run ``job``'s stage outside the lock (called and returning with it held); record what it moved."""
+        self.staged.add(job)
+        task = self.done_tasks.get(job, 0)  # the task it stages for (it may be granted while staging)
+        self.cond.release()
+        try:
+            chunks = stage()
+        finally:
+            self.cond.acquire()
+        self._write({"job": job, "stage": task, "chunks": chunks})
+
     def finish(self, job: str) -> None:
-        """``job``'s thread ends: its slot goes to the next waiting job."""
+        """``job``'s thread ends: its slot goes to the next waiting job (the end recorded, so the log tells each
+        task's length)."""
         with self.cond:
             self.done.add(job)
+            if job in self.granted:
+                self._write({"slot": self.granted[job], "job": job, "end": True})
             self.cond.notify_all()
         self.release(job)
 
@@ -135,17 +166,38 @@ class SlotScheduler:
         while self.opened and self.free and self.waiting and not self.stopping:
             job = pick_longest(self.waiting, self.order)
             slot = self.free.pop(0)
-            self._log.write(json.dumps({"t": round(time.monotonic() - self.t0, 6), "slot": slot, "job": job,
-                                        "task": self.done_tasks.get(job, 0),
-                                        "remaining": {j: round(r, 6) for j, r in self.waiting.items()}}) + "\n")
-            self._log.flush()
+            self._write({"slot": slot, "job": job, "task": self.done_tasks.get(job, 0),
+                         "remaining": {j: round(r, 6) for j, r in self.waiting.items()}})
             del self.waiting[job]
+            self.staged.discard(job)
             self.granted[job] = slot
             self.done_tasks[job] = self.done_tasks.get(job, 0) + 1
             self.cond.notify_all()
+        up = pick_longest(self.waiting, self.order) if self.opened and self.waiting and not self.stopping else None
+        if up != self.next_up:
+            self.next_up = up
+            self.cond.notify_all()
+
+    def _write(self, record: dict) -> None:
+        self._log.write(json.dumps({"t": round(time.monotonic() - self.t0, 6), **record}) + "\n")
+        self._log.flush()
 
     def close(self) -> None:
         self._log.close()
+
+
+def task_seconds(tasks_path: Path) -> dict[str, list[float]]:
+    """Each job's shard tasks' seconds holding a slot, in its chain's order, from a ``shard_tasks.jsonl``: from a
+    grant to the next grant or job end on the same slot (a task still running at the log's end is left out)."""
+    records = [json.loads(line) for line in tasks_path.read_text().splitlines() if line.strip()]
+    out: dict[str, list[float]] = {}
+    for i, r in enumerate(records):
+        if r.get("end") or "slot" not in r:  # a job's end, or a stage
+            continue
+        nxt = next((h["t"] for h in records[i + 1:] if h.get("slot") == r["slot"]), None)
+        if nxt is not None:
+            out.setdefault(r["job"], []).append(max(0.0, nxt - r["t"]))
+    return out
 
 
 class JobGate:
@@ -160,7 +212,7 @@ class JobGate:
     def remaining_s(self) -> float:
         return max(self.left, 0) * self.job.task_s
 
-    def __call__(self, kind: str, block: int, blocks: int) -> None:
+    def __call__(self, kind: str, block: int, blocks: int, stage: Stage) -> None:
         g = self.job.shard_blocks
         boundary = (block + 1) % g == 0 or block == blocks - 1 if kind == "F" else block % g == 0
         if not boundary:
@@ -169,7 +221,7 @@ class JobGate:
             self.holds_setup = False
             self.setup.release()
         self.left -= 1
-        self.sched.acquire(self.job.id, self.remaining_s())
+        self.sched.acquire(self.job.id, self.remaining_s(), stage)
 
 
 def _run_job(job: ShardJob, sched: SlotScheduler, setup: threading.Lock, threads: int, codes: dict[str, int]) -> None:
