@@ -21,6 +21,9 @@ from tests.test_sweep_run import job_losses, rows, standalone_losses, sweep_file
 
 BUDGET = "1.2MB"
 SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
+PINNED_PLACEMENT = '[offload]\nresident_chunks = 6\noptimizer_tier = "host"\nprefetch_depth = 4'
+"""The sweep's offload placement's choices that decide whether a job's next shard has chunks to fetch, pinned:
+chosen by the planner they follow the bandwidths measured at start-up, which move with the machine's load."""
 
 
 def test_the_rule_on_a_hand_computed_case_as_a_table():
@@ -51,7 +54,7 @@ def sharded(tmp_path_factory, corpus_file, cache_dir):
     tmp = tmp_path_factory.mktemp("shards")
     path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0",
                       grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]', steps=2,
-                      extra="eval_interval = 2\nckpt_interval = 1")
+                      extra="eval_interval = 2\nckpt_interval = 1\n" + PINNED_PLACEMENT)
     lines: list[str] = []
     stopped: list[int] = []
     grants = tmp / "sw" / "shard_tasks.jsonl"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -59,6 +60,28 @@ def _drop(_t: Tensor) -> None:
 
 def _dropped(_obj) -> Tensor:
     raise RuntimeError("offload: a discarded forward's saved tensor was used")
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch of :meth:`OffloadEngine.train_share`, from its forward to its backward."""
+
+    y: Tensor
+    stream: int | None
+    n: int
+    """Micro-batches of this engine's share of the step."""
+    first: bool
+    last: bool
+    ins: list[Tensor | None] = field(default_factory=list)
+    """Each block's input (None once its backward is done)."""
+    outs: list[Tensor | None] = field(default_factory=list)
+    """Each block's output (None: recomputed in the backward)."""
+    rng: list[tuple | None] = field(default_factory=list)
+    bufs: list[BufferSnapshot | None] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    """Bytes of each kept block input (0 for token ids)."""
+    held: dict[int, int] = field(default_factory=dict)
+    """Block kept on the device (Placement.kept_blocks) → bytes of its saved activations."""
 
 
 class OffloadEngine(Residency, Updates, StateIO, Engine):
@@ -298,122 +321,132 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         goes through :attr:`reducer` as it completes, before its norm and update. The sum of the losses and the
         global gradient norm (0-d tensors)."""
         self.begin_step(lr)
-        L = len(self.model)
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
-        spill = self.spill
-        thin = self.placement.activations != KEEP  # only block inputs stay on the device between forward and backward
-        spilled = self.placement.spilled(L)  # the other blocks are recomputed when thin, except:
-        on_device = self.placement.kept()  # the last blocks, whose activations stay on the device (Placement.kept_blocks)
         for j, b in enumerate(micro_batches):
-            last_mb = j == n - 1
-            x = b.x.to(self.device, non_blocking=True)
-            y = b.y.to(self.device, non_blocking=True)
+            mb = _MicroBatch(y=b.y.to(self.device, non_blocking=True), stream=b.stream, n=n, first=j == 0,
+                             last=j == n - 1)
             self._act, self._act_seen = 0, set()
-            ins: list[Tensor | None] = []  # each block's input (None once its backward is done)
-            outs: list[Tensor | None] = []  # each block's output (None: recomputed in the backward)
-            rng: list[tuple | None] = []
-            bufs: list[BufferSnapshot | None] = []
-            kept: list[int] = []  # bytes of each kept block input (0 for token ids)
-            held: dict[int, int] = {}  # block in on_device → bytes of its saved activations (held on the device)
             self._boundary = set()
-            if spill is not None:
-                spill.begin_microbatch()
+            if self.spill is not None:
+                self.spill.begin_microbatch()
             t_fwd = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                for i in range(L):
-                    self._access(self._block_chunks(i))
-                    xi = x.detach().requires_grad_(x.is_floating_point())
-                    ins.append(xi)
-                    kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
-                    recompute = thin and i not in spilled and i not in on_device
-                    if spill is not None:
-                        if not recompute and i not in on_device:
-                            spill.begin_block(i)
-                        self._boundary.add(xi.untyped_storage().data_ptr())
-                        self._act_seen = set()
-                    rng.append(self._rng_state() if recompute else None)
-                    bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
-                    if recompute:
-                        # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a
-                        # GPU's attention may pick another kernel and draw other dropout masks), keeping nothing.
-                        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-                            out = self._forward_block(i, xi, y, i == L - 1, n, b.stream).detach()
-                        outs.append(None)
-                    else:
-                        out = self._forward_block(i, xi, y, i == L - 1, n, b.stream)
-                        outs.append(out)
-                    if spill is not None:  # this block's activations are still on the device here
-                        self._check()
-                        spill.end_block()
-                        if i in on_device:
-                            held[i] = self._act - sum(kept[:i]) - sum(held.values())
-                        self._act = sum(kept) + sum(held.values())
-                    x = out
-                    block_done("F", i, L, self.stage_next)
-                loss = x
+                loss = self._forward_pass(mb, b.x.to(self.device, non_blocking=True))
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
                 self.phase_s["forward"] += t_bwd - t_fwd
-                if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
-                    self._act, self._act_seen = sum(kept) + sum(held.values()), set()
-                tied_tmp = self._tied_grads_begin() if j > 0 else []
-                for i in reversed(range(L)):
-                    self._access(self._block_chunks(i), grads=True)
-                    for ci in self._block_chunks(i):
-                        c = self.chunks[ci]
-                        if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
-                            c.grad = "home" if self._home_grads(c) else "dev"
-                    if spill is not None:
-                        spill.restore(i)
-                        if spill.cuda and i > 0 and spill.ready(i - 1):
-                            spill.restore(i - 1)  # the next block's copy-back runs beside this backward
-                        self._act = sum(kept[:i + 1]) + spill.device_bytes + sum(held.values())
-                    kept_out, x_in = outs[i], ins[i]
-                    assert x_in is not None
-                    if kept_out is not None:
-                        out = kept_out
-                    else:  # recompute: the first run's RNG state and buffer values, both kept after
-                        t_re = time.perf_counter()
-                        state, snap = rng[i], bufs[i]
-                        assert state is not None and snap is not None
-                        with neutral(self.model.blocks[i], devices=[self.device]):
-                            self._set_rng_state(state)
-                            snap.restore()
-                            out = self._forward_block(i, x_in, y, i == L - 1, n, b.stream)
-                        bufs[i] = None
-                        self.phase_s["recompute"] += time.perf_counter() - t_re
-                    if i == L - 1:
-                        (out / divisor).backward()
-                    else:
-                        x_next = ins[i + 1]
-                        assert x_next is not None
-                        torch.autograd.backward(out, x_next.grad)
-                    outs[i] = None
-                    if i + 1 < L:
-                        ins[i + 1] = None
-                    if thin:
-                        self._check()
-                        if spill is not None:
-                            spill.release(i)
-                        kept[i] = 0
-                        held.pop(i, None)
-                        self._act, self._act_seen = sum(kept[:i]) + sum(held.values()), set()
-                    if last_mb:
-                        for ci in self._block_chunks(i):
-                            if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
-                                self._grad_complete(self.chunks[ci])
-                    self._check()
-                    block_done("B", i, L, self.stage_next)
-                self._tied_grads_end(tied_tmp)
-                if last_mb:
-                    for c, *_ in tied_tmp:
-                        self._grad_complete(c)
+                self._backward_pass(mb, divisor)
             self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
         total_norm = self._update_after_backward()
         self.end_step()
         return total, total_norm
+
+    def _forward_pass(self, mb: _MicroBatch, x: Tensor) -> Tensor:
+        """Every block's forward on ``x``, keeping, spilling or dropping (to recompute) what each one saves as
+        the placement says; the loss."""
+        L, spill = len(self.model), self.spill
+        thin = self.placement.activations != KEEP  # only block inputs stay on the device between forward and backward
+        spilled = self.placement.spilled(L)  # the other blocks are recomputed when thin, except:
+        on_device = self.placement.kept()  # the last blocks, whose activations stay on the device (Placement.kept_blocks)
+        for i in range(L):
+            self._access(self._block_chunks(i))
+            xi = x.detach().requires_grad_(x.is_floating_point())
+            mb.ins.append(xi)
+            mb.kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
+            recompute = thin and i not in spilled and i not in on_device
+            if spill is not None:
+                if not recompute and i not in on_device:
+                    spill.begin_block(i)
+                self._boundary.add(xi.untyped_storage().data_ptr())
+                self._act_seen = set()
+            mb.rng.append(self._rng_state() if recompute else None)
+            mb.bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
+            if recompute:
+                # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a GPU's
+                # attention may pick another kernel and draw other dropout masks), keeping nothing.
+                with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                    out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream).detach()
+                mb.outs.append(None)
+            else:
+                out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream)
+                mb.outs.append(out)
+            if spill is not None:  # this block's activations are still on the device here
+                self._check()
+                spill.end_block()
+                if i in on_device:
+                    mb.held[i] = self._act - sum(mb.kept[:i]) - sum(mb.held.values())
+                self._act = sum(mb.kept) + sum(mb.held.values())
+            x = out
+            block_done("F", i, L, self.stage_next)
+        return x
+
+    def _backward_pass(self, mb: _MicroBatch, divisor: int) -> None:
+        """Every block's backward, last first (each block's output kept, restored or recomputed); on the last
+        micro-batch each chunk whose gradient is complete goes on to its reduction, norm and update."""
+        L = len(self.model)
+        thin = self.placement.activations != KEEP
+        if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
+            self._act, self._act_seen = sum(mb.kept) + sum(mb.held.values()), set()
+        tied_tmp = self._tied_grads_begin() if not mb.first else []
+        for i in reversed(range(L)):
+            self._access(self._block_chunks(i), grads=True)
+            for ci in self._block_chunks(i):
+                c = self.chunks[ci]
+                if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
+                    c.grad = "home" if self._home_grads(c) else "dev"
+            out = self._block_output(mb, i)
+            if i == L - 1:
+                (out / divisor).backward()
+            else:
+                x_next = mb.ins[i + 1]
+                assert x_next is not None
+                torch.autograd.backward(out, x_next.grad)
+            mb.outs[i] = None
+            if i + 1 < L:
+                mb.ins[i + 1] = None
+            if thin:
+                self._check()
+                if self.spill is not None:
+                    self.spill.release(i)
+                mb.kept[i] = 0
+                mb.held.pop(i, None)
+                self._act, self._act_seen = sum(mb.kept[:i]) + sum(mb.held.values()), set()
+            if mb.last:
+                for ci in self._block_chunks(i):
+                    if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
+                        self._grad_complete(self.chunks[ci])
+            self._check()
+            block_done("B", i, L, self.stage_next)
+        self._tied_grads_end(tied_tmp)
+        if mb.last:
+            for c, *_ in tied_tmp:
+                self._grad_complete(c)
+
+    def _block_output(self, mb: _MicroBatch, i: int) -> Tensor:
+        """Block i's output for its backward: kept from the forward, its spilled activations restored, or
+        recomputed from its input with the first run's RNG state and buffer values."""
+        spill = self.spill
+        if spill is not None:
+            spill.restore(i)
+            if spill.cuda and i > 0 and spill.ready(i - 1):
+                spill.restore(i - 1)  # the next block's copy-back runs beside this backward
+            self._act = sum(mb.kept[:i + 1]) + spill.device_bytes + sum(mb.held.values())
+        kept_out, x_in = mb.outs[i], mb.ins[i]
+        assert x_in is not None
+        if kept_out is not None:
+            return kept_out
+        t_re = time.perf_counter()
+        state, snap = mb.rng[i], mb.bufs[i]
+        assert state is not None and snap is not None
+        with neutral(self.model.blocks[i], devices=[self.device]):
+            self._set_rng_state(state)
+            snap.restore()
+            out = self._forward_block(i, x_in, mb.y, i == len(self.model) - 1, mb.n, mb.stream)
+        mb.bufs[i] = None
+        self.phase_s["recompute"] += time.perf_counter() - t_re
+        return out
 
     def stage_next(self) -> int:
         """Between two blocks, with no chunk in use: start fetching the next accesses' chunks (the recorded
