@@ -6,7 +6,9 @@ the machine's load or core count) at one sequence per micro-batch by the profile
 (:func:`stratum.profile.fast.cached_profile`: each distinct block measured once, cached per architecture under
 the cache directory), so asking again is instant. A hardware spec's device ``speed`` is relative to that device
 (:mod:`stratum.ir.hardware`). Times and activation bytes grow linearly with the sequences per device (the fast
-profiler's own scaling rule); parameter bytes do not.
+profiler's own scaling rule); parameter bytes do not. Each block's kernel count and FLOPs per sequence are
+counted on the meta device (:func:`stratum.profile.work.count_work`), for devices that give a ``peak_flops``
+(:mod:`stratum.ir.work`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
+from stratum.ir.work import Work
 from stratum.model.gpt import PRESETS, build_gpt
 from stratum.profile.fast import cache_key, cache_path, cached_profile
 from stratum.profile.profile import Profile
+from stratum.profile.work import count_work
 
 REFERENCE_THREADS = 1
 """CPU threads of the reference device the presets are measured on."""
@@ -37,6 +41,8 @@ class ModelCosts:
     """Per-block costs of one sequence (seconds on the profiled device, bytes)."""
     state_bytes: int
     """Bytes of parameters, gradients and AdamW moments a data-parallel replica holds."""
+    work: Work | None = None
+    """Per-block kernel counts and FLOPs of one sequence; None: not counted (devices need no ``peak_flops``)."""
 
     @property
     def seq_s(self) -> float:
@@ -75,13 +81,14 @@ def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
                                                      precision="fp32"))
     finally:
         torch.set_num_threads(threads)
+    work = count_work(meta, seq_len=seq_len)
     if path.is_file():
         try:
             prof = Profile.load(path)
         except StratumError:
             prof = None  # unreadable: measured again below
         if prof is not None:
-            return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes)
+            return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes, work=work)
     model = build_gpt(preset, vocab_size=vocab, seed=0, device="cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(REFERENCE_THREADS)
@@ -90,4 +97,4 @@ def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
                               cache_dir=cache_dir)
     finally:
         torch.set_num_threads(threads)
-    return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes)
+    return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes, work=work)
