@@ -45,7 +45,7 @@ from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
 from stratum.cluster.replay import PolicyConfig, replay, trace_costs
 from stratum.cluster.report import summary, write_png
-from stratum.cluster.scaling import dp_step
+from stratum.cluster.scaling import burst_step, dp_step
 from stratum.cluster.trace import Job
 from stratum.config import Config
 from stratum.ir.hardware import Hardware
@@ -73,23 +73,39 @@ def deeppool_jobs(n: int) -> list[Job]:
     return [fg, *bg]
 
 
+def runs(widths: tuple[int, ...]) -> str:
+    """Widths as runs: ``1, 8×36, 64``."""
+    out: list[list[int]] = []
+    for w in widths:
+        if out and out[-1][0] == w:
+            out[-1][1] += 1
+        else:
+            out.append([w, 1])
+    return ", ".join(f"{w}×{c}" if c > 1 else str(w) for w, c in out)
+
+
 def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float]) -> list[dict]:
     rows = []
     for amp, n in [(a, n) for a in amplifications for n in (8, 16, 32, 64)]:
-        config = PolicyConfig(amplification=amp, interference=config.interference)
+        config = replace(config, amplification=amp)
         jobs = deeppool_jobs(n)
-        res = replay(hardware(n), jobs, trace_costs(jobs, cache), ["static-dp", "burst", "burst+multiplex"],
-                     config=config, until_s=HORIZON_S)
+        costs = trace_costs(jobs, cache)
+        res = replay(hardware(n), jobs, costs, ["static-dp", "burst", "burst+multiplex"], config=config,
+                     until_s=HORIZON_S)
+        plan = burst_step(costs[(jobs[0].model, jobs[0].seq_len)], batch=jobs[0].batch, ranks=range(n),
+                          hw=hardware(n), amplification=amp)
         rate = {r.policy: summary(r)["work_rate"] for r in res}
         fg = {r.policy: next(j for j in r.jobs if j.id == "fg").done for r in res}
         rows.append({"amplification": amp, "devices": n, "work_rate": rate, "foreground_done": fg,
                      "throughput_ratio": rate["burst+multiplex"] / rate["static-dp"],
                      "foreground_speed_ratio": fg["burst+multiplex"] / fg["static-dp"],
-                     "burst_foreground_speed_ratio": fg["burst"] / fg["static-dp"]})
+                     "burst_foreground_speed_ratio": fg["burst"] / fg["static-dp"],
+                     "foreground_widths": runs(plan.widths), "foreground_step_s": plan.step_s,
+                     "foreground_idle_share": plan.idle_s / (n * plan.step_s)})
         print(f"deeppool amplification {amp:g}, N={n:>2}: cluster throughput burst+multiplex / static-dp = "
               f"{rows[-1]['throughput_ratio']:.2f}x; foreground speed {rows[-1]['foreground_speed_ratio']:.2f}x "
               f"(burst alone "
-              f"{rows[-1]['burst_foreground_speed_ratio']:.2f}x)  SIMULATED", flush=True)
+              f"{rows[-1]['burst_foreground_speed_ratio']:.2f}x)  widths {rows[-1]['foreground_widths']}  SIMULATED", flush=True)
     return rows
 
 
