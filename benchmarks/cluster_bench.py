@@ -10,6 +10,9 @@ FLOPs on the device model of :mod:`stratum.ir.work`; ring all-reduce prices), ne
   parallel on all N, the background waits), ``burst`` and ``burst+multiplex``, for amplification limits 2, 4 and 8
   (the knob that trades the foreground's speed for idle devices). Goal (DeepPool's figure): ≥ 2.2× static-dp's
   with burst+multiplex, at about the same foreground speed (its ratio is reported too).
+- ``vgg``: the same with a VGG-16 foreground (DeepPool's own example: convolutions with most of the FLOPs and
+  few parameters, fully connected layers with most of the parameters and few FLOPs), 64 images a step; its
+  kernels and FLOPs counted like GPT's, its work reported in the same unit (its FLOPs at 50 GFLOP/s).
 - ``elastic``: a generated Philly-like trace (``stratum.cluster.generate``: Gavel's Philly sizes and durations,
   Poisson arrivals at load 1 and 2) on 64 GPUs, replayed under ``static-dp`` and ``elastic``; jobs completed by the
   last arrival and average job completion time with every job run to the end; a resize pays a checkpoint-restart
@@ -40,15 +43,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from stratum.atomic import atomic_write_json
 from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
+from stratum.cluster.models import ModelCosts, counted_costs
 from stratum.cluster.replay import PolicyConfig, replay, trace_costs
 from stratum.cluster.report import summary, write_png
 from stratum.cluster.scaling import burst_step, dp_step
 from stratum.cluster.trace import Job
 from stratum.config import Config
 from stratum.ir.hardware import Hardware
+from stratum.model.blockseq import BlockSeq, ModelInfo
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "cluster.json"
@@ -66,8 +75,35 @@ def hardware(n: int) -> Hardware:
     return replace(hw, devices=tuple(replace(d, peak_flops=PEAK_FLOPS, launch_s=LAUNCH_S) for d in hw.devices))
 
 
-def deeppool_jobs(n: int) -> list[Job]:
-    fg = Job(id="fg", arrival_s=0.0, model="gpt2-774m", batch=64, steps=10**7, devices=n, priority="foreground")
+def vgg16() -> BlockSeq:
+    """VGG-16 (Simonyan & Zisserman, 2015) on meta, as DeepPool's foreground: five convolution stages (few
+    parameters, most of the FLOPs) and three fully connected layers (most of the parameters, few FLOPs), a block
+    each; 224 × 224 images, 1000 classes."""
+    layers: list[nn.Module] = []
+    blocks: list[nn.Module] = []
+    channels = 3
+    with torch.device("meta"):
+        for width, convs in ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3)):
+            for _ in range(convs):
+                layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+                channels = width
+            blocks.append(nn.Sequential(*layers, nn.MaxPool2d(2)))
+            layers = []
+        blocks += [nn.Sequential(nn.Flatten(), nn.Linear(512 * 7 * 7, 4096), nn.ReLU()),
+                   nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()), nn.Linear(4096, 1000)]
+    return BlockSeq(blocks, F.cross_entropy, ModelInfo(name="vgg16"))
+
+
+def vgg16_costs() -> ModelCosts:
+    """VGG-16's costs: counted, its work in the unit of the profiled GPT blocks (FLOPs at the GPUs' peak over
+    their speed: 50 GFLOP/s, about what the profiled CPU thread sustains on GPT-2)."""
+    x = torch.empty(1, 3, 224, 224, device="meta")
+    y = torch.zeros(1, dtype=torch.long, device="meta")
+    return counted_costs(vgg16(), x, y, reference_flops=PEAK_FLOPS / SPEED)
+
+
+def deeppool_jobs(n: int, model: str) -> list[Job]:
+    fg = Job(id="fg", arrival_s=0.0, model=model, batch=64, steps=10**7, devices=n, priority="foreground")
     bg = [Job(id=f"bg{i:03d}", arrival_s=0.0, model="gpt2-124m", batch=8, steps=10**6, devices=1)
           for i in range(4 * n)]
     return [fg, *bg]
@@ -84,12 +120,14 @@ def runs(widths: tuple[int, ...]) -> str:
     return ", ".join(f"{w}×{c}" if c > 1 else str(w) for w, c in out)
 
 
-def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float]) -> list[dict]:
+def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float], model: str,
+             counted: dict[tuple[str, int], ModelCosts]) -> list[dict]:
+    """DeepPool's setting with a ``model`` foreground (its costs in ``counted`` unless a GPT preset)."""
     rows = []
     for amp, n in [(a, n) for a in amplifications for n in (8, 16, 32, 64)]:
         config = replace(config, amplification=amp)
-        jobs = deeppool_jobs(n)
-        costs = trace_costs(jobs, cache)
+        jobs = deeppool_jobs(n, model)
+        costs = trace_costs([j for j in jobs if (j.model, j.seq_len) not in counted], cache) | counted
         res = replay(hardware(n), jobs, costs, ["static-dp", "burst", "burst+multiplex"], config=config,
                      until_s=HORIZON_S)
         plan = burst_step(costs[(jobs[0].model, jobs[0].seq_len)], batch=jobs[0].batch, ranks=range(n),
@@ -102,7 +140,7 @@ def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float]) -> 
                      "burst_foreground_speed_ratio": fg["burst"] / fg["static-dp"],
                      "foreground_widths": runs(plan.widths), "foreground_step_s": plan.step_s,
                      "foreground_idle_share": plan.idle_s / (n * plan.step_s)})
-        print(f"deeppool amplification {amp:g}, N={n:>2}: cluster throughput burst+multiplex / static-dp = "
+        print(f"deeppool {model} amplification {amp:g}, N={n:>2}: cluster throughput burst+multiplex / static-dp = "
               f"{rows[-1]['throughput_ratio']:.2f}x; foreground speed {rows[-1]['foreground_speed_ratio']:.2f}x "
               f"(burst alone "
               f"{rows[-1]['burst_foreground_speed_ratio']:.2f}x)  widths {rows[-1]['foreground_widths']}  SIMULATED", flush=True)
@@ -147,7 +185,7 @@ def elastic(config: PolicyConfig, cache: Path, jobs_per_trace: int, load: float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--study", choices=("all", "deeppool", "elastic"), default="all")
+    ap.add_argument("--study", choices=("all", "deeppool", "vgg", "elastic"), default="all")
     ap.add_argument("--jobs", type=int, default=200, help="jobs per generated trace (default 200)")
     ap.add_argument("--amplification", default="2,4,8", help="deeppool: amplification limits (default 2,4,8)")
     ap.add_argument("--load", default="1,2", help="elastic: trace loads (default 1,2)")
@@ -163,7 +201,9 @@ def main() -> None:
                                               "inter_node_Bps": hardware(8).inter_node.bandwidth},
            "interference": config.interference, "restart_startup_s": config.startup_s}
     if args.study in ("all", "deeppool"):
-        doc["deeppool"] = deeppool(config, cache, amps)
+        doc["deeppool"] = deeppool(config, cache, amps, "gpt2-774m", {})
+    if args.study in ("all", "vgg"):
+        doc["deeppool_vgg16"] = deeppool(config, cache, amps, "vgg16", {("vgg16", 1024): vgg16_costs()})
     if args.study in ("all", "elastic"):
         png = args.out.parent / "cluster_elastic.png" if args.out == DEFAULT_OUT else args.out.with_suffix(".png")
         doc["elastic"] = []

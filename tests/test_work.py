@@ -129,3 +129,23 @@ def test_the_simulator_prices_a_step_on_the_device_model():
     job = Job(id="j", arrival_s=0, model="m", batch=4, steps=1, devices=1)
     el = Elastic(Cluster.of(hw, [job], {("m", 1024): mc}), startup_s=30.0)
     assert el.restart_s(job) == pytest.approx(2 * (1e-5 + 5e9 / 25e9) + 30.0)
+
+
+def test_a_model_no_profile_measured_is_counted_from_shapes():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stratum.cluster.models import counted_costs
+    from stratum.model.blockseq import BlockSeq, ModelInfo
+
+    with torch.device("meta"):
+        model = BlockSeq([nn.Linear(8, 16), nn.Linear(16, 4)], F.cross_entropy, ModelInfo(name="mlp"))
+    x, y = torch.empty(1, 8, device="meta"), torch.zeros(1, dtype=torch.long, device="meta")
+    mc = counted_costs(model, x, y, reference_flops=1e3)
+    # block 0's input needs no gradient: forward and weight gradient, 2 · 2 · 8 · 16; block 1 also passes the
+    # gradient back: 3 · 2 · 16 · 4
+    assert mc.work.flops == (512.0, 384.0)
+    assert mc.costs.f == pytest.approx((512 / 3e3, 384 / 3e3)) and mc.seq_s == pytest.approx(0.896)
+    assert mc.costs.param_bytes == ((8 * 16 + 16) * 4, (16 * 4 + 4) * 4) and mc.costs.out_bytes == (16 * 4, 0)
+    assert mc.state_bytes == 4 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # parameters, gradients, two AdamW moments

@@ -22,10 +22,12 @@ import torch
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.work import Work
+from stratum.model.blockseq import BlockSeq
 from stratum.model.gpt import PRESETS, build_gpt
 from stratum.profile.fast import cache_key, cache_path, cached_profile
 from stratum.profile.profile import Profile
-from stratum.profile.work import count_work
+from stratum.profile.profiler import block_static_bytes
+from stratum.profile.work import count_work, count_work_on
 
 REFERENCE_THREADS = 1
 """CPU threads of the reference device the presets are measured on."""
@@ -98,3 +100,24 @@ def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
     finally:
         torch.set_num_threads(threads)
     return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes, work=work)
+
+
+def counted_costs(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, *, reference_flops: float) -> ModelCosts:
+    """Costs of a model no profile measured (built on meta; ``x``, ``y`` one sample on meta): kernels and FLOPs
+    counted, parameter and output bytes from shapes, and as its profiled times its FLOPs over
+    ``reference_flops`` (a third forward, two thirds backward) — the unit its work is reported in. Saved
+    activations are taken as the blocks' outputs (an underestimate; they only decide whether a job fits)."""
+    work = count_work_on(model, x, y)
+    outs, h = [], x
+    with torch.no_grad():
+        for block in model.blocks[:-1]:
+            h = block(h)
+            outs.append(h.numel() * h.element_size())
+    outs.append(0)
+    fwd = [f / 3 / reference_flops for f in work.flops]
+    bwd = [2 * f for f in fwd]
+    static = [block_static_bytes(model, i) for i in range(len(model))]
+    costs = Costs(f=fwd, b=bwd, i=fwd, w=fwd, act_bytes=outs, out_bytes=outs,
+                  param_bytes=[st["param_bytes"] for st in static])
+    state = sum(st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"] for st in static)
+    return ModelCosts(costs=costs, state_bytes=state, work=work)

@@ -49,7 +49,7 @@ def _count_block(model: BlockSeq, i: int, x: Tensor, y: Tensor) -> tuple[int, fl
     block = model.blocks[i]
     for p in block.parameters():
         p.grad = None
-    inp = x.detach().requires_grad_(x.is_floating_point())
+    inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())  # the data itself needs no gradient
     last = i == len(model) - 1
     flops, counter = FlopCounterMode(display=False), KernelCounter()
     with flops, counter:  # one context: FlopCounterMode starts again from zero on entry
@@ -64,11 +64,16 @@ def _count_block(model: BlockSeq, i: int, x: Tensor, y: Tensor) -> tuple[int, fl
 
 
 def count_work(model: BlockSeq, *, seq_len: int) -> Work:
-    """Kernels and FLOPs per sample (one sequence of ``seq_len`` tokens) of every block of ``model``, which must
-    be built on the meta device; identical blocks are counted once."""
+    """Kernels and FLOPs per sample (one sequence of ``seq_len`` tokens) of every block of a language model
+    built on the meta device."""
+    return count_work_on(model, *_inputs(model, seq_len))
+
+
+def count_work_on(model: BlockSeq, x: Tensor, y: Tensor) -> Work:
+    """Kernels and FLOPs of every block of ``model`` (built on the meta device) on one sample: input ``x`` and
+    target ``y``, meta tensors with a batch of one; identical blocks are counted once."""
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("count_work needs the model built on the meta device")
-    x, y = _inputs(model, seq_len)
     seen: dict[tuple, tuple[int, float, Tensor]] = {}
     kernels, flops = [], []
     for i, block in enumerate(model.blocks):
