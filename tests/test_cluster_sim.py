@@ -119,3 +119,19 @@ elastic             2/2         16.75      21.02    334.9      1.674  86.0%"""
     assert doc["policies"][0]["jobs"][1] == {"id": "G", "arrival_s": 0.0, "start_s": pytest.approx(13.0),
                                              "end_s": pytest.approx(25.0), "jct_s": pytest.approx(25.0),
                                              "done": 1.0}
+
+
+def test_a_host_takes_guests_when_together_they_gain_more_than_it_loses():
+    # interference 0.3: one guest gains (1/3)(1 − 0.3) = 0.233 profiled-s/s, F loses (4/18)·6·0.3/1.3 = 0.308;
+    # two guests (two idle devices, two jobs waiting) gain 0.467 > 0.308
+    idle = 1 - (2 * c(2) + 12.0) / (2 * (c(2) + 12.0))
+    gain, loss = (1 / 6.0) * idle * 0.7 * 6.0, (4 / (c(2) + 12.0)) * 6.0 * 0.3 / 1.3
+    assert gain < loss < 2 * gain
+    config = PolicyConfig(amplification=AMP, interference=0.3, startup_s=STARTUP)
+    starts = {}
+    for trace in (TRACE, TRACE + "H,0,m,1,2,1,background\n"):
+        jobs = parse_trace(trace, models=["m"], devices=2)
+        (res,) = replay(HW, jobs, {("m", 1024): MODEL}, ["burst+multiplex"], config=config)
+        starts[len(jobs)] = {j.id: j.start_s for j in res.jobs}
+    assert starts[2]["G"] == pytest.approx(c(2) + 12.0)  # alone, G waits for F to end
+    assert starts[3] == {"F": 0.0, "G": 0.0, "H": 0.0}
