@@ -149,3 +149,13 @@ def test_a_model_no_profile_measured_is_counted_from_shapes():
     assert mc.costs.f == pytest.approx((512 / 3e3, 384 / 3e3)) and mc.seq_s == pytest.approx(0.896)
     assert mc.costs.param_bytes == ((8 * 16 + 16) * 4, (16 * 4 + 4) * 4) and mc.costs.out_bytes == (16 * 4, 0)
     assert mc.state_bytes == 4 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # parameters, gradients, two AdamW moments
+
+
+def test_a_tied_gradient_is_charged_to_its_last_user():
+    from stratum.cluster.models import tied_to_last_user
+
+    model = build_gpt("tiny", vocab_size=100, seed=0, device="meta")
+    costs = Costs(f=[0.0] * 4, b=[0.0] * 4, i=[0.0] * 4, w=[0.0] * 4, act_bytes=[0] * 4, out_bytes=[0] * 4,
+                  param_bytes=[1_000_000, 7, 7, 5])
+    moved = tied_to_last_user(costs, model)
+    assert moved.param_bytes == (1_000_000 - 100 * 64 * 4, 7, 7, 5 + 100 * 64 * 4)  # the 100 × 64 embedding

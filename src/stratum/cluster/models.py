@@ -13,7 +13,7 @@ counted on the meta device (:func:`stratum.profile.work.count_work`), for device
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -62,6 +62,21 @@ class ModelCosts:
         return sum(self.costs.act_bytes)
 
 
+def tied_to_last_user(costs: Costs, model: BlockSeq) -> Costs:
+    """``costs`` with each tied parameter's bytes moved from its owner's block to the last block using it. The
+    burst executor all-reduces a tied gradient at the widest of its blocks' widths, and in a GPT the last user
+    (the head) is the wide one, so a burst plan is charged that all-reduce where it runs — exactly when the last
+    user is at least as wide as the owner; data parallelism (every block alike) is priced the same either way."""
+    param_bytes = list(costs.param_bytes)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for group in model.tied:
+        nbytes = params[group.owner].numel() * params[group.owner].element_size()
+        users = [int(name.split(".")[1]) for name in group.names]  # "blocks.<i>.<name in block>"
+        param_bytes[users[0]] -= nbytes
+        param_bytes[max(users)] += nbytes
+    return replace(costs, param_bytes=param_bytes)
+
+
 def known_models() -> list[str]:
     return list(PRESETS)
 
@@ -90,7 +105,8 @@ def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
         except StratumError:
             prof = None  # unreadable: measured again below
         if prof is not None:
-            return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes, work=work)
+            return ModelCosts(costs=tied_to_last_user(Costs.blocks(prof), meta), state_bytes=prof.train_state_bytes,
+                              work=work)
     model = build_gpt(preset, vocab_size=vocab, seed=0, device="cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(REFERENCE_THREADS)
@@ -99,7 +115,8 @@ def preset_costs(preset: str, *, seq_len: int, cache_dir: Path) -> ModelCosts:
                               cache_dir=cache_dir)
     finally:
         torch.set_num_threads(threads)
-    return ModelCosts(costs=Costs.blocks(prof), state_bytes=prof.train_state_bytes, work=work)
+    return ModelCosts(costs=tied_to_last_user(Costs.blocks(prof), meta), state_bytes=prof.train_state_bytes,
+                      work=work)
 
 
 def counted_costs(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, *, reference_flops: float) -> ModelCosts:
