@@ -68,17 +68,20 @@ class BurstMultiplex(Burst):
             if r.host and r.host not in runs:  # its host ended: the devices are the guest's own now
                 runs[k] = self.start(by_id[k], r.ranks)
         runs = super().allocate(now, active, runs)
+        waiting = sum(1 for job in active if job.id not in runs and not job.foreground)
         for job in active:
             if job.id not in runs and not job.foreground:
-                guest = self._guest(job, runs)
+                guest = self._guest(job, runs, waiting)
+                waiting -= 1
                 if guest is not None:
                     runs[job.id] = guest
         hosts = {r.host for r in runs.values() if r.host}
         return {k: Run(job=r.job, ranks=r.ranks, batch=r.batch, step_s=r.step_s * (1 + self.interference),
                        busy_s=r.busy_s) if k in hosts else r for k, r in runs.items()}
 
-    def _guest(self, job: Job, runs: dict[str, Run]) -> Run | None:
-        """``job`` on the idle time of the first foreground run with enough devices not yet carrying a guest."""
+    def _guest(self, job: Job, runs: dict[str, Run], waiting: int) -> Run | None:
+        """``job`` on the idle time of the first foreground run with enough devices not yet carrying a guest
+        (``waiting``: the background jobs still without devices, this one included)."""
         for host in runs.values():
             idle = host.busy_s < len(host.ranks) * host.step_s * (1 - 1e-9)
             if host.host or not idle or host.job not in self._foreground:
@@ -90,16 +93,21 @@ class BurstMultiplex(Burst):
             ranks = tuple(spare[-job.devices:])  # the last ranks: a burst plan's narrow blocks leave them idle
             alone = self.cluster.dp_run(job, job.batch, ranks)
             share = (1 - host.busy_s / (len(host.ranks) * host.step_s)) * (1 - self.interference)
-            if not self._worth(job, alone, share, host, hosting=bool(taken)):
+            carried = min(waiting, len(spare) // job.devices)  # guests this host could take now, this one first
+            if not self._worth(job, alone, share, host, carried=0 if taken else carried):
                 continue
             return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=alone.step_s / share, busy_s=alone.busy_s,
                        host=host.job)
         return None
 
-    def _worth(self, job: Job, alone: Run, share: float, host: Run, *, hosting: bool) -> bool:
-        """Whether the guest's work gained exceeds the host's work lost (a host pays its slow-down once), both in
-        profiled-device seconds of training per second."""
+    def _worth(self, job: Job, alone: Run, share: float, host: Run, *, carried: int) -> bool:
+        """Whether the work the guests gain exceeds the host's work lost, both in profiled-device seconds of
+        training per second. A host pays its slow-down once, for all its guests: its first guest is placed when
+        the ``carried`` guests its idle devices can take from the queue, each gaining as much as this one, make
+        up for it; later guests (``carried`` 0) cost it nothing more."""
         models = self.cluster.models
         gain = alone.rate * share * models[job.id].seq_s
-        loss = 0.0 if hosting else host.rate * models[host.job].seq_s * self.interference / (1 + self.interference)
-        return gain > loss
+        if not carried:
+            return gain > 0
+        loss = host.rate * models[host.job].seq_s * self.interference / (1 + self.interference)
+        return carried * gain > loss

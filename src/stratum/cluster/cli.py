@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
                    help="simulate: stop at this time (default: when every job is done)")
     p.add_argument("--amplification", type=float, default=2.0,
                    help="burst plans: a block's device-seconds at most this × its one-device cost (default 2)")
+    p.add_argument("--restart-startup", type=float, default=30.0, metavar="SECONDS",
+                   help="elastic: start-up seconds of a restarted job, on top of moving its state (default 30)")
     p.add_argument("--interference", type=float, default=0.1,
                    help="burst+multiplex: the share both sides lose when background work shares a foreground "
                         "job's devices (default 0.1)")
@@ -76,7 +78,8 @@ def _simulate(args, hw) -> int:
     if not args.until > 0:
         raise StratumError(f"--until must be > 0 seconds, got {args.until}")
     policies = parse_policies(args.policy)
-    config = PolicyConfig(amplification=args.amplification, interference=args.interference)
+    config = PolicyConfig(amplification=args.amplification, interference=args.interference,
+                          startup_s=args.restart_startup)
     jobs = load_trace(args.jobs, models=known_models(), devices=hw.num_devices)
     results = replay(hw, jobs, trace_costs(jobs, _cache_dir(args)), policies, config=config, until_s=args.until)
     print(table(results))

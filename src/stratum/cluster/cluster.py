@@ -27,6 +27,8 @@ class Run:
     """Device-seconds it computes per step, summed over its devices."""
     host: str = ""
     """The foreground job whose idle device time it runs in; empty when the devices are its own."""
+    restart_s: float = 0.0
+    """Seconds from the run's start before it trains: a checkpoint-restart onto new devices or a new batch."""
 
     @property
     def rate(self) -> float:

@@ -6,8 +6,9 @@
 - ``elastic`` (Saxena et al., "Effective Elastic Scaling of Deep Learning Workloads", MASCOTS 2020): at every
   arrival and completion every job's device count and global batch are chosen again by dynamic programming over
   the jobs' scaling curves, maximising the sum of the jobs' speed-ups over one device; a job's batch may grow from
-  ``batch`` to ``max_batch`` (its work in sequences stays fixed). Resizing is free here (no checkpoint-restart
-  cost is charged: an optimistic bound on the policy).
+  ``batch`` to ``max_batch`` (its work in sequences stays fixed). A job whose device count or batch stays keeps
+  its devices; one that is resized, moved or resumed pays a checkpoint-restart (:meth:`Elastic.restart_s`):
+  its training state saved to host memory and loaded back over the host link, and a process start-up.
 
 The burst policies (DeepPool) are in :mod:`stratum.cluster.burst`.
 """
@@ -15,12 +16,15 @@ The burst policies (DeepPool) are in :mod:`stratum.cluster.burst`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
 from stratum.cluster.cluster import Cluster, Run
 from stratum.cluster.trace import Job
+from stratum.errors import StratumError
+from stratum.ir.prices import transfer_s
 
 AGE_BONUS = 1e-6
 """Value the elastic programme adds for running a job at all, more for older ones: among allocations of equal
@@ -65,9 +69,19 @@ class Elastic:
 
     name = "elastic"
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, *, startup_s: float):
+        if not 0 <= startup_s < float("inf"):
+            raise StratumError(f"restart start-up must be a time >= 0 seconds, got {startup_s}")
         self.cluster = cluster
+        self.startup_s = startup_s
         self._curves: dict[str, list[tuple[float, int]]] = {}
+        self._started: set[str] = set()
+
+    def restart_s(self, job: Job) -> float:
+        """Seconds a resize costs ``job``: its training state over the host link twice (saved, then loaded by
+        every device of the new group in parallel) and the start-up of the new processes."""
+        state = self.cluster.models[job.id].state_bytes
+        return 2 * transfer_s(state, self.cluster.hw.host_link) + self.startup_s
 
     def curve(self, job: Job) -> list[tuple[float, int]]:
         """(sequences/s, batch) on n = 0, 1, … devices (the first n ranks; 0 for none): the better of ``batch``
@@ -110,11 +124,15 @@ class Elastic:
         return counts[::-1]
 
     def allocate(self, now: float, active: Sequence[Job], running: dict[str, Run]) -> dict[str, Run]:
-        runs: dict[str, Run] = {}
-        free = list(range(self.cluster.size))
-        for job, n in zip(active, self.counts(active)):
-            if n:
+        want = {job.id: (n, self.curve(job)[n][1]) for job, n in zip(active, self.counts(active)) if n}
+        runs = {k: r for k, r in running.items() if want.get(k) == (len(r.ranks), r.batch)}  # kept as they are
+        free = self.cluster.free(runs.values())
+        for job in active:
+            if job.id in want and job.id not in runs:
+                n, batch = want[job.id]
                 ranks = self.cluster.pick(free, n)
                 free = [r for r in free if r not in ranks]
-                runs[job.id] = self.cluster.dp_run(job, self.curve(job)[n][1], ranks)
+                run = self.cluster.dp_run(job, batch, ranks)
+                runs[job.id] = replace(run, restart_s=self.restart_s(job)) if job.id in self._started else run
+                self._started.add(job.id)
         return runs

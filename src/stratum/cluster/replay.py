@@ -29,12 +29,17 @@ class PolicyConfig:
     interference: float = 0.1
     """burst+multiplex: background work gets this fraction less of the idle time it fills, and a foreground job
     hosting it steps this fraction slower."""
+    startup_s: float = 30.0
+    """elastic: seconds a restarted job's processes take to start (launch, CUDA and communicator set-up, data
+    loader) before it trains again, on top of moving its state over the host link."""
 
     def __post_init__(self) -> None:
         if not self.amplification >= 1 or math.isinf(self.amplification):
             raise StratumError(f"amplification must be a number >= 1, got {self.amplification}")
         if not 0 <= self.interference < 1:
             raise StratumError(f"interference must be in [0, 1), got {self.interference}")
+        if not 0 <= self.startup_s < math.inf:
+            raise StratumError(f"restart start-up must be a time >= 0 seconds, got {self.startup_s}")
 
 
 def parse_policies(text: str) -> list[str]:
@@ -51,7 +56,7 @@ def make_policy(name: str, cluster: Cluster, config: PolicyConfig) -> Policy:
     if name == "static-dp":
         return StaticDP(cluster)
     if name == "elastic":
-        return Elastic(cluster)
+        return Elastic(cluster, startup_s=config.startup_s)
     if name == "burst":
         return Burst(cluster, amplification=config.amplification)
     if name == "burst+multiplex":

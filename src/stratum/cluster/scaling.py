@@ -1,12 +1,12 @@
 """A job's step on a group of devices, priced by the one cost model every planner uses.
 
 Data parallelism over n devices is the burst plan that runs every block at width n
-(:func:`stratum.plan.burst.price_burst`): a block's forward and backward on a 1/n share of the global batch (with
-the burst planner's fixed share that a smaller batch does not shorten), then its gradient's ring all-reduce over
-the group's slowest link (:mod:`stratum.ir.prices`), block after block. Block times are the profiled ones over the
-slowest device's speed. Times and saved activations grow linearly with the sequences of the batch (the fast
-profiler's scaling rule); a device runs its share as micro-batches of one or more sequences (gradient
-accumulation), so a job fits a device when its training state and one sequence's activations do.
+(:func:`stratum.plan.burst.price_burst`): a block's forward and backward on a 1/n share of the global batch, priced
+by the device model (:mod:`stratum.ir.work`: from the block's kernel count and FLOPs on a device with a
+``peak_flops``, else its profiled time over the device's speed), then its gradient's ring all-reduce over the
+group's slowest link (:mod:`stratum.ir.prices`), block after block. A group runs at its slowest device. Saved
+activations grow linearly with the sequences of the batch; a job fits a device when its training state and one
+sequence's activations do (a device may run its share as micro-batches; the price is that of one batch).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.hardware import Device, Hardware
 from stratum.ir.prices import on_device
-from stratum.plan.burst import BurstPlan, plan_burst, price_burst
+from stratum.plan.burst import BurstPlan, Compute, plan_burst, price_burst
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,24 +55,29 @@ def at_batch(costs: Costs, sequences: int) -> Costs:
                    out_bytes=[x * k for x in costs.out_bytes], spill_bytes=[x * k for x in costs.spill_bytes])
 
 
-def _group(mc: ModelCosts, batch: int, ranks: Sequence[int], hw: Hardware) -> Costs:
+def _group(mc: ModelCosts, batch: int, ranks: Sequence[int], hw: Hardware) -> tuple[Costs, Compute]:
+    """The step's costs on the group's slowest device (the lowest ``peak_flops``, then ``speed``; a device
+    without a ``peak_flops`` counts as the slowest) and the device model pricing its blocks."""
     n = len(ranks)
     if n < 1 or batch < n:
         raise StratumError(f"a step of {batch} sequences over {n} devices needs 1 <= devices <= batch")
-    slowest = min((hw.devices[r] for r in ranks), key=lambda d: d.speed)
-    return on_device(at_batch(mc.costs, batch), slowest)
+    slowest = min((hw.devices[r] for r in ranks), key=lambda d: (d.peak_flops, d.speed))
+    return on_device(at_batch(mc.costs, batch), slowest), Compute(device=slowest, work=mc.work, samples=batch)
 
 
 def dp_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware) -> StepCost:
     """Data parallelism of a ``batch``-sequence step over ``ranks`` of ``hw``."""
-    costs = _group(mc, batch, ranks, hw)
+    costs, compute = _group(mc, batch, ranks, hw)
     n = len(ranks)
-    plan = price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks))
+    plan = price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks), compute=compute)
     return StepCost(step_s=plan.step_s, busy_s=plan.device_s)
 
 
 def burst_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware,
                amplification: float) -> BurstPlan:
-    """DeepPool's burst plan of a ``batch``-sequence step over ``ranks`` (:func:`stratum.plan.burst.plan_burst`)."""
-    costs = _group(mc, batch, ranks, hw)
-    return plan_burst(costs, devices=len(ranks), link=hw.group_link(ranks), amplification=amplification)
+    """DeepPool's burst plan of a ``batch``-sequence step over ``ranks`` (:func:`stratum.plan.burst.plan_burst`);
+    a block of width k runs on the first k of ``ranks`` and talks over their slowest link."""
+    costs, compute = _group(mc, batch, ranks, hw)
+    group = list(ranks)
+    return plan_burst(costs, devices=len(group), link=lambda k: hw.group_link(group[:k]),
+                      amplification=amplification, compute=compute)

@@ -2,7 +2,8 @@
 
 Nothing runs. Events are arrivals and completions; at each the policy allocates again and every running job
 then trains at its run's rate (sequences per second) until the next event — progress is continuous (a job may
-end mid-step), a job is done when it has trained on batch × steps sequences. Every figure is a prediction of
+end mid-step), a job is done when it has trained on batch × steps sequences. A run the policy changed that
+carries a ``restart_s`` (a checkpoint-restart) holds its devices without training for that long first. Every figure is a prediction of
 the one cost model (:mod:`stratum.cluster.scaling`), never a measurement.
 """
 
@@ -89,23 +90,27 @@ def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, *, until_s: 
     res = SimResult(policy=policy.name, devices=cluster.size, jobs=list(results.values()))
     active: list[Job] = []
     runs: dict[str, Run] = {}
+    ready: dict[str, float] = {}  # when a restarting run starts to train
     now = 0.0
     while (pending or active) and now < until_s:
         while pending and pending[0].arrival_s <= now:
             active.append(pending.popleft())
-        runs = policy.allocate(now, active, runs) if active else {}
+        before, runs = runs, policy.allocate(now, active, runs) if active else {}
         _check(runs, active, cluster)
-        for job_id in runs:
+        for job_id, run in runs.items():
             if results[job_id].start_s is None:
                 results[job_id].start_s = now
-        ends = {job_id: now + left[job_id] / run.rate for job_id, run in runs.items()}
+            if run.restart_s > 0 and before.get(job_id) != run:
+                ready[job_id] = now + run.restart_s
+        go = {job_id: max(now, ready.get(job_id, now)) for job_id in runs}
+        ends = {job_id: go[job_id] + left[job_id] / run.rate for job_id, run in runs.items()}
         nxt = min([*ends.values(), pending[0].arrival_s if pending else math.inf, until_s])
         if math.isinf(nxt):
             raise RuntimeError(f"policy {policy.name} left {len(active)} job(s) waiting with nothing to come")
-        res.segments.append(Segment(start_s=now, end_s=nxt, busy=sum(r.busy_s / r.step_s for r in runs.values()),
+        res.segments.append(Segment(start_s=now, end_s=nxt, busy=_busy(runs, go, now, nxt),
                                     held=len({d for r in runs.values() for d in r.ranks}), runs=len(runs)))
         for job_id, run in runs.items():
-            trained = min(run.rate * (nxt - now), left[job_id])
+            trained = min(run.rate * max(0.0, nxt - go[job_id]), left[job_id])
             left[job_id] -= trained
             res.work_s += trained * cluster.models[job_id].seq_s
             if ends[job_id] <= nxt:
@@ -118,6 +123,13 @@ def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, *, until_s: 
         results[j.id].done = 1.0 - left[j.id] / work[j.id]
     res.end_s = now
     return res
+
+
+def _busy(runs: dict[str, Run], go: dict[str, float], start: float, end: float) -> float:
+    """Devices' worth of computing over [start, end]: each run's busy share, while it trains (not restarting)."""
+    if end <= start:
+        return sum(r.busy_s / r.step_s for k, r in runs.items() if go[k] <= start)
+    return sum(r.busy_s / r.step_s * max(0.0, end - go[k]) / (end - start) for k, r in runs.items())
 
 
 def _check(runs: dict[str, Run], active: Sequence[Job], cluster: Cluster) -> None:

@@ -17,6 +17,7 @@ A spec is a ``[hardware]`` TOML table (``stratum hardware probe`` writes one for
     speed = 1.0       # relative to the device the profile was taken on
     node = 0
     count = 4         # four such devices (optional, default 1)
+    peak_flops = 150e12   # optional: price blocks by kernels and FLOPs (stratum.ir.work), launch_s, half_flops
 
 Sizes take the repo's byte units ("40GB", "512MiB", or a number of bytes), bandwidths the same with "/s" (or a
 number of bytes per second), latencies seconds as a number or with a unit ("5us", "1ms").
@@ -68,8 +69,19 @@ class Device:
     """Compute speed relative to the device the profile was taken on: a block's profiled time / speed (> 0)."""
     node: int = 0
     """The node (machine) it sits in: devices on one node talk over ``intra_node``, others over ``inter_node``."""
+    peak_flops: float = 0.0
+    """FLOP/s the device sustains on large kernels; 0: not given, blocks take their profiled time over ``speed``
+    (where given, :mod:`stratum.ir.work` prices blocks from their kernel counts and FLOPs instead)."""
+    launch_s: float = 5e-6
+    """Seconds per kernel that no kernel beats: the launch latency (CUDA's is about 5 µs)."""
+    half_flops: float = 0.0
+    """FLOPs per kernel at which the device reaches half its ``peak_flops`` (Hockney's n½); 0: ``peak_flops ×
+    launch_s`` (n½ = r∞ · t0, the start-up time t0 taken as the launch latency)."""
 
     def __post_init__(self) -> None:
+        for key in ("peak_flops", "launch_s", "half_flops"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise StratumError(f"device {self.name!r}: {key} must be a number >= 0, got {getattr(self, key)}")
         if not self.name:
             raise StratumError("a device needs a name")
         if not self.memory_bytes > 0:
@@ -215,7 +227,7 @@ def _devices(entry: Any, i: int) -> list[Device]:
     where = f"hardware.devices[{i}]"
     if not isinstance(entry, dict):
         raise StratumError(f"{where} must be a table with name and memory_bytes")
-    _known(entry, ("name", "memory_bytes", "speed", "node", "count"), where)
+    _known(entry, ("name", "memory_bytes", "speed", "node", "count", *_KERNEL_KEYS), where)
     for key in ("name", "memory_bytes"):
         if key not in entry:
             raise StratumError(f"{where} needs {key}")
@@ -228,10 +240,29 @@ def _devices(entry: Any, i: int) -> list[Device]:
         raise StratumError(f"{where}.speed = {speed!r} must be a number (1.0 = the profiled device)")
     try:
         dev = Device(name=str(entry["name"]), memory_bytes=_size(entry["memory_bytes"], f"{where}.memory_bytes"),
-                     speed=float(speed), node=node)
+                     speed=float(speed), node=node, **_kernel_fields(entry, where))
     except StratumError as e:
         raise StratumError(f"{where}: {e}") from None
     return [dev] * count
+
+
+_KERNEL_KEYS = ("peak_flops", "launch_s", "half_flops")
+
+
+def _kernel_fields(entry: dict, where: str) -> dict[str, float]:
+    """A device entry's kernel-model keys: FLOP counts and FLOP/s as numbers, ``launch_s`` as a time."""
+    out = {}
+    for key in _KERNEL_KEYS:
+        if key not in entry:
+            continue
+        value = entry[key]
+        if key == "launch_s":
+            out[key] = parse_seconds(value, f"{where}.{key}")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        else:
+            raise StratumError(f"{where}.{key} = {value!r} must be a number")
+    return out
 
 
 def hardware_from_table(table: Any, where: str = "[hardware]") -> Hardware:
@@ -295,7 +326,8 @@ def dump_hardware(hw: Hardware) -> str:
             runs.append([d, 1])
     for d, count in runs:
         lines += ["", "[[hardware.devices]]", f"name = {_quote(d.name)}", f"memory_bytes = {d.memory_bytes}",
-                  f"speed = {_num(float(d.speed))}", f"node = {d.node}"]
+                  f"speed = {_num(float(d.speed))}", f"node = {d.node}", f"peak_flops = {_num(d.peak_flops)}",
+                  f"launch_s = {_num(d.launch_s)}", f"half_flops = {_num(d.half_flops)}"]
         if count > 1:
             lines.append(f"count = {count}")
     return "\n".join(lines) + "\n"
