@@ -28,10 +28,10 @@ from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
 from stratum.parallel.reduce import adasum_over, copy_back, flat_copy, sum_over
 from stratum.parallel.replicate import my_part
-from stratum.runtime.engine import Engine, StepResult, TrainState
+from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
 
-class OverReplicas(Engine):
+class OverReplicas(AroundChild):
     """What every replicate node around a memory-engine child shares: the replica group, the shares by speed, and
     the Engine calls that are the child's."""
 
@@ -50,28 +50,6 @@ class OverReplicas(Engine):
             lines.append("replica speeds " + ", ".join(f"{s:.3g}" for s in self.speeds)
                          + ": micro-batch shares follow them")
         return "\n".join(x for x in lines if x)
-
-    def eval_loss(self, batches: list[Batch]) -> float:
-        return self.child.eval_loss(batches)
-
-    def state(self) -> TrainState:
-        return self.child.state()
-
-    def load_state(self, state: TrainState) -> None:
-        self.child.load_state(state)
-
-    def memory_stats(self) -> dict[str, int]:
-        return self.child.memory_stats()
-
-    def step_io(self) -> dict[str, float]:
-        return self.child.step_io()
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        return self.child.predicted_step_s
-
-    def close(self) -> None:
-        self.child.close()
 
     # ---- shard=true: chunk i belongs to replica i mod n ------------------------------------------------------
     leaf: OffloadEngine

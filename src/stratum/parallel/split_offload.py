@@ -34,13 +34,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
-from stratum.data.tokens import Batch
 from stratum.dist.world import World
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.split import ModuleCut, layer_cuts, localize_heads, split_blocks
-from stratum.runtime.engine import Engine, StepResult, TrainState
+from stratum.runtime.engine import AroundChild, Engine, TrainState
 
 
 class SplitComm:
@@ -216,7 +215,7 @@ def split_locally(model: BlockSeq, held: set[int], world: World) -> ShardLayout:
     return layout
 
 
-class SplitOffload(Engine):
+class SplitOffload(AroundChild):
     """``split(n, offload(…))`` (or a replicate node around it): the child trains this rank's shards; this engine
     gives the leaf the split group's norm and turns checkpoints whole (see the module docstring)."""
 
@@ -229,33 +228,11 @@ class SplitOffload(Engine):
     def _norm(self, _local: Tensor) -> Tensor:
         return self.layout.sq_norm(self.leaf.grad_norms_now()).sqrt().float().reshape(())
 
-    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
-        return self.child.train_step(micro_batches, lr)
-
-    def eval_loss(self, batches: list[Batch]) -> float:
-        return self.child.eval_loss(batches)
-
     def state(self) -> TrainState:
         return self.layout.whole(self.child.state())
 
     def load_state(self, state: TrainState) -> None:
         self.child.load_state(self.layout.cut(state))
-
-    def describe(self) -> str:
-        return self.child.describe()
-
-    def memory_stats(self) -> dict[str, int]:
-        return self.child.memory_stats()
-
-    def step_io(self) -> dict[str, float]:
-        return self.child.step_io()
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        return self.child.predicted_step_s
-
-    def close(self) -> None:
-        self.child.close()
 
 
 class SplitOffloadPipeline(OffloadPipelineEngine):

@@ -99,6 +99,41 @@ class Engine(abc.ABC):
         """Release threads, files and process groups."""
 
 
+class AroundChild(Engine):
+    """A plan node's engine around its child's: every Engine call goes to ``child`` unless the node changes it
+    (what a node adds is its own step, norm or checkpoint form; the rest is the child's)."""
+
+    child: Engine
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        return self.child.train_step(micro_batches, lr)
+
+    def eval_loss(self, batches: list[Batch]) -> float:
+        return self.child.eval_loss(batches)
+
+    def state(self) -> TrainState:
+        return self.child.state()
+
+    def load_state(self, state: TrainState) -> None:
+        self.child.load_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.child.memory_stats()
+
+    def step_io(self) -> dict[str, float]:
+        return self.child.step_io()
+
+    def describe(self) -> str:
+        return self.child.describe()
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.child.predicted_step_s
+
+    def close(self) -> None:
+        self.child.close()
+
+
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor ``torch.nn.utils.clip_grad_norm_`` multiplies gradients by (1 when clipping is off)."""
     limit = max_norm if max_norm > 0 else math.inf
