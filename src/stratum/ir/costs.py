@@ -131,3 +131,23 @@ class Costs:
         summed: dict[str, Any] = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
                                   for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
         return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """Seconds of a training step outside its blocks' forward and backward, on the profiled device, as the plain
+    engine runs it (measured beside the profile: :mod:`stratum.plan.step_probe`). Every engine makes these
+    calls too, so a planner charges them to every rank, over its device's speed."""
+
+    fixed_s: float = 0.0
+    """Per step, outside the blocks and the AdamW update: the gradient norm and clipping, zeroing the gradients,
+    the loss's reduction, the engine's Python."""
+    per_microbatch_s: float = 0.0
+    """Per micro-batch, outside the blocks: the batch's copy to the device, the loss scaling, autograd's
+    graph set-up and the engine's Python."""
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_microbatch_s"):
+            x = getattr(self, name)
+            if not x >= 0 or math.isinf(x):
+                raise StratumError(f"step costs: {name} must be a number of seconds >= 0, got {x}")

@@ -21,11 +21,19 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 - **update**: AdamW over the parameters a rank holds (1/s of split blocks', 1/r of all under ``shard=true``) at
   the workload's measured seconds per parameter, over the rank's speed.
 
+- **the step's own costs**: every rank pays the plain engine's measured costs outside its blocks
+  (:class:`~stratum.ir.costs.StepCosts`: a fixed part per step and a part per micro-batch it runs, over its
+  speed, :func:`~stratum.ir.prices.step_overhead_s`), and the scalar collectives the engines make each step, each
+  a ring all-reduce of a few bytes (so its latencies) over its group: the loss over the replicas and over the
+  pipeline ranks, the gradient norm over the pipeline ranks, the split group and (``shard=true``) the replicas.
+  The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
+  (one set of latencies) per bucket.
+
 The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
 replicas' all-reduce.
 
-Not modelled: overlap of the gradient reduction with the backward, the loss and gradient-norm all-reduces,
-contention between links, per-step overheads (data, Python).
+Not modelled: overlap of the gradient reduction with the backward, contention between links, DTensor's dispatch
+and copies under split beyond the Megatron reductions.
 """
 
 from __future__ import annotations
@@ -37,10 +45,11 @@ from functools import lru_cache
 from typing import Any
 
 from stratum.errors import StratumError
-from stratum.ir.costs import Costs
+from stratum.ir.costs import Costs, StepCosts
 from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
-from stratum.ir.prices import allreduce_s, with_link
+from stratum.ir.prices import allreduce_s, bucketed_allreduce_s, step_overhead_s, with_link
+from stratum.parallel.buckets import BUCKET_BYTES
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.schedule.generators import generate
@@ -50,6 +59,8 @@ from stratum.units import fmt_bytes
 
 SPLIT_REDUCTIONS = 2
 """All-reduces of a split block's output per forward (and per backward): after attention and after the MLP."""
+SCALAR_BYTES = 8
+"""Bytes of a loss or gradient-norm all-reduce (one float64)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +83,9 @@ class Workload:
     update_s_per_param: float = 0.0
     """Seconds of the AdamW update per parameter on the profiled device (measured beside the profile); 0 = the
     update is not priced."""
+    step: StepCosts = StepCosts()
+    """The step's costs outside its blocks on the profiled device (measured on the plain engine beside the
+    profile); zeros = not priced."""
     offload: Callable[[int, int, int], tuple[float, int]] | None = None
     """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
     device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
@@ -95,13 +109,16 @@ class Prediction:
     plan: Plan
     step_s: float
     """Seconds of one optimizer step: compute (with pipeline bubbles and split reductions) + gradient reduction +
-    update."""
+    update + the step's own costs."""
     compute_s: float
     """The compute part: the pipeline's simulated makespan, or the slowest replica's micro-batches in a row."""
     reduce_s: float
-    """Seconds of the replicas' gradient reduction after the backward."""
+    """Seconds of the replicas' gradient reduction after the backward and of the step's scalar (loss, norm)
+    all-reduces."""
     update_s: float = 0.0
     """Seconds of the slowest rank's AdamW update of the parameters it holds (1/r of them under shard=true)."""
+    overhead_s: float = 0.0
+    """Seconds of the slowest rank's step costs outside its blocks (:class:`~stratum.ir.costs.StepCosts`)."""
     bubble: float
     """Idle share of the pipeline ranks during the compute part (0 without a pipeline)."""
     peak_bytes: tuple[int, ...]
@@ -209,8 +226,9 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         cut = tuple((x.start, x.stop) for x in stages)
     shard = plan.replicate is not None and plan.replicate.shard
     grad_bytes = [sum(blocks.param_bytes[b] for b in h) for h in held]
-    reduce = max(allreduce_s(x, r, _mesh_link(hw, plan, "replica")) for x in grad_bytes)
+    reduce = max(_grad_reduce_s(x, plan, hw) for x in grad_bytes) + _scalar_collectives_s(plan, hw)
     update = _update_s(work, plan, hw, held)
+    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
     peaks = []
     for rank in range(world):
         q = plan.coord(rank).stage_rank
@@ -222,8 +240,26 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         worst = max(over, key=lambda j: peaks[j] - limits[j])
         why = (f"rank {worst} needs {fmt_bytes(peaks[worst])} of its {fmt_bytes(limits[worst])} "
                f"({len(over)} of {world} ranks over)")
-    return Prediction(plan=plan, step_s=compute + reduce + update, compute_s=compute, reduce_s=reduce,
-                      update_s=update, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+    return Prediction(plan=plan, step_s=compute + reduce + update + overhead, compute_s=compute, reduce_s=reduce,
+                      update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _grad_reduce_s(nbytes: float, plan: Plan, hw: Hardware) -> float:
+    """The replicas' gradient reduction of a rank's ``nbytes``: bucketed all-reduces, or (``shard=true``) a
+    reduce-scatter and an all-gather of the same bytes, one call each."""
+    r, link = plan.replicas, _mesh_link(hw, plan, "replica")
+    if plan.replicate is not None and plan.replicate.shard:
+        return allreduce_s(nbytes, r, link)
+    return bucketed_allreduce_s(nbytes, r, link, BUCKET_BYTES)
+
+
+def _scalar_collectives_s(plan: Plan, hw: Hardware) -> float:
+    """The step's loss and gradient-norm all-reduces (see the module): each pays its group's ring latencies."""
+    r, p, s = plan.mesh_shape
+    shard = plan.replicate is not None and plan.replicate.shard
+    calls = {"replica": (r, 1 + int(shard)), "stage_rank": (p, 2), "split": (s, 1)}
+    return sum(k * allreduce_s(SCALAR_BYTES, n, _mesh_link(hw, plan, dim))
+               for dim, (n, k) in calls.items() if n > 1)
 
 
 def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -> float:
@@ -241,7 +277,7 @@ def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -
 
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
     """The memory engine alone or under replicate: its planner's step for the replica's micro-batches (the slowest
-    device's pace), then the replicas' gradient all-reduce."""
+    device's pace), then the replicas' gradient and loss all-reduces."""
     if work.offload is None:
         raise StratumError("the offload leaf is not offered for this workload")
     if plan.pipeline is not None or plan.split is not None:
@@ -251,7 +287,8 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
     assert isinstance(leaf, Offload)  # (predict sends offload leaves here)
     step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
     compute = step / min(hw.devices[k].speed for k in range(world))
-    reduce = allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"))
+    reduce = (bucketed_allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"),
+                                   BUCKET_BYTES) + _scalar_collectives_s(plan, hw))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
                       peak_bytes=(int(peak),) * world, limit_bytes=limits)
