@@ -70,6 +70,11 @@ def test_split_divides_layers_and_adds_two_reductions_each_way():
     comm = 2 * allreduce_s(4000, 2, LINK)  # per split block, per direction
     per_mb = 3 * f[0] + 3 * f[3] + sum(3 * f[k] / 2 + 2 * comm for k in (1, 2))
     assert pred.step_s == pytest.approx(4 * per_mb + allreduce_s(8, 2, LINK))  # and the norm's all-reduce
+    # DTensor's dispatch: 3 ms per split block (2 of them) and micro-batch (4), 10 ms a step
+    dt = predict(parse_plan("split(2)"), replace(_work(), step=StepCosts(split_block_s=0.003, split_fixed_s=0.01)),
+                 _hw(2))
+    assert dt.step_s == pytest.approx(pred.step_s + 4 * 2 * 0.003 + 0.01)
+    assert dt.overhead_s == pytest.approx(0.01)
     state = [16 * b.n_params for b in prof.blocks]
     act = [b.act_saved_bytes for b in prof.blocks]
     assert pred.peak_bytes[0] == state[0] + state[3] + (state[1] + state[2]) // 2 + act[0] + act[3] + \

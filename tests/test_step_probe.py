@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from stratum.config import ModelConfig
 from stratum.ir.costs import StepCosts
@@ -21,6 +23,11 @@ def test_the_costs_outside_the_blocks_are_what_the_steps_leave_over():
     assert got.per_microbatch_s == pytest.approx(0.01) and got.fixed_s == pytest.approx(0.015)
     # a load that made the blocks look slower than the steps leaves nothing, not a negative cost
     assert step_costs_from(0.05, 0.06, blocks_s=0.03, update_s=0.03) == StepCosts()
+    # its 2 layers under DTensor: S(1) = 70 ms, S(2) = 110 ms: per split block (40 − 30) / 2 = 5 ms a micro-batch;
+    # split's fixed part 70 − 50 − 2 · 5 = 10 ms
+    got = step_costs_from(0.05, 0.08, blocks_s=0.02, update_s=0.005, split=[0.07, 0.11], split_blocks=2)
+    assert got.split_block_s == pytest.approx(0.005) and got.split_fixed_s == pytest.approx(0.01)
+    assert got.fixed_s == pytest.approx(0.015)
 
 
 def test_a_tiny_model_measures_costs_the_cost_model_takes_and_leaves_the_rng_alone():
@@ -29,10 +36,13 @@ def test_a_tiny_model_measures_costs_the_cost_model_takes_and_leaves_the_rng_alo
     prof = profile_blockseq(model, micro_batch=2, seq_len=8, device=cpu, runs=2)
     torch.manual_seed(3)
     before = torch.rand(1)
+    copy = build_model(ModelConfig(preset="tiny"), tokenizer_vocab=64, seq_len=8, seed=0, device=cpu)
     torch.manual_seed(3)
-    got = measure_step_costs(model, profile=prof, vocab=64, micro_batch=2, seq_len=8, device=cpu, update_s=0.0,
-                             optim=OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0),
-                             repeats=2)
+    got = measure_step_costs(model, split_copy=copy, profile=prof, vocab=64, micro_batch=2, seq_len=8, device=cpu,
+                             update_s=0.0, repeats=2,
+                             optim=OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0))
     assert torch.rand(1) == before
-    assert got.fixed_s >= 0 and got.per_microbatch_s >= 0
-    assert got.fixed_s + got.per_microbatch_s < 5.0  # seconds: a tiny model's step is far quicker
+    assert not dist.is_initialized()  # the probe's world of one is gone
+    assert any(isinstance(p, DTensor) for p in copy.parameters())  # the copy's layers ran under DTensor
+    figures = [got.fixed_s, got.per_microbatch_s, got.split_block_s, got.split_fixed_s]
+    assert all(0 <= x < 5.0 for x in figures)  # seconds: a tiny model's step is far quicker

@@ -145,9 +145,14 @@ class StepCosts:
     per_microbatch_s: float = 0.0
     """Per micro-batch, outside the blocks: the batch's copy to the device, the loss scaling, autograd's
     graph set-up and the engine's Python."""
+    split_block_s: float = 0.0
+    """Per split block and micro-batch, its forward and backward together: what DTensor's dispatch and copies
+    add to the block's own compute under ``split`` (its sharded arithmetic and reductions are priced apart)."""
+    split_fixed_s: float = 0.0
+    """Per step under ``split``: what the gradient norm, clipping and update over DTensor parameters add."""
 
     def __post_init__(self) -> None:
-        for name in ("fixed_s", "per_microbatch_s"):
+        for name in ("fixed_s", "per_microbatch_s", "split_block_s", "split_fixed_s"):
             x = getattr(self, name)
             if not x >= 0 or math.isinf(x):
                 raise StratumError(f"step costs: {name} must be a number of seconds >= 0, got {x}")

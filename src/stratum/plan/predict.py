@@ -7,7 +7,9 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under
   ``split(s)`` a shardable block computes 1/s of its work and keeps 1/s of its state and saved activations, and
   its forward and backward each all-reduce its output twice over the split group (Megatron's attention and MLP
-  reductions).
+  reductions) and pay DTensor's dispatch and copies (``StepCosts.split_block_s``, shared between forward and
+  backward as the block's own times are); the step pays ``StepCosts.split_fixed_s`` for its norm, clipping and
+  update over DTensor parameters.
 - **pipeline**: the schedule the node names, for the replica's micro-batches, over the stages the node's partition
   cuts (even, balanced by parameter count, or the profiled cut of :func:`stratum.plan.partition.partition`),
   run through the event simulator (:func:`stratum.sim.pipeline.simulate`) with the pipeline group's link: the
@@ -32,8 +34,7 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
 replicas' all-reduce.
 
-Not modelled: overlap of the gradient reduction with the backward, contention between links, DTensor's dispatch
-and copies under split beyond the Megatron reductions.
+Not modelled: overlap of the gradient reduction with the backward, contention between links.
 """
 
 from __future__ import annotations
@@ -160,9 +161,11 @@ def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]
             cols[name][k] /= s
         state[k] /= s
         comm = SPLIT_REDUCTIONS * allreduce_s(c.out_bytes[k], s, link)
-        cols["f"][k] += comm
-        cols["b"][k] += comm
-        cols["i"][k] += comm
+        f, b = cols["f"][k], cols["b"][k]
+        dispatch = work.step.split_block_s * (f / (f + b) if f + b > 0 else 0.5)  # DTensor's, forward's share
+        cols["f"][k] += comm + dispatch
+        cols["b"][k] += comm + work.step.split_block_s - dispatch
+        cols["i"][k] += comm + work.step.split_block_s - dispatch
     return replace(c, **cols), state
 
 
@@ -229,6 +232,8 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     reduce = max(_grad_reduce_s(x, plan, hw) for x in grad_bytes) + _scalar_collectives_s(plan, hw)
     update = _update_s(work, plan, hw, held)
     overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
+    if s > 1:  # the norm, clipping and update over DTensor parameters
+        overhead += work.step.split_fixed_s / min(hw.devices[k].speed for k in range(world))
     peaks = []
     for rank in range(world):
         q = plan.coord(rank).stage_rank

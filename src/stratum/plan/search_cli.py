@@ -119,14 +119,18 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
     update = update_seconds_per_param(device)
     return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
                     param_counts=weights, profile_path=profile_path or "", offload=offload,
-                    update_s_per_param=update, step=step_costs(cfg, prof, device, update))
+                    update_s_per_param=update, step=step_costs(cfg, prof, device, update, split=bool(sizes)))
 
 
-def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_param: float) -> StepCosts:
-    """The plain engine's step costs outside its blocks (:mod:`stratum.plan.step_probe`), measured on the real
-    model where its training state and one micro-batch's activations fit the device; none elsewhere (the
-    memory engine's planner prices its own steps)."""
-    need = prof.param_bytes + sum(b.grad_bytes + b.optim_bytes + 2 * b.act_saved_bytes for b in prof.blocks)
+def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_param: float, *,
+               split: bool) -> StepCosts:
+    """The plain engine's step costs outside its blocks (:mod:`stratum.plan.step_probe`; with ``split``, a second
+    copy's layers under DTensor too), measured on the real model where its copies' training state and two
+    micro-batches' activations fit the device; none elsewhere (the memory engine's planner prices its own
+    steps)."""
+    copies = 2 if split else 1
+    need = copies * (prof.param_bytes + sum(b.grad_bytes + b.optim_bytes + 2 * b.act_saved_bytes
+                                            for b in prof.blocks))
     free = device_memory_bytes(device)
     if free is not None and need > free:
         logger.info(f"the step's costs outside its blocks are not measured: the model needs {fmt_bytes(need)} of "
@@ -136,8 +140,9 @@ def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_pa
     model = _model(cfg, device)
     if not model.info.vocab_size:  # the probe feeds token ids
         return StepCosts()
-    return measure_step_costs(model, profile=prof, vocab=model.info.vocab_size, micro_batch=t.micro_batch_size,
-                              seq_len=cfg.data.seq_len, optim=optim_spec(cfg), device=device,
+    return measure_step_costs(model, split_copy=_model(cfg, device) if split else None, profile=prof,
+                              vocab=model.info.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
+                              optim=optim_spec(cfg), device=device,
                               update_s=update_s_per_param * sum(b.n_params for b in prof.blocks))
 
 

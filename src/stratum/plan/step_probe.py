@@ -1,29 +1,38 @@
 """Measure a step's own costs outside its blocks (:class:`~stratum.ir.costs.StepCosts`) on the plain engine,
 beside the profile that prices the blocks.
 
-The plain engine trains the real model for steps of one and of two micro-batches, alternated (so a load that
-moves between them moves both alike), each kind timed ``repeats`` times after a warm-up; with ``T(m)`` the median
-step of ``m`` micro-batches, ``B`` the profile's forward and backward seconds of one micro-batch and ``U`` the
-AdamW update's price:
+The plain engine trains the real model for steps of one and of two micro-batches; where the model has blocks
+``split`` shards and a second copy is given, that copy's k split blocks are sharded over a mesh of this one
+process (DTensor's dispatch and copies, no arithmetic saved and nothing to send) and trained the same way. The
+step kinds alternate (so a load that moves between them moves all alike), each timed ``repeats`` times after a
+warm-up. With ``P(m)`` and ``S(m)`` the median plain and split steps of ``m`` micro-batches, ``B`` the profile's
+forward and backward seconds of one micro-batch and ``U`` the AdamW update's price:
 
-- per micro-batch: ``T(2) − T(1) − B`` (what a second micro-batch costs beyond its blocks);
-- fixed: ``T(1) − B − per_microbatch − U``.
+- per micro-batch: ``P(2) − P(1) − B`` (what a second micro-batch costs beyond its blocks);
+- fixed: ``P(1) − B − per_microbatch − U``;
+- per split block and micro-batch: ``((S(2) − S(1)) − (P(2) − P(1))) / k``;
+- split's fixed part: ``S(1) − P(1) − k · split_block``.
 
-A figure the load pushed below zero counts as 0. The steps draw random tokens from their own generator, so the
-caller's random state is unchanged.
+A figure the load pushed below zero counts as 0. The steps draw random tokens from their own generator and run
+inside a forked random state, so the caller's random state is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from stratum.data.tokens import Batch
 from stratum.ir.costs import StepCosts
 from stratum.model.blockseq import BlockSeq
+from stratum.parallel.split import apply_split, split_blocks
 from stratum.profile.profile import Profile
 from stratum.runtime.device import synchronize
 from stratum.runtime.engine import OptimSpec
@@ -46,34 +55,70 @@ def _timed(engine: PlainEngine, batches: list[Batch], device: torch.device) -> f
     return time.perf_counter() - t0
 
 
-def measure_step_costs(model: BlockSeq, *, profile: Profile, vocab: int, micro_batch: int, seq_len: int,
-                       optim: OptimSpec, device: torch.device, update_s: float,
-                       repeats: int = REPEATS) -> StepCosts:
-    """Train ``model`` (materialised, on ``device``; its weights change) on the plain engine and return the
-    step's costs outside the profile's blocks and the update's price ``update_s`` (see the module)."""
-    engine = PlainEngine(model, optim=optim, device=device)
-    gen = torch.Generator().manual_seed(0)
-    one, two = (_batches(vocab, micro_batch, seq_len, m, gen) for m in (1, 2))
-    t1: list[float] = []
-    t2: list[float] = []
+@contextlib.contextmanager
+def _one_process_mesh(device: torch.device) -> Iterator[DeviceMesh | None]:
+    """A 1-D mesh of this process alone, in a world of one made for it (None where this process already belongs
+    to a process group: its world is not this probe's to replace)."""
+    if dist.is_initialized():
+        yield None
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        yield DeviceMesh(device.type, [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def _medians(engines: list[PlainEngine], batches: list[list[Batch]], device: torch.device,
+             repeats: int) -> list[list[float]]:
+    """Per engine, the median step of each batch list: every (engine, batches) pair once per round, alternated."""
+    times: list[list[list[float]]] = [[[] for _ in batches] for _ in engines]
     with torch.random.fork_rng(devices=[]):  # dropout may draw: the caller's stream stays where it was
-        _timed(engine, one, device)  # warm-up: the moments are allocated, the kernels chosen
-        _timed(engine, two, device)
+        for e in engines:  # warm-up: the moments are allocated, the kernels chosen
+            for b in batches:
+                _timed(e, b, device)
         for _ in range(repeats):
-            t1.append(_timed(engine, one, device))
-            t2.append(_timed(engine, two, device))
+            for e, row in zip(engines, times):
+                for b, out in zip(batches, row):
+                    out.append(_timed(e, b, device))
+    return [[statistics.median(x) for x in row] for row in times]
+
+
+def measure_step_costs(model: BlockSeq, *, split_copy: BlockSeq | None, profile: Profile, vocab: int,
+                       micro_batch: int, seq_len: int, optim: OptimSpec, device: torch.device, update_s: float,
+                       repeats: int = REPEATS) -> StepCosts:
+    """Train ``model`` (materialised, on ``device``; its weights change) on the plain engine, and ``split_copy``
+    (another copy, or None) with its split blocks sharded over this process alone; return the step's costs
+    outside the profile's blocks and the update's price ``update_s`` (see the module)."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [_batches(vocab, micro_batch, seq_len, m, gen) for m in (1, 2)]
     blocks = sum(b.fwd_s + b.bwd_s for b in profile.blocks)
-    m1, m2 = statistics.median(t1), statistics.median(t2)
-    costs = step_costs_from(m1, m2, blocks_s=blocks, update_s=update_s)
-    logger.info(f"plain engine step: {m1:.4f} s (1 micro-batch), {m2:.4f} s (2); profiled blocks {blocks:.4f} s "
-                f"a micro-batch, update {update_s:.4f} s: {costs.per_microbatch_s:.4f} s per micro-batch and "
-                f"{costs.fixed_s:.4f} s per step outside them")
+    k = len(split_blocks(split_copy)) if split_copy is not None else 0
+    with _one_process_mesh(device) if k else contextlib.nullcontext() as mesh:
+        engines = [PlainEngine(model, optim=optim, device=device)]
+        if split_copy is not None and mesh is not None:
+            apply_split(split_copy, split_blocks(split_copy), mesh)
+            engines.append(PlainEngine(split_copy, optim=optim, device=device))
+        med = _medians(engines, batches, device, repeats)
+    split = med[1] if len(med) > 1 else None
+    costs = step_costs_from(*med[0], blocks_s=blocks, update_s=update_s, split=split, split_blocks=k)
+    logger.info(f"plain engine step: {med[0][0]:.4f} s (1 micro-batch), {med[0][1]:.4f} s (2)"
+                + (f"; its layers under DTensor: {split[0]:.4f} s, {split[1]:.4f} s" if split else "")
+                + f"; profiled blocks {blocks:.4f} s a micro-batch, update {update_s:.4f} s → {costs}")
     return costs
 
 
-def step_costs_from(one_s: float, two_s: float, *, blocks_s: float, update_s: float) -> StepCosts:
+def step_costs_from(one_s: float, two_s: float, *, blocks_s: float, update_s: float,
+                    split: list[float] | None = None, split_blocks: int = 0) -> StepCosts:
     """The step's costs outside its blocks from the plain engine's steps of one and two micro-batches (``one_s``,
-    ``two_s``), a micro-batch's profiled blocks ``blocks_s`` and the update's price ``update_s`` (the module's
-    formulas; a figure below zero counts as 0)."""
+    ``two_s``), a micro-batch's profiled blocks ``blocks_s``, the update's price ``update_s`` and, where given,
+    the same steps with ``split_blocks`` blocks under DTensor (``split``: their one and two micro-batch steps);
+    the module's formulas, a figure below zero counting as 0."""
     per_mb = max(0.0, two_s - one_s - blocks_s)
-    return StepCosts(fixed_s=max(0.0, one_s - blocks_s - per_mb - update_s), per_microbatch_s=per_mb)
+    fixed = max(0.0, one_s - blocks_s - per_mb - update_s)
+    if not split or not split_blocks:
+        return StepCosts(fixed_s=fixed, per_microbatch_s=per_mb)
+    block = max(0.0, ((split[1] - split[0]) - (two_s - one_s)) / split_blocks)
+    return StepCosts(fixed_s=fixed, per_microbatch_s=per_mb, split_block_s=block,
+                     split_fixed_s=max(0.0, split[0] - one_s - split_blocks * block))
