@@ -75,6 +75,10 @@ def test_split_divides_layers_and_adds_two_reductions_each_way():
                  _hw(2))
     assert dt.step_s == pytest.approx(pred.step_s + 4 * 2 * 0.003 + 0.01)
     assert dt.overhead_s == pytest.approx(0.01)
+    # the blocks at twice the profile's pace when the step costs were measured: every block takes twice as long
+    slow = predict(parse_plan("split(2)"), replace(_work(), step=StepCosts(block_scale=2.0)), _hw(2))
+    assert slow.step_s == pytest.approx(4 * (per_mb + 3 * f[0] + 3 * f[3] + sum(3 * f[k] / 2 for k in (1, 2)))
+                                        + allreduce_s(8, 2, LINK))
     state = [16 * b.n_params for b in prof.blocks]
     act = [b.act_saved_bytes for b in prof.blocks]
     assert pred.peak_bytes[0] == state[0] + state[3] + (state[1] + state[2]) // 2 + act[0] + act[3] + \

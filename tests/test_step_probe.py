@@ -46,3 +46,4 @@ def test_a_tiny_model_measures_costs_the_cost_model_takes_and_leaves_the_rng_alo
     assert any(isinstance(p, DTensor) for p in copy.parameters())  # the copy's layers ran under DTensor
     figures = [got.fixed_s, got.per_microbatch_s, got.split_block_s, got.split_fixed_s]
     assert all(0 <= x < 5.0 for x in figures)  # seconds: a tiny model's step is far quicker
+    assert 0 < got.block_scale < 100  # the blocks re-timed against the profile of the same blocks

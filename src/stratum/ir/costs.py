@@ -136,8 +136,9 @@ class Costs:
 @dataclass(frozen=True, kw_only=True)
 class StepCosts:
     """Seconds of a training step outside its blocks' forward and backward, on the profiled device, as the plain
-    engine runs it (measured beside the profile: :mod:`stratum.plan.step_probe`). Every engine makes these
-    calls too, so a planner charges them to every rank, over its device's speed."""
+    engine runs it (measured beside the profile: :mod:`stratum.plan.step_probe`), and the blocks' pace at that
+    moment. Every engine makes these calls too, so a planner charges them to every rank, over its device's
+    speed."""
 
     fixed_s: float = 0.0
     """Per step, outside the blocks and the AdamW update: the gradient norm and clipping, zeroing the gradients,
@@ -151,8 +152,14 @@ class StepCosts:
     split_fixed_s: float = 0.0
     """Per step under ``split``: what the gradient norm, clipping and update over DTensor parameters add."""
 
+    block_scale: float = 1.0
+    """The blocks' seconds when these costs were measured over the profile's: a planner multiplies the profile's
+    block times by it, so that blocks and step costs are priced at the load of one moment."""
+
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_microbatch_s", "split_block_s", "split_fixed_s"):
             x = getattr(self, name)
             if not x >= 0 or math.isinf(x):
                 raise StratumError(f"step costs: {name} must be a number of seconds >= 0, got {x}")
+        if not self.block_scale > 0 or math.isinf(self.block_scale):
+            raise StratumError(f"step costs: block_scale must be a positive number, got {self.block_scale}")

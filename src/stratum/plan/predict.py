@@ -3,7 +3,8 @@
 Inputs: a :class:`Workload` (the profile's per-block costs, the step's micro-batches, which blocks ``split`` can
 shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devices[r]``). The model, per step:
 
-- **blocks**: a block's profiled forward/backward seconds over its device's speed (as
+- **blocks**: a block's profiled forward/backward seconds, times ``StepCosts.block_scale`` (the blocks' pace
+  when the step costs were measured over the profile's), over its device's speed (as
   :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under
   ``split(s)`` a shardable block computes 1/s of its work and keeps 1/s of its state and saved activations, and
   its forward and backward each all-reduce its output twice over the split group (Megatron's attention and MLP
@@ -151,6 +152,9 @@ def _slowest(hw: Hardware, plan: Plan, dim: str, index: int) -> float:
 def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]]:
     """Per-block costs on one rank of a split group of ``s``, and per block the state bytes it holds."""
     c = Costs.blocks(work.profile)
+    pace = work.step.block_scale  # the profile's blocks at the pace the step costs were measured at
+    c = replace(c, f=[x * pace for x in c.f], b=[x * pace for x in c.b], i=[x * pace for x in c.i],
+                w=[x * pace for x in c.w])
     state = [float(b.param_bytes + b.grad_bytes + b.optim_bytes) for b in work.profile.blocks]
     if s == 1:
         return c, state

@@ -3,18 +3,21 @@ beside the profile that prices the blocks.
 
 The plain engine trains the real model for steps of one and of two micro-batches; where the model has blocks
 ``split`` shards and a second copy is given, that copy's k split blocks are sharded over a mesh of this one
-process (DTensor's dispatch and copies, no arithmetic saved and nothing to send) and trained the same way. The
-step kinds alternate (so a load that moves between them moves all alike), each timed ``repeats`` times after a
-warm-up. With ``P(m)`` and ``S(m)`` the median plain and split steps of ``m`` micro-batches, ``B`` the profile's
-forward and backward seconds of one micro-batch and ``U`` the AdamW update's price:
+process (DTensor's dispatch and copies, no arithmetic saved and nothing to send) and trained the same way; and
+the model's blocks are timed as the profiler times them. The kinds alternate (so a load that moves between them
+moves all alike), each timed ``repeats`` times after a warm-up. With ``P(m)`` and ``S(m)`` the median plain and
+split steps of ``m`` micro-batches, ``B`` the blocks' forward and backward seconds of one micro-batch now and
+``U`` the AdamW update's price:
 
 - per micro-batch: ``P(2) − P(1) − B`` (what a second micro-batch costs beyond its blocks);
 - fixed: ``P(1) − B − per_microbatch − U``;
 - per split block and micro-batch: ``((S(2) − S(1)) − (P(2) − P(1))) / k``;
 - split's fixed part: ``S(1) − P(1) − k · split_block``.
 
-A figure the load pushed below zero counts as 0. The steps draw random tokens from their own generator and run
-inside a forked random state, so the caller's random state is unchanged.
+- the blocks' scale: ``B`` over the profile's blocks. The profile may have been taken under another load (or
+  cached long before); a planner multiplies its block times by this, so that blocks, step costs and update are
+  priced at the load of one moment, the search's.
+
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,6 +39,7 @@ from stratum.ir.costs import StepCosts
 from stratum.model.blockseq import BlockSeq
 from stratum.parallel.split import apply_split, split_blocks
 from stratum.profile.profile import Profile
+from stratum.profile.profiler import profile_blockseq
 from stratum.runtime.device import synchronize
 from stratum.runtime.engine import OptimSpec
 from stratum.runtime.plain import PlainEngine
@@ -70,19 +76,23 @@ def _one_process_mesh(device: torch.device) -> Iterator[DeviceMesh | None]:
         dist.destroy_process_group()
 
 
-def _medians(engines: list[PlainEngine], batches: list[list[Batch]], device: torch.device,
-             repeats: int) -> list[list[float]]:
-    """Per engine, the median step of each batch list: every (engine, batches) pair once per round, alternated."""
-    times: list[list[list[float]]] = [[[] for _ in batches] for _ in engines]
+def _medians(kinds: list[Callable[[], float]], repeats: int) -> list[float]:
+    """Each timed kind's median: every kind once per round, in turn, after a warm-up round."""
+    times: list[list[float]] = [[] for _ in kinds]
     with torch.random.fork_rng(devices=[]):  # dropout may draw: the caller's stream stays where it was
-        for e in engines:  # warm-up: the moments are allocated, the kernels chosen
-            for b in batches:
-                _timed(e, b, device)
+        for kind in kinds:  # warm-up: the moments are allocated, the kernels chosen
+            kind()
         for _ in range(repeats):
-            for e, row in zip(engines, times):
-                for b, out in zip(batches, row):
-                    out.append(_timed(e, b, device))
-    return [[statistics.median(x) for x in row] for row in times]
+            for kind, out in zip(kinds, times):
+                out.append(kind())
+    return [statistics.median(x) for x in times]
+
+
+def _blocks_s(model: BlockSeq, micro_batch: int, seq_len: int, device: torch.device) -> float:
+    """Seconds of one micro-batch's forward and backward over ``model``'s blocks, timed as the profiler times
+    them (one run each)."""
+    prof = profile_blockseq(model, micro_batch=micro_batch, seq_len=seq_len, device=device, runs=1)
+    return sum(b.fwd_s + b.bwd_s for b in prof.blocks)
 
 
 def measure_step_costs(model: BlockSeq, *, split_copy: BlockSeq | None, profile: Profile, vocab: int,
@@ -90,27 +100,29 @@ def measure_step_costs(model: BlockSeq, *, split_copy: BlockSeq | None, profile:
                        repeats: int = REPEATS) -> StepCosts:
     """Train ``model`` (materialised, on ``device``; its weights change) on the plain engine, and ``split_copy``
     (another copy, or None) with its split blocks sharded over this process alone; return the step's costs
-    outside the profile's blocks and the update's price ``update_s`` (see the module)."""
+    outside the blocks and the update's price ``update_s`` as ``profile``'s load saw them (see the module)."""
     gen = torch.Generator().manual_seed(0)
-    batches = [_batches(vocab, micro_batch, seq_len, m, gen) for m in (1, 2)]
-    blocks = sum(b.fwd_s + b.bwd_s for b in profile.blocks)
+    one, two = (_batches(vocab, micro_batch, seq_len, m, gen) for m in (1, 2))
     k = len(split_blocks(split_copy)) if split_copy is not None else 0
     with _one_process_mesh(device) if k else contextlib.nullcontext() as mesh:
         engines = [PlainEngine(model, optim=optim, device=device)]
         if split_copy is not None and mesh is not None:
             apply_split(split_copy, split_blocks(split_copy), mesh)
             engines.append(PlainEngine(split_copy, optim=optim, device=device))
-        med = _medians(engines, batches, device, repeats)
-    split = med[1] if len(med) > 1 else None
-    costs = step_costs_from(*med[0], blocks_s=blocks, update_s=update_s, split=split, split_blocks=k)
-    logger.info(f"plain engine step: {med[0][0]:.4f} s (1 micro-batch), {med[0][1]:.4f} s (2)"
-                + (f"; its layers under DTensor: {split[0]:.4f} s, {split[1]:.4f} s" if split else "")
-                + f"; profiled blocks {blocks:.4f} s a micro-batch, update {update_s:.4f} s → {costs}")
+        kinds: list[Callable[[], float]] = [partial(_blocks_s, model, micro_batch, seq_len, device)]
+        kinds += [partial(_timed, e, b, device) for e in engines for b in (one, two)]
+        blocks, *steps = _medians(kinds, repeats)
+    scale = blocks / sum(b.fwd_s + b.bwd_s for b in profile.blocks) if profile.blocks else 1.0
+    costs = replace(step_costs_from(*steps[:2], blocks_s=blocks, update_s=update_s, split=steps[2:] or None,
+                                    split_blocks=k if len(steps) > 2 else 0), block_scale=scale if scale > 0 else 1.0)
+    logger.info(f"plain engine step: {steps[0]:.4f} s (1 micro-batch), {steps[1]:.4f} s (2)"
+                + (f"; its layers under DTensor: {steps[2]:.4f} s, {steps[3]:.4f} s" if len(steps) > 2 else "")
+                + f"; its blocks {blocks:.4f} s a micro-batch now, {scale:.3g}× the profile's → {costs}")
     return costs
 
 
 def step_costs_from(one_s: float, two_s: float, *, blocks_s: float, update_s: float,
-                    split: list[float] | None = None, split_blocks: int = 0) -> StepCosts:
+                    split: Sequence[float] | None = None, split_blocks: int = 0) -> StepCosts:
     """The step's costs outside its blocks from the plain engine's steps of one and two micro-batches (``one_s``,
     ``two_s``), a micro-batch's profiled blocks ``blocks_s``, the update's price ``update_s`` and, where given,
     the same steps with ``split_blocks`` blocks under DTensor (``split``: their one and two micro-batch steps);
