@@ -6,7 +6,9 @@ model — block medians of ``--profile-runs`` runs at the real micro-batch — a
 for N CPU processes); the 3 best are trained for real with ``stratum train`` (gloo
 processes, one thread each), their prediction written into the run's out_dir so that ``summary.json`` holds it
 beside the measured median step time (:mod:`stratum.plan.fidelity`). The baseline, in the same run, is the plain
-one-process engine: its measured step against the search's prediction for one device.
+one-process engine: its measured step against the search's prediction for one device. Every tree is priced
+before any is trained, then each round trains every tree once, in turn, so a load that drifts during the run
+reaches every tree alike; a tree's figure is the median over rounds.
 
 Runbook::
 
@@ -26,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +61,16 @@ def _profile(overrides: list[str], out: Path, runs: int) -> None:
         raise SystemExit(f"profiling failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
+def _measure(base: list[str], pred, grad_accum: int, out: Path) -> float:
+    """Train ``pred``'s tree with its prediction recorded in ``out``; the measured median step (summary.json)."""
+    from stratum.plan.fidelity import write_prediction
+
+    accum = grad_accum // pred.plan.replicas
+    write_prediction(out, pred, accum)
+    s = _train(base + [f"parallel.plan={str(pred.plan)!r}", f"train.grad_accum={accum}"], out)
+    return s["plan_search"]["measured_step_s"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="mini")
@@ -77,7 +88,6 @@ def main() -> None:
 
     from stratum.atomic import atomic_write_json
     from stratum.config import load_config
-    from stratum.plan.fidelity import write_prediction
     from stratum.plan.search_cli import machine_hardware, plan_search
 
     torch.set_num_threads(1)
@@ -88,37 +98,38 @@ def main() -> None:
     cfg = load_config(None, base)
     prof = work_dir / "profile.json"
     _profile(base, prof, a.profile_runs)
-    rows = []
+    trees = []  # (devices, the search's rank, prediction), every tree priced before any is trained
     for n in [1] + [int(x) for x in a.devices.split(",")]:
         res, _ = plan_search(cfg, n, machine_hardware(cfg, n), str(prof))
-        for rank, pred in enumerate(res.ranked[:1 if n == 1 else TOP], 1):
-            accum = a.grad_accum // pred.plan.replicas
-            measured = []
-            for r in range(a.rounds):
-                out = work_dir / f"n{n}-{rank}-r{r}"
-                write_prediction(out, pred, accum)
-                t0 = time.perf_counter()
-                s = _train(base + [f"parallel.plan={str(pred.plan)!r}", f"train.grad_accum={accum}"], out)
-                rec = s["plan_search"]
-                measured.append(rec["measured_step_s"])
-                print(f"  N={n} #{rank} round {r}: {s['engine']}: {rec['measured_step_s']:.4f} s measured "
-                      f"({time.perf_counter() - t0:.0f} s run)", flush=True)
-            m = statistics.median(measured)
-            rows.append({"devices": n, "rank": rank, "plan": str(pred.plan), "grad_accum_per_replica": accum,
-                         "predicted_step_s": pred.step_s, "predicted_compute_s": pred.compute_s,
-                         "predicted_reduce_s": pred.reduce_s, "measured_step_s": m, "measured_rounds": measured,
-                         "error": m / pred.step_s - 1})
+        trees += [(n, rank, pred) for rank, pred in enumerate(res.ranked[:1 if n == 1 else TOP], 1)]
+    measured: dict[tuple[int, int], list[float]] = {(n, rank): [] for n, rank, _ in trees}
+    loads = []
+    for r in range(a.rounds):  # every tree once a round, so a load that drifts reaches every tree alike
+        loads.append(os.getloadavg())
+        for n, rank, pred in trees:
+            measured[n, rank].append(_measure(base, pred, a.grad_accum, work_dir / f"n{n}-{rank}-r{r}"))
+            print(f"  round {r}: N={n} #{rank} {pred.plan}: {measured[n, rank][-1]:.4f} s measured", flush=True)
+    rows = []
+    for n, rank, pred in trees:
+        m = statistics.median(measured[n, rank])
+        rows.append({"devices": n, "rank": rank, "plan": str(pred.plan),
+                     "grad_accum_per_replica": a.grad_accum // pred.plan.replicas,
+                     "predicted_step_s": pred.step_s, "predicted_compute_s": pred.compute_s,
+                     "predicted_reduce_s": pred.reduce_s, "predicted_update_s": pred.update_s,
+                     "predicted_overhead_s": pred.overhead_s, "measured_step_s": m,
+                     "measured_rounds": measured[n, rank], "error": m / pred.step_s - 1})
     result = {"benchmark": "plan_search", "what": "auto plan search: predicted (SIMULATED) vs measured step time",
               "args": vars(a), "cpu_count": os.cpu_count(), "rows": rows,
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "load_average_before": load_before, "load_average_per_round": loads,
+              "load_average_after": os.getloadavg(),
               "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows if r["devices"] > 1),
               "trees": sum(r["devices"] > 1 for r in rows),
               "median_abs_error": statistics.median(abs(r["error"]) for r in rows if r["devices"] > 1)}
     atomic_write_json(a.out, result)
-    print(f"{'N':>2} {'#':>2}  {'plan':<62} {'predicted s':>11} {'measured s':>10} {'error':>7}")
+    print(f"{'N':>2} {'#':>2}  {'plan':<62} {'predicted s':>11} {'(overhead)':>10} {'measured s':>10} {'error':>7}")
     for r in rows:
         print(f"{r['devices']:>2} {r['rank']:>2}  {r['plan'][:62]:<62} {r['predicted_step_s']:>11.4f} "
-              f"{r['measured_step_s']:>10.4f} {r['error'] * 100:>+6.1f}%")
+              f"{r['predicted_overhead_s']:>10.4f} {r['measured_step_s']:>10.4f} {r['error'] * 100:>+6.1f}%")
     print(f"within 15 %: {result['within_15pct']} of {result['trees']} trees; median |error| "
           f"{result['median_abs_error'] * 100:.1f} %; wrote {a.out}")
 

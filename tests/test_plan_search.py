@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from stratum.errors import StratumError
-from stratum.ir.hardware import Hardware, Link
+from stratum.ir.costs import StepCosts
+from stratum.ir.hardware import Device, Hardware, Link
 from stratum.ir.plan import parse_plan
 from stratum.ir.prices import allreduce_s
 from stratum.plan.predict import Workload, predict
@@ -46,18 +47,19 @@ def test_replicate_is_its_share_of_micro_batches_plus_a_ring_all_reduce():
     prof = _profile()
     pred = predict(parse_plan("replicate(2)"), _work(), _hw(2))
     compute = 2 * sum(3 * b.fwd_s for b in prof.blocks)  # 4 micro-batches over 2 replicas, f + b = 3f
-    reduce = allreduce_s(sum(b.param_bytes for b in prof.blocks), 2, LINK)
+    scalar = allreduce_s(8, 2, LINK)  # one float64: 2(n-1) latencies and 8 bytes
+    reduce = allreduce_s(sum(b.param_bytes for b in prof.blocks), 2, LINK) + scalar  # gradients (one bucket), loss
     assert pred.compute_s == pytest.approx(compute) and pred.reduce_s == pytest.approx(reduce)
     assert pred.step_s == pytest.approx(compute + reduce) and pred.bubble == 0
     assert pred.peak_bytes == (prof.train_state_bytes + prof.act_saved_bytes,) * 2
     sharded = predict(parse_plan("replicate(2, shard=true)"), _work(), _hw(2))
-    assert sharded.step_s == pytest.approx(pred.step_s)
+    assert sharded.step_s == pytest.approx(pred.step_s + scalar)  # and the gradient norm's all-reduce
     # the update: every parameter on each replica, half of them under shard=true, at 1 us per parameter
     timed = replace(_work(), update_s_per_param=1e-6)
     assert predict(parse_plan("replicate(2)"), timed, _hw(2)).update_s == pytest.approx(prof.n_params * 1e-6)
     half = predict(parse_plan("replicate(2, shard=true)"), timed, _hw(2))
     assert half.update_s == pytest.approx(prof.n_params * 1e-6 / 2)
-    assert half.step_s == pytest.approx(pred.step_s + half.update_s)
+    assert half.step_s == pytest.approx(sharded.step_s + half.update_s)
     assert sharded.peak_bytes[0] == 4 * prof.n_params + 12 * prof.n_params // 2 + prof.act_saved_bytes
 
 
@@ -67,11 +69,35 @@ def test_split_divides_layers_and_adds_two_reductions_each_way():
     f = [b.fwd_s for b in prof.blocks]
     comm = 2 * allreduce_s(4000, 2, LINK)  # per split block, per direction
     per_mb = 3 * f[0] + 3 * f[3] + sum(3 * f[k] / 2 + 2 * comm for k in (1, 2))
-    assert pred.step_s == pytest.approx(4 * per_mb)
+    assert pred.step_s == pytest.approx(4 * per_mb + allreduce_s(8, 2, LINK))  # and the norm's all-reduce
+    # DTensor's dispatch: 3 ms per split block (2 of them) and micro-batch (4), 10 ms a step
+    dt = predict(parse_plan("split(2)"), replace(_work(), step=StepCosts(split_block_s=0.003, split_fixed_s=0.01)),
+                 _hw(2))
+    assert dt.step_s == pytest.approx(pred.step_s + 4 * 2 * 0.003 + 0.01)
+    assert dt.overhead_s == pytest.approx(0.01)
+    # the blocks at twice the profile's pace when the step costs were measured: every block takes twice as long
+    slow = predict(parse_plan("split(2)"), replace(_work(), step=StepCosts(block_scale=2.0)), _hw(2))
+    assert slow.step_s == pytest.approx(4 * (per_mb + 3 * f[0] + 3 * f[3] + sum(3 * f[k] / 2 for k in (1, 2)))
+                                        + allreduce_s(8, 2, LINK))
     state = [16 * b.n_params for b in prof.blocks]
     act = [b.act_saved_bytes for b in prof.blocks]
     assert pred.peak_bytes[0] == state[0] + state[3] + (state[1] + state[2]) // 2 + act[0] + act[3] + \
         (act[1] + act[2]) // 2
+
+
+def test_every_rank_pays_the_steps_own_costs_for_its_micro_batches_at_its_speed():
+    work = replace(_work(), step=StepCosts(fixed_s=0.01, per_microbatch_s=0.002))
+    base = predict(parse_plan("replicate(2)"), _work(), _hw(2))
+    pred = predict(parse_plan("replicate(2)"), work, _hw(2))
+    assert pred.overhead_s == pytest.approx(0.01 + 2 * 0.002)  # 4 micro-batches over 2 replicas: 2 each
+    assert pred.step_s == pytest.approx(base.step_s + pred.overhead_s)
+    slow = replace(_hw(2), devices=(Device(name="a", memory_bytes=64 * MiB),
+                                    Device(name="b", memory_bytes=64 * MiB, speed=0.5)))
+    assert predict(parse_plan("replicate(2)"), work, slow).overhead_s == pytest.approx(2 * 0.014)
+    # a pipeline rank runs every micro-batch of the step, and its loss and norm all-reduce over the pipeline
+    pipe = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, _hw(2))
+    assert pipe.overhead_s == pytest.approx(0.01 + 4 * 0.002)
+    assert pipe.reduce_s == pytest.approx(2 * allreduce_s(8, 2, LINK))
 
 
 def test_a_gpipe_pipeline_of_equal_stages_takes_m_plus_p_minus_one_slots():
@@ -143,7 +169,7 @@ def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner(
     assert [str(p.plan) for p in res.ranked] == ["replicate(2, offload(device_budget=10000, host_budget=500000000))"]
     best = res.best
     assert asked == [(2, 10_000, 500_000_000)] and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
-    assert best.reduce_s == pytest.approx(allreduce_s(_profile().param_bytes, 2, LINK))
+    assert best.reduce_s == pytest.approx(allreduce_s(_profile().param_bytes, 2, LINK) + allreduce_s(8, 2, LINK))
     assert res.too_big and "does not fit" in res.table()
     tiny = search(work, Hardware.uniform(1, memory_bytes=1000, host_bytes=10**9), 1)
     assert not tiny.ranked and "offload(device_budget=1000, host_budget=1000000000)" in tiny.table()

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 
 from stratum.errors import StratumError
-from stratum.ir.costs import Costs
+from stratum.ir.costs import Costs, StepCosts
 from stratum.ir.hardware import Device, Link
 from stratum.ir.prices import (
     allgather_s,
     allreduce_s,
     block_s,
     broadcast_s,
+    bucketed_allreduce_s,
     on_device,
     reduce_scatter_s,
+    step_overhead_s,
     transfer_s,
     with_link,
 )
@@ -64,3 +66,21 @@ def test_a_block_on_a_device_scales_with_its_speed():
     assert linked.message_s(MB) == pytest.approx(transfer_s(MB, LINK))
     with pytest.raises(StratumError, match="outside the costs' 2 units"):
         block_s(costs, 2, fast)
+
+
+def test_a_bucketed_all_reduce_pays_the_latencies_once_per_bucket():
+    # 2.5 MB in 1 MB buckets over 4 ranks: 3 calls; bytes 2·3/4·2.5 ms, latencies 3 calls × 6 × 10 us
+    assert bucketed_allreduce_s(2.5 * MB, 4, LINK, MB) == pytest.approx(3.75e-3 + 18 * 1e-5)
+    assert bucketed_allreduce_s(MB, 4, LINK, 25 * MB) == pytest.approx(allreduce_s(MB, 4, LINK))  # one bucket
+    assert bucketed_allreduce_s(MB, 1, LINK, MB) == 0.0
+    with pytest.raises(StratumError, match="bucket"):
+        bucketed_allreduce_s(MB, 2, LINK, 0)
+
+
+def test_a_steps_own_costs_are_fixed_plus_per_micro_batch_over_the_speed():
+    step = StepCosts(fixed_s=0.01, per_microbatch_s=0.002)
+    assert step_overhead_s(step, 3, Device(name="d", memory_bytes=1)) == pytest.approx(0.016)
+    assert step_overhead_s(step, 3, Device(name="d", memory_bytes=1, speed=0.5)) == pytest.approx(0.032)
+    assert step_overhead_s(StepCosts(), 4, Device(name="d", memory_bytes=1)) == 0.0
+    with pytest.raises(StratumError, match="per_microbatch_s"):
+        StepCosts(per_microbatch_s=-1.0)

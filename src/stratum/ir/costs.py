@@ -131,3 +131,35 @@ class Costs:
         summed: dict[str, Any] = {name: [sum(getattr(self, name)[a:b]) for a, b in spans]
                                   for name in ("f", "b", "i", "w", "act_bytes", "spill_bytes", "param_bytes")}
         return replace(self, **summed, out_bytes=[self.out_bytes[b - 1] for _, b in spans])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """Seconds of a training step outside its blocks' forward and backward, on the profiled device, as the plain
+    engine runs it (measured beside the profile: :mod:`stratum.plan.step_probe`), and the blocks' pace at that
+    moment. Every engine makes these calls too, so a planner charges them to every rank, over its device's
+    speed."""
+
+    fixed_s: float = 0.0
+    """Per step, outside the blocks and the AdamW update: the gradient norm and clipping, zeroing the gradients,
+    the loss's reduction, the engine's Python."""
+    per_microbatch_s: float = 0.0
+    """Per micro-batch, outside the blocks: the batch's copy to the device, the loss scaling, autograd's
+    graph set-up and the engine's Python."""
+    split_block_s: float = 0.0
+    """Per split block and micro-batch, its forward and backward together: what DTensor's dispatch and copies
+    add to the block's own compute under ``split`` (its sharded arithmetic and reductions are priced apart)."""
+    split_fixed_s: float = 0.0
+    """Per step under ``split``: what the gradient norm, clipping and update over DTensor parameters add."""
+
+    block_scale: float = 1.0
+    """The blocks' seconds when these costs were measured over the profile's: a planner multiplies the profile's
+    block times by it, so that blocks and step costs are priced at the load of one moment."""
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_microbatch_s", "split_block_s", "split_fixed_s"):
+            x = getattr(self, name)
+            if not x >= 0 or math.isinf(x):
+                raise StratumError(f"step costs: {name} must be a number of seconds >= 0, got {x}")
+        if not self.block_scale > 0 or math.isinf(self.block_scale):
+            raise StratumError(f"step costs: block_scale must be a positive number, got {self.block_scale}")

@@ -9,7 +9,12 @@ after an all-gather, before a reduce-scatter):
 
 - all-reduce: ``2(n−1)/n · N·β + 2(n−1) · α`` (a reduce-scatter then an all-gather);
 - all-gather and reduce-scatter: ``(n−1)/n · N·β + (n−1) · α``;
-- broadcast: a binomial tree, ``⌈log2 n⌉ · (α + N·β)``.
+- broadcast: a binomial tree, ``⌈log2 n⌉ · (α + N·β)``;
+- a bucketed all-reduce: one all-reduce per bucket of at most ``B`` bytes, so ``⌈N/B⌉`` latencies:
+  ``2(n−1)/n · N·β + 2(n−1) · ⌈N/B⌉ · α``.
+
+A step's own costs outside its blocks (:class:`~stratum.ir.costs.StepCosts`) are ``fixed + m · per_microbatch``
+for ``m`` micro-batches, over the device's speed.
 
 A group of one rank costs nothing, and so does an empty buffer.
 """
@@ -20,7 +25,7 @@ import math
 from dataclasses import replace
 
 from stratum.errors import StratumError
-from stratum.ir.costs import Costs
+from stratum.ir.costs import Costs, StepCosts
 from stratum.ir.hardware import Device, Link
 
 
@@ -43,6 +48,26 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
     return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def bucketed_allreduce_s(nbytes: float, n: int, link: Link, bucket_bytes: float) -> float:
+    """Seconds of all-reducing ``nbytes`` over ``n`` ranks as ``⌈nbytes / bucket_bytes⌉`` ring all-reduces (each
+    call pays the ring's latencies; the bytes cost what one all-reduce of them costs)."""
+    _check(nbytes, n)
+    if not bucket_bytes > 0:
+        raise StratumError(f"a bucket of {bucket_bytes} bytes: buckets hold more than 0 bytes")
+    if n == 1 or nbytes == 0:
+        return 0.0
+    calls = math.ceil(nbytes / bucket_bytes)
+    return allreduce_s(nbytes, n, link) + (calls - 1) * 2 * (n - 1) * link.latency
+
+
+def step_overhead_s(step: StepCosts, microbatches: int, device: Device) -> float:
+    """Seconds of a step's own costs outside its blocks (``step``) for ``microbatches`` micro-batches on
+    ``device``: ``(fixed + m · per_microbatch) / speed``."""
+    if microbatches < 0:
+        raise StratumError(f"a step of {microbatches} micro-batches: give 0 or more")
+    return (step.fixed_s + microbatches * step.per_microbatch_s) / device.speed
 
 
 def allgather_s(nbytes: float, n: int, link: Link) -> float:

@@ -18,7 +18,8 @@ def write_prediction(out_dir: Path, p: Prediction, grad_accum: int) -> None:
     micro-batches per replica."""
     atomic_write_json(out_dir / PREDICTION_FILE, {
         "plan": str(p.plan), "grad_accum": grad_accum, "predicted_step_s": p.step_s, "predicted_compute_s": p.compute_s,
-        "predicted_reduce_s": p.reduce_s, "predicted_peak_bytes": max(p.peak_bytes),
+        "predicted_reduce_s": p.reduce_s, "predicted_update_s": p.update_s, "predicted_overhead_s": p.overhead_s,
+        "predicted_peak_bytes": max(p.peak_bytes),
         "predicted_peak_bytes_per_rank": list(p.peak_bytes), "source": "SIMULATED by stratum.plan.predict"})
 
 

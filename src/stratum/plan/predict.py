@@ -3,11 +3,14 @@
 Inputs: a :class:`Workload` (the profile's per-block costs, the step's micro-batches, which blocks ``split`` can
 shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devices[r]``). The model, per step:
 
-- **blocks**: a block's profiled forward/backward seconds over its device's speed (as
+- **blocks**: a block's profiled forward/backward seconds, times ``StepCosts.block_scale`` (the blocks' pace
+  when the step costs were measured over the profile's), over its device's speed (as
   :func:`~stratum.ir.prices.on_device`; a mirrored rank runs at the slowest device it mirrors). Under
   ``split(s)`` a shardable block computes 1/s of its work and keeps 1/s of its state and saved activations, and
   its forward and backward each all-reduce its output twice over the split group (Megatron's attention and MLP
-  reductions).
+  reductions) and pay DTensor's dispatch and copies (``StepCosts.split_block_s``, shared between forward and
+  backward as the block's own times are); the step pays ``StepCosts.split_fixed_s`` for its norm, clipping and
+  update over DTensor parameters.
 - **pipeline**: the schedule the node names, for the replica's micro-batches, over the stages the node's partition
   cuts (even, balanced by parameter count, or the profiled cut of :func:`stratum.plan.partition.partition`),
   run through the event simulator (:func:`stratum.sim.pipeline.simulate`) with the pipeline group's link: the
@@ -21,11 +24,18 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 - **update**: AdamW over the parameters a rank holds (1/s of split blocks', 1/r of all under ``shard=true``) at
   the workload's measured seconds per parameter, over the rank's speed.
 
+- **the step's own costs**: every rank pays the plain engine's measured costs outside its blocks
+  (:class:`~stratum.ir.costs.StepCosts`: a fixed part per step and a part per micro-batch it runs, over its
+  speed, :func:`~stratum.ir.prices.step_overhead_s`), and the scalar collectives the engines make each step, each
+  a ring all-reduce of a few bytes (so its latencies) over its group: the loss over the replicas and over the
+  pipeline ranks, the gradient norm over the pipeline ranks, the split group and (``shard=true``) the replicas.
+  The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
+  (one set of latencies) per bucket.
+
 The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
 replicas' all-reduce.
 
-Not modelled: overlap of the gradient reduction with the backward, the loss and gradient-norm all-reduces,
-contention between links, per-step overheads (data, Python).
+Not modelled: overlap of the gradient reduction with the backward, contention between links.
 """
 
 from __future__ import annotations
@@ -37,10 +47,11 @@ from functools import lru_cache
 from typing import Any
 
 from stratum.errors import StratumError
-from stratum.ir.costs import Costs
+from stratum.ir.costs import Costs, StepCosts
 from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
-from stratum.ir.prices import allreduce_s, with_link
+from stratum.ir.prices import allreduce_s, bucketed_allreduce_s, step_overhead_s, with_link
+from stratum.parallel.buckets import BUCKET_BYTES
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.schedule.generators import generate
@@ -50,6 +61,8 @@ from stratum.units import fmt_bytes
 
 SPLIT_REDUCTIONS = 2
 """All-reduces of a split block's output per forward (and per backward): after attention and after the MLP."""
+SCALAR_BYTES = 8
+"""Bytes of a loss or gradient-norm all-reduce (one float64)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +85,9 @@ class Workload:
     update_s_per_param: float = 0.0
     """Seconds of the AdamW update per parameter on the profiled device (measured beside the profile); 0 = the
     update is not priced."""
+    step: StepCosts = StepCosts()
+    """The step's costs outside its blocks on the profiled device (measured on the plain engine beside the
+    profile); zeros = not priced."""
     offload: Callable[[int, int, int], tuple[float, int]] | None = None
     """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
     device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
@@ -95,13 +111,16 @@ class Prediction:
     plan: Plan
     step_s: float
     """Seconds of one optimizer step: compute (with pipeline bubbles and split reductions) + gradient reduction +
-    update."""
+    update + the step's own costs."""
     compute_s: float
     """The compute part: the pipeline's simulated makespan, or the slowest replica's micro-batches in a row."""
     reduce_s: float
-    """Seconds of the replicas' gradient reduction after the backward."""
+    """Seconds of the replicas' gradient reduction after the backward and of the step's scalar (loss, norm)
+    all-reduces."""
     update_s: float = 0.0
     """Seconds of the slowest rank's AdamW update of the parameters it holds (1/r of them under shard=true)."""
+    overhead_s: float = 0.0
+    """Seconds of the slowest rank's step costs outside its blocks (:class:`~stratum.ir.costs.StepCosts`)."""
     bubble: float
     """Idle share of the pipeline ranks during the compute part (0 without a pipeline)."""
     peak_bytes: tuple[int, ...]
@@ -133,6 +152,9 @@ def _slowest(hw: Hardware, plan: Plan, dim: str, index: int) -> float:
 def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]]:
     """Per-block costs on one rank of a split group of ``s``, and per block the state bytes it holds."""
     c = Costs.blocks(work.profile)
+    pace = work.step.block_scale  # the profile's blocks at the pace the step costs were measured at
+    c = replace(c, f=[x * pace for x in c.f], b=[x * pace for x in c.b], i=[x * pace for x in c.i],
+                w=[x * pace for x in c.w])
     state = [float(b.param_bytes + b.grad_bytes + b.optim_bytes) for b in work.profile.blocks]
     if s == 1:
         return c, state
@@ -143,9 +165,11 @@ def _split_costs(work: Workload, s: int, link: Link) -> tuple[Costs, list[float]
             cols[name][k] /= s
         state[k] /= s
         comm = SPLIT_REDUCTIONS * allreduce_s(c.out_bytes[k], s, link)
-        cols["f"][k] += comm
-        cols["b"][k] += comm
-        cols["i"][k] += comm
+        f, b = cols["f"][k], cols["b"][k]
+        dispatch = work.step.split_block_s * (f / (f + b) if f + b > 0 else 0.5)  # DTensor's, forward's share
+        cols["f"][k] += comm + dispatch
+        cols["b"][k] += comm + work.step.split_block_s - dispatch
+        cols["i"][k] += comm + work.step.split_block_s - dispatch
     return replace(c, **cols), state
 
 
@@ -209,8 +233,11 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         cut = tuple((x.start, x.stop) for x in stages)
     shard = plan.replicate is not None and plan.replicate.shard
     grad_bytes = [sum(blocks.param_bytes[b] for b in h) for h in held]
-    reduce = max(allreduce_s(x, r, _mesh_link(hw, plan, "replica")) for x in grad_bytes)
+    reduce = max(_grad_reduce_s(x, plan, hw) for x in grad_bytes) + _scalar_collectives_s(plan, hw)
     update = _update_s(work, plan, hw, held)
+    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
+    if s > 1:  # the norm, clipping and update over DTensor parameters
+        overhead += work.step.split_fixed_s / min(hw.devices[k].speed for k in range(world))
     peaks = []
     for rank in range(world):
         q = plan.coord(rank).stage_rank
@@ -222,8 +249,26 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         worst = max(over, key=lambda j: peaks[j] - limits[j])
         why = (f"rank {worst} needs {fmt_bytes(peaks[worst])} of its {fmt_bytes(limits[worst])} "
                f"({len(over)} of {world} ranks over)")
-    return Prediction(plan=plan, step_s=compute + reduce + update, compute_s=compute, reduce_s=reduce,
-                      update_s=update, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+    return Prediction(plan=plan, step_s=compute + reduce + update + overhead, compute_s=compute, reduce_s=reduce,
+                      update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _grad_reduce_s(nbytes: float, plan: Plan, hw: Hardware) -> float:
+    """The replicas' gradient reduction of a rank's ``nbytes``: bucketed all-reduces, or (``shard=true``) a
+    reduce-scatter and an all-gather of the same bytes, one call each."""
+    r, link = plan.replicas, _mesh_link(hw, plan, "replica")
+    if plan.replicate is not None and plan.replicate.shard:
+        return allreduce_s(nbytes, r, link)
+    return bucketed_allreduce_s(nbytes, r, link, BUCKET_BYTES)
+
+
+def _scalar_collectives_s(plan: Plan, hw: Hardware) -> float:
+    """The step's loss and gradient-norm all-reduces (see the module): each pays its group's ring latencies."""
+    r, p, s = plan.mesh_shape
+    shard = plan.replicate is not None and plan.replicate.shard
+    calls = {"replica": (r, 1 + int(shard)), "stage_rank": (p, 2), "split": (s, 1)}
+    return sum(k * allreduce_s(SCALAR_BYTES, n, _mesh_link(hw, plan, dim))
+               for dim, (n, k) in calls.items() if n > 1)
 
 
 def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -> float:
@@ -241,7 +286,7 @@ def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -
 
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
     """The memory engine alone or under replicate: its planner's step for the replica's micro-batches (the slowest
-    device's pace), then the replicas' gradient all-reduce."""
+    device's pace), then the replicas' gradient and loss all-reduces."""
     if work.offload is None:
         raise StratumError("the offload leaf is not offered for this workload")
     if plan.pipeline is not None or plan.split is not None:
@@ -251,7 +296,8 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
     assert isinstance(leaf, Offload)  # (predict sends offload leaves here)
     step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
     compute = step / min(hw.devices[k].speed for k in range(world))
-    reduce = allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"))
+    reduce = (bucketed_allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"),
+                                   BUCKET_BYTES) + _scalar_collectives_s(plan, hw))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
                       peak_bytes=(int(peak),) * world, limit_bytes=limits)

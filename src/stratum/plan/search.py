@@ -67,14 +67,14 @@ class SearchResult:
         plan (e.g. shortening a profile path)."""
         shown = [*self.ranked[:top], *self.too_big]
         w = max([len(label(p.plan)) for p in shown] + [len(label(x.plan)) for x in self.refused] + [4])
-        head = (f"{'#':>3}  {'plan':<{w}} {'step s':>9} {'compute':>9} {'reduce':>8} {'update':>8} {'bubble':>6} "
+        head = (f"{'#':>3}  {'plan':<{w}} {'step s':>9} {'compute':>9} {'reduce':>8} {'update':>8} {'overhead':>8} {'bubble':>6} "
                 f"{'peak/device':>12}")
         lines = [f"plan search over {self.devices} devices: {self.examined} trees priced"
                  + ("" if self.complete else " (stopped at the time limit: not every tree was priced)")
                  + "  (SIMULATED: cost-model predictions)", head, "-" * len(head)]
         for i, p in enumerate(self.ranked[:top], 1):
             lines.append(f"{i:>3}  {label(p.plan):<{w}} {p.step_s:>9.4f} {p.compute_s:>9.4f} {p.reduce_s:>8.4f} "
-                         f"{p.update_s:>8.4f} {p.bubble:>6.3f} {fmt_bytes(max(p.peak_bytes)):>12}")
+                         f"{p.update_s:>8.4f} {p.overhead_s:>8.4f} {p.bubble:>6.3f} {fmt_bytes(max(p.peak_bytes)):>12}")
         if len(self.ranked) > top:
             lines.append(f"     … {len(self.ranked) - top} more that fit")
         for p in self.too_big:

@@ -33,6 +33,7 @@ from stratum.config import Config, load_config
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
 from stratum.errors import StratumError
+from stratum.ir.costs import StepCosts
 from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
@@ -44,13 +45,16 @@ from stratum.plan.fidelity import recorded, write_prediction
 from stratum.plan.hardware_cli import probe
 from stratum.plan.predict import Prediction, Workload
 from stratum.plan.search import SearchResult, search
+from stratum.plan.step_probe import measure_step_costs
 from stratum.profile import Profile
 from stratum.profile.fast import cache_key, cache_path
 from stratum.runtime.device import resolve_device, synchronize
 from stratum.runtime.engine import OptimSpec
-from stratum.runtime.optim import make_adamw
+from stratum.runtime.optim import make_adamw, optim_spec
 from stratum.train.checkpoint import latest_checkpoint
+from stratum.train.dryrun import device_memory_bytes
 from stratum.train.threads import usable_cores
+from stratum.units import fmt_bytes
 
 logger = logging.getLogger(__name__)
 SHOWN = 20
@@ -83,9 +87,13 @@ def plan_search(cfg: Config, n: int, hw: Hardware | None,
 
 
 def _meta_model(cfg: Config) -> BlockSeq:
+    return _model(cfg, torch.device("meta"))
+
+
+def _model(cfg: Config, device: torch.device) -> BlockSeq:
     tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
     return build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                       device="meta")
+                       device=device)
 
 
 def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload:
@@ -108,9 +116,34 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
     offload = _offload_pricer(cfg, model, prof)
     sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
     weights = tuple(float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks)
+    update = update_seconds_per_param(device)
     return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
                     param_counts=weights, profile_path=profile_path or "", offload=offload,
-                    update_s_per_param=update_seconds_per_param(device))
+                    update_s_per_param=update, step=step_costs(cfg, prof, device, update, split=bool(sizes)))
+
+
+def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_param: float, *,
+               split: bool) -> StepCosts:
+    """The plain engine's step costs outside its blocks (:mod:`stratum.plan.step_probe`; with ``split``, a second
+    copy's layers under DTensor too), measured on the real model where its copies' training state and two
+    micro-batches' activations fit the device; none elsewhere (the memory engine's planner prices its own
+    steps)."""
+    copies = 2 if split else 1
+    need = copies * (prof.param_bytes + sum(b.grad_bytes + b.optim_bytes + 2 * b.act_saved_bytes
+                                            for b in prof.blocks))
+    free = device_memory_bytes(device)
+    if free is not None and need > free:
+        logger.info(f"the step's costs outside its blocks are not measured: the model needs {fmt_bytes(need)} of "
+                    f"the device's {fmt_bytes(free)}")
+        return StepCosts()
+    t = cfg.train
+    model = _model(cfg, device)
+    if not model.info.vocab_size:  # the probe feeds token ids
+        return StepCosts()
+    return measure_step_costs(model, split_copy=_model(cfg, device) if split else None, profile=prof,
+                              vocab=model.info.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
+                              optim=optim_spec(cfg), device=device,
+                              update_s=update_s_per_param * sum(b.n_params for b in prof.blocks))
 
 
 def update_seconds_per_param(device: torch.device, n: int = 1 << 20, repeats: int = 5) -> float:
