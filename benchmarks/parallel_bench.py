@@ -121,7 +121,7 @@ def offload_plans(budget: str) -> list[tuple[str, int]]:
 
 
 def study_plans(a: argparse.Namespace) -> dict:
-    return compare(a, PLANS, "plans")
+    return compare(a, [(p, n) for p, n in PLANS if not a.only or p in a.only], "plans")
 
 
 def study_offload(a: argparse.Namespace) -> dict:
@@ -194,8 +194,8 @@ def main() -> None:
     ap.add_argument("--throttle-rank", type=int, default=-1)
     ap.add_argument("--budget", default="50%", help="offload: each device's budget (a size or a percentage)")
     ap.add_argument("--only", action="append", default=[],
-                    help="offload: run only this plan beside plain (repeatable; one of the offload or plans "
-                         "studies' plans, as they write it)")
+                    help="plans, offload: run only this plan beside plain (repeatable; plans: one of its plans; "
+                         "offload: one of the offload or plans studies' plans, as they write it)")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")
