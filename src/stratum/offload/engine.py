@@ -62,6 +62,18 @@ def _dropped(_obj) -> Tensor:
     raise RuntimeError("offload: a discarded forward's saved tensor was used")
 
 
+def _materializer(model: BlockSeq, materialize):
+    """How the engine initialises a lazily built (meta) model's blocks; refused where it has no way to."""
+    if materialize is None and model.block_init is not None:
+        materialize = model.materialize
+    if any(p.is_meta for p in model.parameters()) and materialize is None:
+        raise StratumError("the offload engine got a model on the meta device but no way to initialise its "
+                           "blocks (build it with build_model(..., lazy=True))")
+    if any(b.is_meta for b in model.buffers()):
+        raise StratumError("the offload engine cannot materialise a meta model with buffers")
+    return materialize
+
+
 @dataclass
 class _MicroBatch:
     """One micro-batch of :meth:`OffloadEngine.train_share`, from its forward to its backward."""
@@ -104,15 +116,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
         self._heap_trim = HeapTrim()
-        if materialize is None and model.block_init is not None:
-            materialize = model.materialize
-        self._materialize = materialize
+        self._materialize = _materializer(model, materialize)
         self._materialized: set[int] = set()
-        if any(p.is_meta for p in model.parameters()) and materialize is None:
-            raise StratumError("the offload engine got a model on the meta device but no way to initialise its "
-                               "blocks (build it with build_model(..., lazy=True))")
-        if any(b.is_meta for b in model.buffers()):
-            raise StratumError("the offload engine cannot materialise a meta model with buffers")
         for b in model.buffers():
             b.data = b.data.to(device)
         self.layout: Layout = pack(model, placement.chunk_elems)
@@ -139,22 +144,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(placement.disk_spill_blocks))
         self._boundary: set[int] = set()
         """Storages of the kept block inputs: a saved tensor in one of them is kept by reference, never spilled."""
-        self.n_fetches = 0
-        self.bytes_h2d = 0
-        """Bytes of chunks copied to the device so far (parameters; gradients where they come back)."""
-        self.bytes_d2h = 0
-        """Bytes of chunks and gradients written from the device (or a CPU slot) to their home so far."""
-        self.last_step_traffic: dict[str, int] = {}
-        """Link → bytes the last step moved (:meth:`traffic` before and after it)."""
-        self.last_step_wait_s = 0.0
-        self.peak_act = 0
-        self.stall_s = 0.0
-        """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
-        self.phase_s = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "update": 0.0, "update_pass": 0.0}
-        """Seconds of the training thread per phase, all steps (forward and backward include their waits for
-        chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
-        the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
-        beside the next step's forward; updates run by the next forward's fetches count in its forward)."""
+        self._init_counters()
         self._gtarget: dict[int, Tensor] = {}
         """id(parameter) → where its next gradient contribution goes (a view of its chunk's slot)."""
         self._fresh: set[int] = set()
@@ -174,12 +164,87 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             e.param.register_post_accumulate_grad_hook(self._take_grad) for c in self.chunks for e in c.spec.entries]
 
     # ---- set-up ---------------------------------------------------------------------------------------------
+    def _init_counters(self) -> None:
+        """What the engine counts over its steps: fetches, bytes per link, waits, seconds per phase."""
+        self.n_fetches = 0
+        self.bytes_h2d = 0
+        """Bytes of chunks copied to the device so far (parameters; gradients where they come back)."""
+        self.bytes_d2h = 0
+        """Bytes of chunks and gradients written from the device (or a CPU slot) to their home so far."""
+        self.last_step_traffic: dict[str, int] = {}
+        """Link → bytes the last step moved (:meth:`traffic` before and after it)."""
+        self.last_step_wait_s = 0.0
+        self.peak_act = 0
+        self.stall_s = 0.0
+        """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
+        self.phase_s = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "update": 0.0, "update_pass": 0.0}
+        """Seconds of the training thread per phase, all steps (forward and backward include their waits for
+        chunks; backward includes recompute, also counted alone; update = the device-side updates or queueing
+        the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
+        beside the next step's forward; updates run by the next forward's fetches count in its forward)."""
+
     def _alloc(self, tier: str, n: int, what: str) -> Tensor:
         self.tiers[tier].charge(n * F32, what)
         if tier == DEVICE and self.device.type != "cpu":
             return torch.zeros(n, dtype=torch.float32, device=self.device)
         # CPU memory is aligned for the disk store's direct I/O
         return aligned_empty(n, pin=tier == HOST and self.device.type == "cuda").zero_()
+
+    def _build_chunk(self, spec: ChunkSpec, *, pinned: bool) -> ChunkState:
+        """One chunk's state: its parameters copied to their home (the device slot of a pinned chunk, host memory
+        or disk), gradient room beside them, its AdamW moments; a streamed chunk's parameters then placeholders."""
+        placement = self.placement
+        home = DEVICE if pinned else placement.param_tier
+        c = ChunkState(spec=spec, pinned=pinned, home=home)
+        def fill(flat: Tensor) -> Tensor:
+            self._ensure_materialized(spec)
+            with torch.no_grad():
+                for e in spec.entries:
+                    flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            return flat
+        if pinned:
+            if self._all_on_device:  # parameters only; the gradients autograd makes are charged as such
+                c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}")
+                self.tiers[DEVICE].charge(spec.capacity * F32, f"gradients of chunk {spec.index}")
+            else:
+                c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
+            fill(c.p())
+            if placement.optimizer_tier != DEVICE and self.device.type != "cpu":
+                c.hp = self._alloc(HOST, spec.capacity, "master params")
+                c.hp.copy_(c.p())
+                c.hg = self._alloc(HOST, spec.capacity, "host grads")
+            self._bind(c)  # the parameters now view the slot; their original storage is released
+        elif home == HOST:
+            c.hp = fill(self._alloc(HOST, spec.capacity, "host params"))
+            if not self._grads_home:
+                c.hg = self._alloc(HOST, spec.capacity, "host grads")
+        else:
+            flat = fill(aligned_empty(spec.capacity).zero_())
+            self._disk.create(f"p{spec.index}", flat)
+            flat.zero_()
+            self._disk.create(f"g{spec.index}", flat)
+            del flat
+        if not pinned:
+            for e in spec.entries:
+                e.param.data = self._placeholder(e.shape)
+                e.param.grad = None
+        self._alloc_moments(c)
+        return c
+
+    def _build_staging(self, n_stream: int) -> None:
+        """Host buffers a disk home streams through: parameters and gradients, moments, GPU transfers."""
+        placement = self.placement
+        self.staging: list[Tensor | None] = [None] * 4
+        if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
+                self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
+            self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
+            self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
+        if placement.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
+            self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
+            self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
+        # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time
+        self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
+                             if placement.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
 
     def _build(self) -> None:
         placement = self.placement
@@ -201,55 +266,9 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
         for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
-            pinned = spec.tied or all_resident
-            home = DEVICE if pinned else placement.param_tier
-            c = ChunkState(spec=spec, pinned=pinned, home=home)
-            def fill(flat: Tensor) -> Tensor:  # called within this iteration only: ``spec`` is this chunk's
-                self._ensure_materialized(spec)  # noqa: B023
-                with torch.no_grad():
-                    for e in spec.entries:  # noqa: B023
-                        flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-                return flat
-            if pinned:
-                if self._all_on_device:  # parameters only; the gradients autograd makes are charged as such
-                    c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}")
-                    self.tiers[DEVICE].charge(spec.capacity * F32, f"gradients of chunk {spec.index}")
-                else:
-                    c.slot = self._alloc(DEVICE, 2 * spec.capacity, f"pinned chunk {spec.index}")
-                fill(c.p())
-                if placement.optimizer_tier != DEVICE and self.device.type != "cpu":
-                    c.hp = self._alloc(HOST, spec.capacity, "master params")
-                    c.hp.copy_(c.p())
-                    c.hg = self._alloc(HOST, spec.capacity, "host grads")
-                self._bind(c)  # the parameters now view the slot; their original storage is released
-            elif home == HOST:
-                c.hp = fill(self._alloc(HOST, spec.capacity, "host params"))
-                if not self._grads_home:
-                    c.hg = self._alloc(HOST, spec.capacity, "host grads")
-            else:
-                flat = fill(aligned_empty(spec.capacity).zero_())
-                self._disk.create(f"p{spec.index}", flat)
-                flat.zero_()
-                self._disk.create(f"g{spec.index}", flat)
-                del flat
-            if not pinned:
-                for e in spec.entries:
-                    e.param.data = self._placeholder(e.shape)
-                    e.param.grad = None
-            self._alloc_moments(c)
-            built[spec.index] = c
+            built[spec.index] = self._build_chunk(spec, pinned=spec.tied or all_resident)
         self.chunks: list[ChunkState] = [built[i] for i in range(len(self.layout.chunks))]
-        self.staging: list[Tensor | None] = [None] * 4
-        if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
-                self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
-            self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
-            self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
-        if placement.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
-            self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
-            self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
-        # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time
-        self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
-                             if placement.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
+        self._build_staging(n_stream)
         R = 0 if all_resident else min(placement.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
         self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}") for s in range(R)]
