@@ -98,7 +98,9 @@ class SlotScheduler:
         waits as the next in line, it runs ``stage`` once (its next shard's chunks move while others compute)."""
         with self.cond:
             self._free(job)
-            self.waiting[job] = remaining_s
+            # the rule compares what the log records: times equal to the microsecond tie to sweep order (jobs
+            # with one profile differ only in float rounding of their step time's split into tasks)
+            self.waiting[job] = round(remaining_s, 6)
             self._grant()
             self.cond.notify_all()  # open_when_waiting counts the waiting jobs
             # no time limit: under LRTF a short job may rightly wait for hours; every granted thread gives its
@@ -167,7 +169,7 @@ class SlotScheduler:
             job = pick_longest(self.waiting, self.order)
             slot = self.free.pop(0)
             self._write({"slot": slot, "job": job, "task": self.done_tasks.get(job, 0),
-                         "remaining": {j: round(r, 6) for j, r in self.waiting.items()}})
+                         "remaining": dict(self.waiting)})
             del self.waiting[job]
             self.staged.discard(job)
             self.granted[job] = slot
