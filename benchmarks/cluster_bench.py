@@ -138,7 +138,8 @@ def deeppool(config: PolicyConfig, cache: Path, amplifications: list[float], mod
                      "throughput_ratio": rate["burst+multiplex"] / rate["static-dp"],
                      "foreground_speed_ratio": fg["burst+multiplex"] / fg["static-dp"],
                      "burst_foreground_speed_ratio": fg["burst"] / fg["static-dp"],
-                     "foreground_widths": runs(plan.widths), "foreground_step_s": plan.step_s,
+                     "foreground_widths": runs(plan.plan.widths), "foreground_step_s": plan.step_s,
+                     "foreground_exposed_allreduce_s": plan.exposed_s,
                      "foreground_idle_share": plan.idle_s / (n * plan.step_s)})
         print(f"deeppool {model} amplification {amp:g}, N={n:>2}: cluster throughput burst+multiplex / static-dp = "
               f"{rows[-1]['throughput_ratio']:.2f}x; foreground speed {rows[-1]['foreground_speed_ratio']:.2f}x "

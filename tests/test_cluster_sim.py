@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -18,10 +19,10 @@ from stratum.ir.costs import Costs
 from stratum.ir.hardware import Hardware, Link
 
 AMP, INTERFERENCE, STARTUP = 1.1, 0.1, 3.0
-# two blocks of 1 + 2 s (forward + backward) per sequence; the second has 1 GB of gradients, which a 1 GB/s
-# ring all-reduce over 2 devices moves in 2·(1/2)·1 s = 1 s
+# two blocks of 1 + 2 s (forward + backward) per sequence; the first has 1 GB of gradients, which a 1 GB/s
+# ring all-reduce over 2 devices moves in 2·(1/2)·1 s = 1 s, after the last backward: nothing left to hide it
 MODEL = ModelCosts(costs=Costs(f=[1.0, 1.0], b=[2.0, 2.0], i=[1.0, 1.0], w=[1.0, 1.0], act_bytes=[0, 0],
-                               out_bytes=[0, 0], param_bytes=[0, 10**9]), state_bytes=0)
+                               out_bytes=[0, 0], param_bytes=[10**9, 0]), state_bytes=0)
 HW = Hardware.uniform(2, memory_bytes=10**9, intra=Link(bandwidth=1e9, latency=0.0))
 TRACE = ("job,arrival_s,model,batch,steps,devices,priority\n"
          "F,0,m,4,1,2,foreground\n"
@@ -44,10 +45,13 @@ def c(k: int) -> float:
 def test_static_dp_runs_requested_devices_first_come_first_served():
     f_end = c(2) + c(2) + 1.0  # both blocks at width 2, then the 1 s all-reduce
     assert ends("static-dp") == pytest.approx({"F": f_end, "G": f_end + 2 * 6.0})  # G waits, then 2 × 6 s
+    # the gradient on the second block instead: its all-reduce runs beside the first block's 4 s backward
+    late = ModelCosts(costs=replace(MODEL.costs, param_bytes=[0, 10**9]), state_bytes=0)
+    assert ends("static-dp", model=late) == pytest.approx({"F": c(2) + c(2), "G": c(2) + c(2) + 2 * 6.0})
 
 
 def test_burst_keeps_the_badly_scaling_block_narrow():
-    # block 1 at width 2 would use 2·(c(2) + 1) = 14 device-s > 1.1 × 12: the limit keeps it at width 1
+    # block 0 at width 2 would use 2·(c(2) + 1) = 14 device-s > 1.1 × 12: the limit keeps it at width 1
     assert 2 * (c(2) + 1) > AMP * 12 >= 2 * c(2)
     f_end = c(2) + 12.0
     assert ends("burst") == pytest.approx({"F": f_end, "G": f_end + 12.0})

@@ -1,8 +1,9 @@
 """DeepPool's policies: foreground jobs run burst plans; with multiplexing, background jobs fill what they leave.
 
 - ``burst``: as ``static-dp`` (first come first served, the devices a job asks for, no preemption), but a
-  foreground job runs the burst plan of its step over its devices (:func:`stratum.plan.burst.plan_burst`, under
-  the amplification limit) instead of plain data parallelism; background jobs run data parallel.
+  foreground job runs the burst plan of its step over its devices
+  (:func:`stratum.plan.burst_overlap.plan_burst_overlapped`, under the amplification limit) instead of plain
+  data parallelism; background jobs run data parallel.
 - ``burst+multiplex``: as ``burst``, and a background job that finds no free devices runs on as many devices of a
   running foreground job, in the time that job's plan leaves them idle (DeepPool's low-priority streams): it gets
   the host's average idle share (``1 − device_s / (devices · step_s)``) of those devices, less the
@@ -36,9 +37,9 @@ class Burst(StaticDP):
     def start(self, job: Job, ranks: tuple[int, ...]) -> Run:
         if not job.foreground:
             return super().start(job, ranks)
-        plan = burst_step(self.cluster.models[job.id], batch=job.batch, ranks=ranks, hw=self.cluster.hw,
+        step = burst_step(self.cluster.models[job.id], batch=job.batch, ranks=ranks, hw=self.cluster.hw,
                           amplification=self.amplification)
-        return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=plan.step_s, busy_s=plan.device_s)
+        return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=step.step_s, busy_s=step.device_s)
 
 
 class BurstMultiplex(Burst):

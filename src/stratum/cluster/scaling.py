@@ -3,8 +3,9 @@
 Data parallelism over n devices is the burst plan that runs every block at width n
 (:func:`stratum.plan.burst.price_burst`): a block's forward and backward on a 1/n share of the global batch, priced
 by the device model (:mod:`stratum.ir.work`: from the block's kernel count and FLOPs on a device with a
-``peak_flops``, else its profiled time over the device's speed), then its gradient's ring all-reduce over the
-group's slowest link (:mod:`stratum.ir.prices`), block after block. A group runs at its slowest device. Saved
+``peak_flops``, else its profiled time over the device's speed), and its gradient's ring all-reduce over the
+group's slowest link (:mod:`stratum.ir.prices`) beside the backward of the blocks before it, as data-parallel
+runtimes on GPUs run it (:mod:`stratum.plan.burst_overlap`). A group runs at its slowest device. Saved
 activations grow linearly with the sequences of the batch; a job fits a device when its training state and one
 sequence's activations do (a device may run its share as micro-batches; the price is that of one batch).
 """
@@ -19,7 +20,8 @@ from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.hardware import Device, Hardware
 from stratum.ir.prices import on_device
-from stratum.plan.burst import BurstPlan, Compute, plan_burst, price_burst
+from stratum.plan.burst import Compute, price_burst
+from stratum.plan.burst_overlap import OverlappedStep, overlapped, plan_burst_overlapped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,15 +71,17 @@ def dp_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware) -
     """Data parallelism of a ``batch``-sequence step over ``ranks`` of ``hw``."""
     costs, compute = _group(mc, batch, ranks, hw)
     n = len(ranks)
-    plan = price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks), compute=compute)
-    return StepCost(step_s=plan.step_s, busy_s=plan.device_s)
+    step = overlapped(price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks),
+                                  compute=compute), costs)
+    return StepCost(step_s=step.step_s, busy_s=step.device_s)
 
 
 def burst_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware,
-               amplification: float) -> BurstPlan:
-    """DeepPool's burst plan of a ``batch``-sequence step over ``ranks`` (:func:`stratum.plan.burst.plan_burst`);
-    a block of width k runs on the first k of ``ranks`` and talks over their slowest link."""
+               amplification: float) -> OverlappedStep:
+    """DeepPool's burst plan of a ``batch``-sequence step over ``ranks``, all-reduces beside the backward
+    (:func:`stratum.plan.burst_overlap.plan_burst_overlapped`); a block of width k runs on the first k of
+    ``ranks`` and talks over their slowest link."""
     costs, compute = _group(mc, batch, ranks, hw)
     group = list(ranks)
-    return plan_burst(costs, devices=len(group), link=lambda k: hw.group_link(group[:k]),
+    return plan_burst_overlapped(costs, devices=len(group), link=lambda k: hw.group_link(group[:k]),
                       amplification=amplification, compute=compute)
