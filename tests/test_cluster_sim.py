@@ -58,13 +58,26 @@ def test_burst_keeps_the_badly_scaling_block_narrow():
 
 
 def test_burst_multiplex_runs_the_background_job_in_the_idle_time():
-    step = c(2) + 12.0                                       # F's burst plan
-    idle = 1 - (2 * c(2) + 12.0) / (2 * step)                # its devices' idle share
-    g_step = 6.0 / (idle * (1 - INTERFERENCE))               # G on F's idle time
-    f_end = step * (1 + INTERFERENCE)                        # F slowed while hosting
+    step = c(2) + 12.0                                       # F's burst plan: block 0 on rank 0, block 1 on both
+    idle = 1 - c(2) / step                                   # rank 1 runs only block 1: 6 of every 18 s
+    g_step = 6.0 / (idle * (1 - INTERFERENCE))               # G on rank 1's idle time
+    f_end = step * (1 + INTERFERENCE)                        # F slowed while G shares rank 1
     g_left = 2 - f_end / g_step                              # G's steps left (of 2) when F ends
     assert ends("burst+multiplex") == pytest.approx({"F": f_end, "G": f_end + g_left * 6.0})
     assert ends("burst+multiplex")["G"] < ends("burst")["G"]
+
+
+def test_a_guest_on_a_device_the_host_leaves_unused_runs_at_its_own_speed():
+    # F over 3 devices: block 1 gets a 0.5 GB gradient, so width 3 (3 · (4 + 2·(2/3)·0.5) = 14 device-s) is over
+    # the limit and width 2 (2 · (6 + 0.5) = 13 ≤ 13.2) is not: rank 2 is never used; its all-reduce (ranks 0
+    # and 1) runs beside block 0's 8 s backward, so F's step is 4 + 2 + 4 + 8 = 18 s, as without it
+    model = ModelCosts(costs=replace(MODEL.costs, param_bytes=[10**9, 5 * 10**8]), state_bytes=0)
+    hw = Hardware.uniform(3, memory_bytes=10**9, intra=Link(bandwidth=1e9, latency=0.0))
+    jobs = parse_trace(TRACE.replace("F,0,m,4,1,2,", "F,0,m,4,1,3,"), models=["m"], devices=3)
+    (res,) = replay(hw, jobs, {("m", 1024): model}, ["burst+multiplex"],
+                    config=PolicyConfig(amplification=AMP, interference=INTERFERENCE, startup_s=STARTUP))
+    assert {j.id: j.start_s for j in res.jobs} == {"F": 0.0, "G": 0.0}
+    assert {j.id: j.end_s for j in res.jobs} == pytest.approx({"F": 18.0, "G": 12.0})
 
 
 def test_multiplexing_that_costs_the_host_more_than_it_gains_is_not_done():
@@ -113,7 +126,7 @@ policy                done  avg JCT s  p95 JCT s   jobs/h  work rate   util
 ---------------------------------------------------------------------------
 static-dp           2/2            19       24.4      288       1.44  76.0%
 burst               2/2            24       29.4      240        1.2  60.0%
-burst+multiplex     2/2         22.83      25.56    278.4      1.392  69.6%
+burst+multiplex     2/2         19.86      19.91    361.4      1.807  90.4%
 elastic             2/2         16.75      21.02    334.9      1.674  86.0%"""
     # elastic: F's 3 s restart holds both devices idle: busy 2 × 12 + 2 × 6.5 device-s over 2 × 21.5 = 86 %
     write_json(tmp_path / "s.json", results)
@@ -126,16 +139,18 @@ elastic             2/2         16.75      21.02    334.9      1.674  86.0%"""
 
 
 def test_a_host_takes_guests_when_together_they_gain_more_than_it_loses():
-    # interference 0.3: one guest gains (1/3)(1 − 0.3) = 0.233 profiled-s/s, F loses (4/18)·6·0.3/1.3 = 0.308;
-    # two guests (two idle devices, two jobs waiting) gain 0.467 > 0.308
-    idle = 1 - (2 * c(2) + 12.0) / (2 * (c(2) + 12.0))
-    gain, loss = (1 / 6.0) * idle * 0.7 * 6.0, (4 / (c(2) + 12.0)) * 6.0 * 0.3 / 1.3
+    # F over 3 devices: block 0 on rank 0 (12 s), block 1 on all three (4 s): ranks 1 and 2 idle 12 of 16 s.
+    # interference 0.5: one guest gains (1/6)·0.75·(1 − 0.5)·6 = 0.375 profiled-s/s, F loses (4/16)·6·0.5/1.5 =
+    # 0.5; two guests (two such devices, two jobs waiting) gain 0.75 > 0.5
+    idle, step = 1 - c(3) / (12.0 + c(3)), 12.0 + c(3)
+    gain, loss = (1 / 6.0) * idle * 0.5 * 6.0, (4 / step) * 6.0 * 0.5 / 1.5
     assert gain < loss < 2 * gain
-    config = PolicyConfig(amplification=AMP, interference=0.3, startup_s=STARTUP)
+    hw = Hardware.uniform(3, memory_bytes=10**9, intra=Link(bandwidth=1e9, latency=0.0))
+    config = PolicyConfig(amplification=AMP, interference=0.5, startup_s=STARTUP)
     starts = {}
     for trace in (TRACE, TRACE + "H,0,m,1,2,1,background\n"):
-        jobs = parse_trace(trace, models=["m"], devices=2)
-        (res,) = replay(HW, jobs, {("m", 1024): MODEL}, ["burst+multiplex"], config=config)
+        jobs = parse_trace(trace.replace("F,0,m,4,1,2,", "F,0,m,4,1,3,"), models=["m"], devices=3)
+        (res,) = replay(hw, jobs, {("m", 1024): MODEL}, ["burst+multiplex"], config=config)
         starts[len(jobs)] = {j.id: j.start_s for j in res.jobs}
-    assert starts[2]["G"] == pytest.approx(c(2) + 12.0)  # alone, G waits for F to end
+    assert starts[2]["G"] == pytest.approx(step)  # alone, G waits for F to end
     assert starts[3] == {"F": 0.0, "G": 0.0, "H": 0.0}

@@ -5,16 +5,18 @@
   (:func:`stratum.plan.burst_overlap.plan_burst_overlapped`, under the amplification limit) instead of plain
   data parallelism; background jobs run data parallel.
 - ``burst+multiplex``: as ``burst``, and a background job that finds no free devices runs on as many devices of a
-  running foreground job, in the time that job's plan leaves them idle (DeepPool's low-priority streams): it gets
-  the host's average idle share (``1 − device_s / (devices · step_s)``) of those devices, less the
-  ``interference`` fraction, and the host's steps take ``1 + interference`` times as long while it hosts. Each of
-  a host's devices carries at most one background job; when the host ends, its guests keep the devices as their
-  own.
+  running foreground job, in the time that job's plan leaves them idle (DeepPool's low-priority streams), the
+  most idle devices first. On devices the host's plan never uses it runs at its own speed and costs the host
+  nothing; on devices the host uses part of each step it gets the least idle share among them
+  (``1 − busy / step`` of that device), less the ``interference`` fraction, and the host's steps take
+  ``1 + interference`` times as long while such a guest shares its devices. Each of a host's devices carries at
+  most one background job; when the host ends, its guests keep the devices as their own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from stratum.cluster.cluster import Cluster, Run
 from stratum.cluster.policies import StaticDP
@@ -39,7 +41,7 @@ class Burst(StaticDP):
             return super().start(job, ranks)
         step = burst_step(self.cluster.models[job.id], batch=job.batch, ranks=ranks, hw=self.cluster.hw,
                           amplification=self.amplification)
-        return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=step.step_s, busy_s=step.device_s)
+        return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=step.step_s, rank_busy_s=step.rank_busy_s)
 
 
 class BurstMultiplex(Burst):
@@ -76,39 +78,49 @@ class BurstMultiplex(Burst):
                 waiting -= 1
                 if guest is not None:
                     runs[job.id] = guest
-        hosts = {r.host for r in runs.values() if r.host}
-        return {k: Run(job=r.job, ranks=r.ranks, batch=r.batch, step_s=r.step_s * (1 + self.interference),
-                       busy_s=r.busy_s) if k in hosts else r for k, r in runs.items()}
+        slowed = {r.host for r in runs.values() if r.host and _shares_used(r, runs[r.host])}
+        return {k: replace(r, step_s=r.step_s * (1 + self.interference)) if k in slowed else r
+                for k, r in runs.items()}
 
     def _guest(self, job: Job, runs: dict[str, Run], waiting: int) -> Run | None:
-        """``job`` on the idle time of the first foreground run with enough devices not yet carrying a guest
+        """``job`` on the idle time of the first foreground run with enough idle devices not yet carrying a guest
         (``waiting``: the background jobs still without devices, this one included)."""
         for host in runs.values():
-            idle = host.busy_s < len(host.ranks) * host.step_s * (1 - 1e-9)
-            if host.host or not idle or host.job not in self._foreground:
-                continue  # a guest itself, a background job, or a plan with no idle time
-            taken = {d for r in runs.values() if r.host == host.job for d in r.ranks}
-            spare = [d for d in host.ranks if d not in taken]
+            if host.host or host.job not in self._foreground:
+                continue  # a guest itself, or a background job
+            guests = [r for r in runs.values() if r.host == host.job]
+            taken = {d for r in guests for d in r.ranks}
+            spare = sorted((d for d in host.ranks if d not in taken and host.idle_share(d) > 1e-9),
+                           key=lambda d: (-host.idle_share(d), -d))  # most idle first, then the last ranks
             if len(spare) < job.devices:
                 continue
-            ranks = tuple(spare[-job.devices:])  # the last ranks: a burst plan's narrow blocks leave them idle
+            ranks = tuple(sorted(spare[:job.devices]))
             alone = self.cluster.dp_run(job, job.batch, ranks)
-            share = (1 - host.busy_s / (len(host.ranks) * host.step_s)) * (1 - self.interference)
-            carried = min(waiting, len(spare) // job.devices)  # guests this host could take now, this one first
-            if not self._worth(job, alone, share, host, carried=0 if taken else carried):
-                continue
-            return Run(job=job.id, ranks=ranks, batch=job.batch, step_s=alone.step_s / share, busy_s=alone.busy_s,
-                       host=host.job)
+            guest = Run(job=job.id, ranks=ranks, batch=job.batch, step_s=alone.step_s,
+                        rank_busy_s=alone.rank_busy_s, host=host.job)
+            if not _shares_used(guest, host):
+                return guest
+            share = min(host.idle_share(d) for d in ranks) * (1 - self.interference)
+            used = [d for d in spare if host.idle_share(d) < 1 - 1e-12]
+            carried = min(waiting, len(used) // job.devices)  # sharing guests it could take now, this one first
+            slowed = any(_shares_used(r, host) for r in guests)
+            if self._worth(job, alone, share, host, carried=0 if slowed else carried):
+                return replace(guest, step_s=alone.step_s / share)
         return None
 
     def _worth(self, job: Job, alone: Run, share: float, host: Run, *, carried: int) -> bool:
         """Whether the work the guests gain exceeds the host's work lost, both in profiled-device seconds of
-        training per second. A host pays its slow-down once, for all its guests: its first guest is placed when
-        the ``carried`` guests its idle devices can take from the queue, each gaining as much as this one, make
-        up for it; later guests (``carried`` 0) cost it nothing more."""
+        training per second. A host pays its slow-down once, for all the guests sharing its devices: the first is
+        placed when the ``carried`` guests it could take from the queue, each gaining as much as this one, make
+        up for it; later ones (``carried`` 0) cost it nothing more."""
         models = self.cluster.models
         gain = alone.rate * share * models[job.id].seq_s
         if not carried:
             return gain > 0
         loss = host.rate * models[host.job].seq_s * self.interference / (1 + self.interference)
         return carried * gain > loss
+
+
+def _shares_used(guest: Run, host: Run) -> bool:
+    """Whether ``guest`` runs on a device ``host``'s plan uses during its steps."""
+    return any(host.idle_share(d) < 1 - 1e-12 for d in guest.ranks)

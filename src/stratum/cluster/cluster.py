@@ -23,12 +23,21 @@ class Run:
     """Sequences per step."""
     step_s: float
     """Seconds per step as it runs now (slow-downs and shared devices included)."""
-    busy_s: float
-    """Device-seconds it computes per step, summed over its devices."""
+    rank_busy_s: tuple[float, ...]
+    """Per device of ``ranks``: seconds it is busy per step (computing or communicating)."""
     host: str = ""
     """The foreground job whose idle device time it runs in; empty when the devices are its own."""
     restart_s: float = 0.0
     """Seconds from the run's start before it trains: a checkpoint-restart onto new devices or a new batch."""
+
+    @property
+    def busy_s(self) -> float:
+        """Device-seconds busy per step, summed over its devices."""
+        return sum(self.rank_busy_s)
+
+    def idle_share(self, rank: int) -> float:
+        """The share of each step device ``rank`` (one of ``ranks``) is idle."""
+        return 1 - self.rank_busy_s[self.ranks.index(rank)] / self.step_s
 
     @property
     def rate(self) -> float:
@@ -62,7 +71,7 @@ class Cluster:
     def dp_run(self, job: Job, batch: int, ranks: Sequence[int]) -> Run:
         """``job`` data-parallel over ``ranks`` at ``batch`` sequences per step, the devices its own."""
         c = self.dp(job, batch, ranks)
-        return Run(job=job.id, ranks=tuple(ranks), batch=batch, step_s=c.step_s, busy_s=c.busy_s)
+        return Run(job=job.id, ranks=tuple(ranks), batch=batch, step_s=c.step_s, rank_busy_s=c.rank_busy_s)
 
     def free(self, runs: Iterable[Run]) -> list[int]:
         """Devices no run holds as its own (in rank order)."""

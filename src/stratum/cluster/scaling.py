@@ -30,9 +30,9 @@ class StepCost:
 
     step_s: float
     """Seconds per step."""
-    busy_s: float
-    """Device-seconds busy per step, summed over the group (computing or communicating: the burst planner's
-    ``device_s``); the rest of n × step_s is idle."""
+    rank_busy_s: tuple[float, ...]
+    """Per device of the group, in its order: seconds busy per step (computing, moving or all-reducing); the
+    rest of step_s is idle."""
 
 
 def device_need(mc: ModelCosts) -> float:
@@ -73,7 +73,7 @@ def dp_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware) -
     n = len(ranks)
     step = overlapped(price_burst(costs, [n] * costs.num_stages, devices=n, link=hw.group_link(ranks),
                                   compute=compute), costs)
-    return StepCost(step_s=step.step_s, busy_s=step.device_s)
+    return StepCost(step_s=step.step_s, rank_busy_s=step.rank_busy_s)
 
 
 def burst_step(mc: ModelCosts, *, batch: int, ranks: Sequence[int], hw: Hardware,

@@ -43,8 +43,13 @@ class OverlappedStep:
     plan: BurstPlan
     step_s: float
     """Seconds per step (see the module docstring)."""
-    device_s: float
-    """Device-seconds busy per step, summed over the devices (union of compute, moves and all-reduces)."""
+    rank_busy_s: tuple[float, ...]
+    """Per rank 0 … devices−1: seconds busy per step (the union of its compute, moves and all-reduces)."""
+
+    @property
+    def device_s(self) -> float:
+        """Device-seconds busy per step, summed over the devices."""
+        return sum(self.rank_busy_s)
 
     @property
     def idle_s(self) -> float:
@@ -99,12 +104,12 @@ def union_s(intervals: Sequence[tuple[float, float]]) -> float:
 def overlapped(plan: BurstPlan, costs: Costs) -> OverlappedStep:
     """``plan``'s step with its all-reduces beside the backward (``costs``: the costs it was priced from)."""
     step, busy = timeline(plan, backward_shares(costs))
-    device_s, below = 0.0, 0
-    for k in sorted(set(plan.widths) | {k for _, _, k in busy}):
-        # ranks below..k−1 take part in every interval of width ≥ k and in no other
-        device_s += (k - below) * union_s([(a, b) for a, b, width in busy if width >= k and b > a])
+    ranks, below = [0.0] * plan.devices, 0
+    for k in sorted({k for _, _, k in busy}):
+        # ranks below … k−1 take part in every interval of width ≥ k and in no other
+        ranks[below:k] = [union_s([(a, b) for a, b, width in busy if width >= k and b > a])] * (k - below)
         below = k
-    return OverlappedStep(plan=plan, step_s=step, device_s=device_s)
+    return OverlappedStep(plan=plan, step_s=step, rank_busy_s=tuple(ranks))
 
 
 def improves(a: OverlappedStep, b: OverlappedStep) -> bool:
