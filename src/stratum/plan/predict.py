@@ -32,8 +32,11 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
   (one set of latencies) per bucket.
 
-The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
-replicas' all-reduce.
+The offload leaf (alone, under split, under replicate, or under both) is priced by its own planner through
+``Workload.offload``: one rank's memory engine for its micro-batches, under split planning its shards (1/s of the
+split blocks' seconds, bytes and saved activations, with the group's two all-reduces each way in the blocks'
+times: a recomputed block re-runs them), plus the replicas' all-reduce of the gradients a rank holds and the
+step's scalar collectives.
 
 Not modelled: overlap of the gradient reduction with the backward, contention between links.
 """
@@ -66,6 +69,23 @@ SCALAR_BYTES = 8
 
 
 @dataclass(frozen=True, kw_only=True)
+class LeafAsk:
+    """What the offload leaf's planner is asked to price: one rank's memory engine for one step."""
+
+    microbatches: int
+    """Micro-batches the rank runs per step (its replica's share)."""
+    device_budget: int
+    """The leaf's device budget, bytes."""
+    host_budget: int
+    """The leaf's host budget, bytes."""
+    splits: int
+    """The split group's size: the engine packs this rank's shards of the blocks split cuts (1: every block
+    whole)."""
+    profile: Profile
+    """The blocks' costs on that rank (:func:`shard_profile`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """What the plans are priced for: one training step of a profiled model."""
 
@@ -88,10 +108,10 @@ class Workload:
     step: StepCosts = StepCosts()
     """The step's costs outside its blocks on the profiled device (measured on the plain engine beside the
     profile); zeros = not priced."""
-    offload: Callable[[int, int, int], tuple[float, int]] | None = None
-    """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
-    device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
-    a StratumError where nothing fits; None = the offload leaf is not offered."""
+    offload: Callable[[LeafAsk], tuple[float, int]] | None = None
+    """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`) for one rank →
+    (seconds of its micro-batches and the update, device peak bytes), a StratumError where nothing fits; None =
+    the offload leaf is not offered."""
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
@@ -285,22 +305,46 @@ def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -
 
 
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
-    """The memory engine alone or under replicate: its planner's step for the replica's micro-batches (the slowest
-    device's pace), then the replicas' gradient and loss all-reduces."""
+    """The memory engine alone, under split, under replicate or both: its planner's step for one rank's
+    micro-batches and shards (the slowest device's pace), then the replicas' all-reduce of the gradients a rank
+    holds and the step's scalar all-reduces."""
     if work.offload is None:
         raise StratumError("the offload leaf is not offered for this workload")
-    if plan.pipeline is not None or plan.split is not None:
-        raise StratumError("the search prices the offload leaf alone or under replicate")
+    if plan.pipeline is not None:
+        raise StratumError("the search prices the offload leaf alone, under split or under replicate")
     world = plan.world_size()
     leaf = plan.leaf
     assert isinstance(leaf, Offload)  # (predict sends offload leaves here)
-    step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
+    prof = shard_profile(work, plan.splits, _mesh_link(hw, plan, "split"))
+    step, peak = work.offload(LeafAsk(microbatches=m, device_budget=int(leaf.device_budget),
+                                      host_budget=int(leaf.host_budget), splits=plan.splits, profile=prof))
     compute = step / min(hw.devices[k].speed for k in range(world))
-    reduce = (bucketed_allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"),
-                                   BUCKET_BYTES) + _scalar_collectives_s(plan, hw))
+    reduce = (bucketed_allreduce_s(prof.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"), BUCKET_BYTES)
+              + _scalar_collectives_s(plan, hw))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
+    why = "" if peak <= min(limits) else (f"the memory engine's peak {fmt_bytes(peak)} exceeds a device's "
+                                          f"{fmt_bytes(min(limits))}")
     return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
-                      peak_bytes=(int(peak),) * world, limit_bytes=limits)
+                      peak_bytes=(int(peak),) * world, limit_bytes=limits, why=why)
+
+
+def shard_profile(work: Workload, s: int, link: Link) -> Profile:
+    """The profile one rank of a split group of ``s`` runs under the offload leaf (its plain shards, as
+    :mod:`stratum.parallel.split_offload` cuts them): each block split shards at 1/s of its seconds, state
+    bytes and saved activations, its forward and both backward times each with the group's
+    :data:`SPLIT_REDUCTIONS` all-reduces of its output; the other blocks whole. Every block at the step costs'
+    pace (``StepCosts.block_scale``)."""
+    pace, split = work.step.block_scale, set(work.splittable) if s > 1 else set()
+    blocks = []
+    for i, b in enumerate(work.profile.blocks):
+        k = s if i in split else 1
+        comm = SPLIT_REDUCTIONS * allreduce_s(b.out_bytes, s, link) if i in split else 0.0
+        blocks.append(replace(b, n_params=b.n_params // k, param_bytes=b.param_bytes // k,
+                              grad_bytes=b.grad_bytes // k, optim_bytes=b.optim_bytes // k,
+                              act_saved_bytes=b.act_saved_bytes // k, spill_bytes=b.spill_bytes // k,
+                              fwd_s=b.fwd_s * pace / k + comm, bwd_s=b.bwd_s * pace / k + comm,
+                              bwd_input_s=b.bwd_input_s * pace / k + (comm if b.bwd_input_s else 0.0)))
+    return replace(work.profile, blocks=blocks)
 
 
 def _state(work: Workload, b: int, held: float, shard: int) -> float:

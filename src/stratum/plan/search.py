@@ -4,7 +4,8 @@ The space, for N devices: every factorisation N = replicas × pipeline ranks × 
 ``shard=true``; every pipeline schedule kind (:data:`stratum.schedule.generators.KINDS`) with the partitions even,
 balanced and — where the workload names its profile file — the profiled cut; split sizes the model's layers
 divide into; where no such tree fits the devices' memory and the workload offers the offload leaf, the memory
-engine on every device, alone or under replicate (priced by its own planner). Adasum is left out (it trains a
+engine on every device — alone, under split (each rank's engine planning its shards), under replicate, or
+replicate over split — priced by its own planner. Adasum is left out (it trains a
 different model from the plain engine's). Each tree is priced by
 :func:`stratum.plan.predict.predict`; trees the model or the step cannot run (micro-batches that do not divide
 over the replicas, too few blocks for the stages, split and shard together) and trees that do not fit the
@@ -113,12 +114,18 @@ def candidates(work: Workload, n: int) -> Iterator[Plan]:
                         yield _checked(Replicate(n=r, shard=shard, child=mid))
 
 
-def offload_candidates(hw: Hardware, n: int) -> Iterator[Plan]:
-    """The memory engine on each of ``n`` devices, alone or under replicate: its device budget the smallest
-    device's memory, its host budget an equal share of the host's."""
+def offload_candidates(work: Workload, hw: Hardware, n: int) -> Iterator[Plan]:
+    """The memory engine on each of ``n`` devices, alone, under split (every size the layers divide into), under
+    replicate, or replicate over split: its device budget the smallest device's memory, its host budget an equal
+    share of the host's."""
     leaf = Offload(device_budget=str(min(d.memory_bytes for d in hw.devices[:n])),
                    host_budget=str(max(1, hw.host_bytes // n)))
-    yield _checked(leaf) if n == 1 else _checked(Replicate(n=n, child=leaf))
+    for r in (x for x in range(1, n + 1) if n % x == 0):
+        s = n // r
+        if s > 1 and s not in work.split_sizes:
+            continue
+        inner = Split(n=s, child=leaf) if s > 1 else leaf
+        yield _checked(Replicate(n=r, child=inner) if r > 1 else inner)
 
 
 def _checked(root) -> Plan:
@@ -164,11 +171,16 @@ def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAUL
         seen.add(key)
         (fit if pred.fits else big).append(pred)
     if not fit and work.offload is not None and complete:  # nothing fits in memory: the memory engine's trees
-        for plan in offload_candidates(hw, n):
+        for plan in offload_candidates(work, hw, n):
+            if time.perf_counter() > deadline:
+                complete = False
+                break
             try:
-                fit.append(predict(plan, work, hw))
+                pred = predict(plan, work, hw)
             except StratumError as e:
                 refused.append(Refused(plan=plan, why=str(e)))
+                continue
+            (fit if pred.fits else big).append(pred)
     fit.sort(key=lambda p: (p.step_s, max(p.peak_bytes), str(p.plan)))
     big.sort(key=lambda p: max(b - lim for b, lim in zip(p.peak_bytes, p.limit_bytes)))
     return SearchResult(devices=n, ranked=tuple(fit), too_big=tuple(big), refused=tuple(refused),
