@@ -221,6 +221,10 @@ def test_where_nothing_fits_split_over_offload_plans_each_ranks_shards():
     planned = 4 * sum(b.fwd_s + b.bwd_s for b in shard.blocks) + 2 * (shard.train_state_bytes +
                                                                      shard.act_saved_bytes - whole // 3) / 1e8
     assert split.step_s == pytest.approx(planned + allreduce_s(8, 2, LINK))
+    # and the step's own costs outside its blocks, for its 4 micro-batches, as every tree pays them
+    costed = predict(split.plan, replace(work, step=StepCosts(fixed_s=0.01, per_microbatch_s=0.002)), hw)
+    assert costed.overhead_s == pytest.approx(0.01 + 4 * 0.002)
+    assert costed.step_s == pytest.approx(split.step_s + costed.overhead_s)
     # four devices: split(4, offload), replicate(2, split(2, offload)) and replicate(4, offload) are priced too
     four = search(work, Hardware.uniform(4, memory_bytes=whole // 6, intra=LINK, host_bytes=10**9), 4)
     assert {re.sub(r"offload\(.*?\)", "offload", str(p.plan)) for p in four.ranked} == {

@@ -35,8 +35,8 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 The offload leaf (alone, under split, under replicate, or under both) is priced by its own planner through
 ``Workload.offload``: one rank's memory engine for its micro-batches, under split planning its shards (1/s of the
 split blocks' seconds, bytes and saved activations, with the group's two all-reduces each way in the blocks'
-times: a recomputed block re-runs them), plus the replicas' all-reduce of the gradients a rank holds and the
-step's scalar collectives.
+times: a recomputed block re-runs them), plus the replicas' all-reduce of the gradients a rank holds, the step's
+scalar collectives and the step's own costs outside its blocks, as every tree pays them.
 
 Not modelled: overlap of the gradient reduction with the backward, contention between links.
 """
@@ -307,7 +307,7 @@ def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
     """The memory engine alone, under split, under replicate or both: its planner's step for one rank's
     micro-batches and shards (the slowest device's pace), then the replicas' all-reduce of the gradients a rank
-    holds and the step's scalar all-reduces."""
+    holds, the step's scalar all-reduces and its own costs outside the blocks."""
     if work.offload is None:
         raise StratumError("the offload leaf is not offered for this workload")
     if plan.pipeline is not None:
@@ -319,13 +319,14 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
     step, peak = work.offload(LeafAsk(microbatches=m, device_budget=int(leaf.device_budget),
                                       host_budget=int(leaf.host_budget), splits=plan.splits, profile=prof))
     compute = step / min(hw.devices[k].speed for k in range(world))
+    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
     reduce = (bucketed_allreduce_s(prof.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"), BUCKET_BYTES)
               + _scalar_collectives_s(plan, hw))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     why = "" if peak <= min(limits) else (f"the memory engine's peak {fmt_bytes(peak)} exceeds a device's "
                                           f"{fmt_bytes(min(limits))}")
-    return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
-                      peak_bytes=(int(peak),) * world, limit_bytes=limits, why=why)
+    return Prediction(plan=plan, step_s=compute + reduce + overhead, compute_s=compute, reduce_s=reduce,
+                      overhead_s=overhead, bubble=0.0, peak_bytes=(int(peak),) * world, limit_bytes=limits, why=why)
 
 
 def shard_profile(work: Workload, s: int, link: Link) -> Profile:
