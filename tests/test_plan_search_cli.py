@@ -11,7 +11,6 @@ from stratum.cli import main
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link, dump_hardware, load_hardware
-from stratum.ir.plan import parse_plan
 from stratum.offload.tiers import Bandwidths
 from stratum.plan import hardware_cli
 from stratum.plan.process_probe import ProcessProbe
