@@ -159,16 +159,16 @@ def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner(
     asked = []
 
     def offload(ask):
-        asked.append((ask.microbatches, ask.device_budget, ask.host_budget, ask.splits))
+        asked.append((ask.microbatches, ask.device_budget, ask.host_budget, ask.splits, ask.blocks))
         if ask.device_budget < 5000:
             raise StratumError("no placement fits")
         return 0.5 * ask.microbatches, ask.device_budget - 1
     work = Workload(profile=_profile(), microbatches=4, offload=offload)
     hw = Hardware.uniform(2, memory_bytes=10_000, intra=LINK, host_bytes=10**9)
     res = search(work, hw, 2)
-    assert [str(p.plan) for p in res.ranked] == ["replicate(2, offload(device_budget=10000, host_budget=500000000))"]
     best = res.best
-    assert asked == [(2, 10_000, 500_000_000, 1)] and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
+    assert str(best.plan) == "replicate(2, offload(device_budget=10000, host_budget=500000000))"
+    assert asked[0] == (2, 10_000, 500_000_000, 1, ()) and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
     assert best.reduce_s == pytest.approx(allreduce_s(_profile().param_bytes, 2, LINK) + allreduce_s(8, 2, LINK))
     assert res.too_big and "does not fit" in res.table()
     tiny = search(work, Hardware.uniform(1, memory_bytes=1000, host_bytes=10**9), 1)
@@ -199,7 +199,8 @@ def test_where_nothing_fits_split_over_offload_plans_each_ranks_shards():
     assert res.complete and all(isinstance(p.plan.leaf, Offload) for p in res.ranked)
     shown = {str(p.plan) for p in res.ranked}
     leaf = f"offload(device_budget={whole // 3}, host_budget=500000000)"
-    assert shown == {f"split(2, {leaf})", f"replicate(2, {leaf})"}
+    assert {f"split(2, {leaf})", f"replicate(2, {leaf})", f"pipeline(2, schedule=gpipe, partition=even, {leaf})"} <= shown
+    assert not any("zb-" in x for x in shown)  # the offload leaf does not run a split backward
     # the brute-force best over the trees it lists, each priced again
     listed = [p.plan for p in (*res.ranked, *res.too_big)]
     again = [predict(plan, work, hw) for plan in listed]
@@ -225,10 +226,38 @@ def test_where_nothing_fits_split_over_offload_plans_each_ranks_shards():
     costed = predict(split.plan, replace(work, step=StepCosts(fixed_s=0.01, per_microbatch_s=0.002)), hw)
     assert costed.overhead_s == pytest.approx(0.01 + 4 * 0.002)
     assert costed.step_s == pytest.approx(split.step_s + costed.overhead_s)
-    # four devices: split(4, offload), replicate(2, split(2, offload)) and replicate(4, offload) are priced too
+    # four devices: split(4, offload), the pipeline and replicate nestings over split(2, offload) too
     four = search(work, Hardware.uniform(4, memory_bytes=whole // 6, intra=LINK, host_bytes=10**9), 4)
-    assert {re.sub(r"offload\(.*?\)", "offload", str(p.plan)) for p in four.ranked} == {
-        "split(4, offload)", "replicate(2, split(2, offload))", "replicate(4, offload)"}
+    assert {"split(4, offload)", "replicate(2, split(2, offload))", "replicate(4, offload)",
+            "pipeline(2, schedule=1f1b, partition=even, split(2, offload))",
+            "replicate(2, pipeline(2, schedule=gpipe, partition=even, offload))"} <= {
+        re.sub(r"offload\(.*?\)", "offload", str(p.plan)) for p in four.ranked}
+
+
+def test_a_pipeline_over_offload_plans_each_pipeline_ranks_blocks():
+    asked: dict = {}
+    work = replace(_work(), offload=_streaming_planner(asked))
+    whole = work.profile.train_state_bytes
+    hw = Hardware.uniform(2, memory_bytes=whole // 3, intra=LINK, host_bytes=10**9)
+    text = f"pipeline(2, schedule=gpipe, partition=even, offload(device_budget={whole // 3}, host_budget=10**6))"
+    pred = predict(parse_plan(text.replace("10**6", "1000000")), work, hw)
+    # each rank's engine got its blocks (even cut: 0-1, 2-3), each one's activations and kept input times the 4
+    # micro-batches GPipe holds at once
+    prof, last = work.profile, asked[1]
+    assert [b.index for b in last.blocks] == [0, 1] and last.train_state_bytes == sum(
+        b.param_bytes + b.grad_bytes + b.optim_bytes for b in prof.blocks[2:])
+    assert last.blocks[0].act_saved_bytes == 4 * (prof.blocks[2].act_saved_bytes + prof.blocks[1].out_bytes)
+    # the schedule's makespan, plus the slowest rank's streaming beyond its blocks
+    plain = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, hw)
+    bs = prof.blocks
+    held = [b.param_bytes + b.grad_bytes + b.optim_bytes + 4 * (b.act_saved_bytes + (bs[g - 1].out_bytes if g else 0))
+            for g, b in enumerate(bs)]
+    st = [sum(held[:2]), sum(held[2:])]
+    extra = max(2 * max(0, x - whole // 3) / 1e8 for x in st)
+    assert pred.compute_s == pytest.approx(plain.compute_s + extra) and pred.stages == ((0, 2), (2, 4))
+    assert pred.bubble == pytest.approx(plain.bubble) and pred.peak_bytes == (whole // 3,) * 2  # both stream
+    with pytest.raises(StratumError, match="splits the backward"):
+        predict(parse_plan(text.replace("gpipe", "zb-1f1b").replace("10**6", "1000000")), work, hw)
 
 
 def test_where_split_fits_in_memory_no_offload_tree_ranks_above_it_unless_faster():
