@@ -32,10 +32,11 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
   (one set of latencies) per bucket.
 
-The offload leaf (alone, under split, under replicate, or under both) is priced by its own planner through
+The offload leaf (under any nesting of split, pipeline and replicate) is priced by its own planner through
 ``Workload.offload``: one rank's memory engine for its micro-batches, under split planning its shards (1/s of the
 split blocks' seconds, bytes and saved activations, with the group's two all-reduces each way in the blocks'
-times: a recomputed block re-runs them), plus the replicas' all-reduce of the gradients a rank holds, the step's
+times: a recomputed block re-runs them), under a pipeline its stages' blocks inside the schedule's makespan
+(:func:`_offload_pipeline`), plus the replicas' all-reduce of the gradients a rank holds, the step's
 scalar collectives and the step's own costs outside its blocks, as every tree pays them.
 
 Not modelled: overlap of the gradient reduction with the backward, contention between links.

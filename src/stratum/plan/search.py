@@ -4,8 +4,9 @@ The space, for N devices: every factorisation N = replicas × pipeline ranks × 
 ``shard=true``; every pipeline schedule kind (:data:`stratum.schedule.generators.KINDS`) with the partitions even,
 balanced and — where the workload names its profile file — the profiled cut; split sizes the model's layers
 divide into; where no such tree fits the devices' memory and the workload offers the offload leaf, the memory
-engine on every device — alone, under split (each rank's engine planning its shards), under replicate, or
-replicate over split — priced by its own planner. Adasum is left out (it trains a
+engine on every device in each of those tree shapes — alone, under split (each rank's engine planning its
+shards), pipeline (each pipeline rank's engine its stages) and replicate, and their nestings — priced by its own
+planner. Adasum is left out (it trains a
 different model from the plain engine's). Each tree is priced by
 :func:`stratum.plan.predict.predict`; trees the model or the step cannot run (micro-batches that do not divide
 over the replicas, too few blocks for the stages, split and shard together) and trees that do not fit the
