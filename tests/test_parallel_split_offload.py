@@ -10,6 +10,7 @@ import pytest
 from stratum.ir.plan import parse_plan
 from stratum.model.gpt import build_gpt
 from stratum.parallel.split import layer_cuts, split_blocks
+from stratum.parallel.split_offload import shard_shapes
 from stratum.train.trainer import read_metrics, train
 
 from test_parallel_replicate import _same_run, _stratum, hf_config  # noqa: F401 (a fixture)
@@ -119,3 +120,12 @@ def test_split_over_offload_on_transformers_blocks_matches_plain(make_cfg, tmp_p
                    *common, f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 2
     _same_losses(tmp_path / "so", tmp_path / "plain")
+
+
+def test_shard_shapes_hold_what_a_split_rank_holds():
+    """What the plan search's planner packs for a split rank: the shards' shapes on the meta device."""
+    for n in (2, 4):
+        model = build_gpt("mini", vocab_size=256, seed=0, device="meta")
+        shard_shapes(model, n)
+        assert 16 * sum(p.numel() for p in model.parameters()) == _rank_state_bytes("mini", n)
+        assert all(p.is_meta for p in model.parameters())

@@ -12,7 +12,7 @@ import pytest
 from stratum.errors import StratumError
 from stratum.ir.costs import StepCosts
 from stratum.ir.hardware import Device, Hardware, Link
-from stratum.ir.plan import parse_plan
+from stratum.ir.plan import Offload, parse_plan
 from stratum.ir.prices import allreduce_s
 from stratum.plan.predict import Workload, predict
 from stratum.plan.search import SCHEDULES, search
@@ -158,22 +158,118 @@ def test_infeasible_trees_are_listed_with_what_does_not_fit():
 def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner():
     asked = []
 
-    def offload(microbatches, device_budget, host_budget):
-        asked.append((microbatches, device_budget, host_budget))
-        if device_budget < 5000:
+    def offload(ask):
+        asked.append((ask.microbatches, ask.device_budget, ask.host_budget, ask.splits, ask.blocks))
+        if ask.device_budget < 5000:
             raise StratumError("no placement fits")
-        return 0.5 * microbatches, device_budget - 1
+        return 0.5 * ask.microbatches, ask.device_budget - 1
     work = Workload(profile=_profile(), microbatches=4, offload=offload)
     hw = Hardware.uniform(2, memory_bytes=10_000, intra=LINK, host_bytes=10**9)
     res = search(work, hw, 2)
-    assert [str(p.plan) for p in res.ranked] == ["replicate(2, offload(device_budget=10000, host_budget=500000000))"]
     best = res.best
-    assert asked == [(2, 10_000, 500_000_000)] and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
+    assert str(best.plan) == "replicate(2, offload(device_budget=10000, host_budget=500000000))"
+    assert asked[0] == (2, 10_000, 500_000_000, 1, ()) and best.compute_s == 1.0 and best.peak_bytes == (9999, 9999)
     assert best.reduce_s == pytest.approx(allreduce_s(_profile().param_bytes, 2, LINK) + allreduce_s(8, 2, LINK))
     assert res.too_big and "does not fit" in res.table()
     tiny = search(work, Hardware.uniform(1, memory_bytes=1000, host_bytes=10**9), 1)
     assert not tiny.ranked and "offload(device_budget=1000, host_budget=1000000000)" in tiny.table()
     assert "cannot run: no placement fits" in tiny.table()
+
+
+def _streaming_planner(asked):
+    """A memory engine's planner in miniature: its micro-batches' block times, plus the state beyond the device
+    budget read and written once per step at 100 MB/s; device peak min(budget, state + one micro-batch's saved
+    activations)."""
+    def price(ask):
+        asked[ask.splits] = ask.profile
+        prof = ask.profile
+        state, act = prof.train_state_bytes, prof.act_saved_bytes
+        step = ask.microbatches * sum(b.fwd_s + b.bwd_s for b in prof.blocks)
+        return step + 2 * max(0, state + act - ask.device_budget) / 1e8, min(ask.device_budget, state + act)
+    return price
+
+
+def test_where_nothing_fits_split_over_offload_plans_each_ranks_shards():
+    asked: dict = {}
+    work = replace(_work(), offload=_streaming_planner(asked))
+    prof = work.profile
+    whole = prof.train_state_bytes
+    hw = Hardware.uniform(2, memory_bytes=whole // 3, intra=LINK, host_bytes=10**9)  # not even half fits
+    res = search(work, hw, 2)
+    assert res.complete and all(isinstance(p.plan.leaf, Offload) for p in res.ranked)
+    shown = {str(p.plan) for p in res.ranked}
+    leaf = f"offload(device_budget={whole // 3}, host_budget=500000000)"
+    assert {f"split(2, {leaf})", f"replicate(2, {leaf})", f"pipeline(2, schedule=gpipe, partition=even, {leaf})"} <= shown
+    assert not any("zb-" in x for x in shown)  # the offload leaf does not run a split backward
+    # the brute-force best over the trees it lists, each priced again
+    listed = [p.plan for p in (*res.ranked, *res.too_big)]
+    again = [predict(plan, work, hw) for plan in listed]
+    assert res.best.step_s == pytest.approx(min(p.step_s for p in again if p.fits))
+    split = next(p for p in res.ranked if p.plan.splits == 2)
+    assert max(split.peak_bytes) <= hw.devices[0].memory_bytes < whole
+    # each split rank plans 1/2 of the split blocks' (1, 2) state and saved activations, the others whole, and
+    # its blocks' times hold half their work plus the group's two all-reduces of the output each way
+    shard = asked[2]
+    st = [b.param_bytes + b.grad_bytes + b.optim_bytes for b in prof.blocks]
+    assert shard.train_state_bytes == st[0] + st[3] + (st[1] + st[2]) // 2 < whole
+    assert shard.act_saved_bytes == prof.blocks[0].act_saved_bytes + prof.blocks[3].act_saved_bytes + sum(
+        prof.blocks[k].act_saved_bytes // 2 for k in (1, 2))
+    comm = 2 * allreduce_s(4000, 2, LINK)
+    assert shard.blocks[1].fwd_s == pytest.approx(prof.blocks[1].fwd_s / 2 + comm)
+    assert shard.blocks[1].bwd_s == pytest.approx(prof.blocks[1].bwd_s / 2 + comm)
+    assert shard.blocks[0].fwd_s == prof.blocks[0].fwd_s
+    # its step: the planner's for all 4 micro-batches of its shards, and the gradient norm over the split group
+    planned = 4 * sum(b.fwd_s + b.bwd_s for b in shard.blocks) + 2 * (shard.train_state_bytes +
+                                                                     shard.act_saved_bytes - whole // 3) / 1e8
+    assert split.step_s == pytest.approx(planned + allreduce_s(8, 2, LINK))
+    # and the step's own costs outside its blocks, for its 4 micro-batches, as every tree pays them
+    costed = predict(split.plan, replace(work, step=StepCosts(fixed_s=0.01, per_microbatch_s=0.002)), hw)
+    assert costed.overhead_s == pytest.approx(0.01 + 4 * 0.002)
+    assert costed.step_s == pytest.approx(split.step_s + costed.overhead_s)
+    # four devices: split(4, offload), the pipeline and replicate nestings over split(2, offload) too
+    four = search(work, Hardware.uniform(4, memory_bytes=whole // 6, intra=LINK, host_bytes=10**9), 4)
+    assert {"split(4, offload)", "replicate(2, split(2, offload))", "replicate(4, offload)",
+            "pipeline(2, schedule=1f1b, partition=even, split(2, offload))",
+            "replicate(2, pipeline(2, schedule=gpipe, partition=even, offload))"} <= {
+        re.sub(r"offload\(.*?\)", "offload", str(p.plan)) for p in four.ranked}
+
+
+def test_a_pipeline_over_offload_plans_each_pipeline_ranks_blocks():
+    asked: dict = {}
+    work = replace(_work(), offload=_streaming_planner(asked))
+    whole = work.profile.train_state_bytes
+    hw = Hardware.uniform(2, memory_bytes=whole // 3, intra=LINK, host_bytes=10**9)
+    text = f"pipeline(2, schedule=gpipe, partition=even, offload(device_budget={whole // 3}, host_budget=10**6))"
+    pred = predict(parse_plan(text.replace("10**6", "1000000")), work, hw)
+    # each rank's engine got its blocks (even cut: 0-1, 2-3), each one's activations and kept input times the 4
+    # micro-batches GPipe holds at once
+    prof, last = work.profile, asked[1]
+    assert [b.index for b in last.blocks] == [0, 1] and last.train_state_bytes == sum(
+        b.param_bytes + b.grad_bytes + b.optim_bytes for b in prof.blocks[2:])
+    assert last.blocks[0].act_saved_bytes == 4 * (prof.blocks[2].act_saved_bytes + prof.blocks[1].out_bytes)
+    # the schedule's makespan, plus the slowest rank's streaming beyond its blocks
+    plain = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, hw)
+    bs = prof.blocks
+    held = [b.param_bytes + b.grad_bytes + b.optim_bytes + 4 * (b.act_saved_bytes + (bs[g - 1].out_bytes if g else 0))
+            for g, b in enumerate(bs)]
+    st = [sum(held[:2]), sum(held[2:])]
+    extra = max(2 * max(0, x - whole // 3) / 1e8 for x in st)
+    assert pred.compute_s == pytest.approx(plain.compute_s + extra) and pred.stages == ((0, 2), (2, 4))
+    assert pred.bubble == pytest.approx(plain.bubble) and pred.peak_bytes == (whole // 3,) * 2  # both stream
+    with pytest.raises(StratumError, match="splits the backward"):
+        predict(parse_plan(text.replace("gpipe", "zb-1f1b").replace("10**6", "1000000")), work, hw)
+
+
+def test_where_split_fits_in_memory_no_offload_tree_ranks_above_it_unless_faster():
+    asked: dict = {}
+    work = replace(_work(), offload=_streaming_planner(asked))
+    whole = work.profile.train_state_bytes + work.profile.act_saved_bytes
+    hw = Hardware.uniform(2, memory_bytes=int(whole * 0.7), intra=LINK, host_bytes=10**9)  # split(2) fits
+    res = search(work, hw, 2)
+    split = next(p for p in res.ranked if str(p.plan) == "split(2)")
+    assert not asked  # an in-memory tree fits: the memory engine is not asked
+    assert all(p.step_s <= split.step_s for p in res.ranked[:res.ranked.index(split)])
+    assert not any(isinstance(p.plan.leaf, Offload) for p in res.ranked)
 
 
 def test_the_search_is_bounded_in_time_and_says_when_it_stopped():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -11,7 +12,6 @@ from stratum.cli import main
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link, dump_hardware, load_hardware
-from stratum.ir.plan import parse_plan
 from stratum.offload.tiers import Bandwidths
 from stratum.plan import hardware_cli
 from stratum.plan.process_probe import ProcessProbe
@@ -104,18 +104,28 @@ def test_auto_dry_run_names_the_choice_and_a_run_records_prediction_beside_measu
     assert "plan search: step " in capsys.readouterr().out
 
 
-def test_auto_over_two_processes_trains_the_chosen_tree(corpus_file, cache_dir, tmp_path, spec, capfd):
+def test_auto_over_two_processes_trains_the_chosen_tree(corpus_file, cache_dir, tmp_path, capfd):
+    """A device too small for the mini GPT's training state, whole or split in two, and for the memory engine
+    over the whole model: the search's one tree that fits is split(2, offload(…)), and the two processes train
+    it (given the tree: they do not search again), the prediction beside the measurement."""
+    spec = tmp_path / "small.toml"
+    spec.write_text(dump_hardware(Hardware.uniform(2, memory_bytes=1536 * 2**10, host_bytes=2**33,
+                                                   intra=Link(bandwidth=1e9, latency=5e-5))))
     out = tmp_path / "run2"
-    assert main(["train", *_base(corpus_file, cache_dir, out), "--set", "parallel.plan='auto'",
-                 "--set", f"parallel.hardware={str(spec)!r}", "--set", "parallel.devices=2"]) == 0
+    assert main(["train", *_base(corpus_file, cache_dir, out), "--set", "model.preset='mini'",
+                 "--set", "parallel.plan='auto'", "--set", f"parallel.hardware={str(spec)!r}",
+                 "--set", "parallel.devices=2", "--set", f"offload.disk_dir={str(tmp_path)!r}"]) == 0
     text = capfd.readouterr().out  # the ranks' lines too
-    assert text.count("plan search over 2 devices") == 1  # the ranks got the tree, they did not search again
+    assert text.count("plan search over 2 devices") == 1
+    leaf = "offload(device_budget=1572864, host_budget=4294967296)"
+    assert re.search(rf"replicate\(2, {re.escape(leaf)}\) +cannot run: offload: no placement fits", text)
+    assert f"parallel.plan = auto: chose split(2, {leaf})" in text and "the only tree that fits" in text
     summary = json.loads((out / "summary.json").read_text())
-    chosen = summary["plan_search"]["plan"]
-    assert "parallel.plan = auto: chose " in text and summary["engine"] == chosen and summary["steps_done"] == 3
-    # the step's 2 micro-batches shared over the chosen tree's replicas: the global batch stays 2 × 2 sequences
-    assert f"global batch = 2 (micro) × {2 // parse_plan(chosen).replicas} (accum)" in text
-    assert summary["plan_search"]["measured_step_s"] > 0
+    rec = summary["plan_search"]
+    assert summary["engine"] == rec["plan"] == f"split(2, {leaf})" and summary["steps_done"] == 3
+    assert "global batch = 2 (micro) × 2 (accum) × 1 (replicas)" in text and text.count("offload plan:") == 2
+    assert 0 < rec["predicted_peak_bytes"] <= 1536 * 2**10 and rec["predicted_step_s"] > 0
+    assert rec["measured_step_s"] > 0
 
 
 def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path):

@@ -28,7 +28,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.plan.partition import inflight_from_schedule
-from stratum.profile.profile import Profile
+from stratum.profile.profile import BlockProfile, Profile
 from stratum.runtime.engine import StepResult, TrainState
 from stratum.runtime.optim import MakeOptimizer, Optimizer
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
@@ -55,8 +55,14 @@ def stage_seq(model: BlockSeq, mine: list[int]) -> BlockSeq:
 
 
 def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: BlockSeq) -> Profile:
-    """A pipeline rank's blocks' costs from the whole model's profile: each block's activations (with its input,
-    which the runner keeps) times the micro-batches its stage holds at once under the plan's schedule."""
+    """A pipeline rank's blocks' costs from the whole model's profile (:func:`stage_block_costs`), with the
+    ties of its own BlockSeq ``sub``."""
+    return dataclasses.replace(prof, blocks=stage_block_costs(prof, plan, mine), tied=[list(t.names) for t in sub.tied])
+
+
+def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> list[BlockProfile]:
+    """A pipeline rank's blocks (``mine``) renumbered from 0, each one's activations (with its input, which the
+    runner keeps) times the micro-batches its stage holds at once under the plan's schedule."""
     inflight = inflight_from_schedule(plan.schedule)
     stage_of = {i: s for s, r in enumerate(plan.stages) for i in r}
     blocks = []
@@ -64,7 +70,7 @@ def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: Block
         b, n = prof.blocks[g], inflight[stage_of[g]]
         held = b.act_saved_bytes + (prof.blocks[g - 1].out_bytes if g else 0)  # + its kept input (runner)
         blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=held * n, spill_bytes=held * n))
-    return dataclasses.replace(prof, blocks=blocks, tied=[list(t.names) for t in sub.tied])
+    return blocks
 
 
 def check_schedule(schedule: Schedule) -> None:

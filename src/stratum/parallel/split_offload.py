@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from stratum.dist.world import World
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
-from stratum.parallel.split import ModuleCut, layer_cuts, localize_heads, split_blocks
+from stratum.parallel.split import ModuleCut, check_split, layer_cuts, localize_heads, split_blocks
 from stratum.runtime.engine import AroundChild, Engine, TrainState
 
 
@@ -213,6 +213,26 @@ def split_locally(model: BlockSeq, held: set[int], world: World) -> ShardLayout:
                 mod.register_forward_pre_hook(_to_split_hook)
         localize_heads(block, n)
     return layout
+
+
+def shard_shapes(model: BlockSeq, n: int) -> None:
+    """Give the layer blocks of a meta-device ``model`` the parameters one rank of ``split(n, offload(…))`` holds —
+    its shards' shapes, as :func:`split_locally` cuts them, nothing communicated — in place: what the memory
+    engine's planner packs when the plan search prices a split rank."""
+    check_split(model, n)
+    for i in split_blocks(model):
+        block = model.blocks[i]
+        for path, cut in layer_cuts(block).items():
+            mod = block.get_submodule(path)
+            for pname, pl in cut.placements.items():
+                p = getattr(mod, pname, None)
+                if p is None or isinstance(pl, Replicate):
+                    continue
+                dim = cast(Any, pl).dim  # Shard and _StridedShard alike: the dim cut into n equal parts
+                shape = [x // n if d == dim else x for d, x in enumerate(p.shape)]
+                mod.register_parameter(pname, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                           requires_grad=p.requires_grad))
+        localize_heads(block, n)
 
 
 class SplitOffload(AroundChild):

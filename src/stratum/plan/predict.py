@@ -32,8 +32,12 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
   (one set of latencies) per bucket.
 
-The offload leaf (alone or under replicate) is priced by its own planner through ``Workload.offload``, plus the
-replicas' all-reduce.
+The offload leaf (under any nesting of split, pipeline and replicate) is priced by its own planner through
+``Workload.offload``: one rank's memory engine for its micro-batches, under split planning its shards (1/s of the
+split blocks' seconds, bytes and saved activations, with the group's two all-reduces each way in the blocks'
+times: a recomputed block re-runs them), under a pipeline its stages' blocks inside the schedule's makespan
+(:func:`_offload_pipeline`), plus the replicas' all-reduce of the gradients a rank holds, the step's
+scalar collectives and the step's own costs outside its blocks, as every tree pays them.
 
 Not modelled: overlap of the gradient reduction with the backward, contention between links.
 """
@@ -52,17 +56,40 @@ from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
 from stratum.ir.prices import allreduce_s, bucketed_allreduce_s, step_overhead_s, with_link
 from stratum.parallel.buckets import BUCKET_BYTES
+from stratum.parallel.pipeline_offload import check_schedule, stage_block_costs
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
+from stratum.runtime.pipeline import PipelinePlan
 from stratum.schedule.generators import generate
 from stratum.schedule.ir import Schedule
-from stratum.sim.pipeline import simulate
+from stratum.sim.pipeline import SimResult, simulate
 from stratum.units import fmt_bytes
 
 SPLIT_REDUCTIONS = 2
 """All-reduces of a split block's output per forward (and per backward): after attention and after the MLP."""
 SCALAR_BYTES = 8
 """Bytes of a loss or gradient-norm all-reduce (one float64)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafAsk:
+    """What the offload leaf's planner is asked to price: one rank's memory engine for one step."""
+
+    microbatches: int
+    """Micro-batches the rank runs per step (its replica's share)."""
+    device_budget: int
+    """The leaf's device budget, bytes."""
+    host_budget: int
+    """The leaf's host budget, bytes."""
+    splits: int
+    """The split group's size: the engine packs this rank's shards of the blocks split cuts (1: every block
+    whole)."""
+    profile: Profile
+    """The costs of the blocks the rank's engine runs (:func:`shard_profile`; under a pipeline its stages'
+    blocks, renumbered from 0, :func:`~stratum.parallel.pipeline_offload.stage_block_costs`)."""
+    blocks: tuple[int, ...] = ()
+    """Under a pipeline: the blocks (of the whole model) the rank holds, its engine keeping their activations on
+    the device as the pipeline's leaf does; empty: every block, activations as the planner chooses."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,10 +115,10 @@ class Workload:
     step: StepCosts = StepCosts()
     """The step's costs outside its blocks on the profiled device (measured on the plain engine beside the
     profile); zeros = not priced."""
-    offload: Callable[[int, int, int], tuple[float, int]] | None = None
-    """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`): (micro-batches,
-    device budget, host budget in bytes) → (seconds of those micro-batches and the update, device peak bytes),
-    a StratumError where nothing fits; None = the offload leaf is not offered."""
+    offload: Callable[[LeafAsk], tuple[float, int]] | None = None
+    """Prices the offload leaf (its own planner, :func:`stratum.offload.planner.make_placement`) for one rank →
+    (seconds of its micro-batches and the update, device peak bytes), a StratumError where nothing fits; None =
+    the offload leaf is not offered."""
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
@@ -212,7 +239,6 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         return _predict_offload(plan, work, hw, m)
     blocks, state = _split_costs(work, s, _mesh_link(hw, plan, "split"))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
-    stage_speed = [_slowest(hw, plan, "stage_rank", i) for i in range(p)]
     cut: tuple[tuple[int, int], ...]
     if plan.pipeline is None:
         speed = min(hw.devices[k].speed for k in range(world))
@@ -223,11 +249,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         node = plan.pipeline
         sched = _schedule(node.schedule, p, m, node.virtual, node.waves)
         stages = _stages(work, plan, sched)
-        costs = blocks.over(stages)
-        k = [1.0 / stage_speed[sched.stage_to_rank[j]] for j in range(len(stages))]
-        costs = replace(costs, f=[x * y for x, y in zip(costs.f, k)], b=[x * y for x, y in zip(costs.b, k)],
-                        i=[x * y for x, y in zip(costs.i, k)], w=[x * y for x, y in zip(costs.w, k)])
-        res = simulate(sched, with_link(costs, _mesh_link(hw, plan, "stage_rank")))
+        res = _simulated(plan, hw, sched, blocks.over(stages))
         compute, bubble, act = res.makespan, res.bubble, list(res.peak_act)
         held = [[b for j in sched.stages_of(q) for b in stages[j]] for q in range(p)]
         cut = tuple((x.start, x.stop) for x in stages)
@@ -251,6 +273,16 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
                f"({len(over)} of {world} ranks over)")
     return Prediction(plan=plan, step_s=compute + reduce + update + overhead, compute_s=compute, reduce_s=reduce,
                       update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+
+
+def _simulated(plan: Plan, hw: Hardware, sched: Schedule, costs: Costs) -> SimResult:
+    """The pipeline's schedule run by the event simulator over stage ``costs``, each stage at its pipeline rank's
+    pace (the slowest device that rank mirrors), messages on the pipeline group's link."""
+    speed = [_slowest(hw, plan, "stage_rank", q) for q in range(plan.stage_ranks)]
+    k = [1.0 / speed[sched.stage_to_rank[j]] for j in range(costs.num_stages)]
+    costs = replace(costs, f=[x * y for x, y in zip(costs.f, k)], b=[x * y for x, y in zip(costs.b, k)],
+                    i=[x * y for x, y in zip(costs.i, k)], w=[x * y for x, y in zip(costs.w, k)])
+    return simulate(sched, with_link(costs, _mesh_link(hw, plan, "stage_rank")))
 
 
 def _grad_reduce_s(nbytes: float, plan: Plan, hw: Hardware) -> float:
@@ -285,22 +317,81 @@ def _update_s(work: Workload, plan: Plan, hw: Hardware, held: list[list[int]]) -
 
 
 def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Prediction:
-    """The memory engine alone or under replicate: its planner's step for the replica's micro-batches (the slowest
-    device's pace), then the replicas' gradient and loss all-reduces."""
+    """The memory engine under any nesting of split, pipeline and replicate: its planner's step for one rank's
+    micro-batches and shards (the slowest device's pace; under a pipeline, :func:`_offload_pipeline`), then the
+    replicas' all-reduce of the gradients a rank holds, the step's scalar all-reduces and its own costs outside
+    the blocks."""
     if work.offload is None:
         raise StratumError("the offload leaf is not offered for this workload")
-    if plan.pipeline is not None or plan.split is not None:
-        raise StratumError("the search prices the offload leaf alone or under replicate")
-    world = plan.world_size()
-    leaf = plan.leaf
+    world, leaf = plan.world_size(), plan.leaf
     assert isinstance(leaf, Offload)  # (predict sends offload leaves here)
-    step, peak = work.offload(m, int(leaf.device_budget), int(leaf.host_budget))
-    compute = step / min(hw.devices[k].speed for k in range(world))
-    reduce = (bucketed_allreduce_s(work.profile.param_bytes, plan.replicas, _mesh_link(hw, plan, "replica"),
-                                   BUCKET_BYTES) + _scalar_collectives_s(plan, hw))
+    prof = shard_profile(work, plan.splits, _mesh_link(hw, plan, "split"))
+    ask = LeafAsk(microbatches=m, device_budget=int(leaf.device_budget), host_budget=int(leaf.host_budget),
+                  splits=plan.splits, profile=prof)
+    if plan.pipeline is None:
+        step, peak = work.offload(ask)
+        compute, bubble, peaks = step / min(hw.devices[k].speed for k in range(world)), 0.0, [peak]
+        held: list[list[int]] = [list(range(len(prof.blocks)))]
+        cut: tuple[tuple[int, int], ...] = ()
+    else:
+        compute, bubble, peaks, held, cut = _offload_pipeline(plan, work, hw, ask)
+    grads = max(sum(prof.blocks[b].param_bytes for b in h) for h in held)
+    reduce = (bucketed_allreduce_s(grads, plan.replicas, _mesh_link(hw, plan, "replica"), BUCKET_BYTES)
+              + _scalar_collectives_s(plan, hw))
+    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
-    return Prediction(plan=plan, step_s=compute + reduce, compute_s=compute, reduce_s=reduce, bubble=0.0,
-                      peak_bytes=(int(peak),) * world, limit_bytes=limits)
+    per_rank = tuple(int(peaks[plan.coord(k).stage_rank if plan.pipeline else 0]) for k in range(world))
+    over = [k for k in range(world) if per_rank[k] > limits[k]]
+    why = "" if not over else (f"rank {over[0]}'s memory engine peaks at {fmt_bytes(per_rank[over[0]])} of its "
+                               f"{fmt_bytes(limits[over[0]])}")
+    return Prediction(plan=plan, step_s=compute + reduce + overhead, compute_s=compute, reduce_s=reduce,
+                      overhead_s=overhead, bubble=bubble, peak_bytes=per_rank, limit_bytes=limits, stages=cut,
+                      why=why)
+
+
+def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) -> tuple[
+        float, float, list[int], list[list[int]], tuple[tuple[int, int], ...]]:
+    """``pipeline(p, [split(s,] offload(…)))``: each pipeline rank's memory engine plans its stages' blocks as the
+    runtime does (their activations kept on the device, times the micro-batches each stage holds at once). The
+    compute part is the schedule's simulated makespan over the blocks' times, plus the pipeline rank's engine
+    time beyond its blocks' compute (unhidden traffic, the update) that is largest at its pace, as if it ran
+    outside the schedule. → (compute, bubble, device peak per pipeline rank, blocks per pipeline rank, cut)."""
+    assert plan.pipeline is not None and work.offload is not None  # (_predict_offload sends pipelines here)
+    node, m, prof = plan.pipeline, ask.microbatches, ask.profile
+    sched = _schedule(node.schedule, plan.stage_ranks, m, node.virtual, node.waves)
+    check_schedule(sched)
+    stages = _stages(work, plan, sched)
+    res = _simulated(plan, hw, sched, Costs.blocks(prof).over(stages))
+    pplan = PipelinePlan(schedule=sched, stages=stages)
+    extra, peaks, held = 0.0, [], []
+    for q in range(plan.stage_ranks):
+        mine = pplan.blocks_of(q)
+        sub = replace(prof, blocks=stage_block_costs(prof, pplan, mine))
+        step, peak = work.offload(replace(ask, profile=sub, blocks=tuple(mine)))
+        busy = m * sum(b.fwd_s + b.bwd_s for b in sub.blocks)
+        extra = max(extra, (step - busy) / _slowest(hw, plan, "stage_rank", q))
+        peaks.append(peak)
+        held.append(mine)
+    return res.makespan + extra, res.bubble, peaks, held, tuple((x.start, x.stop) for x in stages)
+
+
+def shard_profile(work: Workload, s: int, link: Link) -> Profile:
+    """The profile one rank of a split group of ``s`` runs under the offload leaf (its plain shards, as
+    :mod:`stratum.parallel.split_offload` cuts them): each block split shards at 1/s of its seconds, state
+    bytes and saved activations, its forward and both backward times each with the group's
+    :data:`SPLIT_REDUCTIONS` all-reduces of its output; the other blocks whole. Every block at the step costs'
+    pace (``StepCosts.block_scale``)."""
+    pace, split = work.step.block_scale, set(work.splittable) if s > 1 else set()
+    blocks = []
+    for i, b in enumerate(work.profile.blocks):
+        k = s if i in split else 1
+        comm = SPLIT_REDUCTIONS * allreduce_s(b.out_bytes, s, link) if i in split else 0.0
+        blocks.append(replace(b, n_params=b.n_params // k, param_bytes=b.param_bytes // k,
+                              grad_bytes=b.grad_bytes // k, optim_bytes=b.optim_bytes // k,
+                              act_saved_bytes=b.act_saved_bytes // k, spill_bytes=b.spill_bytes // k,
+                              fwd_s=b.fwd_s * pace / k + comm, bwd_s=b.bwd_s * pace / k + comm,
+                              bwd_input_s=b.bwd_input_s * pace / k + (comm if b.bwd_input_s else 0.0)))
+    return replace(work.profile, blocks=blocks)
 
 
 def _state(work: Workload, b: int, held: float, shard: int) -> float:

@@ -4,7 +4,9 @@ The space, for N devices: every factorisation N = replicas × pipeline ranks × 
 ``shard=true``; every pipeline schedule kind (:data:`stratum.schedule.generators.KINDS`) with the partitions even,
 balanced and — where the workload names its profile file — the profiled cut; split sizes the model's layers
 divide into; where no such tree fits the devices' memory and the workload offers the offload leaf, the memory
-engine on every device, alone or under replicate (priced by its own planner). Adasum is left out (it trains a
+engine on every device in each of those tree shapes — alone, under split (each rank's engine planning its
+shards), pipeline (each pipeline rank's engine its stages) and replicate, and their nestings — priced by its own
+planner. Adasum is left out (it trains a
 different model from the plain engine's). Each tree is priced by
 :func:`stratum.plan.predict.predict`; trees the model or the step cannot run (micro-batches that do not divide
 over the replicas, too few blocks for the stages, split and shard together) and trees that do not fit the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
@@ -94,31 +96,37 @@ def _factorisations(n: int) -> Iterator[tuple[int, int, int]]:
 
 
 def candidates(work: Workload, n: int) -> Iterator[Plan]:
-    """Every tree the search considers for ``n`` devices, cheapest to price first."""
+    """Every in-memory tree the search considers for ``n`` devices, cheapest to price first."""
+    return _trees(work, n, Local(), shards=(False, True))
+
+
+def offload_candidates(work: Workload, hw: Hardware, n: int) -> Iterator[Plan]:
+    """The memory engine on each of ``n`` devices in every tree the in-memory search tries — alone, under split,
+    pipeline, replicate and their nestings (replicate without ``shard=true``, which the search does not price
+    over the leaf): its device budget the smallest device's memory, its host budget an equal share of the
+    host's."""
+    leaf = Offload(device_budget=str(min(d.memory_bytes for d in hw.devices[:n])),
+                   host_budget=str(max(1, hw.host_bytes // n)))
+    return _trees(work, n, leaf, shards=(False,))
+
+
+def _trees(work: Workload, n: int, leaf: Local | Offload, *, shards: tuple[bool, ...]) -> Iterator[Plan]:
     if n < 1:
         raise StratumError(f"--devices must be >= 1, got {n}")
     partitions = ["even", "balanced"] + ([work.profile_path] if work.profile_path else [])
     for r, p, s in sorted(_factorisations(n), key=lambda t: (t[1] > 1, t)):
         if s > 1 and s not in work.split_sizes:
             continue
-        inner = Split(n=s) if s > 1 else Local()
+        inner = Split(n=s, child=leaf) if s > 1 else leaf
         middles = [inner] if p == 1 else [Pipeline(ranks=p, schedule=k, partition=part, child=inner)
                                           for k in SCHEDULES for part in partitions]
         for mid in middles:
             if r == 1:
                 yield _checked(mid)
             else:
-                for shard in (False, True):
+                for shard in shards:
                     if not (shard and s > 1):
                         yield _checked(Replicate(n=r, shard=shard, child=mid))
-
-
-def offload_candidates(hw: Hardware, n: int) -> Iterator[Plan]:
-    """The memory engine on each of ``n`` devices, alone or under replicate: its device budget the smallest
-    device's memory, its host budget an equal share of the host's."""
-    leaf = Offload(device_budget=str(min(d.memory_bytes for d in hw.devices[:n])),
-                   host_budget=str(max(1, hw.host_bytes // n)))
-    yield _checked(leaf) if n == 1 else _checked(Replicate(n=n, child=leaf))
 
 
 def _checked(root) -> Plan:
@@ -136,40 +144,47 @@ def _without_partition(plan: Plan) -> str:
     return str(plan) if node is None else str(plan).replace(f"partition={node.partition}", "")
 
 
+@dataclass
+class _Priced:
+    """The search's tally: trees that fit, trees too big, refused trees, and what has been priced."""
+
+    fit: list[Prediction] = field(default_factory=list)
+    big: list[Prediction] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
+    seen: set[tuple] = field(default_factory=set)
+
+    def price(self, plans: Iterator[Plan], work: Workload, hw: Hardware, deadline: float) -> bool:
+        """Price ``plans`` until ``deadline``; False when it stopped them there."""
+        for plan in plans:
+            if time.perf_counter() > deadline:
+                return False
+            try:
+                pred = predict(plan, work, hw)
+            except StratumError as e:
+                key = (_without_partition(plan), str(e))
+                if key not in self.seen:  # refused whatever the cut: listed once
+                    self.seen.add(key)
+                    self.refused.append(Refused(plan=plan, why=str(e)))
+                continue
+            key = _same_run(pred)
+            if key in self.seen:  # two partitions that cut alike run alike: keep the first (even, balanced, profiled)
+                continue
+            self.seen.add(key)
+            (self.fit if pred.fits else self.big).append(pred)
+        return True
+
+
 def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SearchResult:
-    """Price every candidate tree for ``n`` devices of ``hw`` (at most ``time_limit_s`` seconds) and rank them."""
+    """Price every candidate tree for ``n`` devices of ``hw`` (at most ``time_limit_s`` seconds) and rank them;
+    where none fits in memory and the workload offers the offload leaf, the memory engine's trees too."""
     if n > hw.num_devices:
         raise StratumError(f"--devices {n} but the hardware spec has {hw.num_devices} devices")
     deadline = time.perf_counter() + time_limit_s
-    fit: list[Prediction] = []
-    big: list[Prediction] = []
-    refused: list[Refused] = []
-    complete = True
-    seen: set[tuple] = set()
-    for plan in candidates(work, n):
-        if time.perf_counter() > deadline:
-            complete = False
-            break
-        try:
-            pred = predict(plan, work, hw)
-        except StratumError as e:
-            key = (_without_partition(plan), str(e))
-            if key not in seen:  # refused whatever the cut: listed once
-                seen.add(key)
-                refused.append(Refused(plan=plan, why=str(e)))
-            continue
-        key = _same_run(pred)
-        if key in seen:  # two partitions that cut alike run alike: keep the first (even, balanced, profiled)
-            continue
-        seen.add(key)
-        (fit if pred.fits else big).append(pred)
-    if not fit and work.offload is not None and complete:  # nothing fits in memory: the memory engine's trees
-        for plan in offload_candidates(hw, n):
-            try:
-                fit.append(predict(plan, work, hw))
-            except StratumError as e:
-                refused.append(Refused(plan=plan, why=str(e)))
-    fit.sort(key=lambda p: (p.step_s, max(p.peak_bytes), str(p.plan)))
-    big.sort(key=lambda p: max(b - lim for b, lim in zip(p.peak_bytes, p.limit_bytes)))
-    return SearchResult(devices=n, ranked=tuple(fit), too_big=tuple(big), refused=tuple(refused),
-                        examined=len(fit) + len(big) + len(refused), complete=complete)
+    t = _Priced()
+    complete = t.price(candidates(work, n), work, hw, deadline)
+    if not t.fit and work.offload is not None and complete:
+        complete = t.price(offload_candidates(work, hw, n), work, hw, deadline)
+    t.fit.sort(key=lambda p: (p.step_s, max(p.peak_bytes), str(p.plan)))
+    t.big.sort(key=lambda p: max(b - lim for b, lim in zip(p.peak_bytes, p.limit_bytes)))
+    return SearchResult(devices=n, ranked=tuple(t.fit), too_big=tuple(t.big), refused=tuple(t.refused),
+                        examined=len(t.fit) + len(t.big) + len(t.refused), complete=complete)

@@ -23,7 +23,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,10 +40,12 @@ from stratum.model.build import build_model
 from stratum.offload.cli import planning_profile
 from stratum.offload.planner import make_placement
 from stratum.offload.setup import placement_inputs
+from stratum.parallel.pipeline_offload import stage_seq
 from stratum.parallel.split import check_split, split_blocks
+from stratum.parallel.split_offload import shard_shapes
 from stratum.plan.fidelity import recorded, write_prediction
 from stratum.plan.hardware_cli import probe
-from stratum.plan.predict import Prediction, Workload
+from stratum.plan.predict import LeafAsk, Prediction, Workload
 from stratum.plan.search import SearchResult, search
 from stratum.plan.step_probe import measure_step_costs
 from stratum.profile import Profile
@@ -165,15 +167,26 @@ def update_seconds_per_param(device: torch.device, n: int = 1 << 20, repeats: in
     return best / n
 
 
-def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[int, int, int], tuple[float, int]]:
-    """The offload planner as the search's price of the offload leaf; the bandwidths are measured on first use."""
+def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[LeafAsk], tuple[float, int]]:
+    """The offload planner as the search's price of the offload leaf on one rank: the whole model, or under
+    split(s) its shards' shapes (:func:`~stratum.parallel.split_offload.shard_shapes`), or under a pipeline the
+    rank's blocks with their activations kept on the device (as :mod:`stratum.parallel.pipeline_offload` plans
+    them), with the costs the search gives; the bandwidths are measured on first use."""
     inputs: dict = {}
+    shards: dict[int, BlockSeq] = {1: model}
 
-    def price(microbatches: int, device_budget: int, host_budget: int) -> tuple[float, int]:
+    def price(ask: LeafAsk) -> tuple[float, int]:
         if not inputs:
             inputs.update(placement_inputs(cfg, model, resolve_device(cfg.train.device), profile=prof))
-        p = make_placement(model, **{**inputs, "device_budget": device_budget, "host_budget": host_budget,
-                                     "n_micro": microbatches})
+        if ask.splits not in shards:
+            shards[ask.splits] = _meta_model(cfg)
+            shard_shapes(shards[ask.splits], ask.splits)
+        seq, costs, keep = shards[ask.splits], ask.profile, {}
+        if ask.blocks:
+            seq = stage_seq(seq, list(ask.blocks))
+            costs, keep = replace(costs, tied=[list(t.names) for t in seq.tied]), {"activations": "keep"}
+        p = make_placement(seq, **{**inputs, **keep, "profile": costs, "n_micro": ask.microbatches,
+                                   "device_budget": ask.device_budget, "host_budget": ask.host_budget})
         return p.predicted_step_s, int(p.predicted_peak.get("device", 0))
     return price
 
