@@ -86,10 +86,14 @@ class Calibration:
 
     def describe(self) -> str:
         """The fit as a formula of a job's profiled step and state bytes, for a progress line."""
-        sign = "-" if self.step_overhead_s < 0 else "+"
-        return (f"job s = ({self.fixed_s:.2f} s + {self.fixed_s_per_byte * 1e9:.1f} ns/B × state + steps × "
-                f"({self.step_scale:.2f} × profiled step {sign} {abs(self.step_overhead_s) * 1e3:.0f} ms)) × "
+        return (f"job s = ({self.fixed_s:.2f} s {signed(self.fixed_s_per_byte * 1e9, 'ns/B × state', 1)} + steps × "
+                f"({self.step_scale:.2f} × profiled step {signed(self.step_overhead_s * 1e3, 'ms', 0)})) × "
                 f"{self.contention:.2f}")
+
+
+def signed(value: float, unit: str, digits: int) -> str:
+    """``value`` as a term of a sum: "+ 1.5 unit" or "- 1.5 unit"."""
+    return f"{'-' if value < 0 else '+'} {abs(value):.{digits}f} {unit}"
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
