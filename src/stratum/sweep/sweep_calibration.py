@@ -58,7 +58,7 @@ def auto_calibration(settings: SweepSettings, sweep_dir: Path, configs: dict[str
     cal: Calibration | ShardCalibration
     try:
         if sharded:
-            cal = shard_calibration(list(configs.values()), list(profiles.values()), threads=threads,
+            cal = shard_calibration(list(configs.values()), [profiles[j] for j in configs], threads=threads,
                                     slots=settings.slots, shard_blocks=settings.shard_blocks, work_dir=work,
                                     cache=cache)
         else:  # the plain calibration trains the plain engine, whatever engine the first job was given
