@@ -89,13 +89,14 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
 
 def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
     """The jobs' predicted times for the schedulers that read them (None for fifo), through the sweep's
-    calibration — sweep.calibration = "auto" measures it now, or reads it from the sweep directory."""
+    calibration — sweep.calibration = "auto" measures it now, or reads it from the sweep directory (not when no
+    job is left to order)."""
     s = sweep.spec.settings
     if s.scheduler not in PREDICTING:
         if s.calibration.strip() != "off":
             sweep.say(f"calibration: not used (scheduler {s.scheduler!r} predicts no job times)")
         return None
-    if s.calibration.strip() == "auto":
+    if s.calibration.strip() == "auto" and any(r.status in (PENDING, PAUSED) for r in sweep.state.jobs()):
         sweep.calibration = auto_calibration(s, sweep.dir, sweep.configs, sweep_profiles(sweep), sweep.say)
     return make_predict(sweep.state, sweep.configs, sweep_profiles(sweep), calibration=sweep.calibration)
 

@@ -6,6 +6,7 @@ A sweep file is a training config with one more section::
     out_dir = "runs/sweep"          # state.db, jobs/<id>/ (each an ordinary run directory), results.csv
     slots = 2                       # jobs at once
     scheduler = "fifo"              # fifo | lrtf | sharded-lrtf | planned
+    calibration = "off"             # off | auto | a calibration file: what predicted job times go through
 
     [sweep.grid]                    # every combination
     "optim.lr" = [1e-3, 3e-3]

@@ -52,8 +52,9 @@ def auto_calibration(settings: SweepSettings, sweep_dir: Path, configs: dict[str
     sharded = settings.scheduler == "sharded-lrtf"
     path = shard_cache_path(cache) if sharded else cache
     before = stamp(path)
-    say(f"calibration: {path}, or measuring this machine for {settings.scheduler}'s predictions"
-        + (" (this sweep's job shapes, a few steps each)" if sharded else " (3 model sizes, alone and together)"))
+    say(f"calibration for {settings.scheduler}'s predictions: {path} if it holds this machine's and these jobs', "
+        "else measured now" + (" (this sweep's job shapes, a few steps each)" if sharded
+                               else " (3 model sizes, alone and together)"))
     t0 = time.monotonic()
     cal: Calibration | ShardCalibration
     try:
