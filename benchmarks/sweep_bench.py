@@ -10,13 +10,15 @@ planned may run a job as replicate(2) or pipeline(2) over both slots (planned-1s
 one slot).
 
 Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
-base config trained at three model sizes, alone and 2 at once, ≈25 s). Per scheduler it reports the measured
-makespan (the scheduling loop's wall time: first job start to last job end) and three SIMULATED predictions of
-it: from each job's calibrated time (profile + calibration, known before any job runs: the prediction the 15 %
-goal is about; sharded-lrtf: the offload plan's predicted step through sharded-lrtf's own calibration,
-stratum.sweep.shard_calibrate, measured — or read from its cache beside the plain one — when it is run), from the profiled forward+backward times alone (one set of profiles, taken up front with the
-calibration, for every scheduler's prediction), and from
-each job's measured median step time (which separates the cost model's error from the scheduling model's;
+base config trained at three model sizes, alone and 2 at once, ≈25 s) and, with sharded-lrtf, sharded-lrtf's own
+(stratum.sweep.shard_calibrate: the sweep's own 4 job shapes as offload jobs at the budget, a few steps each, in
+one shard worker on 2 slots; cached beside the plain one). Each sweep reads the file its scheduler uses through
+``sweep.calibration``, so its own ordering (lrtf, planned, sharded-lrtf's remaining times) is the prediction's.
+Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job end)
+and three SIMULATED predictions of it: from each job's calibrated time (known before any job runs: the prediction
+the 15 % goal is about; sharded-lrtf: its shape's measured seconds on a slot), from the profiled forward+backward
+times alone (one set of profiles, taken up front with the calibration, for every scheduler's prediction), and
+from each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
 includes its waits for a slot).
 
@@ -46,12 +48,13 @@ from pathlib import Path
 from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.profile.profile import Profile
-from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration
+from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration, with_items
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.job_strategy import pinned
-from stratum.sweep.predict import calibrated_seconds, job_profiles, predicted_seconds, sharded_seconds
+from stratum.sweep.predict import job_profiles, job_seconds, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
-from stratum.sweep.shard_calibrate import shard_calibration
+from stratum.sweep.shape_cost import ShardCalibration
+from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
@@ -94,11 +97,12 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8") -> str:
+               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8", calibration: str = "off") -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
 scheduler = "{scheduler}"
+calibration = "{calibration}"
 slice_by = "{slice_by}"
 {'plans = ["local"]' if name == "planned-1slot" else ""}
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
@@ -106,6 +110,13 @@ segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 [sweep.grid]
 {GRIDS[grid]}
 """ + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
+
+
+def cal_file(cache: Path, scheduler: str) -> str:
+    """The calibration file the sweep's own ordering reads (sweep.calibration): the one the prediction uses."""
+    if scheduler == "fifo":
+        return "off"
+    return str(shard_cache_path(cache) if scheduler == "sharded-lrtf" else cache)
 
 
 def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
@@ -122,26 +133,23 @@ def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, flo
                      utilisation=busy / (2 * plan.makespan) if plan.makespan else 0.0)
 
 
-def one(name: str, root: Path, args: argparse.Namespace, corpus: str, cals: dict[str, Calibration],
+def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
+        cals: dict[str, Calibration | ShardCalibration],
         profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
                                corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name,
-                               grid=args.grid))
+                               grid=args.grid, calibration=cal_file(args.calibration, scheduler)))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
     steps = {r.id: r.steps for r in rows}
     prof_step_s = {j: predicted_seconds(profiles[j], sweep.configs[j], 1) for j in steps}
-    # the calibrated job time, spread over the job's steps (the simulators take step times)
-    # sharded-lrtf: its offload plan's step through its own calibration (the job's config carries the budget)
-    if scheduler == "sharded-lrtf":
-        cal_step_s = {j: sharded_seconds(profiles[j], sweep.configs[j], steps[j], cals[scheduler]) / steps[j]
-                      for j in steps}
-    else:
-        cal_step_s = {j: calibrated_seconds(profiles[j], sweep.configs[j], steps[j], cals["plain"]) / steps[j]
-                      for j in steps}
+    # the calibrated job time, spread over the job's steps (the simulators take step times); sharded-lrtf: its
+    # shape's seconds on a slot from its own calibration (the job's config carries the budget)
+    cal = cals["sharded-lrtf" if scheduler == "sharded-lrtf" else "plain"]
+    cal_step_s = {j: job_seconds(profiles[j], sweep.configs[j], steps[j], cal) / steps[j] for j in steps}
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":
@@ -196,17 +204,23 @@ def main() -> None:
                                                   grad_accum=args.grad_accum))
         t0 = time.perf_counter()
         base = load_config(root / "base.toml")
-        cals = {"plain": calibration(base, threads=1, slots=2, work_dir=root / "calibration", cache=args.calibration)}
-        if "sharded-lrtf" in args.only:
-            cals["sharded-lrtf"] = shard_calibration(base, threads=1, slots=2, budget=SHARDED_BUDGET, shard_blocks=1,
-                                                     work_dir=root / "calibration", cache=args.calibration)
-        print(f"calibration ({time.perf_counter() - t0:.1f} s): {cals}", flush=True)
+        cals: dict[str, Calibration | ShardCalibration] = {
+            "plain": calibration(base, threads=1, slots=2, work_dir=root / "calibration", cache=args.calibration)}
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
                                    corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum,
                                    grid=args.grid))
-        profiles = job_profiles(open_sweep(path, say=lambda line: None).configs, threads=1, cache_dir=None)
+        configs = open_sweep(path, say=lambda line: None).configs
+        profiles = job_profiles(configs, threads=1, cache_dir=None)
+        if "sharded-lrtf" in args.only:  # the sweep's own job shapes, as sharded-lrtf runs them
+            offload = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", SHARDED_BUDGET))
+                       for c in configs.values()]
+            cals["sharded-lrtf"] = shard_calibration(offload, [profiles[j] for j in configs], threads=1, slots=2,
+                                                     shard_blocks=1, work_dir=root / "calibration",
+                                                     cache=args.calibration)
+        print(f"calibration ({time.perf_counter() - t0:.1f} s): "
+              + "; ".join(f"{k}: {c.describe()}" for k, c in cals.items()), flush=True)
         results = {}
         for s in args.only:
             t0 = time.perf_counter()

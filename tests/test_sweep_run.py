@@ -4,6 +4,7 @@ jobs, ASHA, results and status."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import sqlite3
@@ -167,8 +168,12 @@ def test_a_finished_sweep_run_again_reruns_nothing(four_jobs):
 
 
 def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(tmp_path, corpus_file, cache_dir):
-    # lrtf in slices of 20 steps: the jobs take turns, each resuming from its own checkpoint
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='retries = 1\nscheduler = "lrtf"\nsegment_steps = 20',
+    # lrtf in slices of 20 steps: the jobs take turns, each resuming from its own checkpoint. Its predictions go
+    # through a hand-written calibration (sweep.calibration): a job not yet run is predicted 100 s + 10 s a step
+    cal = {"fixed_s": 100.0, "fixed_s_per_byte": 0.0, "step_scale": 0.0, "step_overhead_s": 10.0, "contention": 1.0}
+    (tmp_path / "cal.json").write_text(json.dumps({"key": "written by hand", "calibration": cal}))
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='retries = 1\nscheduler = "lrtf"\nsegment_steps = 20\ncalibration = "cal.json"',
                       grid='"optim.lr" = [3e-3, 1e5, 2e-3]', steps=60, extra="eval_interval = 0\nckpt_interval = 5")
     sweep_dir = tmp_path / "sw"
     killed: list[int] = []
@@ -182,6 +187,10 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
     assert got["j001"]["status"] == "failed" and got["j001"]["attempts"] == 2 and "nan" in got["j001"]["reason"].lower()
     assert got["j002"]["status"] == "done" and got["j002"]["attempts"] == 1
     assert any("j002: failed: worker died (SIGKILL)" in ln for ln in lines)
+    # the runner's predictions are the calibration's: every job's first slice, 60 steps left, 700 s
+    for job_id in got:
+        first = next(ln for ln in lines if ln.startswith(f"{job_id}: started"))
+        assert first.endswith(", steps 0 → 20, 700 s predicted"), first
     # the retry resumed from its checkpoint and still trained exactly the standalone run
     assert job_losses(sweep_dir, "j002") == standalone_losses(path, "j002", tmp_path)
 

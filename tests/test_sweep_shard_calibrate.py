@@ -1,22 +1,38 @@
 """sharded-lrtf's calibration: each task's seconds on a slot read from a grant log, a job's step and fixed seconds
-from its tasks (hand-computed cases), and a cached calibration used without measuring."""
+from its tasks, each shape's cost from a fake grant log (hand-computed cases), the shapes a calibration measures,
+and a cached calibration used without measuring (also by sweep.calibration = "auto" on a resumed sweep)."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from stratum.config import config_from_dict
 from stratum.errors import StratumError
-from stratum.sweep.calibrate import Calibration, load_calibration, save_calibration
+from stratum.sweep.calibrate import Calibration, calibration_key, load_calibration, save_calibration
+from stratum.sweep.predict import sharded_seconds
+from stratum.sweep.shape_cost import (
+    ShapeCost,
+    ShardCalibration,
+    load_shard_calibration,
+    save_shard_calibration,
+    shape_key,
+)
 from stratum.sweep.shard_calibrate import (
+    MAX_SHAPES,
+    CalJob,
+    fit_shapes,
+    pick_shapes,
     sample_from_tasks,
     shard_cache_path,
     shard_calibration,
     shard_calibration_key,
 )
 from stratum.sweep.shard_worker import task_seconds
+from stratum.sweep.spec import SweepSettings, job_threads
+from stratum.sweep.sweep_calibration import AUTO_CACHE, auto_calibration
 
 
 def test_task_seconds_run_from_a_grant_to_the_next_record_of_its_slot(tmp_path):
@@ -45,14 +61,86 @@ def test_a_sample_takes_the_median_step_and_leaves_the_rest_as_fixed():
         sample_from_tasks([1.0] * 5, per_step=2, steps=3, profiled_step_s=0.5, state_bytes=100)
 
 
+def grant_log(path, chains: dict[str, list[float]]) -> None:
+    """A fake grant log: each job's tasks back to back on a slot of its own, then its end."""
+    records = []
+    for slot, (job, tasks) in enumerate(chains.items()):
+        t = 0.0
+        for i, d in enumerate(tasks):
+            records.append({"t": t, "slot": slot, "job": job, "task": i, "remaining": {}})
+            t += d
+        records.append({"t": t, "slot": slot, "job": job, "end": True})
+    path.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["t"])))
+
+
+def test_each_shape_s_cost_is_the_mean_of_its_jobs_read_from_a_grant_log(tmp_path):
+    # 3 steps of 2 tasks, then the tail task. Shape A run twice: a0's steps sum 3.0 (its set-up in its first
+    # task), 1.2, 1.1 → median 1.2, fixed 5.8 - 3·1.2 = 2.2; a1's 1.3 each → fixed 4.4 - 3.9 = 0.5. Shape B once:
+    # 4.0, 3.0, 3.0 → 3.0, fixed 10.2 - 9.0 = 1.2
+    chains = {"a0": [2.5, 0.5, 0.6, 0.6, 0.5, 0.6, 0.5], "a1": [0.6, 0.7, 0.6, 0.7, 0.6, 0.7, 0.5],
+              "b0": [2.5, 1.5, 1.5, 1.5, 1.5, 1.5, 0.2]}
+    grant_log(tmp_path / "shard_tasks.jsonl", chains)
+    tasks = task_seconds(tmp_path / "shard_tasks.jsonl")
+    assert {j: pytest.approx(ts) for j, ts in chains.items()} == tasks
+    runs = [CalJob(id="a0", shape="A", label="a", per_step=2, predicted_step_s=0.5, state_bytes=100),
+            CalJob(id="a1", shape="A", label="a", per_step=2, predicted_step_s=0.5, state_bytes=100),
+            CalJob(id="b0", shape="B", label="b", per_step=2, predicted_step_s=1.5, state_bytes=300)]
+    cal = fit_shapes(tasks, runs, steps=3)
+    assert list(cal.shapes) == ["A", "B"]
+    assert [(c.label, c.fixed_s, c.step_s) for c in cal.shapes.values()] == [
+        ("a", pytest.approx((2.2 + 0.5) / 2), pytest.approx((1.2 + 1.3) / 2)),
+        ("b", pytest.approx(1.2), pytest.approx(3.0))]
+    # the line for other shapes through the three samples' steps (0.5, 1.2), (0.5, 1.3), (1.5, 3.0): means
+    # (5/6, 11/6), Sxx 2/3, Sxy 7/6 → slope 1.75, intercept 11/6 - 1.75·5/6 = 0.375
+    assert (cal.line.step_scale, cal.line.step_overhead_s, cal.line.contention) == pytest.approx((1.75, 0.375, 1.0))
+    assert "a: 1.35 s + steps × 1250 ms" in cal.describe()
+
+
+def test_at_most_max_shapes_are_measured_spread_over_their_step_times():
+    configs = [config_from_dict({"data": {"seq_len": 8 * (i + 1)}}) for i in range(9)] + [
+        config_from_dict({"data": {"seq_len": 8}, "optim": {"lr": 1e-4}})]  # j0's shape again
+    profiles = [SimpleNamespace(step_s=float(c.data.seq_len)) for c in configs]
+    picked = pick_shapes(configs, profiles)  # type: ignore[arg-type]
+    seqs = [c.data.seq_len for c, _ in picked]
+    assert len(seqs) == MAX_SHAPES == len(set(seqs)) and seqs[0] == 8 and seqs[-1] == 72
+    assert [c.data.seq_len for c, _ in pick_shapes(configs[:3] + configs[-1:], profiles[:3] + profiles[-1:])] == [
+        8, 16, 24]  # fewer than MAX_SHAPES: every distinct shape once
+
+
+def test_a_job_s_sharded_seconds_are_its_shape_s_cost():
+    cfg = config_from_dict({"data": {"seq_len": 32}})
+    cal = ShardCalibration(line=Calibration(fixed_s=0.0, fixed_s_per_byte=0.0, step_scale=1.0, step_overhead_s=0.0,
+                                            contention=1.0),
+                           shapes={shape_key(cfg): ShapeCost(label="x", fixed_s=2.0, step_s=0.25)})
+    assert sharded_seconds(SimpleNamespace(), cfg, 8, cal) == pytest.approx(4.0)  # type: ignore[arg-type]
+
+
 def test_a_cached_sharded_calibration_is_used_without_measuring(tmp_path):
-    base = config_from_dict({})
+    configs = [config_from_dict({})]
     cache = tmp_path / "cal.json"
-    cal = Calibration(fixed_s=1.0, fixed_s_per_byte=0.0, step_scale=2.0, step_overhead_s=0.01, contention=1.0)
-    key = shard_calibration_key(base, threads=1, slots=2, budget="32MB", shard_blocks=1)
-    save_calibration(shard_cache_path(cache), key, cal)
+    cal = ShardCalibration(line=Calibration(fixed_s=1.0, fixed_s_per_byte=0.0, step_scale=2.0, step_overhead_s=0.01,
+                                            contention=1.0),
+                           shapes={shape_key(configs[0]): ShapeCost(label="mini", fixed_s=1.0, step_s=0.5)})
+    key = shard_calibration_key(configs, threads=1, slots=2, shard_blocks=1)
+    save_shard_calibration(shard_cache_path(cache), key, cal)
     assert shard_cache_path(cache) == tmp_path / "cal.sharded.json"
     assert load_calibration(cache, key) is None  # the plain calibration's file is another
-    got = shard_calibration(base, threads=1, slots=2, budget="32MB", shard_blocks=1, work_dir=tmp_path / "none",
+    got = shard_calibration(configs, [], threads=1, slots=2, shard_blocks=1, work_dir=tmp_path / "none",
                             cache=cache)
-    assert got == cal
+    assert got == cal and not (tmp_path / "none").exists()
+    # another shape set is another key: it would be measured
+    other = [config_from_dict({"data": {"seq_len": 16}})]
+    assert load_shard_calibration(shard_cache_path(cache),
+                                  shard_calibration_key(other, threads=1, slots=2, shard_blocks=1)) is None
+
+
+def test_auto_reuses_the_calibration_kept_in_the_sweep_directory(tmp_path):
+    """sweep.calibration = "auto" on a resumed sweep: the calibration its first run kept is read, not measured."""
+    configs = {"j000": config_from_dict({"train": {"engine": "offload"}})}
+    settings = SweepSettings(scheduler="lrtf", slots=2, segment_steps=1, calibration="auto")
+    cal = Calibration(fixed_s=3.0, fixed_s_per_byte=0.0, step_scale=1.0, step_overhead_s=0.0, contention=1.5)
+    save_calibration(tmp_path / AUTO_CACHE, calibration_key(configs["j000"], threads=job_threads(settings), slots=2),
+                     cal)
+    lines: list[str] = []
+    assert auto_calibration(settings, tmp_path, configs, {}, lines.append) == cal
+    assert lines[-1] == f"calibration: as cached: {cal.describe()}" and not (tmp_path / "calibration").exists()

@@ -10,9 +10,11 @@ import signal
 
 import pytest
 
+from stratum.config import config_from_dict
 from stratum.errors import StratumError
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
@@ -47,12 +49,20 @@ def test_the_rule_on_a_hand_computed_case_as_a_table():
     assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
 
 
+JOB_SHAPE = config_from_dict({"model": {"preset": "tiny"}, "data": {"seq_len": 32}, "train": {"micro_batch_size": 4}})
+HAND_CALIBRATION = {"key": "written by hand", "calibration": {
+    "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
+    "shapes": {shape_key(JOB_SHAPE): {"label": "tiny", "fixed_s": 50.0, "step_s": 10.0}}}
+"""The sweep's sharded calibration (sweep.calibration): its jobs' one shape holds a slot 50 s + 10 s a step."""
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, corpus_file, cache_dir):
     """The sweep — j003 diverges at step 2 (lr 1e5) — its worker asked to stop (SIGTERM) once midway: the jobs
     leave at a shard boundary and a new worker resumes them from their checkpoints."""
     tmp = tmp_path_factory.mktemp("shards")
-    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0",
+    (tmp / "cal.json").write_text(json.dumps(HAND_CALIBRATION))
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0\ncalibration = \"cal.json\"",
                       grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]', steps=2,
                       extra="eval_interval = 2\nckpt_interval = 1\n" + PINNED_PLACEMENT)
     lines: list[str] = []
@@ -105,6 +115,8 @@ def test_every_grant_is_the_rule_s_choice(sharded):
     for run in runs:  # a worker's first grant compares every job it holds (some may wait past a stop)
         assert {g["job"] for g in run} <= set(run[0]["remaining"])
     assert set(runs[0][0]["remaining"]) == set(order)
+    # what the rule compares at the start is the calibration's (50 s + 10 s a step): train.steps 1, 3, 1, 3
+    assert runs[0][0]["remaining"] == pytest.approx({"j000": 60.0, "j001": 80.0, "j002": 60.0, "j003": 80.0})
     for g in grants:
         assert g["job"] == pick_longest(g["remaining"], order), g
     assert {g["slot"] for g in grants} == {0, 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -98,6 +99,9 @@ steps = 3
     ("[sweep.grid]\n\"train.seed\" = {start = 0, stop = 1e12, step = 1}", "gives 1,000,000,000,001 values"),
     ("samples = 200\n[sweep.grid]\n\"train.seed\" = {start = 0, stop = 99, step = 1}\n[sweep.random]\n"
      "\"optim.lr\" = [1e-3]", "the sweep has 20,000 jobs"),
+    ("calibration = 3\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration must be a string, got 3"),
+    ("calibration = \" \"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration must be \"off\", \"auto\" or"),
+    ("calibration = \"nope.json\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration = 'nope.json': no such"),
 ])
 def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
     p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")
@@ -159,3 +163,26 @@ seq_len = 16
     # first: 6
     assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"] and "1.33x" in lines["sharded-lrtf"]
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "sw").exists()
+
+
+PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0}
+
+
+@pytest.mark.parametrize("scheduler, text, message", [
+    ("lrtf", "{not json", "is not a plain calibration file (Expecting property name"),
+    ("lrtf", json.dumps({"calibration": {**PLAIN_CAL, "contention": "high"}}), "contention is not a finite number"),
+    ("planned", json.dumps({"calibration": {"fixed_s": 1.0}}), "must have exactly the fields"),
+    ("sharded-lrtf", json.dumps({"calibration": PLAIN_CAL}), "has no \"shapes\" table (a plain calibration"),
+    ("sharded-lrtf", json.dumps({"calibration": PLAIN_CAL, "shapes": {"s": {"label": "x", "fixed_s": 1.0}}}),
+     "its shape 's' needs label (text), fixed_s and step_s"),
+])
+def test_a_calibration_file_that_holds_none_is_a_one_line_error_before_anything_is_written(
+        tmp_path, capsys, scheduler, text, message):
+    (tmp_path / "cal.json").write_text(text)
+    extra = "segment_steps = 1\n" if scheduler == "lrtf" else "device_budget = \"1MB\"\n" * (scheduler != "planned")
+    p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\nscheduler = \"{scheduler}\"\n{extra}"
+                        f"calibration = \"cal.json\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]\n{BASE}")
+    assert main(["sweep", "--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stratum: error: sweep.calibration: {tmp_path / 'cal.json'} is not a") and message in err
+    assert err.count("\n") == 1 and not (tmp_path / "sw").exists()

@@ -16,11 +16,14 @@ cache is ignored (measured again), never trusted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +45,7 @@ CALIBRATION_TIMEOUT_S = 300.0
 """A calibration job that runs longer than this is a failure, not a measurement."""
 DEFAULT_CACHE = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
 """Where a machine's calibration is kept unless told otherwise (one file: its key says whose it is)."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +84,17 @@ class Calibration:
         per_step = self.step_scale * profiled_step_s + self.step_overhead_s
         return max(0.0, fixed + steps * per_step) * self.contention
 
+    def describe(self) -> str:
+        """The fit as a formula of a job's profiled step and state bytes, for a progress line."""
+        return (f"job s = ({self.fixed_s:.2f} s {signed(self.fixed_s_per_byte * 1e9, 'ns/B × state', 1)} + steps × "
+                f"({self.step_scale:.2f} × profiled step {signed(self.step_overhead_s * 1e3, 'ms', 0)})) × "
+                f"{self.contention:.2f}")
+
+
+def signed(value: float, unit: str, digits: int) -> str:
+    """``value`` as a term of a sum: "+ 1.5 unit" or "- 1.5 unit"."""
+    return f"{'-' if value < 0 else '+'} {abs(value):.{digits}f} {unit}"
+
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (slope, intercept) of ys over xs; with one distinct x, slope 0 through the mean."""
@@ -112,20 +127,46 @@ def calibration_key(base: Config, *, threads: int, slots: int) -> str:
                        t.eval_interval, t.eval_batches, t.precision, t.device], sort_keys=True)
 
 
-def load_calibration(path: Path, key: str) -> Calibration | None:
-    """The cached calibration of ``key`` at ``path``; None if there is none, it is unreadable, or it is another
-    key's."""
+def parse_calibration(doc: object) -> Calibration:
+    """The calibration in a calibration file's JSON document; ValueError (what is wrong) if it holds none."""
+    values = doc.get("calibration") if isinstance(doc, dict) else None
+    if not isinstance(values, dict):
+        raise ValueError("it has no \"calibration\" table")
+    names = {f.name for f in fields(Calibration)}
+    if set(values) != names:
+        raise ValueError(f"its calibration must have exactly the fields {', '.join(sorted(names))}")
+    for n in sorted(names):
+        v = values[n]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"its calibration's {n} is not a finite number ({v!r})")
+    return Calibration(**{n: float(values[n]) for n in names})
+
+
+def read_given(path: Path, what: str, parse: Callable[[object], T], kind: str) -> T:
+    """What ``parse`` reads from the file at ``path`` (``what`` named it), whatever machine it was measured on
+    (the user chose it); a one-line error if it cannot be read or holds no ``kind`` calibration."""
+    try:
+        return parse(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise StratumError(f"{what} {path} is not a {kind} calibration file ({e}); give one the sweep wrote, or "
+                           "\"auto\" or \"off\"") from None
+
+
+def load_cached(path: Path, key: str, parse: Callable[[object], T]) -> T | None:
+    """What ``parse`` reads from the cache at ``path`` if it is ``key``'s; None if there is none, it is
+    unreadable, or it is another key's."""
     try:
         doc = json.loads(path.read_text())
         if not isinstance(doc, dict) or doc.get("key") != key:
             return None
-        values = doc["calibration"]
-        names = {f.name for f in fields(Calibration)}
-        if not isinstance(values, dict) or set(values) != names:
-            return None
-        return Calibration(**{n: float(values[n]) for n in names})
-    except (OSError, ValueError, TypeError, KeyError):
+        return parse(doc)
+    except (OSError, ValueError):
         return None
+
+
+def load_calibration(path: Path, key: str) -> Calibration | None:
+    """The cached plain calibration of ``key`` at ``path`` (None: see :func:`load_cached`)."""
+    return load_cached(path, key, parse_calibration)
 
 
 def save_calibration(path: Path, key: str, cal: Calibration) -> None:

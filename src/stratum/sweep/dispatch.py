@@ -78,7 +78,8 @@ def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> Non
     where = f"slot {start.slots[0]}" if len(start.slots) == 1 else f"slots {','.join(map(str, start.slots))}"
     sweep.say(f"{start.job}: started on {where} ({sweep.jobs[start.job].label})"
               + (f" as {start.strategy}" if start.strategy != "local" else "") + f", steps {from_step} → {stop_at}"
-              + (f", attempt {row.attempts + 1}" if row.attempts else ""))
+              + (f", attempt {row.attempts + 1}" if row.attempts else "")
+              + (f", {expect(start):.4g} s predicted" if expect is not None else ""))
 
 
 def _pin(sweep: Sweep, job_id: str, plan: str) -> None:

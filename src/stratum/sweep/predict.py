@@ -21,6 +21,7 @@ from stratum.profile.profiler import profile_from_config
 from stratum.runtime.device import resolve_device
 from stratum.sweep.calibrate import Calibration
 from stratum.sweep.segment import segment_records
+from stratum.sweep.shape_cost import ShardCalibration, shape_key
 from stratum.sweep.state import SweepState
 from stratum.train.metrics import median
 
@@ -84,15 +85,27 @@ def offload_step_s(cfg: Config, profile: Profile) -> float:
     return placement_for(cfg, model, resolve_device(cfg.train.device), profile=profile).predicted_step_s
 
 
-def sharded_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration) -> float:
-    """Seconds a sharded-lrtf job of ``steps`` optimizer steps holds a slot: its offload plan's predicted step
-    through the sharded calibration (:mod:`stratum.sweep.shard_calibrate`); ``cfg`` with its offload budget."""
-    return cal.job_seconds(profiled_step_s=offload_step_s(cfg, profile), state_bytes=profile.train_state_bytes,
-                           steps=steps)
+def sharded_seconds(profile: Profile, cfg: Config, steps: int, cal: ShardCalibration) -> float:
+    """Seconds a sharded-lrtf job of ``steps`` optimizer steps holds a slot: its shape's measured cost
+    (:mod:`stratum.sweep.shape_cost`), or for a shape not measured its offload plan's predicted step through the
+    calibration's line; ``cfg`` with its offload budget."""
+    cost = cal.shapes.get(shape_key(cfg))
+    if cost is not None:
+        return max(0.0, cost.fixed_s + steps * cost.step_s)
+    return cal.line.job_seconds(profiled_step_s=offload_step_s(cfg, profile), state_bytes=profile.train_state_bytes,
+                                steps=steps)
+
+
+def job_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration | ShardCalibration) -> float:
+    """A job's calibrated seconds for ``steps`` steps: under sharded-lrtf's calibration its seconds on a slot,
+    under the plain one its wall seconds."""
+    if isinstance(cal, ShardCalibration):
+        return sharded_seconds(profile, cfg, steps, cal)
+    return calibrated_seconds(profile, cfg, steps, cal)
 
 
 def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile], *,
-                 calibration: Calibration | None = None) -> Callable[[str], dict[str, float]]:
+                 calibration: Calibration | ShardCalibration | None = None) -> Callable[[str], dict[str, float]]:
     """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
     time once it has run, else its calibrated time (given a calibration) or its profiled time scaled by how far
     measured jobs ran from their profiles (so started and unstarted jobs are compared in the same units)."""
@@ -105,8 +118,7 @@ def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[s
         row = state.job(job_id)
         profiled, measured = step_s(job_id)
         if measured is None and calibration is not None:
-            return {"plain": calibrated_seconds(profiles[job_id], configs[job_id], row.steps - row.step,
-                                                calibration)}
+            return {"plain": job_seconds(profiles[job_id], configs[job_id], row.steps - row.step, calibration)}
         if measured is None:
             ratios = [m / p for p, m in map(step_s, configs) if m is not None and p > 0]
             measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)

@@ -34,6 +34,7 @@ from stratum.sweep.setup import Sweep, open_sweep, slot_device, sweep_profiles, 
 from stratum.sweep.shard_run import run_sharded
 from stratum.sweep.spec import job_threads
 from stratum.sweep.state import PAUSED, PENDING, STOPPED, JobRow
+from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
 
 POLL_S = 0.2
 
@@ -58,8 +59,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         write_job_configs(sweep)
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         s = sweep.spec.settings
-        needs_predictions = s.scheduler in ("lrtf", "sharded-lrtf", "planned")
-        predict = make_predict(sweep.state, sweep.configs, sweep_profiles(sweep)) if needs_predictions else None
+        predict = _predict(sweep)
         t0 = time.monotonic()
         if s.scheduler == "sharded-lrtf":
             assert predict is not None  # (sharded-lrtf needs predictions)
@@ -85,6 +85,20 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             sweep.backend.close()
         lock.close()
     return sweep
+
+
+def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
+    """The jobs' predicted times for the schedulers that read them (None for fifo), through the sweep's
+    calibration — sweep.calibration = "auto" measures it now, or reads it from the sweep directory (not when no
+    job is left to order)."""
+    s = sweep.spec.settings
+    if s.scheduler not in PREDICTING:
+        if s.calibration.strip() != "off":
+            sweep.say(f"calibration: not used (scheduler {s.scheduler!r} predicts no job times)")
+        return None
+    if s.calibration.strip() == "auto" and any(r.status in (PENDING, PAUSED) for r in sweep.state.jobs()):
+        sweep.calibration = auto_calibration(s, sweep.dir, sweep.configs, sweep_profiles(sweep), sweep.say)
+    return make_predict(sweep.state, sweep.configs, sweep_profiles(sweep), calibration=sweep.calibration)
 
 
 def make_backend(sweep: Sweep) -> Backend:

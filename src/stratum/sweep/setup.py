@@ -14,14 +14,17 @@ from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
+from stratum.sweep.calibrate import Calibration
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
 from stratum.sweep.gang import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.segment import Backend, Segment
+from stratum.sweep.shape_cost import ShardCalibration
 from stratum.sweep.shard_run import check_shardable
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import PAUSED, STOPPED, SweepState, spec_fingerprint
+from stratum.sweep.sweep_calibration import given_calibration
 from stratum.units import fmt_bytes, parse_budget
 
 
@@ -55,6 +58,9 @@ class Sweep:
     """Job → its paused worker (slice_by = pause): the job's state in that process's memory until it continues."""
     backend: Backend | None = None
     """Where segments run (set by :func:`stratum.sweep.runner.run_sweep`)."""
+    calibration: Calibration | ShardCalibration | None = None
+    """What the predictions go through beyond the profiles (sweep.calibration): the file it names, read when the
+    sweep opens; "auto"'s, measured or read from the sweep directory when it runs; None = "off"."""
     makespan_s: float = 0.0
     """Wall seconds of this invocation's scheduling loop: first segment start to last segment end."""
 
@@ -62,6 +68,7 @@ class Sweep:
 def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:
     """Parse, expand and check the sweep; create or reopen its state (one-line errors before any job starts)."""
     spec = load_sweep(path)
+    given = given_calibration(spec)  # a bad file is an error before anything is written
     jobs = expand(spec)
     sweep_dir = Path(spec.settings.out_dir).expanduser()
     configs = check_jobs(spec, jobs, sweep_dir)
@@ -79,7 +86,7 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
         state.set_meta("jobs", fingerprint)
     state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
-                  dir=sweep_dir, state=state, say=say)
+                  dir=sweep_dir, state=state, say=say, calibration=given)
     if spec.settings.early_stop == "asha":
         sweep.asha = _asha_from_state(spec, state)
     if spec.settings.scheduler == "sharded-lrtf":

@@ -1,22 +1,23 @@
-"""The calibration of ``sharded-lrtf``: what a job's shard tasks really hold a slot for on this machine.
+"""The calibration of ``sharded-lrtf``: what a sweep's jobs' shard tasks really hold a slot for on this machine.
 
 Under sharded-lrtf every job runs under the offload engine at the sweep's device budget as a chain of shard tasks
 handed between slots, so its seconds on a slot are not a plain job's: the engine's set-up (its placement plan and
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
-another job's set-up all add to its profiled compute. This calibration measures them the way a sweep runs them:
-the base config at each calibration preset, ``slots`` offload jobs of each, all in one shard worker
-(:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed between
-jobs, the jobs' set-ups one at a time, the worker's one-time costs (the engine's bandwidth probes) shared by its
-jobs — and fits :class:`stratum.sweep.calibrate.Calibration`'s form to each job's slot-holding seconds, read from
-the worker's grant log: a step's seconds are its tasks' (median over the steps), the fixed part the rest (the
-first task holds the job's set-up; the one after its last step the last optimizer step, evaluation and
-checkpoint). Its "profiled step" is the offload planner's predicted step at the budget
-(:func:`stratum.sweep.predict.offload_step_s`), not the plain profile's: what the budget costs — recomputed or
-spilled activations, chunk copies — differs by model and sequence length, and the planner models it, so the
-calibration is left to fit what it does not (hand-overs, the gate, the optimizer, contention).
+another job's set-up all add to its profiled compute, and by amounts that follow the job's shape (model, sequence
+length, micro-batches) more closely than any profile-based line. So the calibration runs the sweep's own
+distinct job shapes (:func:`stratum.sweep.shape_cost.shape_key`; at most MAX_SHAPES of them, spread over their
+profiled step times), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all (shapes repeated), in one shard
+worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed
+between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
+job's slot-holding seconds from the worker's grant log: a step's seconds are its tasks' (median over the steps),
+the fixed part the rest (the first task holds the job's set-up; the one after its last step the last optimizer
+step, evaluation and checkpoint). A shape's cost is the mean over its jobs. For a shape not measured it keeps a
+line in :class:`stratum.sweep.calibrate.Calibration`'s form against the offload planner's predicted step at the
+budget (:func:`stratum.sweep.predict.offload_step_s`), which models what the budget costs (recomputed or spilled
+activations, chunk copies).
 
-It is cached beside the plain calibration (``<cache stem>.sharded.json``), keyed also by the budget and the
-shard size.
+It is cached at ``<cache stem>.sharded.json`` beside the plain calibration, keyed also by the budget, the shard
+size and the shapes measured.
 """
 
 from __future__ import annotations
@@ -24,28 +25,49 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
-from stratum.sweep.calibrate import (
-    CALIBRATION_TIMEOUT_S,
-    Calibration,
-    Sample,
-    calibration_configs,
-    calibration_key,
-    calibration_profiles,
-    from_samples,
-    load_calibration,
-    save_calibration,
-    with_items,
-)
+from stratum.sweep.calibrate import CALIBRATION_TIMEOUT_S, Sample, calibration_key, from_samples, with_items
 from stratum.sweep.local import start_process
 from stratum.sweep.predict import offload_step_s
+from stratum.sweep.shape_cost import (
+    ShapeCost,
+    ShardCalibration,
+    load_shard_calibration,
+    save_shard_calibration,
+    shape_key,
+    shape_label,
+)
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import ShardJob, shard_worker_main, task_seconds
+
+MAX_SHAPES = 6
+"""The most job shapes one calibration trains (the others are priced by the line through these)."""
+SHAPE_STEPS = 4
+"""Optimizer steps of each calibration job (its first holds its set-up: the median step leaves it out)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalJob:
+    """One calibration job: a copy of a shape."""
+
+    id: str
+    """Its id in the grant log."""
+    shape: str
+    """Its shape key."""
+    label: str
+    """Its shape in words."""
+    per_step: int
+    """Shard tasks per optimizer step."""
+    predicted_step_s: float
+    """The offload planner's predicted step of its shape (the line's abscissa)."""
+    state_bytes: int
+    """Its training state, bytes."""
 
 
 def shard_cache_path(cache: Path) -> Path:
@@ -53,50 +75,77 @@ def shard_cache_path(cache: Path) -> Path:
     return cache.with_name(f"{cache.stem}.sharded{cache.suffix or '.json'}")
 
 
-def shard_calibration_key(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int) -> str:
-    """What a sharded calibration depends on: the plain one's key, the budget and the shard size."""
-    return json.dumps([calibration_key(base, threads=threads, slots=slots), "sharded-lrtf", budget, shard_blocks])
+def shard_calibration_key(configs: list[Config], *, threads: int, slots: int, shard_blocks: int) -> str:
+    """What a sharded calibration depends on: the plain one's key (of the first config), the budget, the shard
+    size and the shapes."""
+    first = configs[0]
+    return json.dumps([calibration_key(first, threads=threads, slots=slots), "sharded-lrtf",
+                       first.offload.device_budget, shard_blocks, sorted({shape_key(c) for c in configs})])
 
 
-def shard_calibration(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int, work_dir: Path,
-                      cache: Path) -> Calibration:
-    """The cached sharded-lrtf calibration for ``base`` at ``budget`` on this machine, measured (and cached at
-    :func:`shard_cache_path` of ``cache``) if there is none."""
-    key = shard_calibration_key(base, threads=threads, slots=slots, budget=budget, shard_blocks=shard_blocks)
+def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
+                      shard_blocks: int, work_dir: Path, cache: Path) -> ShardCalibration:
+    """The cached sharded-lrtf calibration of the job ``configs`` (each with its offload budget; ``profiles[i]``
+    is ``configs[i]``'s) on this machine, measured (and cached at :func:`shard_cache_path` of ``cache``) if there
+    is none."""
+    key = shard_calibration_key(configs, threads=threads, slots=slots, shard_blocks=shard_blocks)
     path = shard_cache_path(cache)
-    if (cal := load_calibration(path, key)) is not None:
+    if (cal := load_shard_calibration(path, key)) is not None:
         return cal
-    cal = measure_sharded(base, threads=threads, slots=slots, budget=budget, shard_blocks=shard_blocks,
-                          work_dir=work_dir)
-    save_calibration(path, key, cal)
+    cal = measure_shapes(configs, profiles, threads=threads, slots=slots, shard_blocks=shard_blocks,
+                         work_dir=work_dir)
+    save_shard_calibration(path, key, cal)
     return cal
 
 
-def measure_sharded(base: Config, *, threads: int, slots: int, budget: str, shard_blocks: int,
-                    work_dir: Path) -> Calibration:
-    """Train ``base`` at each calibration preset, ``slots`` copies of each, as sharded-lrtf jobs at ``budget`` in
-    one shard worker on ``slots`` slots; the calibration fitted to each job's slot-holding seconds (measured under
-    the sweep's contention, so its contention factor is 1)."""
-    plain = calibration_configs(base)
-    profiles = calibration_profiles(plain, threads)
-    configs = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", budget)) for c in plain]
-    jobs: list[tuple[ShardJob, Config, Profile]] = []
-    for i, (cfg, prof) in enumerate(zip(configs, profiles)):
+def pick_shapes(configs: list[Config], profiles: list[Profile]) -> list[tuple[Config, Profile]]:
+    """One config per distinct shape (the first of each), at most MAX_SHAPES of them spread evenly over their
+    profiled step times (the smallest and the largest among them)."""
+    by_shape: dict[str, tuple[Config, Profile]] = {}
+    for cfg, prof in zip(configs, profiles):
+        by_shape.setdefault(shape_key(cfg), (cfg, prof))
+    shapes = sorted(by_shape.values(), key=lambda cp: cp[1].step_s * cp[0].micro_batches_per_step)
+    if len(shapes) <= MAX_SHAPES:
+        return shapes
+    return [shapes[round(i * (len(shapes) - 1) / (MAX_SHAPES - 1))] for i in range(MAX_SHAPES)]
+
+
+def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
+                   shard_blocks: int, work_dir: Path) -> ShardCalibration:
+    """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all,
+    as sharded-lrtf jobs in one shard worker on ``slots`` slots; their costs from the grant log."""
+    shapes = pick_shapes(configs, profiles)
+    picks = [shapes[i % len(shapes)] for i in range(max(len(shapes), slots + 1))]
+    root = work_dir / "sharded"
+    jobs, runs = [], []
+    for i, (cfg, prof) in enumerate(picks):
+        out = root / f"c{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        job_cfg = with_items(cfg, ("train", "steps", SHAPE_STEPS), ("train", "out_dir", str(out)))
+        (out / "job.toml").write_text(to_toml(job_cfg))
         per_step = tasks_per_step(len(prof.blocks), shard_blocks, cfg.micro_batches_per_step)
-        for k in range(slots):
-            out = work_dir / "sharded" / f"p{i}c{k}"
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "job.toml").write_text(to_toml(with_items(cfg, ("train", "out_dir", str(out)))))
-            # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
-            jobs.append((ShardJob(id=f"p{i}c{k}", config_path=str(out / "job.toml"),
-                                  tasks_left=per_step * cfg.train.steps, task_s=prof.step_s / per_step,
-                                  shard_blocks=shard_blocks), cfg, prof))
-    tasks = _run([j for j, _, _ in jobs], slots=slots, threads=threads, root=work_dir / "sharded")
-    predicted = [offload_step_s(cfg, prof) for cfg, prof in zip(configs, profiles)]
-    samples = [sample_from_tasks(tasks.get(job.id, []), per_step=job.tasks_left // cfg.train.steps,
-                                 steps=cfg.train.steps, profiled_step_s=predicted[configs.index(cfg)],
-                                 state_bytes=prof.train_state_bytes) for job, cfg, prof in jobs]
-    return from_samples(samples, samples)
+        # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
+        jobs.append(ShardJob(id=f"c{i}", config_path=str(out / "job.toml"), tasks_left=per_step * SHAPE_STEPS,
+                             task_s=prof.step_s / per_step, shard_blocks=shard_blocks))
+        runs.append(CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg), per_step=per_step,
+                           predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes))
+    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root), runs, steps=SHAPE_STEPS)
+
+
+def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShardCalibration:
+    """The calibration from the calibration jobs' tasks' seconds on a slot (:func:`task_seconds` of their grant
+    log): each shape's fixed and step seconds the mean over its jobs' samples (:func:`sample_from_tasks`), and
+    the line fitted through every sample."""
+    samples = {r.id: sample_from_tasks(tasks.get(r.id, []), per_step=r.per_step, steps=steps,
+                                       profiled_step_s=r.predicted_step_s, state_bytes=r.state_bytes) for r in runs}
+    shapes: dict[str, ShapeCost] = {}
+    for shape in dict.fromkeys(r.shape for r in runs):
+        mine = [samples[r.id] for r in runs if r.shape == shape]
+        label = next(r.label for r in runs if r.shape == shape)
+        shapes[shape] = ShapeCost(label=label, fixed_s=sum(s.fixed_s for s in mine) / len(mine),
+                                  step_s=sum(s.step_s for s in mine) / len(mine))
+    line = from_samples(list(samples.values()), list(samples.values()))
+    return ShardCalibration(line=line, shapes=shapes)
 
 
 def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[str, list[float]]:

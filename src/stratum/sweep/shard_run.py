@@ -2,8 +2,9 @@
 pending jobs, watch it, record each job's outcome, and start another for the jobs left to retry.
 
 Every job runs under the offload engine at ``sweep.device_budget`` (set up by the runner before this), as a chain
-of shard tasks; its predicted remaining time — what the rule compares — is the profile's (then its measured)
-step time over its tasks: ``tasks_left × task_s``.
+of shard tasks; its predicted remaining time — what the rule compares — is the runner's prediction (its shape's
+seconds on a slot from sharded-lrtf's calibration with ``sweep.calibration``, else its profile; its own measured
+steps once it has run) spread over its tasks: ``tasks_left × task_s``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ A sweep file is a training config with one more section::
     out_dir = "runs/sweep"          # state.db, jobs/<id>/ (each an ordinary run directory), results.csv
     slots = 2                       # jobs at once
     scheduler = "fifo"              # fifo | lrtf | sharded-lrtf | planned
+    calibration = "off"             # off | auto | a calibration file: what predicted job times go through
 
     [sweep.grid]                    # every combination
     "optim.lr" = [1e-3, 3e-3]
@@ -42,6 +43,8 @@ SCHEDULERS = ("fifo", "lrtf", "sharded-lrtf", "planned")
 BACKENDS = ("local", "ray")
 EARLY_STOPS = ("", "asha")
 SLICE_BY = ("checkpoint", "pause")
+CALIBRATIONS = ("off", "auto")
+"""sweep.calibration's words; anything else is a file's path."""
 RANDOM_KINDS = ("choice", "uniform", "log_uniform", "int")
 MAX_JOBS = 10_000  # a sweep larger than this is almost surely a mistyped range, and would only fill memory
 
@@ -111,6 +114,12 @@ class SweepSettings:
     """asha: reduction factor; the best 1/eta of the jobs at a rung go on to the next."""
     shard_blocks: int = 1
     """sharded-lrtf: blocks per shard task (a task is their forward, or their backward, for one micro-batch)."""
+    calibration: str = "off"
+    """What the predicted times of lrtf, planned and sharded-lrtf go through beyond the profiles (docs/sweep.md):
+    "off" (profiles, then each job's own measured steps); "auto" (measured on this machine for this sweep when it
+    starts — sharded-lrtf: its own job shapes, a few steps each; tens of seconds — and kept in the sweep
+    directory, so a resumed sweep reuses it); or a calibration file's path (relative to the sweep file), e.g. one
+    an "auto" sweep wrote (calibration.json; sharded-lrtf: calibration.sharded.json)."""
     plan_time_limit_s: float = 10.0
     """planned: the MILP solver's time limit; past it the best plan found so far is used (greedy if none)."""
     plans: list[str] = field(default_factory=list)
@@ -144,6 +153,13 @@ class SweepSpec:
     """[sweep.grid]: each key's values (lists and ranges expanded), in file order."""
     random: dict[str, RandomKey]
     """[sweep.random]: each key's distribution."""
+
+    @property
+    def calibration_path(self) -> Path | None:
+        """The calibration file sweep.calibration names, resolved against the sweep file's directory; None for
+        "off" and "auto"."""
+        c = self.settings.calibration.strip()
+        return None if c in CALIBRATIONS else (self.path.parent / c).expanduser()
 
     @property
     def base_path(self) -> Path | None:
@@ -185,6 +201,7 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     grid_doc = table.pop("grid", {})
     random_doc = table.pop("random", {})
     settings = _settings(table, p)
+    _check_calibration(settings, p)
     grid = {k: _grid_values(k, v) for k, v in _flat_keys(grid_doc, "sweep.grid").items()}
     random = {k: _random_key(k, v) for k, v in _flat_keys(random_doc, "sweep.random").items()}
     if not grid and not random:
@@ -218,6 +235,16 @@ def _settings(table: dict[str, Any], p: Path) -> SweepSettings:
         setattr(s, key, _typed(f"sweep.{key}", value, type(getattr(s, key))))
     _check_settings(s)
     return s
+
+
+def _check_calibration(s: SweepSettings, p: Path) -> None:
+    """sweep.calibration: "off", "auto" or a file that exists (what it holds is read when the sweep opens)."""
+    c = s.calibration.strip()
+    if not c:
+        raise StratumError("sweep.calibration must be \"off\", \"auto\" or a calibration file's path; got \"\"")
+    if c not in CALIBRATIONS and not (p.parent / c).expanduser().is_file():
+        raise StratumError(f"sweep.calibration = {c!r}: no such file (relative to the sweep file's directory); "
+                           "give a calibration file, \"auto\" (measure it) or \"off\"")
 
 
 def _typed(key: str, value: Any, typ: type) -> Any:
