@@ -20,7 +20,16 @@ import argparse
 import math
 from pathlib import Path
 
+from stratum.cluster.cluster import pick
+from stratum.cluster.generate import TraceSpec, generate
+from stratum.cluster.models import known_models
+from stratum.cluster.replay import PolicyConfig, parse_policies, replay, trace_costs
+from stratum.cluster.report import table, write_json, write_png
+from stratum.cluster.scaling import check_fits, dp_step
+from stratum.cluster.trace import load_trace, write_trace
+from stratum.config import Config
 from stratum.errors import StratumError
+from stratum.ir.hardware import load_hardware
 
 
 def add_parser(sub) -> None:
@@ -53,13 +62,10 @@ def add_parser(sub) -> None:
 
 
 def _cache_dir(args) -> Path:
-    from stratum.config import Config
     return Path(args.cache_dir).expanduser() if args.cache_dir else Config().cache_dir
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratum.ir.hardware import load_hardware
-
     if not args.hardware:
         raise StratumError(f"stratum cluster {args.action} needs --hardware FILE.toml (see docs/cluster.md)")
     if args.action == "trace":
@@ -68,11 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args, hw) -> int:
-    from stratum.cluster.models import known_models
-    from stratum.cluster.replay import PolicyConfig, parse_policies, replay, trace_costs
-    from stratum.cluster.report import table, write_json, write_png
-    from stratum.cluster.trace import load_trace
-
     if not args.jobs:
         raise StratumError("stratum cluster simulate needs --jobs TRACE.csv")
     if not args.until > 0:
@@ -93,12 +94,6 @@ def _simulate(args, hw) -> int:
 
 
 def _trace(args, hw) -> int:
-    from stratum.cluster.cluster import pick
-    from stratum.cluster.generate import TraceSpec, generate
-    from stratum.cluster.replay import trace_costs
-    from stratum.cluster.scaling import check_fits, dp_step
-    from stratum.cluster.trace import write_trace
-
     if not args.out:
         raise StratumError("stratum cluster trace needs --out FILE.csv")
     try:

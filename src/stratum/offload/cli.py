@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import argparse
 
+from stratum.atomic import atomic_write_json
+from stratum.config import load_config
 from stratum.errors import StratumError
+from stratum.offload.plan_inputs import planning_inputs
+from stratum.offload.planner import make_placement
+from stratum.offload.tiers import DEVICE
+from stratum.plan.search_cli import run_search
+from stratum.units import Size, fmt_bytes, parse_bytes, parse_percent
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,7 +58,6 @@ def _escape_percent(text: str) -> str:
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     """``"10%,2GB"`` → [(label, device budget bytes)]: a percentage is of ``state_bytes`` (the training state)."""
-    from stratum.units import Size, parse_bytes, parse_percent
     out = []
     for item in (t.strip() for t in text.split(",")):
         if item.endswith("%"):
@@ -63,53 +69,9 @@ def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:
     return out
 
 
-def planning_profile(cfg, model, device, *, estimate: bool = False):
-    """The block costs a plan of ``model`` (built on meta) is made from: its shapes alone (``estimate``), or
-    measured on a small batch, scaled and cached (:mod:`stratum.profile.fast`)."""
-    from stratum.offload.host_alloc import tune_allocator
-    from stratum.profile.fast import cached_profile, shape_profile
-
-    t = cfg.train
-    if estimate:
-        return shape_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
-                             precision=t.precision)
-    tune_allocator()  # blocks are measured under the allocator policy training runs with
-    return cached_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
-                          cache_dir=cfg.cache_dir, precision=t.precision, seed=t.seed)
-
-
-def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
-    """(``make_placement``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
-    once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
-    on a small batch and scaled — cached per architecture, device and batch shape (:mod:`stratum.profile.fast`)."""
-    from stratum.data.corpus import resolve_corpus
-    from stratum.data.prepare import make_tokenizer
-    from stratum.model.build import build_model
-    from stratum.offload.setup import placement_inputs
-    from stratum.profile import Profile
-    from stratum.runtime.device import resolve_device
-
-    device = resolve_device(cfg.train.device)
-    tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
-    model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                        device="meta")
-    if profile_path:
-        prof = Profile.load(profile_path)
-        if len(prof.blocks) != len(model):
-            raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
-                               "re-run `stratum profile` with this config")
-    else:
-        prof = planning_profile(cfg, model, device, estimate=estimate)
-    return placement_inputs(cfg, model, device, profile=prof, always_profile=True), model
-
-
 def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool = True) -> None:
     """Plan each device budget with the same profile and bandwidths (``inputs``: ``planning_inputs``); print a row
     per budget (``timed`` False: without the step time, which an estimate does not predict)."""
-    from stratum.offload.planner import make_placement
-    from stratum.offload.tiers import DEVICE
-    from stratum.units import fmt_bytes
-
     head = (f"{'device budget':>18} {'params':>6} {'optim':>6} {'slots':>5} {'activations':>11} {'peak device':>12} "
             f"{'peak host':>11} {'disk':>10} {'h2d/step':>10} {'d2h/step':>10} {'disk r+w':>10} {'step (s)':>9}")
     print(head)
@@ -131,7 +93,6 @@ def print_sweep(model, inputs: dict, budgets: list[tuple[str, int]], timed: bool
 
 def untimed(plan) -> str:
     """The plan's description with its step-time line replaced by what an estimate knows: activation bytes."""
-    from stratum.units import fmt_bytes
     lines = [line for line in plan.describe().splitlines() if not line.startswith("  predicted step time")]
     lines.append(f"  activations {fmt_bytes(plan.act_bytes)} per micro-batch (from the shapes); step time not "
                  "predicted: --estimate runs nothing (leave it out to measure the blocks)")
@@ -139,12 +100,7 @@ def untimed(plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratum.config import load_config
-    from stratum.offload.planner import make_placement
-    from stratum.units import fmt_bytes
-
     if args.parallel:
-        from stratum.plan.search_cli import run_search
         return run_search(args)
     if args.devices is not None or args.hardware:
         raise StratumError("--devices and --hardware go with --parallel (the plan search)")
@@ -170,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
     plan = make_placement(model, **inputs)
     print(untimed(plan) if args.estimate else plan.describe())
     if args.json_out:
-        from stratum.atomic import atomic_write_json
         atomic_write_json(args.json_out, plan.to_dict())
         print(f"wrote {args.json_out}")
     return 0

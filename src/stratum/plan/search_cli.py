@@ -8,7 +8,7 @@ Runbook::
     stratum train --set parallel.plan=auto --set parallel.devices=2 --dry-run   # prints the choice and why
 
 The block costs are the offload planner's (measured on a small batch, scaled, cached per architecture:
-:func:`stratum.offload.cli.planning_profile`), or ``--profile``. Without a hardware spec the machine is measured
+:func:`stratum.offload.plan_inputs.planning_profile`), or ``--profile``. Without a hardware spec the machine is measured
 by :func:`stratum.plan.hardware_cli.probe` once and the spec cached under the cache directory (delete it to
 measure again). The step's micro-batches are ``train.grad_accum`` — the one-process step — so every tree trains
 the same global batch: a tree with r replicas runs ``grad_accum / r`` micro-batches on each (the choice's
@@ -37,7 +37,7 @@ from stratum.ir.costs import StepCosts
 from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
-from stratum.offload.cli import planning_profile
+from stratum.offload.plan_inputs import planning_profile
 from stratum.offload.planner import make_placement
 from stratum.offload.setup import placement_inputs
 from stratum.parallel.pipeline_offload import stage_seq

@@ -11,7 +11,7 @@ from stratum.errors import StratumError
 from stratum.ir.plan import Local, Offload
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
-from stratum.offload.cli import planning_profile
+from stratum.offload.plan_inputs import planning_profile
 from stratum.offload.setup import placement_for
 from stratum.parallel.compose import check_plan
 from stratum.parallel.pipeline_offload import leaf_config, stage_config, stage_profile, stage_seq

@@ -1,0 +1,45 @@
+"""What a placement of a config's model is planned from, without training: the model on the meta device, its
+block costs (measured on a small batch and cached, read from a profile, or estimated from its shapes) and the
+bandwidths — for ``stratum plan``, the plan search and the dry run alike."""
+
+from __future__ import annotations
+
+from stratum.data.corpus import resolve_corpus
+from stratum.data.prepare import make_tokenizer
+from stratum.errors import StratumError
+from stratum.model.build import build_model
+from stratum.offload.host_alloc import tune_allocator
+from stratum.offload.setup import placement_inputs
+from stratum.profile import Profile
+from stratum.profile.fast import cached_profile, shape_profile
+from stratum.runtime.device import resolve_device
+
+
+def planning_profile(cfg, model, device, *, estimate: bool = False):
+    """The block costs a plan of ``model`` (built on meta) is made from: its shapes alone (``estimate``), or
+    measured on a small batch, scaled and cached (:mod:`stratum.profile.fast`)."""
+    t = cfg.train
+    if estimate:
+        return shape_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
+                             precision=t.precision)
+    tune_allocator()  # blocks are measured under the allocator policy training runs with
+    return cached_profile(model, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=device,
+                          cache_dir=cfg.cache_dir, precision=t.precision, seed=t.seed)
+
+
+def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
+    """(``make_placement``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
+    once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
+    on a small batch and scaled — cached per architecture, device and batch shape (:mod:`stratum.profile.fast`)."""
+    device = resolve_device(cfg.train.device)
+    tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
+    model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                        device="meta")
+    if profile_path:
+        prof = Profile.load(profile_path)
+        if len(prof.blocks) != len(model):
+            raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
+                               "re-run `stratum profile` with this config")
+    else:
+        prof = planning_profile(cfg, model, device, estimate=estimate)
+    return placement_inputs(cfg, model, device, profile=prof, always_profile=True), model
