@@ -91,7 +91,6 @@ def test_plan_overrides_keep_the_global_batch():
 
 
 @pytest.mark.parametrize("sweep, match", [
-    ('scheduler = "planned"\nplans = ["replicate(2)"]\nbackend = "ray"', "ray backend runs one slot per job"),
     ('scheduler = "planned"\nplans = ["pipeline(2)"]\ndevices = ["cpu", "cpu"]', "CPU slots"),
     ('scheduler = "planned"\nplans = ["replicate(2)"]\nslice_by = "pause"\nsegment_steps = 2', "cannot be paused"),
     ('scheduler = "planned"\nplans = ["split(2)"]', "is not"),
@@ -99,8 +98,6 @@ def test_plan_overrides_keep_the_global_batch():
     ('plans = ["local"]', "read by scheduler"),
 ])
 def test_bad_sweep_plans_are_one_line_errors(tmp_path, corpus_file, cache_dir, sweep, match):
-    if "ray" in sweep:
-        pytest.importorskip("ray")
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=sweep, grid='"optim.lr" = [1e-3]', steps=2)
     with pytest.raises(StratumError, match=match) as e:
         load_sweep(path)

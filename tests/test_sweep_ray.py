@@ -1,9 +1,13 @@
-"""The same sweep file on the Ray backend (a local Ray instance): every job equals its `stratum train`."""
+"""The same sweep files on the Ray backend (a local Ray instance): every job equals its `stratum train`, and a job
+the plan gives two slots runs one rank on each slot's actor."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from stratum.config import load_config
 from stratum.sweep.runner import run_sweep
 
 from test_sweep_run import job_losses, rows, standalone_losses, sweep_file
@@ -12,16 +16,28 @@ ray = pytest.importorskip("ray", reason="Ray (the ray extra) is not installed")
 
 
 @pytest.mark.slow
-def test_a_small_sweep_on_a_local_ray_instance(tmp_path, corpus_file, cache_dir):
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='backend = "ray"',
-                      grid='"optim.lr" = [1e-3, 3e-3]', steps=4, extra="eval_interval = 2")
+def test_sweeps_on_a_local_ray_instance(tmp_path, corpus_file, cache_dir):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = sweep_file(tmp_path / "one", corpus_file, cache_dir, sweep='backend = "ray"',
+                     grid='"optim.lr" = [1e-3, 3e-3]', steps=4, extra="eval_interval = 2")
+    two = sweep_file(tmp_path / "two", corpus_file, cache_dir,
+                     sweep='backend = "ray"\nscheduler = "planned"\nplans = ["replicate(2)"]',
+                     grid='"optim.lr" = [3e-3]', steps=2, extra="grad_accum = 2\neval_interval = 2")
     lines: list[str] = []
     try:
-        run_sweep(path, say=lines.append)
+        run_sweep(one, say=lines.append)
+        run_sweep(two, say=lines.append)
     finally:
         ray.shutdown()
-    got = rows(tmp_path / "sw")
+    got = rows(tmp_path / "one" / "sw")
     assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert {r["slot"] for r in got.values()} == {0, 1}
     for job_id in got:
-        assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id)
+        assert job_losses(tmp_path / "one" / "sw", job_id) == standalone_losses(one, job_id, tmp_path / job_id)
+    # replicate(2): a rank on each slot's actor, joined by the torchrun variables; the plain run's losses
+    assert rows(tmp_path / "two" / "sw")["j000"]["status"] == "done", lines
+    assert any("j000: started on slots 0,1" in ln and "as replicate(2)" in ln for ln in lines), lines
+    assert load_config(tmp_path / "two" / "sw" / "jobs" / "j000" / "job.toml").plan.world_size() == 2
+    swept, plain = job_losses(tmp_path / "two" / "sw", "j000"), standalone_losses(two, "j000", tmp_path / "plain")
+    assert len(swept) == len(plain) == 2 and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(swept, plain))

@@ -222,7 +222,7 @@ def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path
         out.mkdir(parents=True, exist_ok=True)
         job_cfg = with_items(cfg, ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
-        segs.append((backend.start(job=f"cal{i}", slot=i, config_path=out / "job.toml", start_step=0,
+        segs.append((backend.start(job=f"cal{i}", slots=(i,), config_path=out / "job.toml", start_step=0,
                                    stop_at=cfg.train.steps, device=None, threads=threads,
                                    log_path=out / "log.txt"), out))
     ended: dict[int, float] = {}

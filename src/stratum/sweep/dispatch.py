@@ -68,10 +68,9 @@ def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> Non
     from_step = checkpoint_step(out)
     stop_at = _stop_at(sweep, from_step, row.steps)
     assert sweep.backend is not None  # (run_sweep starts one before it schedules)
-    seg = sweep.backend.start(job=start.job, slot=start.slots[0], config_path=out / "job.toml", start_step=from_step,
+    seg = sweep.backend.start(job=start.job, slots=start.slots, config_path=out / "job.toml", start_step=from_step,
                               stop_at=stop_at, device=slot_device(sweep, start.slots[0]),
-                              threads=job_threads(sweep.spec.settings), log_path=out / "worker.log",
-                              processes=len(start.slots))
+                              threads=job_threads(sweep.spec.settings), log_path=out / "worker.log")
     _occupy(sweep, start, seg, expect, now)
     sweep.state.update(start.job, status=RUNNING, slot=start.slots[0], pid=seg.worker.pid)
     seg.slice_from = from_step

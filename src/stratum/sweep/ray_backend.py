@@ -10,9 +10,12 @@ A segment asked to stop gets SIGTERM when its actor runs on this machine (the tr
 elsewhere its actor is killed and the job resumes from its last checkpoint. A dead actor is reported as a dead
 worker and replaced at the slot's next segment.
 
-A job runs on one slot here: the planned scheduler offers only ``local`` on Ray, and ``sweep.plans`` naming a
-strategy over several slots is a one-line error before the sweep starts (a k-slot job would need a placement
-group of k bundles and the plan's process group formed across actors).
+A job whose plan holds k slots (``replicate(k)``, ``pipeline(k)``) runs one rank on each of its slots' actors,
+as Ray Train forms a process group: every actor starts ``stratum train --config job.toml`` with the torchrun
+variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of rank 0's actor, which picks a free port
+on its node), so the ranks may sit on different nodes and each uses the CPUs its slot reserved. A rank that
+fails ends the others (their actors are killed; the attempt fails and is retried from its checkpoint, as on the
+local backend); the plan's own time limits stop ranks that wait on a dead one.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from stratum.dist.launch import WORKER_ENV
 from stratum.errors import StratumError
+from stratum.sweep.launched import LAUNCH_ENV_DROP
 from stratum.sweep.segment import Segment, run_segment
 
 PLACE_TIMEOUT_S = 120.0
+RELEASE_TIMEOUT_S = 30.0
 
 
 class SlotActor:
@@ -40,6 +49,33 @@ class SlotActor:
 
     def run(self, config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> int:
         return run_segment(config_path, stop_at, device, threads, log_path)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a port free on it: where rank 0 of a plan over several slots listens."""
+        ray = importlib.import_module("ray")
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def run_rank(self, config_path: str, stop_at: int, threads: int, log_path: str, rank: int, world: int,
+                 master: tuple[str, int]) -> int:
+        """Rank ``rank`` of ``world`` of the job's plan, as torchrun starts one; its exit code. SIGTERM to this
+        actor reaches the rank (it checkpoints after its step and exits)."""
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), OMP_NUM_THREADS=str(threads),
+                   **{WORKER_ENV: "1"})
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "stratum", "train", "--config", config_path,
+                                     "--stop-at", str(stop_at)], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        try:
+            return proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:  # (the actor is being killed: the rank goes with it)
+                proc.kill()
 
 
 class RayWorker:
@@ -74,6 +110,37 @@ class RayWorker:
     def kill(self) -> None:
         if self.poll() is None:
             self.backend.ray.kill(self.backend.actors[self.slot][0])
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class RayRanks:
+    """The ranks of a plan over several slots, one on each slot's actor (the runner's
+    :class:`~stratum.sweep.segment.Worker`): its exit code is the first failing rank's, 0 when all succeed; a
+    failing rank ends the others."""
+
+    def __init__(self, backend: RayBackend, slots: tuple[int, ...], refs: list, pids: list[int | None]):
+        self.ranks = [RayWorker(backend, slot, ref, pid) for slot, ref, pid in zip(slots, refs, pids)]
+        self.pid: int | None = pids[0]
+
+    def poll(self) -> int | None:
+        codes = [r.poll() for r in self.ranks]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            self.kill()  # the others would wait for it until the plan's time limits
+            return failed
+        return None if None in codes else 0
+
+    def terminate(self) -> None:
+        for r in self.ranks:
+            r.terminate()
+
+    def kill(self) -> None:
+        for r in self.ranks:
+            r.kill()
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -125,18 +192,41 @@ class RayBackend:
         """The slot's actor died: a new one serves its next segment."""
         self.actors.pop(slot, None)
 
-    def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
-              threads: int, log_path: Path, processes: int = 1) -> Segment:
-        if processes > 1:  # spec.py refuses sweep.plans over several slots on Ray before the sweep starts
-            raise StratumError(f"{job}: the ray backend runs one slot per job, not a plan of {processes} processes")
-        actor, pid = self._actor(slot)
-        if device is not None and device.startswith("cuda"):
-            device = "cuda"  # Ray gives the actor its GPU as the only visible one
-        ref = actor.run.remote(str(config_path), stop_at, device, threads, str(log_path))
-        return Segment(job=job, slot=slot, start_step=start_step, stop_at=stop_at,
-                       worker=RayWorker(self, slot, ref, pid), log_path=log_path, started=time.monotonic())
+    def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
+              device: str | None, threads: int, log_path: Path) -> Segment:
+        worker: RayWorker | RayRanks
+        if len(slots) > 1:
+            worker = self._start_ranks(slots, config_path, stop_at, threads, log_path)
+        else:
+            actor, pid = self._actor(slots[0])
+            if device is not None and device.startswith("cuda"):
+                device = "cuda"  # Ray gives the actor its GPU as the only visible one
+            ref = actor.run.remote(str(config_path), stop_at, device, threads, str(log_path))
+            worker = RayWorker(self, slots[0], ref, pid)
+        return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
+                       log_path=log_path, started=time.monotonic())
+
+    def _start_ranks(self, slots: tuple[int, ...], config_path: Path, stop_at: int, threads: int,
+                     log_path: Path) -> RayRanks:
+        """One rank of the job's plan on each slot's actor, joined at rank 0's actor's node."""
+        actors = [self._actor(slot) for slot in slots]
+        try:
+            master = self.ray.get(actors[0][0].rendezvous.remote(), timeout=PLACE_TIMEOUT_S)
+        except self.ray.exceptions.RayError as e:
+            raise StratumError(f"slot {slots[0]}'s Ray worker did not answer ({type(e).__name__}); the sweep "
+                               "stops") from None
+        refs = [a.run_rank.remote(str(config_path), stop_at, threads, str(log_path), rank, len(slots), master)
+                for rank, (a, _) in enumerate(actors)]
+        return RayRanks(self, slots, refs, [pid for _, pid in actors])
 
     def close(self) -> None:
+        """Kill the actors and wait (bounded) until Ray has their CPUs back: a sweep started next in this
+        process asks for them at once, and an actor asked for while its resources are still held waits for
+        Ray's retry of pending placements, far longer than the release takes."""
+        held = sum(self.threads for _ in self.actors)
         for actor, _ in self.actors.values():
             self.ray.kill(actor)
         self.actors.clear()
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        while self.ray.available_resources().get("CPU", 0.0) < held and time.monotonic() < deadline:
+            time.sleep(0.1)

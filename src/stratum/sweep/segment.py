@@ -145,10 +145,10 @@ class Backend(Protocol):
     def warm_up(self) -> None:
         """Get workers ready (imports, actors) before the first segment."""
 
-    def start(self, *, job: str, slot: int, config_path: Path, start_step: int, stop_at: int, device: str | None,
-              threads: int, log_path: Path, processes: int = 1) -> Segment:
-        """Start a segment of ``job`` on ``slot`` (the first of its slots when its plan runs ``processes`` > 1
-        processes, each with ``threads`` threads)."""
+    def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
+              device: str | None, threads: int, log_path: Path) -> Segment:
+        """Start a segment of ``job`` on ``slots``: one process, or for a plan over several slots one rank on
+        each (``threads`` threads each); the segment sits on the first."""
 
     def close(self) -> None:
         """Release the workers."""

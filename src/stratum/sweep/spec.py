@@ -337,11 +337,8 @@ def _check_plans(s: SweepSettings) -> None:
 
 
 def _check_multi_slot(s: SweepSettings) -> None:
-    """A job over k slots is one `stratum train` run of k local processes: the local backend, CPU slots, and
-    slices that end with a checkpoint."""
-    if s.backend != "local":
-        raise StratumError("sweep.plans: jobs over several slots run as local multi-process `stratum train` runs; "
-                           "the ray backend runs one slot per job: use plans = [\"local\"] or backend = \"local\"")
+    """A job over k slots is one `stratum train` run of k processes (local ones, or one on each slot's Ray actor):
+    CPU slots, and slices that end with a checkpoint."""
     if s.devices:
         raise StratumError("sweep.plans: jobs over several slots run on CPU slots; remove sweep.devices or use "
                            "plans = [\"local\"]")

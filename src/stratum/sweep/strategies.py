@@ -92,11 +92,11 @@ def streamed_tasks_s(profile: Profile, hw: Hardware, shard_blocks: int) -> list[
 # ---- the local runner's strategies ---------------------------------------------------------------------------
 def sweep_plans(s: SweepSettings) -> list[str]:
     """The strategies the planned scheduler chooses between for each job: sweep.plans, or by default ``local``
-    and, where a job may hold several slots (local backend, CPU slots, checkpoint slices), replicate(k) and
-    pipeline(k) for k = 2..slots."""
+    and, where a job may hold several slots (CPU slots, checkpoint slices), replicate(k) and pipeline(k) for
+    k = 2..slots."""
     if s.plans:
         return list(s.plans)
-    multi = s.backend == "local" and not s.devices and s.slice_by == "checkpoint"
+    multi = not s.devices and s.slice_by == "checkpoint"
     return candidate_plans(s.slots) if multi else ["local"]
 
 
