@@ -11,8 +11,9 @@ from stratum.train.trainer import read_metrics, train
 from test_parallel_replicate import _same_run, _stratum
 
 # one sequence per micro-batch; dropout on: a recomputed block must draw the masks its first forward drew
+DROPOUT = "model.dropout=0.1"
 COMMON = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'", "train.micro_batch_size=1",
-          "train.grad_accum=4", "model.dropout=0.1"]
+          "train.grad_accum=4", DROPOUT]
 # sequences of 64 tokens: rank 0 of 1F1B holds two micro-batches in flight, whose activations (3.3 MB with its
 # streamed chunks) do not fit this budget; their block inputs do (1.8 MB)
 ONE_F_ONE_B = [*COMMON, "data.seq_len=64"]
@@ -46,7 +47,7 @@ def test_pipelined_offload_matches_plain(make_cfg, tmp_path):
     rank's engine also asserts it after each block)."""
     common = [*ONE_F_ONE_B, "train.steps=10", "train.eval_interval=5"]
     train(make_cfg(*common, out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), PLAN, "train.grad_accum=4",
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), PLAN, "train.grad_accum=4", DROPOUT,
                    f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 2 and "device-resident chunks" in out
     assert "activations: recompute" in out or "activations: offload" in out
@@ -65,7 +66,7 @@ def test_wave_over_offload_resumes_and_matches_plain(make_cfg, tmp_path):
     train(make_cfg(*common, out=tmp_path / "plain"))
     cfg = make_cfg(*common, out=tmp_path / "wave")
     extra = ["parallel.plan='pipeline(2, schedule=wave, offload(device_budget=3MB))'", "train.grad_accum=4",
-             "optim.grad_clip=0.0", "offload.optimizer_tier='disk'", "offload.activations='offload'",
+             "optim.grad_clip=0.0", "offload.optimizer_tier='disk'", "offload.activations='offload'", DROPOUT,
              f"offload.disk_dir={str(tmp_path)!r}"]
     _stratum(cfg, *extra, stop_at=2)
     out = _stratum(cfg, *extra)

@@ -106,7 +106,7 @@ class Placement:
         most = max(self.inflight, default=1)
         held = {KEEP: "kept on the device", RECOMPUTE: "block inputs kept on the device, blocks recomputed",
                 SPILL: "block inputs spilled to the host, blocks recomputed"}[self.activations]
-        return f"{self.activations} ({held}; up to {most} micro-batches in flight)"
+        return f"{self.activations} ({held}; up to {most} micro-batch{'es' if most > 1 else ''} in flight)"
 
     def _acts_text(self) -> str:
         if self.inflight:
