@@ -75,7 +75,8 @@ def worker(a: argparse.Namespace) -> None:
     stats = engine.engine.memory_stats()
     out = {"rank": rank, "plan": a.plan, "step_s": times, "median_step_s": statistics.median(times),
            "tokens_per_step": total * a.micro_batch * a.seq_len, "losses": losses, "peak_rss": peak_rss_bytes(),
-           "optim_state_bytes": stats.get("optim_state_bytes"), "describe": engine.engine.describe()}
+           "optim_state_bytes": stats.get("optim_state_bytes"), "describe": engine.engine.describe(),
+           "offload_device_peak_bytes": stats.get("offload_device_peak_bytes")}
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     engine.close()
 
@@ -137,9 +138,11 @@ def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> 
         order = [("local", 1)] + plans if rnd % 2 == 0 else plans + [("local", 1)]
         for plan, n in order:
             ranks = run(plan, n, threads=max(1, a.threads // n), a=a)
-            r = rows.setdefault(plan, {"processes": n, "tokens_per_s": [], "peak_rss_mib": []})
+            r = rows.setdefault(plan, {"processes": n, "tokens_per_s": [], "peak_rss_mib": [],
+                                       "offload_device_peak_bytes": []})
             r["tokens_per_s"].append(tokens_per_s(ranks))
             r["peak_rss_mib"].append([x["peak_rss"] / 2**20 for x in ranks])
+            r["offload_device_peak_bytes"].append([x.get("offload_device_peak_bytes") for x in ranks])
             print(f"round {rnd} {plan:<28} {r['tokens_per_s'][-1]:>10,.0f} tok/s", flush=True)
     base = rows["local"]["tokens_per_s"]
     for r in rows.values():

@@ -89,16 +89,24 @@ class OffloadBlocks:
         self.done = 0
 
     def forward(self, s: int, mb: int, x: Tensor, stream: int | None, training: bool) -> Tensor:
-        eng = self.engine
         if not training:
-            for g in self.stage_blocks[s]:
-                i = self.local[g]
-                eng._access(eng._block_chunks(i), record=False)
-                with block_stream(stream, g, eng.device):
-                    x = eng.model.blocks[i](x)
-            return x
+            return self._forward_eval(s, x, stream)
         if self.mode != KEEP:
             return self._forward_checkpointed(s, mb, x, stream)
+        return self._forward_kept(s, mb, x, stream)
+
+    def _forward_eval(self, s: int, x: Tensor, stream: int | None) -> Tensor:
+        eng = self.engine
+        for g in self.stage_blocks[s]:
+            i = self.local[g]
+            eng._access(eng._block_chunks(i), record=False)
+            with block_stream(stream, g, eng.device):
+                x = eng.model.blocks[i](x)
+        return x
+
+    def _forward_kept(self, s: int, mb: int, x: Tensor, stream: int | None) -> Tensor:
+        """The stage's blocks keeping every saved activation (and each block's input and output) on the device."""
+        eng = self.engine
         ins: list[Tensor] = []
         outs: list[Tensor] = []
         held, ptrs = 0, []
