@@ -126,6 +126,8 @@ class OffloadPipelineEngine(PipelineEngine):
         self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
         cfg = self.cfg
         placement = self._agreed(lambda: rank_placement(cfg, model, plan, mine, self.device, self._profile(cfg)))
+        # a split group's ranks re-run a recomputed block's collectives together: they run split rank 0's placement
+        placement = self.mesh.share_object(placement, "split", "the offload placement")
         # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
         placement = self.mesh.share_object(placement, "replica", "the offload placement")
         self.leaf = offload_engine(cfg, sub, self.device, placement, self.owns)
