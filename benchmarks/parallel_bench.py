@@ -9,7 +9,8 @@ Four studies, each writing JSON to ``benchmarks/results/``:
   v1 ``cpu.cfs_quota_us``, as a slower device would be): even shares against shares from the speeds measured
   at start-up (``parallel.speeds = auto``); goal ≥ 1.3×.
 - ``offload``: the offload leaf alone, under ``replicate(2, …)``, ``pipeline(2, …)``, both, and ``split(2, …)``,
-  each device under ``--budget`` (``--only PLAN``, repeatable: those plans of either study), against plain (the memory engine's overhead, and what the parallel nodes add to it).
+  each device under ``--budget`` (``--only PLAN``, repeatable: those plans instead, any budgets), against plain
+  (the memory engine's overhead, and what the parallel nodes add to it).
 - ``shard``: per-rank AdamW state bytes of ``replicate(4, shard=true)`` against ``replicate(4)`` (≈ 1/4).
 
 Runbook::
@@ -127,7 +128,7 @@ def study_plans(a: argparse.Namespace) -> dict:
 
 def study_offload(a: argparse.Namespace) -> dict:
     plans = (offload_plans(a.budget) if not a.only else
-             [(p, n) for p, n in offload_plans(a.budget) + PLANS if p in a.only])
+             [(p, parse_plan(p).world_size()) for p in a.only])
     return compare(a, plans, "offload") | {"budget": a.budget}
 
 
@@ -198,7 +199,7 @@ def main() -> None:
     ap.add_argument("--budget", default="50%", help="offload: each device's budget (a size or a percentage)")
     ap.add_argument("--only", action="append", default=[],
                     help="plans, offload: run only this plan beside plain (repeatable; plans: one of its plans; "
-                         "offload: one of the offload or plans studies' plans, as they write it)")
+                         "offload: any plan, as the offload study writes them)")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")
