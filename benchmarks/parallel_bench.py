@@ -9,7 +9,8 @@ Four studies, each writing JSON to ``benchmarks/results/``:
   v1 ``cpu.cfs_quota_us``, as a slower device would be): even shares against shares from the speeds measured
   at start-up (``parallel.speeds = auto``); goal ≥ 1.3×.
 - ``offload``: the offload leaf alone, under ``replicate(2, …)``, ``pipeline(2, …)``, both, and ``split(2, …)``,
-  each device under ``--budget`` (``--only PLAN``, repeatable: those plans of either study), against plain (the memory engine's overhead, and what the parallel nodes add to it).
+  each device under ``--budget`` (``--only PLAN``, repeatable: those plans instead, any budgets), against plain
+  (the memory engine's overhead, and what the parallel nodes add to it).
 - ``shard``: per-rank AdamW state bytes of ``replicate(4, shard=true)`` against ``replicate(4)`` (≈ 1/4).
 
 Runbook::
@@ -75,7 +76,8 @@ def worker(a: argparse.Namespace) -> None:
     stats = engine.engine.memory_stats()
     out = {"rank": rank, "plan": a.plan, "step_s": times, "median_step_s": statistics.median(times),
            "tokens_per_step": total * a.micro_batch * a.seq_len, "losses": losses, "peak_rss": peak_rss_bytes(),
-           "optim_state_bytes": stats.get("optim_state_bytes"), "describe": engine.engine.describe()}
+           "optim_state_bytes": stats.get("optim_state_bytes"), "describe": engine.engine.describe(),
+           "offload_device_peak_bytes": stats.get("offload_device_peak_bytes")}
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     engine.close()
 
@@ -126,7 +128,7 @@ def study_plans(a: argparse.Namespace) -> dict:
 
 def study_offload(a: argparse.Namespace) -> dict:
     plans = (offload_plans(a.budget) if not a.only else
-             [(p, n) for p, n in offload_plans(a.budget) + PLANS if p in a.only])
+             [(p, parse_plan(p).world_size()) for p in a.only])
     return compare(a, plans, "offload") | {"budget": a.budget}
 
 
@@ -137,9 +139,11 @@ def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> 
         order = [("local", 1)] + plans if rnd % 2 == 0 else plans + [("local", 1)]
         for plan, n in order:
             ranks = run(plan, n, threads=max(1, a.threads // n), a=a)
-            r = rows.setdefault(plan, {"processes": n, "tokens_per_s": [], "peak_rss_mib": []})
+            r = rows.setdefault(plan, {"processes": n, "tokens_per_s": [], "peak_rss_mib": [],
+                                       "offload_device_peak_bytes": []})
             r["tokens_per_s"].append(tokens_per_s(ranks))
             r["peak_rss_mib"].append([x["peak_rss"] / 2**20 for x in ranks])
+            r["offload_device_peak_bytes"].append([x.get("offload_device_peak_bytes") for x in ranks])
             print(f"round {rnd} {plan:<28} {r['tokens_per_s'][-1]:>10,.0f} tok/s", flush=True)
     base = rows["local"]["tokens_per_s"]
     for r in rows.values():
@@ -195,7 +199,7 @@ def main() -> None:
     ap.add_argument("--budget", default="50%", help="offload: each device's budget (a size or a percentage)")
     ap.add_argument("--only", action="append", default=[],
                     help="plans, offload: run only this plan beside plain (repeatable; plans: one of its plans; "
-                         "offload: one of the offload or plans studies' plans, as they write it)")
+                         "offload: any plan, as the offload study writes them)")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")

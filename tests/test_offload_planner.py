@@ -366,8 +366,9 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     from stratum.offload.tiers import Bandwidths
     m, prof = gpt
     L, lay = len(m), pack(m, 30_000)
-    assert _kept_options(SPILL, L, None)[:3] == [frozenset(), frozenset({L - 1}), frozenset({L - 2, L - 1})]
-    assert _kept_options("keep", L, None) == [frozenset()] and _kept_options(SPILL, L, 0) == [frozenset()]
+    assert _kept_options(SPILL, L, None, False)[:3] == [frozenset(), frozenset({L - 1}), frozenset({L - 2, L - 1})]
+    assert _kept_options("keep", L, None, False) == [frozenset()] == _kept_options(SPILL, L, 0, False)
+    assert _kept_options(SPILL, L, None, True) == [frozenset()]  # a pipeline rank keeps no block's
     a = 1 << 20
     costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[1e-3] * L, b=[2e-3] * L, act_bytes=[a] * L, out_bytes=[1000] * L,
                   spill_bytes=[a] * L)
@@ -386,6 +387,32 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     p = plan(m, prof, device_budget=S // 4, activations=SPILL, bandwidths=bw)
     assert p.kept_blocks and p.kept_blocks[-1] == L - 1 and len(p.kept_blocks) < L
     assert f"kept on the device for the last {len(p.kept_blocks)}" in p.describe()
+
+
+def test_a_pipeline_rank_prices_its_in_flight_micro_batches(gpt):
+    """Placement.inflight (a pipeline rank's micro-batches in flight per block): keep holds every in-flight
+    micro-batch's saved activations; recompute their checkpoints + one block's saved tensors; offload the
+    checkpoints not spilled + one micro-batch's fetched back + one block's, the spilled ones on the host and
+    moved once each way per micro-batch; both recompute every block."""
+    from stratum.ir.costs import Costs
+    from stratum.offload.chunks import pack
+    from stratum.offload.placement import KEEP, RECOMPUTE, SPILL
+    from stratum.offload.step_model import predict
+    m, _ = gpt
+    L, lay = len(m), pack(m, 30_000)
+    a, ckpt, spill, f = 1 << 20, 3000, 2000, 1e-3
+    costs = Costs(i=[0.0] * L, w=[0.0] * L, f=[f] * L, b=[2 * f] * L, act_bytes=[a] * L, out_bytes=[ckpt] * L,
+                  spill_bytes=[spill] * L)
+
+    def run(acts):
+        return predict(lay, R=4, opt=HOST, ptier=HOST, k=2, acts=acts, costs=costs, bw=None, n_micro=4,
+                       deferred=True, n_params=m.num_params(), inflight=(3,) * L)
+    keep, rec, off = run(KEEP), run(RECOMPUTE), run(SPILL)
+    assert keep[4] == 3 * L * a and rec[4] == 3 * L * ckpt + a
+    assert off[4] == 3 * L * (ckpt - spill) + L * spill + a
+    assert off[0][HOST] - rec[0][HOST] == 3 * L * spill and rec[0][HOST] == keep[0][HOST]
+    assert off[1]["d2h"] - rec[1]["d2h"] == off[1]["h2d"] - rec[1]["h2d"] == 4 * L * spill
+    assert rec[2] == off[2] == pytest.approx(keep[2] + 4 * L * f)
 
 
 def test_a_search_cut_by_its_bound_says_so(gpt, monkeypatch):

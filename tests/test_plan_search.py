@@ -178,12 +178,14 @@ def test_where_nothing_fits_in_memory_the_offload_leaf_is_priced_by_its_planner(
 
 def _streaming_planner(asked):
     """A memory engine's planner in miniature: its micro-batches' block times, plus the state beyond the device
-    budget read and written once per step at 100 MB/s; device peak min(budget, state + one micro-batch's saved
-    activations)."""
+    budget read and written once per step at 100 MB/s; device peak min(budget, state + the saved activations of
+    one micro-batch, or under a pipeline of the micro-batches in flight, kept)."""
     def price(ask):
         asked[ask.splits] = ask.profile
+        asked["inflight"] = ask.inflight
         prof = ask.profile
-        state, act = prof.train_state_bytes, prof.act_saved_bytes
+        n = ask.inflight or (1,) * len(prof.blocks)
+        state, act = prof.train_state_bytes, sum(b.act_saved_bytes * k for b, k in zip(prof.blocks, n))
         step = ask.microbatches * sum(b.fwd_s + b.bwd_s for b in prof.blocks)
         return step + 2 * max(0, state + act - ask.device_budget) / 1e8, min(ask.device_budget, state + act)
     return price
@@ -241,12 +243,13 @@ def test_a_pipeline_over_offload_plans_each_pipeline_ranks_blocks():
     hw = Hardware.uniform(2, memory_bytes=whole // 3, intra=LINK, host_bytes=10**9)
     text = f"pipeline(2, schedule=gpipe, partition=even, offload(device_budget={whole // 3}, host_budget=10**6))"
     pred = predict(parse_plan(text.replace("10**6", "1000000")), work, hw)
-    # each rank's engine got its blocks (even cut: 0-1, 2-3), each one's activations and kept input times the 4
-    # micro-batches GPipe holds at once
+    # each rank's engine got its blocks (even cut: 0-1, 2-3), each one's activations and kept input per
+    # micro-batch, and the 4 micro-batches GPipe holds at once
     prof, last = work.profile, asked[1]
     assert [b.index for b in last.blocks] == [0, 1] and last.train_state_bytes == sum(
         b.param_bytes + b.grad_bytes + b.optim_bytes for b in prof.blocks[2:])
-    assert last.blocks[0].act_saved_bytes == 4 * (prof.blocks[2].act_saved_bytes + prof.blocks[1].out_bytes)
+    assert last.blocks[0].act_saved_bytes == prof.blocks[2].act_saved_bytes + prof.blocks[1].out_bytes
+    assert asked["inflight"] == (4, 4)
     # the schedule's makespan, plus the slowest rank's streaming beyond its blocks
     plain = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, hw)
     bs = prof.blocks

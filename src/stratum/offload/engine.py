@@ -53,12 +53,13 @@ from stratum.runtime.device import autocast, canonical
 from stratum.runtime.engine import Engine, OptimSpec, StepResult
 
 
-def _drop(_t: Tensor) -> None:
-    """Saved-tensor hook of a forward whose graph is thrown away: keep nothing."""
+def discard(_t: Tensor) -> None:
+    """Saved-tensor hook of a forward whose graph is thrown away (a block recomputed in its backward): keep
+    nothing."""
     return None
 
 
-def _dropped(_obj) -> Tensor:
+def discarded(_obj) -> Tensor:
     raise RuntimeError("offload: a discarded forward's saved tensor was used")
 
 
@@ -138,7 +139,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
-        if placement.activations == SPILL:
+        if placement.activations == SPILL and not placement.inflight:  # a pipeline rank spills in its runner
             ring = (ActivationRing(self._disk, self.tiers[HOST], pin=device.type == "cuda")
                     if placement.disk_spill_blocks else None)
             self.spill = ActivationSpill(device, self.tiers[HOST], ring, frozenset(placement.disk_spill_blocks))
@@ -168,9 +169,11 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         """What the engine counts over its steps: fetches, bytes per link, waits, seconds per phase."""
         self.n_fetches = 0
         self.bytes_h2d = 0
-        """Bytes of chunks copied to the device so far (parameters; gradients where they come back)."""
+        """Bytes of chunks copied to the device so far (parameters; gradients where they come back; a pipeline
+        rank's spilled checkpoints fetched back, stage_blocks.py)."""
         self.bytes_d2h = 0
-        """Bytes of chunks and gradients written from the device (or a CPU slot) to their home so far."""
+        """Bytes of chunks and gradients written from the device (or a CPU slot) to their home so far (and a
+        pipeline rank's spilled checkpoints)."""
         self.last_step_traffic: dict[str, int] = {}
         """Link → bytes the last step moved (:meth:`traffic` before and after it)."""
         self.last_step_wait_s = 0.0
@@ -385,7 +388,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
             if recompute:
                 # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a GPU's
                 # attention may pick another kernel and draw other dropout masks), keeping nothing.
-                with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                with torch.autograd.graph.saved_tensors_hooks(discard, discarded):
                     out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream).detach()
                 mb.outs.append(None)
             else:

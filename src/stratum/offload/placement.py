@@ -46,6 +46,12 @@ class Placement:
     """On a CPU without clipping: chunks whose gradient goes home and whose update runs beside the next forward
     instead of in the backward (the first whose gradients complete). The backward is where a disk plan's
     traffic piles up (moments read and written, parameters re-read); this moves some of it to the forward."""
+    inflight: tuple[int, ...] = ()
+    """On a pipeline rank: per block, the micro-batches its stage holds at once under the schedule (empty: the
+    engine runs its micro-batches one after another). There activations = recompute keeps each block's input
+    (its checkpoint) per in-flight micro-batch on the device and recomputes the block in the backward; offload
+    also spills the checkpoints to the host tier until their micro-batch's backward fetches them
+    (stage_blocks.py)."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -95,7 +101,16 @@ class Placement:
         """The blocks whose activations stay on the device between forward and backward under this plan."""
         return frozenset(self.kept_blocks) if self.activations == SPILL else frozenset()
 
+    def _stage_acts_text(self) -> str:
+        """Activations of a pipeline rank (Placement.inflight)."""
+        most = max(self.inflight, default=1)
+        held = {KEEP: "kept on the device", RECOMPUTE: "block inputs kept on the device, blocks recomputed",
+                SPILL: "block inputs spilled to the host, blocks recomputed"}[self.activations]
+        return f"{self.activations} ({held}; up to {most} micro-batch{'es' if most > 1 else ''} in flight)"
+
     def _acts_text(self) -> str:
+        if self.inflight:
+            return self._stage_acts_text()
         keep = f", kept on the device for the last {len(self.kept_blocks)}" if self.kept_blocks else ""
         if self.activations != SPILL or self.spill_blocks is None:
             return self.activations + (keep if self.activations == SPILL else "")
@@ -128,5 +143,6 @@ class Placement:
                      f"{fmt_bytes(tr.get('disk_write', 0))}")
         lines.append(f"  predicted step time {self.predicted_step_s:.3f} s (compute {self.compute_s:.3f} s; disk "
                      f"{self.disk_s:.3f} s and host↔device copies {self.copy_s:.3f} s at the measured bandwidths; "
-                     f"activations {fmt_bytes(self.act_bytes)} per micro-batch)")
+                     f"activations {fmt_bytes(self.act_bytes)} "
+                     f"{'in flight' if self.inflight else 'per micro-batch'})")
         return "\n".join(lines)

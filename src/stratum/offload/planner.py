@@ -56,13 +56,14 @@ def _spill_choice(costs: Costs, room: float) -> frozenset[int]:
 
 
 def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str, ptier: str, costs: Costs,
-                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None):
+                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None, staged: bool):
     """(activations, spilled blocks or None = all, of those the ones on disk) to try. Offload is tried three
     ways when the host budget is bounded: all blocks on the host; what the host holds there and the rest
-    recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk."""
+    recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk. A pipeline
+    rank (``staged``) spills every block's checkpoint to the host or none (Placement.inflight)."""
     L = len(costs.spill_bytes)
     for rc in recs:
-        if rc != SPILL or host_budget is None:
+        if rc != SPILL or host_budget is None or staged:
             yield rc, None, frozenset()
             continue
         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=bw,
@@ -81,10 +82,11 @@ def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str,
 KEPT_SUFFIXES = (0, 1, 2, 3, 4, 6, 8)
 
 
-def _kept_options(acts: str, n_blocks: int, fixed: int | None) -> list[frozenset[int]]:
+def _kept_options(acts: str, n_blocks: int, fixed: int | None, staged: bool) -> list[frozenset[int]]:
     """Placement.kept_blocks to try with spilled activations: the last 0, 1, 2, … blocks (bounded: a few sizes), or
-    the last ``fixed``."""
-    if acts != SPILL:
+    the last ``fixed``; none on a pipeline rank (``staged``: its stages' blocks interleave with other
+    micro-batches', so no block's backward follows its forward)."""
+    if acts != SPILL or staged:
         return [frozenset()]
     sizes = KEPT_SUFFIXES if fixed is None else (fixed,)
     return [frozenset(range(n_blocks - n, n_blocks)) for n in sizes if n < n_blocks]
@@ -147,6 +149,8 @@ class _Job:
     resident_chunks: int | None
     depths: list[int]
     kept_blocks: int | None
+    inflight: tuple[int, ...]
+    """Placement.inflight (empty: not a pipeline rank)."""
 
 
 @dataclass
@@ -193,7 +197,7 @@ def _slot_options(job: _Job, t: _Tiers) -> list[int]:
     need = max(t.layout.max_chunks_per_block(), 1)
     base, _, _, _, _ = predict(t.layout, R=0, opt=t.opt, ptier=t.ptier, k=0, acts=t.acts, costs=job.costs,
                                bw=job.bw, n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
-                               spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept)
+                               spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept, inflight=job.inflight)
     per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw)
     rmax = n_stream if job.device_budget is None else (job.device_budget - base[DEVICE]) // per
     return sorted({need, max(need, min(rmax, n_stream))})
@@ -210,6 +214,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
+        inflight=job.inflight,
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 
 
@@ -228,7 +233,8 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
         search.tried += 1
         predicted = predict(t.layout, R=R, opt=t.opt, ptier=t.ptier, k=k, acts=t.acts, costs=job.costs, bw=job.bw,
                             n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
-                            spilled=t.spill_set, disk_spilled=t.disk_set, deferred_chunks=late, kept=t.kept)
+                            spilled=t.spill_set, disk_spilled=t.disk_set, deferred_chunks=late, kept=t.kept,
+                            inflight=job.inflight)
         peak, tr, step = predicted[0], predicted[1], predicted[2]
         ok = {DEVICE: job.device_budget is None or peak[DEVICE] <= job.device_budget,
               HOST: job.host_budget is None or peak[HOST] <= job.host_budget,
@@ -254,8 +260,9 @@ def _tier_options(job: _Job, layout: Layout, opts: list[str], recs: list[str]) -
             if ptier == DEVICE and job.resident_chunks is not None and job.resident_chunks < n_stream:
                 continue
             for rc, spill_set, disk_set in _activation_options(recs, job.host_budget, layout, opt, ptier, job.costs,
-                                                               job.n_micro, job.deferred, job.n_params, job.bw):
-                for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks)):
+                                                               job.n_micro, job.deferred, job.n_params, job.bw,
+                                                               bool(job.inflight)):
+                for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks, bool(job.inflight))):
                     yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept), i == 0
 
 
@@ -300,15 +307,17 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                    bandwidths: Bandwidths | None, profile=None, n_micro: int = 1, grad_clip: float = 0.0,
                    chunk_elems: int | None = None, resident_chunks: int | None = None,
                    optimizer_tier: str | None = None, prefetch_depth: int | None = None,
-                   activations: str | None = None, kept_blocks: int | None = None) -> Placement:
+                   activations: str | None = None, kept_blocks: int | None = None,
+                   inflight: tuple[int, ...] = ()) -> Placement:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
-    (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks)."""
+    (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
+    ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro, deferred=grad_clip > 0,
                bw=bandwidths, device_budget=device_budget, host_budget=host_budget, disk_free=disk_free,
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
-               kept_blocks=kept_blocks)
+               kept_blocks=kept_blocks, inflight=tuple(inflight))
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     search = _Search()

@@ -70,9 +70,12 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
                    tied=[list(g.names) for g in model.tied], torch_version=torch.__version__)
 
 
-def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False) -> Placement:
-    """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given."""
-    return make_placement(model, **placement_inputs(cfg, model, device, profile=profile, always_profile=always_profile))
+def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False,
+                  inflight: tuple[int, ...] = ()) -> Placement:
+    """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given.
+    ``inflight``: on a pipeline rank, its blocks' micro-batches in flight (Placement.inflight)."""
+    return make_placement(model, **placement_inputs(cfg, model, device, profile=profile, always_profile=always_profile),
+                          inflight=inflight)
 
 
 def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None,

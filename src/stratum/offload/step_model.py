@@ -89,6 +89,8 @@ class _Candidate:
     disk_spilled: frozenset[int]
     deferred_chunks: frozenset[int]
     kept: frozenset[int]
+    inflight: tuple[int, ...] = ()
+    """Placement.inflight: per block, the micro-batches a pipeline rank's stage holds at once (empty: one)."""
 
     @property
     def async_copies(self) -> bool:
@@ -111,6 +113,8 @@ class _Candidate:
         if self.acts == KEEP:
             return []
         L = len(self.costs.act_bytes)
+        if self.inflight:  # a pipeline rank keeps (or spills) block inputs and recomputes every block
+            return list(range(L))
         return [i for i in range(L) if self.acts == RECOMPUTE or (i not in self.spilled and i not in self.kept)]
 
     @property
@@ -125,8 +129,27 @@ class _Candidate:
         return len(self.deferred_chunks) if self.in_slot else 0
 
 
+def _stage_activation_bytes(c: _Candidate) -> float:
+    """Device bytes of a pipeline rank's in-flight micro-batches' activations at their peak (Placement.inflight;
+    the costs are stage_profile's: act_bytes a block's saved tensors with its input, out_bytes the block's
+    checkpoint, spill_bytes the part of it a spill moves to the host). Keep: every in-flight micro-batch's saved
+    tensors. Recompute: their checkpoints + one block's saved tensors (the block being recomputed). Offload: the
+    checkpoints not spilled + one micro-batch's spilled checkpoints fetched back for its backward + one block's."""
+    costs, n = c.costs, c.inflight
+    if c.acts == KEEP:
+        return sum(k * a for k, a in zip(n, costs.act_bytes))
+    one_block = max(costs.act_bytes, default=0)
+    kept = sum(k * o for k, o in zip(n, costs.out_bytes))
+    if c.acts == RECOMPUTE:
+        return kept + one_block
+    return kept - sum(k * s for k, s in zip(n, costs.spill_bytes)) + sum(costs.spill_bytes) + one_block
+
+
 def _activation_bytes(c: _Candidate) -> float:
-    """Device bytes of one micro-batch's activations at their peak."""
+    """Device bytes of one micro-batch's activations at their peak (of a pipeline rank's in-flight ones:
+    :func:`_stage_activation_bytes`)."""
+    if c.inflight:
+        return _stage_activation_bytes(c)
     costs, L = c.costs, len(c.costs.act_bytes)
     one_block = max(costs.act_bytes, default=0)
     if c.acts == KEEP:
@@ -166,7 +189,9 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
         host += moments
     else:
         disk += moments
-    if c.acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
+    if c.acts == SPILL and c.inflight:  # every in-flight micro-batch's spilled checkpoints
+        host += sum(k * s for k, s in zip(c.inflight, costs.spill_bytes))
+    elif c.acts == SPILL:  # one micro-batch's spilled activations (micro-batches run one after another)
         host += sum(costs.spill_bytes[i] for i in c.spilled - c.disk_spilled)
         if c.disk_spilled:
             host += RING * max(round_up(costs.spill_bytes[i]) for i in c.disk_spilled)
@@ -264,8 +289,14 @@ def _update_traffic(c: _Candidate, t: _Traffic) -> None:
 
 
 def _spill_traffic(c: _Candidate, t: _Traffic) -> None:
-    """Spilled activations: out in the forward, back for the backward."""
+    """Spilled activations: out in the forward, back for the backward (a pipeline rank's: every micro-batch's
+    spilled checkpoints, once each way)."""
     costs = c.costs
+    if c.inflight:
+        moved = c.n_micro * sum(costs.spill_bytes) if c.acts == SPILL else 0
+        t.add("h2d", moved, True)
+        t.add("d2h", moved, False)
+        return
     spilled_bytes = c.n_micro * sum(costs.spill_bytes[i] for i in c.spilled) if c.acts == SPILL else 0
     if c.acts == SPILL and c.disk_spilled:  # written in the forward, read back for the backward, except the last
         # RING blocks written: still in the ring's buffers when their backward comes (act_ring.py)
@@ -323,20 +354,21 @@ def _step_seconds(c: _Candidate, t: _Traffic, n_params: int, bw: Bandwidths) -> 
 def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, costs: Costs,
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
             spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
-            deferred_chunks: frozenset[int] = frozenset(),
-            kept: frozenset[int] = frozenset()) -> tuple[dict, dict, float, float, float]:
+            deferred_chunks: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset(),
+            inflight: tuple[int, ...] = ()) -> tuple[dict, dict, float, float, float]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``R`` device chunk slots, ``opt`` the optimizer's tier, ``ptier`` the parameters' home, ``k`` prefetch depth,
     ``acts`` keep | offload | recompute; ``deferred``: clipped updates (after the whole backward).
     ``spilled``: with acts = offload, the blocks spilled (None = all); the others are recomputed, except
     ``kept`` (Placement.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
-    ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot)."""
+    ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot).
+    ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one)."""
     L = len(costs.act_bytes)
     kept = kept if acts == SPILL else frozenset()
     c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,
                    deferred=deferred, spilled=(frozenset(range(L)) if spilled is None else spilled) - kept,
-                   disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept)
+                   disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept, inflight=inflight)
     act = _activation_bytes(c)
     peaks = _peaks(c, act)
     t = _Traffic()
@@ -345,7 +377,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     _update_traffic(c, t)
     _spill_traffic(c, t)
     if bw is None:
-        compute = n_micro * sum(costs.f) + n_micro * (sum(costs.b) + sum(costs.f[i] for i in c.recomputed))
+        compute = n_micro * (sum(costs.f) + sum(costs.b) + sum(costs.f[i] for i in c.recomputed))
         return peaks, t.total, compute, compute, act
     step, compute = _step_seconds(c, t, n_params, bw)
     return peaks, t.total, step, compute, act
@@ -359,4 +391,4 @@ def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Band
                    deferred=deferred, n_params=n_params,
                    spilled=None if plan.spill_blocks is None else frozenset(plan.spill_blocks),
                    disk_spilled=frozenset(plan.disk_spill_blocks), deferred_chunks=frozenset(plan.deferred_chunks),
-                   kept=frozenset(plan.kept_blocks))
+                   kept=frozenset(plan.kept_blocks), inflight=plan.inflight)

@@ -5,8 +5,10 @@ Each rank's blocks form a BlockSeq of their own (``blocks.<k>`` there is block `
 whole model) that the memory engine packs and plans; its blocks run through
 :class:`~stratum.offload.stage_blocks.OffloadBlocks` when the schedule says. The plan comes from the whole
 model's per-block profile (a block another rank holds is measured as a temporary copy), cut to this rank's
-blocks, with each block's activation bytes multiplied by the micro-batches its stage holds at once under the
-schedule — the memory engine keeps a pipeline's activations on the device. A tensor tied to another pipeline
+blocks (:func:`stage_profile`), with the micro-batches each block's stage holds at once under the schedule
+(:func:`stage_inflight`, Placement.inflight): the planner prices the in-flight activations kept on the device,
+checkpointed (each block's input kept, the block recomputed in the backward) or checkpointed and spilled to the
+host tier, and takes the fastest that fits the leaf's budgets (the plan says which). A tensor tied to another pipeline
 rank (the GPT embedding ↔ head) is summed with the other holders when the schedule has run, as the pipeline does
 for its local leaf; the global gradient norm is the pipeline's (each rank's part of it, summed over the ranks).
 Checkpoints use the whole model's names, so they move to and from every other plan.
@@ -25,6 +27,7 @@ from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq
+from stratum.offload.placement import Placement
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.plan.partition import inflight_from_schedule
@@ -42,16 +45,17 @@ def leaf_config(cfg: Config, leaf: Offload) -> Config:
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets))
 
 
-def stage_config(cfg: Config) -> Config:
-    """The config a pipeline rank's memory engine plans with: its activations stay on the device (the stage
-    runtime holds the in-flight micro-batches' activations; the engine does not spill or recompute them)."""
-    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, activations="keep"))
-
-
 def stage_seq(model: BlockSeq, mine: list[int]) -> BlockSeq:
     """A pipeline rank's blocks (``mine``, global indices) as a BlockSeq of their own."""
     return BlockSeq([model.blocks[g] for g in mine], model.loss_fn, model.info,
                     block_names=[model.block_names[g] for g in mine])
+
+
+def stage_inflight(plan: PipelinePlan, mine: list[int]) -> tuple[int, ...]:
+    """Per block of ``mine``: the micro-batches its stage holds at once under the plan's schedule."""
+    inflight = inflight_from_schedule(plan.schedule)
+    stage_of = {i: s for s, r in enumerate(plan.stages) for i in r}
+    return tuple(inflight[stage_of[g]] for g in mine)
 
 
 def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: BlockSeq) -> Profile:
@@ -61,16 +65,29 @@ def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: Block
 
 
 def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> list[BlockProfile]:
-    """A pipeline rank's blocks (``mine``) renumbered from 0, each one's activations (with its input, which the
-    runner keeps) times the micro-batches its stage holds at once under the plan's schedule."""
-    inflight = inflight_from_schedule(plan.schedule)
-    stage_of = {i: s for s, r in enumerate(plan.stages) for i in r}
+    """A pipeline rank's blocks (``mine``) renumbered from 0, per micro-batch (the planner multiplies by
+    :func:`stage_inflight`): a block's saved activations with its input (which the runner keeps), its checkpoint
+    (``out_bytes``: its input, and a stage's last block also its output, which the runtime holds until the
+    backward) and of that what a spill moves to the host (``spill_bytes``: the input; token ids for block 0)."""
+    last = {r[-1] for r in plan.stages}
+    tokens = prof.micro_batch * prof.seq_len * 8  # int64 token ids
     blocks = []
     for k, g in enumerate(mine):
-        b, n = prof.blocks[g], inflight[stage_of[g]]
-        held = b.act_saved_bytes + (prof.blocks[g - 1].out_bytes if g else 0)  # + its kept input (runner)
-        blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=held * n, spill_bytes=held * n))
+        b = prof.blocks[g]
+        inp = prof.blocks[g - 1].out_bytes if g else tokens
+        blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=b.act_saved_bytes + inp,
+                                          out_bytes=inp + (b.out_bytes if g in last else 0), spill_bytes=inp))
     return blocks
+
+
+def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[int], device: torch.device,
+                   prof: Profile) -> Placement:
+    """The placement of a pipeline rank's blocks ``mine`` under ``cfg.offload``, from the whole model's profile:
+    its in-flight micro-batches' activations kept, checkpointed or spilled, as the planner finds fastest within
+    the budgets (Placement.inflight)."""
+    sub = stage_seq(model, mine)
+    return placement_for(cfg, sub, device, profile=stage_profile(prof, plan, mine, sub),
+                         inflight=stage_inflight(plan, mine))
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -113,8 +130,10 @@ class OffloadPipelineEngine(PipelineEngine):
             for name, _ in model.blocks[g].named_buffers():
                 self.to_global[f"blocks.{k}.{name}"] = f"blocks.{g}.{name}"
         self.to_local = {self.to_global[n]: n for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
-        cfg = stage_config(self.cfg)
-        placement = self._agreed(lambda: placement_for(cfg, sub, self.device, profile=self._rank_profile(cfg, sub)))
+        cfg = self.cfg
+        placement = self._agreed(lambda: rank_placement(cfg, model, plan, mine, self.device, self._profile(cfg)))
+        # a split group's ranks re-run a recomputed block's collectives together: they run split rank 0's placement
+        placement = self.mesh.share_object(placement, "split", "the offload placement")
         # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
         placement = self.mesh.share_object(placement, "replica", "the offload placement")
         self.leaf = offload_engine(cfg, sub, self.device, placement, self.owns)
@@ -124,7 +143,8 @@ class OffloadPipelineEngine(PipelineEngine):
         late = {self.leaf.where[ln][0].i for ln in groups}
         local = {g: k for k, g in enumerate(mine)}
         stages = {s: list(plan.stages[s]) for s in plan.schedule.stages_of(self.rank)}
-        self.runner = OffloadBlocks(self.leaf, stage_blocks=stages, local=local, late=late)
+        order = [(a.stage, a.mb) for a in plan.schedule.actions[self.rank] if a.kind == "B"]
+        self.runner = OffloadBlocks(self.leaf, stage_blocks=stages, local=local, late=late, order=order)
         return self.runner
 
     def _agreed(self, make_placement):
@@ -142,10 +162,9 @@ class OffloadPipelineEngine(PipelineEngine):
                                "pipeline stages (their message says why); stopping")
         return placement
 
-    def _rank_profile(self, cfg: Config, sub: BlockSeq):
-        prof = quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+    def _profile(self, cfg: Config) -> Profile:
+        return quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=self.device, precision=cfg.train.precision, seed=cfg.train.seed)
-        return stage_profile(prof, self.plan, self.my_blocks, sub)
 
     def _tied_reducer(self, groups: dict[str, object]):
         """Sum the gradients of tensors tied to other pipeline ranks (``groups``: local name → its group)."""

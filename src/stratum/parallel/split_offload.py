@@ -257,8 +257,9 @@ class SplitOffload(AroundChild):
 
 class SplitOffloadPipeline(OffloadPipelineEngine):
     """``pipeline(m, split(n, offload(…)))``: each pipeline rank's blocks are its split shards (cut before the
-    pipeline builds its stages); the norm and the checkpoints go through the shard layout. A pipeline keeps its
-    activations on the device, so no block is recomputed and its split ranks need not share one placement."""
+    pipeline builds its stages); the norm and the checkpoints go through the shard layout. A stage's split ranks
+    run split rank 0's placement: a block recomputed in the backward re-runs its split collectives on all of
+    them."""
 
     def __init__(self, model: BlockSeq, *, layout: ShardLayout, **kw):
         self.layout = layout

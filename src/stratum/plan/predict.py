@@ -56,7 +56,7 @@ from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
 from stratum.ir.prices import allreduce_s, bucketed_allreduce_s, step_overhead_s, with_link
 from stratum.parallel.buckets import BUCKET_BYTES
-from stratum.parallel.pipeline_offload import check_schedule, stage_block_costs
+from stratum.parallel.pipeline_offload import check_schedule, stage_block_costs, stage_inflight
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.pipeline import PipelinePlan
@@ -86,10 +86,12 @@ class LeafAsk:
     whole)."""
     profile: Profile
     """The costs of the blocks the rank's engine runs (:func:`shard_profile`; under a pipeline its stages'
-    blocks, renumbered from 0, :func:`~stratum.parallel.pipeline_offload.stage_block_costs`)."""
+    blocks, renumbered from 0, per micro-batch, :func:`~stratum.parallel.pipeline_offload.stage_block_costs`)."""
     blocks: tuple[int, ...] = ()
-    """Under a pipeline: the blocks (of the whole model) the rank holds, its engine keeping their activations on
-    the device as the pipeline's leaf does; empty: every block, activations as the planner chooses."""
+    """Under a pipeline: the blocks (of the whole model) the rank holds; empty: every block."""
+    inflight: tuple[int, ...] = ()
+    """Under a pipeline: per held block, the micro-batches its stage holds at once (their activations kept,
+    checkpointed or spilled as the rank's planner chooses, Placement.inflight)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,7 +354,7 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
 def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) -> tuple[
         float, float, list[int], list[list[int]], tuple[tuple[int, int], ...]]:
     """``pipeline(p, [split(s,] offload(…)))``: each pipeline rank's memory engine plans its stages' blocks as the
-    runtime does (their activations kept on the device, times the micro-batches each stage holds at once). The
+    runtime does (the activations of the micro-batches each stage holds at once kept, checkpointed or spilled). The
     compute part is the schedule's simulated makespan over the blocks' times, plus the pipeline rank's engine
     time beyond its blocks' compute (unhidden traffic, the update) that is largest at its pace, as if it ran
     outside the schedule. → (compute, bubble, device peak per pipeline rank, blocks per pipeline rank, cut)."""
@@ -367,7 +369,7 @@ def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) ->
     for q in range(plan.stage_ranks):
         mine = pplan.blocks_of(q)
         sub = replace(prof, blocks=stage_block_costs(prof, pplan, mine))
-        step, peak = work.offload(replace(ask, profile=sub, blocks=tuple(mine)))
+        step, peak = work.offload(replace(ask, profile=sub, blocks=tuple(mine), inflight=stage_inflight(pplan, mine)))
         busy = m * sum(b.fwd_s + b.bwd_s for b in sub.blocks)
         extra = max(extra, (step - busy) / _slowest(hw, plan, "stage_rank", q))
         peaks.append(peak)

@@ -170,8 +170,9 @@ def update_seconds_per_param(device: torch.device, n: int = 1 << 20, repeats: in
 def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[LeafAsk], tuple[float, int]]:
     """The offload planner as the search's price of the offload leaf on one rank: the whole model, or under
     split(s) its shards' shapes (:func:`~stratum.parallel.split_offload.shard_shapes`), or under a pipeline the
-    rank's blocks with their activations kept on the device (as :mod:`stratum.parallel.pipeline_offload` plans
-    them), with the costs the search gives; the bandwidths are measured on first use."""
+    rank's blocks with their in-flight micro-batches' activations kept, checkpointed or spilled (as
+    :mod:`stratum.parallel.pipeline_offload` plans them), with the costs the search gives; the bandwidths are
+    measured on first use."""
     inputs: dict = {}
     shards: dict[int, BlockSeq] = {1: model}
 
@@ -181,11 +182,11 @@ def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[Le
         if ask.splits not in shards:
             shards[ask.splits] = _meta_model(cfg)
             shard_shapes(shards[ask.splits], ask.splits)
-        seq, costs, keep = shards[ask.splits], ask.profile, {}
+        seq, costs = shards[ask.splits], ask.profile
         if ask.blocks:
             seq = stage_seq(seq, list(ask.blocks))
-            costs, keep = replace(costs, tied=[list(t.names) for t in seq.tied]), {"activations": "keep"}
-        p = make_placement(seq, **{**inputs, **keep, "profile": costs, "n_micro": ask.microbatches,
+            costs = replace(costs, tied=[list(t.names) for t in seq.tied])
+        p = make_placement(seq, **{**inputs, "profile": costs, "n_micro": ask.microbatches, "inflight": ask.inflight,
                                    "device_budget": ask.device_budget, "host_budget": ask.host_budget})
         return p.predicted_step_s, int(p.predicted_peak.get("device", 0))
     return price

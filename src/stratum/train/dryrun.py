@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from stratum.config import Config, to_toml
@@ -11,11 +14,11 @@ from stratum.errors import StratumError
 from stratum.ir.plan import Local, Offload
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
+from stratum.offload.placement import Placement
 from stratum.offload.plan_inputs import planning_profile
 from stratum.offload.setup import placement_for
 from stratum.parallel.compose import check_plan
-from stratum.parallel.pipeline_offload import leaf_config, stage_config, stage_profile, stage_seq
-from stratum.profile.profile import Profile
+from stratum.parallel.pipeline_offload import leaf_config, rank_placement
 from stratum.runtime.device import describe, resolve_device
 from stratum.runtime.pipeline import PipelinePlan
 from stratum.units import fmt_bytes
@@ -96,18 +99,18 @@ def _print_placements(cfg: Config, model: BlockSeq, device: torch.device, stages
         print("offload under split: each split rank plans its 1/n of every block's split weights at start-up; "
               "the placement below is the unsplit model's, an upper bound on a rank's")
     if stages is None:
-        print(_placement_text(cfg, model, device, prof))
+        print(_placement_text(lambda: placement_for(cfg, model, device, profile=prof)))
         return
     for rank in range(stages.schedule.num_ranks):
         mine = stages.blocks_of(rank)
-        sub = stage_seq(model, mine)
         print(f"pipeline rank {rank} (blocks {mine[0]}–{mine[-1]}):")
-        print(_placement_text(stage_config(cfg), sub, device, stage_profile(prof, stages, mine, sub)))
+        print(_placement_text(functools.partial(rank_placement, cfg, model, stages, mine, device, prof)))
 
 
-def _placement_text(cfg: Config, model: BlockSeq, device: torch.device, prof: Profile) -> str:
-    """The placement's description, or why none fits (the run would stop there with that line)."""
+def _placement_text(make: Callable[[], Placement]) -> str:
+    """The description of the placement ``make()`` plans, or why none fits (the run would stop there with that
+    line)."""
     try:
-        return placement_for(cfg, model, device, profile=prof).describe()
+        return make().describe()
     except StratumError as e:
         return f"does not fit — {e}"
