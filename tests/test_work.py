@@ -121,10 +121,12 @@ def test_the_simulator_prices_a_step_on_the_device_model():
                   param_bytes=[0, 10**9])
     mc = ModelCosts(costs=costs, state_bytes=5 * 10**9, work=Work(kernels=[100, 10], flops=[1e8, 1e10]))
     # batch 4 on 2 devices, 2 samples each: block 0 max(1 ms, (2e8 + 1e8)/1e12) = 1 ms, block 1
-    # (2e10 + 1e7)/1e12 = 20.01 ms, then its 1 GB gradient's ring all-reduce: 2 · 1/2 · 1 s = 1 s (the
-    # profiled 9 s times play no part)
+    # (2e10 + 1e7)/1e12 = 20.01 ms (the profiled 9 s times play no part but their split: half is backward).
+    # Block 1's 1 GB gradient's ring all-reduce, 2 · 1/2 · 1 s = 1 s, starts after its backward, beside block
+    # 0's 0.5 ms backward, and ends the step; both devices busy throughout
     step = dp_step(mc, batch=4, ranks=[0, 1], hw=hw)
-    assert step.step_s == pytest.approx(1e-3 + 20.01e-3 + 1.0) and step.busy_s == pytest.approx(2 * step.step_s)
+    assert step.step_s == pytest.approx(0.5e-3 + 20.01e-3 + 1.0)
+    assert step.rank_busy_s == pytest.approx((step.step_s, step.step_s))
     # a resize moves the 5 GB state over the host link twice (25 GB/s + 10 µs) and starts up again
     job = Job(id="j", arrival_s=0, model="m", batch=4, steps=1, devices=1)
     el = Elastic(Cluster.of(hw, [job], {("m", 1024): mc}), startup_s=30.0)
