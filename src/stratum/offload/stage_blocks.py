@@ -7,8 +7,9 @@ engine's own step does. A stage's forward keeps each block's input and output (t
 stage's backward for that micro-batch, so several micro-batches are in flight as the schedule says; their saved
 activations stay on the device (the plan's activation bytes count every micro-batch the schedule keeps in
 flight). A chunk's gradient is complete after the backward of its earliest block for the step's last
-micro-batch; then it is reduced (:attr:`OffloadEngine.reducer`), normed, and updated or handed home as the plan
-says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run (:meth:`finish`):
+micro-batch; then its reduction (:attr:`OffloadEngine.reducer`) is launched, and once it has completed — beside
+the stages' later work, at the latest when :meth:`finish` settles all — it is normed, and updated or handed home
+as the plan says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run (:meth:`finish`):
 their reduction is a collective, and inside the schedule it could wait on a rank that waits on this one.
 """
 
@@ -92,6 +93,8 @@ class OffloadBlocks:
                 c = eng.chunks[ci]
                 if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
                     c.grad = "home" if eng._home_grads(c) else "dev"
+            if final:
+                eng._note_backward(i)
             o, g = (out, grad) if k == len(blocks) - 1 else (outs[k], ins[k + 1].grad)
             if o.requires_grad:
                 torch.autograd.backward(o, g)
@@ -105,10 +108,12 @@ class OffloadBlocks:
         eng._boundary.difference_update(ptrs)
 
     def finish(self) -> None:
-        """After the schedule: the late chunks complete (their reductions are collectives); nothing is left."""
+        """After the schedule: the late chunks complete (their reductions are collectives), then every reduction
+        in flight is settled; nothing is left."""
         eng = self.engine
         for ci in sorted(self.late):
             eng._access((ci,), grads=True)
             eng._grad_complete(eng.chunks[ci])
+        eng._settle_all()
         if self.saved:
             raise RuntimeError(f"offload stage: micro-batches left without a backward: {sorted(self.saved)[:3]}")

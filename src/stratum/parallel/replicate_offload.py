@@ -26,7 +26,7 @@ from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
-from stratum.parallel.reduce import adasum_over, copy_back, flat_copy, sum_over
+from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
@@ -59,16 +59,17 @@ class OverReplicas(AroundChild):
         """The process that updates ``chunk``."""
         return self.world.members["replica"][chunk % self.n]
 
-    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> None:
-        """One chunk's gradients summed on its owner (the others' copies are left as they were, unused)."""
+    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> Pending:
+        """One chunk's gradients summed on its owner, launched (the others' copies are left as they were,
+        unused)."""
         if self.group is None or not grads:
-            return
+            return DONE
         owner = self._owner(self.leaf.where[names[0]][0].i)
         flat = flat_copy(grads)
-        self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
-                        f"the gradient reduction of {what}")
-        if self.world.rank == owner:
-            copy_back(grads, flat)
+        work = dist.reduce(flat, dst=owner, group=self.group, async_op=True)
+        mine = self.world.rank == owner
+        return Pending(works=[work], wait=self.world.wait, what=f"the gradient reduction of {what}",
+                       then=(lambda: copy_back(grads, flat)) if mine else lambda: None)
 
     def _replicas_sq(self, local: torch.Tensor) -> torch.Tensor:
         """The sum of squares over every replica's owned chunks from this replica's part (norms, float64)."""

@@ -27,20 +27,10 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
-from stratum.parallel.reduce import Reducer, adasum_over, sum_over
+from stratum.parallel.reduce import adasum_over, in_turn, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.parallel.replicate_offload import OverReplicas
 from stratum.runtime.engine import StepResult, clip_coef
-
-
-def in_turn(first: Reducer | None, then: Reducer) -> Reducer:
-    """A reducer that runs ``first`` (where there is one) and then ``then`` on the same piece."""
-
-    def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
-        if first is not None:
-            first(names, grads, what)
-        then(names, grads, what)
-    return reduce
 
 
 class ReplicatedOffloadPipeline(OverReplicas):
