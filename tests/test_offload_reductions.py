@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratum.offload.engine import OffloadEngine
 from stratum.offload.chunks import pack
+from stratum.offload.engine import OffloadEngine
 from stratum.offload.placement import Placement
 from stratum.offload.reductions import MAX_IN_FLIGHT, overlapped
 from stratum.offload.tiers import DEVICE, HOST

@@ -156,10 +156,10 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         """A sharded parent's global gradient norm from this engine's part of it (the chunks it owns); None: this
         engine's norm is the norm."""
         self.reducer: ChunkReducer | None = None
-        """A parent's reduction of one chunk's gradients (names, gradients, what for messages; in place): over the
-        replicas, or of a tensor tied to another pipeline rank. It is launched as the chunk's gradient completes
-        and settled — before the chunk's norm and update — while later blocks' backward runs (reductions.py);
-        None alone."""
+        """A parent's reduction of one chunk's gradients (names, gradients, what for messages → the reduction in
+        flight, which leaves the result in those gradients when finished): over the replicas, or of a tensor tied
+        to another pipeline rank. It is launched as the chunk's gradient completes and settled — before the
+        chunk's norm and update — while later blocks' backward runs (reductions.py); None alone."""
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
         self._grad_hooks = [] if self._all_on_device else [

@@ -1,9 +1,9 @@
 """What :class:`~stratum.offload.engine.OffloadEngine`'s mixins share: the engine's state, by name and type.
 
-``Residency``, ``Updates``, ``Reductions`` and ``StateIO`` are mixins of the engine; each works on state the engine's
-``__init__`` and ``_build`` set up and calls methods another part defines. ``EngineState`` declares both once
-(annotations, which hold nothing at run time) for the type checker and for a reader of one mixin, with the two
-accessors they share: the disk store and the staging buffers, each where the placement has it.
+``Residency``, ``Updates``, ``Reductions`` and ``StateIO`` are mixins of the engine; each works on state the
+engine's ``__init__`` and ``_build`` set up and calls methods another part defines. ``EngineState`` declares both
+once (annotations, which hold nothing at run time) for the type checker and for a reader of one mixin, with the
+two accessors they share: the disk store and the staging buffers, each where the placement has it.
 """
 
 from __future__ import annotations

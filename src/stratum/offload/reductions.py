@@ -10,7 +10,7 @@ A chunk is settled at the latest
 
 - when :data:`MAX_IN_FLIGHT` others are in flight and another chunk completes (the oldest is settled first),
 - when its slot is taken for another chunk (an eviction would move or overwrite a gradient not reduced yet; a
-  prefetch never takes the slot of a chunk whose collective is still running, the fetch waits for the access),
+  prefetch never takes the slot of a chunk whose collective is still running: that fetch waits for its access),
 - at the end of the backward (:meth:`Reductions._settle_all`): the step's norm, clipping and updates see every
   reduced gradient.
 
