@@ -28,6 +28,10 @@ class _Collective:
     def ready(self) -> bool:
         return False
 
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copy)
+
     def finish(self) -> None:
         for g, c in zip(self.grads, self.copy):
             g.copy_(c)

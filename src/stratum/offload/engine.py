@@ -160,6 +160,8 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         flight, which leaves the result in those gradients when finished): over the replicas, or of a tensor tied
         to another pipeline rank. It is launched as the chunk's gradient completes and settled — before the
         chunk's norm and update — while later blocks' backward runs (reductions.py); None alone."""
+        self._in_flight = []
+        self.reduce_log = []
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
         self._grad_hooks = [] if self._all_on_device else [
@@ -530,7 +532,8 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         self.tiers[DEVICE].check(self._act)
         self.tiers[HOST].check()
         if self.device.type == "cuda" and self.placement.device_budget is not None:
-            held = torch.cuda.memory_allocated(self.device) - self._cuda_base
+            # (the parent's packed copies of the gradients being reduced are its buffers, outside the plan)
+            held = torch.cuda.memory_allocated(self.device) - self._cuda_base - self._in_flight_bytes()
             assert held <= self.placement.device_budget * 1.05 + (64 << 20), (
                 f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.placement.device_budget}")
 

@@ -32,11 +32,11 @@ from stratum.offload.chunk_state import ChunkState
 from stratum.offload.engine_state import EngineState
 
 MAX_IN_FLIGHT = 2
-"""Chunk reductions in flight at once. Each keeps its chunk's slot (or held gradient tensors) and a packed copy
-of its gradient until it is settled, beyond what the planner counts for the backward; a collective group runs its
-collectives one after another, so two — one on the link, one queued behind it — keep the link busy, and more
-would only hold more memory. The slots stay within the plan's count: a chunk in flight is settled before its slot
-is taken."""
+"""Chunk reductions in flight at once. Each keeps its chunk's slot (or held gradient tensors) until it is
+settled, and the parent's packed copy of its gradient (``Launched.nbytes``: device memory the plan does not
+count, as it never counted the one copy a synchronous reduction held); a collective group runs its collectives
+one after another, so two — one on the link, one queued behind it — keep the link busy, and more would only hold
+more memory. The slots stay within the plan's count: a chunk in flight is settled before its slot is taken."""
 
 
 class Launched(Protocol):
@@ -48,6 +48,11 @@ class Launched(Protocol):
 
     def finish(self) -> None:
         """Wait for its collectives within the timeout; leave the combined values in the chunk's gradients."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers it holds until finished (packed copies of the gradients)."""
         ...
 
 
@@ -116,9 +121,13 @@ class Reductions(EngineState):
         """Chunk ``i``'s reduction is in flight and not complete yet (settling it now would wait)."""
         return any(c.i == i and not launched.ready() for c, launched in self._in_flight)
 
+    def _in_flight_bytes(self) -> int:
+        """Bytes the reductions in flight hold (their packed copies; see :data:`MAX_IN_FLIGHT`)."""
+        return sum(launched.nbytes for _, launched in self._in_flight)
+
     def _begin_reductions(self) -> None:
         """A step begins: nothing in flight (the last one settled all at its backward's end), the log empty."""
-        assert not getattr(self, "_in_flight", None), "offload: chunk reductions left in flight by the last step"
+        assert not self._in_flight, "offload: chunk reductions left in flight by the last step"
         self._in_flight = []
         self.reduce_log = []
 

@@ -33,6 +33,13 @@ class Pending:
     """What the collective is, for a peer-failure message."""
     then: Callable[[], None] = lambda: None
     """Writes the combined values into the piece's tensors, once every work has completed."""
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The packed copies the collectives work on, held until :meth:`finish`."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of :attr:`buffers`."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def ready(self) -> bool:
         """The collectives have completed: :meth:`finish` would not wait."""
@@ -74,7 +81,8 @@ def sum_over(world: World) -> Reducer:
             return DONE
         flat = flat_copy(grads)
         return Pending(works=[dist.all_reduce(flat, group=group, async_op=True)], wait=world.wait,
-                       what=f"the gradient all-reduce of {what}", then=lambda: copy_back(grads, flat))
+                       what=f"the gradient all-reduce of {what}", then=lambda: copy_back(grads, flat),
+                       buffers=[flat])
     return reduce
 
 
@@ -100,7 +108,8 @@ def adasum_over(world: World) -> Reducer:
                 g.copy_(adasum.tree([per_rank[r, off:off + g.numel()] for r in range(n)]).view_as(g))
                 off += g.numel()
         return Pending(works=[dist.all_gather_single(gathered, flat, group=group, async_op=True)],
-                       wait=world.wait, what=f"the Adasum gradient all-gather of {what}", then=combine)
+                       wait=world.wait, what=f"the Adasum gradient all-gather of {what}", then=combine,
+                       buffers=[flat, gathered])
     return reduce
 
 

@@ -74,7 +74,7 @@ class OverReplicas(AroundChild):
         work = dist.reduce(flat, dst=owner, group=self.group, async_op=True)
         mine = self.world.rank == owner
         return Pending(works=[work], wait=self.world.wait, what=f"the gradient reduction of {what}",
-                       then=(lambda: copy_back(grads, flat)) if mine else lambda: None)
+                       then=(lambda: copy_back(grads, flat)) if mine else lambda: None, buffers=[flat])
 
     def _replicas_sq(self, local: torch.Tensor) -> torch.Tensor:
         """The sum of squares over every replica's owned chunks from this replica's part (norms, float64)."""
