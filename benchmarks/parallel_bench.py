@@ -22,7 +22,8 @@ Runbook::
 
 Each run is a fresh set of processes started by ``stratum run`` (plain: one process with all threads); every
 rank writes its own measurements, the launcher collects them. Runs alternate between sides, the ratio is the
-median of the per-round ratios.
+median of the per-round ratios. ``--baseline-src DIR`` runs each plan of ``plans``/``offload`` on another
+checkout's code too, beside this one's in every round (before/after a change: ``ratio_vs_baseline``).
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ def _throttle_self(quota: float) -> None:
 
 
 # ---- the launcher ---------------------------------------------------------------------------------------------------
-def run(plan: str, nproc: int, *, threads: int, a: argparse.Namespace, extra: list[str] = ()) -> list[dict]:
+def run(plan: str, nproc: int, *, threads: int, a: argparse.Namespace, extra: list[str] = (),
+        src: str = "") -> list[dict]:
+    """``plan``'s processes, each with ``threads`` threads, running the ``stratum`` package under ``src`` (another
+    checkout's ``src/``) where one is given, this one's otherwise; every rank's measurements."""
     out_dir = Path(tempfile.mkdtemp(prefix="parbench-"))
     replicas = parse_plan(plan).replicas  # each replica takes its share of the global batch
     args = [str(Path(__file__).resolve()), "worker", "--plan", plan, "--preset", a.preset, "--seq-len",
             str(a.seq_len), "--micro-batch", str(a.micro_batch), "--micro-batches", str(a.micro_batches // replicas),
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(threads), "--cache-dir",
             a.cache_dir, "--out-dir", str(out_dir), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **({"PYTHONPATH": src} if src else {}))
     cmd = ([sys.executable, "-m", "stratum", "run", "--nproc", str(nproc), "--timeout-s", "300", *args]
            if nproc > 1 else [sys.executable, *args])
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
@@ -135,22 +139,31 @@ def study_offload(a: argparse.Namespace) -> dict:
 def compare(a: argparse.Namespace, plans: list[tuple[str, int]], study: str) -> dict:
     """Every plan against plain, rounds alternating the order; the ratio is the median of per-round ratios."""
     rows: dict[str, dict] = {}
+    sides = [(p, n, "") for p, n in plans]
+    if a.baseline_src:  # each plan also on the baseline checkout's code, beside it in every round
+        sides = [x for p, n in plans for x in ((p, n, str(Path(a.baseline_src, "src"))), (p, n, ""))]
     for rnd in range(a.rounds):
-        order = [("local", 1)] + plans if rnd % 2 == 0 else plans + [("local", 1)]
-        for plan, n in order:
-            ranks = run(plan, n, threads=max(1, a.threads // n), a=a)
-            r = rows.setdefault(plan, {"processes": n, "tokens_per_s": [], "peak_rss_mib": [],
-                                       "offload_device_peak_bytes": []})
+        order = [("local", 1, "")] + sides if rnd % 2 == 0 else sides[::-1] + [("local", 1, "")]
+        for plan, n, src in order:
+            ranks = run(plan, n, threads=max(1, a.threads // n), a=a, src=src)
+            key = f"{plan} @ baseline" if src else plan
+            r = rows.setdefault(key, {"processes": n, "tokens_per_s": [], "peak_rss_mib": [],
+                                      "offload_device_peak_bytes": []})
             r["tokens_per_s"].append(tokens_per_s(ranks))
             r["peak_rss_mib"].append([x["peak_rss"] / 2**20 for x in ranks])
             r["offload_device_peak_bytes"].append([x.get("offload_device_peak_bytes") for x in ranks])
-            print(f"round {rnd} {plan:<28} {r['tokens_per_s'][-1]:>10,.0f} tok/s", flush=True)
+            print(f"round {rnd} {key:<28} {r['tokens_per_s'][-1]:>10,.0f} tok/s", flush=True)
     base = rows["local"]["tokens_per_s"]
     for r in rows.values():
         r["ratio_vs_plain"] = statistics.median(t / b for t, b in zip(r["tokens_per_s"], base))
         r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
+    for plan, _ in plans:
+        if f"{plan} @ baseline" in rows:
+            r, b = rows[plan], rows[f"{plan} @ baseline"]
+            r["ratio_vs_baseline"] = statistics.median(t / x for t, x in zip(r["tokens_per_s"], b["tokens_per_s"]))
     return {"study": study, "preset": a.preset, "threads": a.threads, "micro_batch": a.micro_batch,
-            "seq_len": a.seq_len, "micro_batches": a.micro_batches, "rows": rows}
+            "seq_len": a.seq_len, "micro_batches": a.micro_batches, "rows": rows,
+            "baseline_src": a.baseline_src or None}
 
 
 def study_balance(a: argparse.Namespace) -> dict:
@@ -200,6 +213,10 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[],
                     help="plans, offload: run only this plan beside plain (repeatable; plans: one of its plans; "
                          "offload: any plan, as the offload study writes them)")
+    ap.add_argument("--baseline-src", default="",
+                    help="plans, offload: also run each plan on the stratum checkout in this directory (another "
+                         "commit's tree, e.g. `git archive main | tar -x -C DIR`), beside this one's in every "
+                         "round: rows 'PLAN @ baseline'")
     ap.add_argument("--speeds", default="", help="worker: parallel.speeds ('auto' measures them)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--out-dir")

@@ -1,5 +1,6 @@
-"""The replicate node over the offload leaf: each chunk's gradient reduced over the replicas as it completes
-reproduces the plain engine on the same global batch — real gloo processes through ``stratum train``."""
+"""The replicate node over the offload leaf: each chunk's gradient reduced over the replicas as it completes,
+beside the rest of the backward, reproduces the plain engine on the same global batch — real gloo processes
+through ``stratum train``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def _replicated(make_cfg, tmp_path, name: str, plan: str, *extra: str) -> str:
                    f"offload.disk_dir={str(tmp_path)!r}", *extra)
     assert out.count("done:") == 1 and plan.split(",")[0] in out
     _same_run(tmp_path / name, tmp_path / "plain")
+    # each chunk's reduction ran beside the backward of later blocks (launched, then waited for after them)
+    assert all(r["reductions_overlapped"] >= 1 for r in read_metrics(tmp_path / name))
     return out
 
 

@@ -42,6 +42,7 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
 from stratum.offload.placement import KEEP, SPILL, Placement
 from stratum.offload.prefetch import Inline, Transfers, background_pool
+from stratum.offload.reductions import ChunkReducer, Reductions
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
 from stratum.offload.step_model import grads_to_host, runs_inline
@@ -97,7 +98,7 @@ class _MicroBatch:
     """Block kept on the device (Placement.kept_blocks) → bytes of its saved activations."""
 
 
-class OffloadEngine(Residency, Updates, StateIO, Engine):
+class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
     name = "offload"
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
@@ -155,10 +156,13 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self.combine_norm: Callable[[Tensor], Tensor] | None = None
         """A sharded parent's global gradient norm from this engine's part of it (the chunks it owns); None: this
         engine's norm is the norm."""
-        self.reducer: Callable[[list[str], list[Tensor], str], None] | None = None
-        """A parent's reduction of one chunk's gradients (names, gradients, what for messages; in place): over the
-        replicas, or of a tensor tied to another pipeline rank. It runs as the chunk's gradient completes, before
-        its norm and its update; None alone."""
+        self.reducer: ChunkReducer | None = None
+        """A parent's reduction of one chunk's gradients (names, gradients, what for messages → the reduction in
+        flight, which leaves the result in those gradients when finished): over the replicas, or of a tensor tied
+        to another pipeline rank. It is launched as the chunk's gradient completes and settled — before the
+        chunk's norm and update — while later blocks' backward runs (reductions.py); None alone."""
+        self._in_flight = []
+        self.reduce_log = []
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
         self._grad_hooks = [] if self._all_on_device else [
@@ -340,8 +344,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
     def train_share(self, micro_batches: list[Batch], lr: float, divisor: int) -> tuple[Tensor, Tensor]:
         """One optimizer step over this engine's part of the step's micro-batches, each loss divided by
         ``divisor`` (the step's micro-batch count over all replicas) before its backward; each chunk's gradient
-        goes through :attr:`reducer` as it completes, before its norm and update. The sum of the losses and the
-        global gradient norm (0-d tensors)."""
+        goes through :attr:`reducer` as it completes, beside the backward of the blocks after it and before its
+        norm and update. The sum of the losses and the global gradient norm (0-d tensors)."""
         self.begin_step(lr)
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
@@ -406,7 +410,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
 
     def _backward_pass(self, mb: _MicroBatch, divisor: int) -> None:
         """Every block's backward, last first (each block's output kept, restored or recomputed); on the last
-        micro-batch each chunk whose gradient is complete goes on to its reduction, norm and update."""
+        micro-batch each chunk whose gradient is complete goes on to its reduction, norm and update — the
+        reductions in flight beside the next blocks, all settled before this returns."""
         L = len(self.model)
         thin = self.placement.activations != KEEP
         if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
@@ -414,6 +419,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         tied_tmp = self._tied_grads_begin() if not mb.first else []
         for i in reversed(range(L)):
             self._access(self._block_chunks(i), grads=True)
+            if mb.last:
+                self._note_backward(i)
             for ci in self._block_chunks(i):
                 c = self.chunks[ci]
                 if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
@@ -445,6 +452,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         if mb.last:
             for c, *_ in tied_tmp:
                 self._grad_complete(c)
+            self._settle_all()
 
     def _block_output(self, mb: _MicroBatch, i: int) -> Tensor:
         """Block i's output for its backward: kept from the forward, its spilled activations restored, or
@@ -493,6 +501,7 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         for c in self.chunks:
             c.grad = None
         self._fresh.clear()
+        self._begin_reductions()
         self._first_step = self.trace.recorded is None
         self.trace.begin_step()
 
@@ -526,7 +535,8 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         self.tiers[DEVICE].check(self._act)
         self.tiers[HOST].check()
         if self.device.type == "cuda" and self.placement.device_budget is not None:
-            held = torch.cuda.memory_allocated(self.device) - self._cuda_base
+            # (the parent's packed copies of the gradients being reduced are its buffers, outside the plan)
+            held = torch.cuda.memory_allocated(self.device) - self._cuda_base - self._in_flight_bytes()
             assert held <= self.placement.device_budget * 1.05 + (64 << 20), (
                 f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.placement.device_budget}")
 
@@ -560,8 +570,11 @@ class OffloadEngine(Residency, Updates, StateIO, Engine):
         t = self.last_step_traffic
         if not t:
             return {}
-        return {"moved_h2d_bytes": t["h2d"], "moved_d2h_bytes": t["d2h"], "moved_disk_read_bytes": t["disk_read"],
-                "moved_disk_write_bytes": t["disk_write"], "wait_s": self.last_step_wait_s}
+        io = {"moved_h2d_bytes": t["h2d"], "moved_d2h_bytes": t["d2h"], "moved_disk_read_bytes": t["disk_read"],
+              "moved_disk_write_bytes": t["disk_write"], "wait_s": self.last_step_wait_s}
+        if self.reducer is not None:
+            io["reductions_overlapped"] = self.reductions_overlapped()
+        return io
 
     @property
     def predicted_step_s(self) -> float | None:

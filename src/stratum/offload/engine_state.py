@@ -1,9 +1,9 @@
 """What :class:`~stratum.offload.engine.OffloadEngine`'s mixins share: the engine's state, by name and type.
 
-``Residency``, ``Updates`` and ``StateIO`` are mixins of the engine; each works on state the engine's
-``__init__`` and ``_build`` set up and calls methods another part defines. ``EngineState`` declares both once
-(annotations, which hold nothing at run time) for the type checker and for a reader of one mixin, with the two
-accessors they share: the disk store and the staging buffers, each where the placement has it.
+``Residency``, ``Updates``, ``Reductions`` and ``StateIO`` are mixins of the engine; each works on state the
+engine's ``__init__`` and ``_build`` set up and calls methods another part defines. ``EngineState`` declares both
+once (annotations, which hold nothing at run time) for the type checker and for a reader of one mixin, with the
+two accessors they share: the disk store and the staging buffers, each where the placement has it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ class EngineState:
     _opt_futs: list[Future]
     _pending_after: Future | None
     combine_norm: Callable[[Tensor], Tensor] | None
-    reducer: Callable[[list[str], list[Tensor], str], None] | None
 
     def _staged(self, k: int) -> Tensor:
         """Staging buffer ``k`` (0/1: a disk chunk's parameters/gradients, 2/3: its moments), which ``_build``
@@ -104,3 +103,7 @@ class EngineState:
         def _run_pending(self, c: ChunkState, pending: tuple, into: Tensor) -> None: ...
         def _flush_pending(self) -> None: ...
         def drain(self) -> None: ...
+        def _complete_grads(self, c: ChunkState) -> list[tuple[str, Tensor]]: ...
+        def _grad_reduced(self, c: ChunkState) -> None: ...
+        def _settle(self, c: ChunkState) -> None: ...
+        def _reducing(self, i: int) -> bool: ...

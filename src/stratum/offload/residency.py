@@ -156,7 +156,9 @@ class Residency(EngineState):
             if v is None:
                 raise StratumError(f"offload: {len(self.slots)} device chunk slot(s) cannot hold one block's chunks; "
                                    "raise offload.resident_chunks or offload.device_budget")
-            sid = self._evict(v)
+            # a chunk whose reduction is in flight is settled first: its slot holds a gradient not reduced yet
+            self._settle(v)
+            sid = self.free_slots.pop() if self.free_slots else self._evict(v)
         self._fetch(c, sid, grads)
 
     def _load_grad(self, c: ChunkState) -> None:
@@ -211,13 +213,15 @@ class Residency(EngineState):
             if self.free_slots:
                 self._fetch(c, self.free_slots.pop(), grads[i])
                 continue
-            cands = [r for r in self.resident if r not in keep]
+            # not a chunk whose reduction is still running: a prefetch does not wait for it (the access will)
+            cands = [r for r in self.resident if r not in keep and not self._reducing(r)]
             if not cands:
                 return
             v = choose_victim(cands, t, nxt)
             if v is None or nxt.after(v, t) <= nxt.after(i, t):
                 return
-            self._fetch(c, self._evict(self.chunks[v]), grads[i])
+            self._settle(self.chunks[v])  # (a reduction that has completed: its work after it, no wait)
+            self._fetch(c, self.free_slots.pop() if self.free_slots else self._evict(self.chunks[v]), grads[i])
 
     # ---- saved tensors: weights by reference, activations counted ------------------------------------------------
     def _pack(self, x: Tensor):

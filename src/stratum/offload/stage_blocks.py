@@ -14,8 +14,9 @@ values (dropout streams draw the same masks: model/streams.py); ``offload`` also
 host tier once the stage's forward is done and fetches them back for that micro-batch's backward — after the
 rank's previous backward, as the schedule's order of backwards says, so on a GPU the copy runs before it is
 needed. A chunk's gradient is complete after the backward of its earliest block for the step's last
-micro-batch; then it is reduced (:attr:`OffloadEngine.reducer`), normed, and updated or handed home as the plan
-says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run (:meth:`finish`):
+micro-batch; then its reduction (:attr:`OffloadEngine.reducer`) is launched, and once it has completed — beside
+the stages' later work, at the latest when :meth:`finish` settles all — it is normed, and updated or handed home
+as the plan says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run (:meth:`finish`):
 their reduction is a collective, and inside the schedule it could wait on a rank that waits on this one.
 """
 
@@ -148,14 +149,17 @@ class OffloadBlocks:
         if isinstance(ahead, _Checkpoint):
             self._fetch(ahead)
 
-    def _block_access(self, i: int) -> None:
-        """Block ``i``'s chunks resident for its backward, their gradients wanted."""
+    def _block_access(self, i: int, final: bool) -> None:
+        """Block ``i``'s chunks resident for its backward, their gradients wanted; on the step's last
+        micro-batch its backward is noted as begun (what the reductions in flight overlap)."""
         eng = self.engine
         eng._access(eng._block_chunks(i), grads=True)
         for ci in eng._block_chunks(i):
             c = eng.chunks[ci]
             if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
                 c.grad = "home" if eng._home_grads(c) else "dev"
+        if final:
+            eng._note_backward(i)
 
     def _block_done(self, i: int, final: bool) -> None:
         """Block ``i``'s backward is done: on the step's last micro-batch its chunks whose gradient is now
@@ -173,7 +177,7 @@ class OffloadBlocks:
         blocks = self.stage_blocks[s]
         for k in reversed(range(len(blocks))):
             i = self.local[blocks[k]]
-            self._block_access(i)
+            self._block_access(i, final)
             o, g = (out, grad) if k == len(blocks) - 1 else (outs[k], ins[k + 1].grad)
             if o.requires_grad:
                 torch.autograd.backward(o, g)
@@ -267,7 +271,7 @@ class OffloadBlocks:
         blocks = self.stage_blocks[s]
         for k in reversed(range(len(blocks))):
             i = self.local[blocks[k]]
-            self._block_access(i)
+            self._block_access(i, final)
             xi = cp.ins[k]
             assert xi is not None
             o = self._recompute(cp, k, blocks[k], i, xi)
@@ -304,10 +308,12 @@ class OffloadBlocks:
         return out
 
     def finish(self) -> None:
-        """After the schedule: the late chunks complete (their reductions are collectives); nothing is left."""
+        """After the schedule: the late chunks complete (their reductions are collectives), then every reduction
+        in flight is settled; nothing is left."""
         eng = self.engine
         for ci in sorted(self.late):
             eng._access((ci,), grads=True)
             eng._grad_complete(eng.chunks[ci])
+        eng._settle_all()
         if self.saved:
             raise RuntimeError(f"offload stage: micro-batches left without a backward: {sorted(self.saved)[:3]}")

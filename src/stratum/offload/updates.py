@@ -47,12 +47,6 @@ class Updates(EngineState):
             self._fresh.add(k)
         param.grad = None
 
-    def _reduce(self, c: ChunkState, named: list[tuple[str, Tensor]]) -> None:
-        """``c``'s complete gradients (name, gradient: the parameters that got one) through the parent's
-        reduction."""
-        if self.reducer is not None and named:
-            self.reducer([n for n, _ in named], [g for _, g in named], f"chunk {c.i}")
-
     def _home_grads(self, c: ChunkState) -> bool:
         """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
         return self._grads_home and not c.pinned
@@ -75,23 +69,27 @@ class Updates(EngineState):
             for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
                 self._grad_norms[name] = nrm
 
-    def _grad_complete(self, c: ChunkState) -> None:
-        """All of this step's gradient of ``c`` is in its slot."""
+    def _complete_grads(self, c: ChunkState) -> list[tuple[str, Tensor]]:
+        """All of this step's gradient of ``c`` is in place: (name, gradient) of its parameters that got one,
+        for the parent's reduction (``Reductions._grad_complete``)."""
+        if self._all_on_device:
+            return [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None]
+        if self._home_grads(c):
+            c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
+            c.live = [g is not None for g in c.held]
+            return [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
+        c.live = [id(e.param) in self._fresh for e in c.spec.entries]
+        g = c.g()
+        return [(e.name, g[e.offset:e.offset + e.numel]) for e, ok in zip(c.spec.entries, c.live) if ok]
+
+    def _grad_reduced(self, c: ChunkState) -> None:
+        """``c``'s gradient is final (reduced over the parent's processes where it has some): its norm and update,
+        or its hand-off to the host optimizer; a gradient another replica updates with is dropped."""
         if self._all_on_device:  # all chunks are updated together after the backward
-            self._reduce(c, [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None])
             if not self.owns(c.i):
                 for e in c.spec.entries:
                     e.param.grad = None
             return
-        if self._home_grads(c):
-            c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
-            c.live = [g is not None for g in c.held]
-            self._reduce(c, [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None])
-        else:
-            c.live = [id(e.param) in self._fresh for e in c.spec.entries]
-            g = c.g()
-            self._reduce(c, [(e.name, g[e.offset:e.offset + e.numel]) for e, ok in zip(c.spec.entries, c.live)
-                             if ok])
         if not self.owns(c.i):
             self._drop_grads(c)
             return

@@ -30,6 +30,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.placement import Placement
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
+from stratum.parallel.reduce import Pending, Reducer
 from stratum.plan.partition import inflight_from_schedule
 from stratum.profile.profile import BlockProfile, Profile
 from stratum.runtime.engine import StepResult, TrainState
@@ -166,15 +167,18 @@ class OffloadPipelineEngine(PipelineEngine):
         return quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=self.device, precision=cfg.train.precision, seed=cfg.train.seed)
 
-    def _tied_reducer(self, groups: dict[str, object]):
-        """Sum the gradients of tensors tied to other pipeline ranks (``groups``: local name → its group)."""
+    def _tied_reducer(self, groups: dict[str, object]) -> Reducer:
+        """Sum the gradients of tensors tied to other pipeline ranks (``groups``: local name → its group), in
+        place: the chunks holding them complete after the schedule (:meth:`OffloadBlocks.finish`)."""
 
-        def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
+        def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> Pending:
+            works, tied = [], []
             for name, g in zip(names, grads):
                 grp = groups.get(name)
                 if grp is not None:
-                    work = torch.distributed.all_reduce(g, group=grp, async_op=True)
-                    self.mesh.wait(work, f"summing the tied gradient {self.to_global[name]}")
+                    works.append(torch.distributed.all_reduce(g, group=grp, async_op=True))
+                    tied.append(self.to_global[name])
+            return Pending(works=works, wait=self.mesh.wait, what=f"summing the tied gradient(s) {', '.join(tied)}")
         return reduce
 
     def _sync_tied(self) -> None:

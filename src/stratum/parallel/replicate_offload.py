@@ -4,15 +4,20 @@ own device, host and disk tiers (Elixir and ColossalAI's Gemini replicate chunke
 The offload engine updates a chunk as soon as its gradient is complete, inside its backward, so the replicas'
 gradients cannot be reduced after the backward as :class:`~stratum.parallel.replicate.ReplicateEngine` does for
 its children: each chunk's gradient is reduced as it completes (one collective per chunk, the chunk as the bucket),
-before its norm and update. Every replica then holds the same reduced gradients and applies the same update, so
-the replicas stay equal without broadcasting parameters. The replicas run one offload plan: replica 0's, shared
+before its norm and update. The reduction overlaps the rest of the backward: the reducers here launch the
+chunk's collective and return a :class:`~stratum.parallel.reduce.Pending`; the engine goes on with the next
+blocks and settles the chunk — waits for the collective, then its norm and update — later, all before its
+backward returns (:mod:`stratum.offload.reductions`). Every replica then holds the same reduced gradients and
+applies the same update, so the replicas stay equal without broadcasting parameters. The replicas run one offload plan: replica 0's, shared
 at start-up, since each one's planner measures its own bandwidths and times and the chunk layout fixes the order
 of the collectives.
 
 With ``shard=true`` the chunks are shared out as Gemini shards them: replica ``i % n`` owns chunk i — holds its
 AdamW state and updates it. A chunk's gradient is reduced to its owner alone; the global norm sums the owners'
 parts; after the step each owner broadcasts its chunks' new parameters to the other replicas. Each replica holds
-1/n of the optimizer state (its m and v), at the cost of one broadcast of the parameters per step.
+1/n of the optimizer state (its m and v), at the cost of one broadcast of the parameters per step. A replica
+that does not own a chunk drops its gradient when the reduction to the owner is settled (not before: the
+collective's packed copy is what it sends).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
-from stratum.parallel.reduce import adasum_over, copy_back, flat_copy, sum_over
+from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
@@ -59,16 +64,17 @@ class OverReplicas(AroundChild):
         """The process that updates ``chunk``."""
         return self.world.members["replica"][chunk % self.n]
 
-    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> None:
-        """One chunk's gradients summed on its owner (the others' copies are left as they were, unused)."""
+    def _sum_to_owner(self, names: list[str], grads: list[torch.Tensor], what: str) -> Pending:
+        """One chunk's gradients summed on its owner, launched (the others' copies are left as they were,
+        unused)."""
         if self.group is None or not grads:
-            return
+            return DONE
         owner = self._owner(self.leaf.where[names[0]][0].i)
         flat = flat_copy(grads)
-        self.world.wait(dist.reduce(flat, dst=owner, group=self.group, async_op=True),
-                        f"the gradient reduction of {what}")
-        if self.world.rank == owner:
-            copy_back(grads, flat)
+        work = dist.reduce(flat, dst=owner, group=self.group, async_op=True)
+        mine = self.world.rank == owner
+        return Pending(works=[work], wait=self.world.wait, what=f"the gradient reduction of {what}",
+                       then=(lambda: copy_back(grads, flat)) if mine else lambda: None, buffers=[flat])
 
     def _replicas_sq(self, local: torch.Tensor) -> torch.Tensor:
         """The sum of squares over every replica's owned chunks from this replica's part (norms, float64)."""

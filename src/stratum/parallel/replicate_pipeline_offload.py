@@ -2,14 +2,16 @@
 
 Each replica is a whole pipeline (:class:`~stratum.parallel.pipeline_offload.OffloadPipelineEngine`); a pipeline
 rank's chunks are reduced over the ranks holding the same stages in the other replicas as each chunk completes,
-before its norm and update — the offload leaf updates a chunk inside its backward, so the gradients cannot be
+beside the rest of the schedule (launched then, settled later: :mod:`stratum.offload.reductions`), before its
+norm and update — the offload leaf updates a chunk inside its backward, so the gradients cannot be
 reduced after the backward as :class:`~stratum.parallel.replicate.ReplicateEngine` does. A chunk tied to another
 pipeline rank is first summed inside its pipeline, then over the replicas (the two sums commute; both run when
 the chunk completes).
 
 The replica collectives cannot deadlock with the pipeline's point-to-point messages: every replica runs the same
 schedule over the same chunk layout, so the ranks of one stage meet at each chunk's reduction in the same order,
-and a rank waits there only for peers whose progress needs nothing from it. The chunk layout is replica 0's for
+and a rank waits there only for peers whose progress needs nothing from it. Settling a chunk after its launch
+moves a rank's wait behind work it used to do after the wait, never before it, so it adds no dependency. The chunk layout is replica 0's for
 each stage (shared at start-up), since each rank's planner measures its own bandwidths.
 
 With ``shard=true`` a stage's chunks are shared out over its replicas as under ``replicate(n, shard=true,
@@ -27,20 +29,10 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
-from stratum.parallel.reduce import Reducer, adasum_over, sum_over
+from stratum.parallel.reduce import adasum_over, in_turn, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.parallel.replicate_offload import OverReplicas
 from stratum.runtime.engine import StepResult, clip_coef
-
-
-def in_turn(first: Reducer | None, then: Reducer) -> Reducer:
-    """A reducer that runs ``first`` (where there is one) and then ``then`` on the same piece."""
-
-    def reduce(names: list[str], grads: list[torch.Tensor], what: str) -> None:
-        if first is not None:
-            first(names, grads, what)
-        then(names, grads, what)
-    return reduce
 
 
 class ReplicatedOffloadPipeline(OverReplicas):
