@@ -161,7 +161,8 @@ class ReplicateEngine(GradEngine):
         return out
 
     def _adasum(self) -> None:
-        self.adasum([n for n, _ in self.child.grad_params()], self._grads(), "the replicas' gradients")
+        """Every replica's gradients combined by Adasum, after the backward (the gather is waited at once)."""
+        self.adasum([n for n, _ in self.child.grad_params()], self._grads(), "the replicas' gradients").finish()
 
     # ---- Engine ---------------------------------------------------------------------------------------
     def describe(self) -> str:
