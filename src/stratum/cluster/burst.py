@@ -101,7 +101,7 @@ class BurstMultiplex(Burst):
             if not _shares_used(guest, host):
                 return guest
             share = min(host.idle_share(d) for d in ranks) * (1 - self.interference)
-            used = [d for d in spare if host.idle_share(d) < 1 - 1e-12]
+            used = [d for d in spare if _uses(host, d)]
             carried = min(waiting, len(used) // job.devices)  # sharing guests it could take now, this one first
             slowed = any(_shares_used(r, host) for r in guests)
             if self._worth(job, alone, share, host, carried=0 if slowed else carried):
@@ -121,6 +121,11 @@ class BurstMultiplex(Burst):
         return carried * gain > loss
 
 
+def _uses(host: Run, device: int) -> bool:
+    """Whether ``host``'s plan keeps ``device`` busy for some of each step."""
+    return host.idle_share(device) < 1 - 1e-12
+
+
 def _shares_used(guest: Run, host: Run) -> bool:
     """Whether ``guest`` runs on a device ``host``'s plan uses during its steps."""
-    return any(host.idle_share(d) < 1 - 1e-12 for d in guest.ranks)
+    return any(_uses(host, d) for d in guest.ranks)

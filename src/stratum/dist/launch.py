@@ -258,6 +258,13 @@ blocked on the failed one is stopped by its own time limit anyway, and a stopped
 exits by itself — waiting longer only delays the end of the run."""
 
 
+def rank_env(rank: int, world: int, *, local_rank: int, local_world: int, master: tuple[str, int]) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``world`` (rendezvous at ``master``: address, port), and the
+    mark of a worker this process group's launcher started."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world),
+                MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), **{WORKER_ENV: "1"})
+
+
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None,
                 log: Path | None = None, fail_grace_s: float | None = None) -> int:
     """Run ``python <argv>`` (``-m stratum train …``, or a user's script and its arguments) as ``nprocs`` local
@@ -271,8 +278,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     errors = _ErrorDedup(log)
     base = dict(os.environ, **(env or {}))
     for r in range(nprocs):
-        e = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{WORKER_ENV: "1"})
+        e = dict(base, **rank_env(r, nprocs, local_rank=r, local_world=nprocs, master=("127.0.0.1", port)))
         # CPU workers share the cores: keep torch's intra-op pool from oversubscribing them
         if "OMP_NUM_THREADS" not in base:
             e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))

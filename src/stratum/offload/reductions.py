@@ -128,7 +128,6 @@ class Reductions(EngineState):
     def _begin_reductions(self) -> None:
         """A step begins: nothing in flight (the last one settled all at its backward's end), the log empty."""
         assert not self._in_flight, "offload: chunk reductions left in flight by the last step"
-        self._in_flight = []
         self.reduce_log = []
 
     def reductions_overlapped(self) -> int:

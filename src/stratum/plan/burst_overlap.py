@@ -135,8 +135,8 @@ def plan_burst_overlapped(costs: Costs, *, devices: int, link: Links, amplificat
         return overlapped(price_burst(costs, widths, devices=devices, link=link, compute=compute), costs)
 
     best = price(seeds[0])
-    for s in seeds[1:]:
-        best = price(s) if improves(price(s), best) else best
+    for cand in map(price, seeds[1:]):
+        best = cand if improves(cand, best) else best
     better = True
     while better:
         better = False

@@ -52,17 +52,27 @@ class LaunchedWorker:
             self.proc.wait(timeout=timeout_s)
 
 
+def train_command(config_path: Path | str, stop_at: int) -> list[str]:
+    """``stratum train --config config_path --stop-at stop_at`` as this interpreter runs it."""
+    return [sys.executable, "-m", "stratum", "train", "--config", str(config_path), "--stop-at", str(stop_at)]
+
+
+def job_env(threads: int) -> dict[str, str]:
+    """This process's environment for a job's run: no rank of its own (:data:`LAUNCH_ENV_DROP`), ``threads``
+    torch threads per process."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def launch_train(config_path: Path, stop_at: int, threads: int, log_path: Path) -> LaunchedWorker:
     """Start ``stratum train --config config_path --stop-at stop_at`` with ``threads`` torch threads per rank,
     its output appended to ``log_path``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
-    env["OMP_NUM_THREADS"] = str(threads)
     sweep_pid = os.getpid()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stratum", "train", "--config", str(config_path), "--stop-at", str(stop_at)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=lambda: die_with_sweep(sweep_pid))
+            train_command(config_path, stop_at), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=job_env(threads), start_new_session=True, preexec_fn=lambda: die_with_sweep(sweep_pid))
     return LaunchedWorker(proc)
 
 

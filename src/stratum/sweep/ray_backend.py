@@ -25,14 +25,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from stratum.dist.launch import WORKER_ENV
+from stratum.dist.launch import rank_env
 from stratum.errors import StratumError
-from stratum.sweep.launched import LAUNCH_ENV_DROP
+from stratum.sweep.launched import job_env, train_command
 from stratum.sweep.segment import Segment, run_segment
 
 PLACE_TIMEOUT_S = 120.0
@@ -61,13 +60,9 @@ class SlotActor:
                  master: tuple[str, int]) -> int:
         """Rank ``rank`` of ``world`` of the job's plan, as torchrun starts one; its exit code. SIGTERM to this
         actor reaches the rank (it checkpoints after its step and exits)."""
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), OMP_NUM_THREADS=str(threads),
-                   **{WORKER_ENV: "1"})
+        env = dict(job_env(threads), **rank_env(rank, world, local_rank=0, local_world=1, master=master))
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "stratum", "train", "--config", config_path,
-                                     "--stop-at", str(stop_at)], stdin=subprocess.DEVNULL, stdout=log,
+            proc = subprocess.Popen(train_command(config_path, stop_at), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
@@ -76,6 +71,13 @@ class SlotActor:
             signal.signal(signal.SIGTERM, previous)
             if proc.poll() is None:  # (the actor is being killed: the rank goes with it)
                 proc.kill()
+
+
+def _join(worker: RayWorker | RayRanks, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``worker`` to end (Ray reports it through polls)."""
+    deadline = time.monotonic() + timeout_s
+    while worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class RayWorker:
@@ -112,9 +114,7 @@ class RayWorker:
             self.backend.ray.kill(self.backend.actors[self.slot][0])
 
     def join(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _join(self, timeout_s)
 
 
 class RayRanks:
@@ -143,9 +143,7 @@ class RayRanks:
             r.kill()
 
     def join(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _join(self, timeout_s)
 
 
 class RayBackend:
@@ -223,7 +221,7 @@ class RayBackend:
         """Kill the actors and wait (bounded) until Ray has their CPUs back: a sweep started next in this
         process asks for them at once, and an actor asked for while its resources are still held waits for
         Ray's retry of pending placements, far longer than the release takes."""
-        held = sum(self.threads for _ in self.actors)
+        held = self.threads * len(self.actors)
         for actor, _ in self.actors.values():
             self.ray.kill(actor)
         self.actors.clear()
