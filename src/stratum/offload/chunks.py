@@ -64,6 +64,9 @@ class Layout:
     ready_block: dict[int, int]
     """Chunk → the earliest block that uses it: its gradients are complete after that block's backward."""
     chunk_elems: int
+    grad_elems: int = 0
+    """Gradient elements autograd hands over per micro-batch: each parameter's once for every block that uses it
+    (blocks run their backward one at a time, so a tied tensor gets a gradient from each of its blocks)."""
 
     @property
     def streamable(self) -> list[int]:
@@ -143,4 +146,7 @@ def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     for i, cs in enumerate(block_chunks):
         for c in cs:
             ready.setdefault(c, i)
-    return Layout(chunks=chunks, block_chunks=block_chunks, ready_block=ready, chunk_elems=chunk_elems)
+    numel = {n: p.numel() for n, p in order}
+    grad_elems = sum(numel[n] for i in range(len(seq)) for n in set(seq.block_param_names(i)) if n in numel)
+    return Layout(chunks=chunks, block_chunks=block_chunks, ready_block=ready, chunk_elems=chunk_elems,
+                  grad_elems=grad_elems)

@@ -47,7 +47,7 @@ from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
 from stratum.offload.step_model import grads_to_host, runs_inline
 from stratum.offload.tasks import block_done
-from stratum.offload.tiers import DEVICE, DISK, F32, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
+from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
 from stratum.runtime.device import autocast, canonical
@@ -114,6 +114,16 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         self.device = device
         self.precision = precision
         self.placement = placement
+        if placement.half_params and precision != "bf16":
+            raise StratumError(f"the offload placement holds bf16 chunks (planned for train.precision = bf16) but "
+                               f"this run's precision is {precision!r}; plan it with the run's precision")
+        self._half = placement.half_params
+        """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
+        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
+        makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
+        (``Updates._publish``)."""
+        self._param_bytes = HALF if self._half else F32
+        """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
@@ -190,12 +200,12 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         the host/disk ones; update_pass = from queueing the clipped host/disk updates to the end of the last,
         beside the next step's forward; updates run by the next forward's fetches count in its forward)."""
 
-    def _alloc(self, tier: str, n: int, what: str) -> Tensor:
-        self.tiers[tier].charge(n * F32, what)
+    def _alloc(self, tier: str, n: int, what: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        self.tiers[tier].charge(n * dtype.itemsize, what)
         if tier == DEVICE and self.device.type != "cpu":
-            return torch.zeros(n, dtype=torch.float32, device=self.device)
+            return torch.zeros(n, dtype=dtype, device=self.device)
         # CPU memory is aligned for the disk store's direct I/O
-        return aligned_empty(n, pin=tier == HOST and self.device.type == "cuda").zero_()
+        return aligned_empty(n, dtype=dtype, pin=tier == HOST and self.device.type == "cuda").zero_()
 
     def _build_chunk(self, spec: ChunkSpec, *, pinned: bool) -> ChunkState:
         """One chunk's state: its parameters copied to their home (the device slot of a pinned chunk, host memory
@@ -209,7 +219,12 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
                 for e in spec.entries:
                     flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
             return flat
-        if pinned:
+        if pinned and self._half:  # a 16-bit working copy of the fp32 master, filled from it
+            c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}", torch.bfloat16)
+            c.hp = fill(self._alloc(HOST, spec.capacity, "master params"))
+            c.p().copy_(c.hp)
+            self._bind(c)
+        elif pinned:
             if self._all_on_device:  # parameters only; the gradients autograd makes are charged as such
                 c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}")
                 self.tiers[DEVICE].charge(spec.capacity * F32, f"gradients of chunk {spec.index}")
@@ -235,6 +250,9 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
             for e in spec.entries:
                 e.param.data = self._placeholder(e.shape)
                 e.param.grad = None
+        if self._half and self.device.type == "cuda":
+            c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", torch.bfloat16)
+            c.hp16.copy_(c.home_copy("p"))
         self._alloc_moments(c)
         return c
 
@@ -261,12 +279,13 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         """Every chunk and its moments stay on the device: gradients are autograd's own tensors, as in the plain
         engine (no slot half to zero and accumulate into, no copies), and one fused AdamW call per weight-decay
         class updates everything after the backward (a launch per chunk cost a GPU more than the work)."""
-        self._grads_home = grads_to_host(placement.optimizer_tier, placement.param_tier, self.device.type == "cuda")
+        self._grads_home = grads_to_host(placement.optimizer_tier, placement.param_tier, self.device.type == "cuda",
+                                         self._half)
         """On a CPU with parameters and moments in host RAM, a streamed chunk's gradients are handed to the host
         optimizer as the tensors autograd made (charged to the host tier while held), as the plain engine's
         optimizer gets them: its slot holds parameters only (twice the slots in a budget), and no gradient is
         copied into a slot, home, or back between micro-batches (those copies were ~4 % of a small model's
-        step at a 25 % budget)."""
+        step at a 25 % budget). Under mixed-precision placement every chunk's gradients go to the host (``_half``)."""
         self._held: dict[int, Tensor] = {}
         """id(parameter) → its gradient of this step so far (``_grads_home`` chunks)."""
         built: dict[int, ChunkState] = {}
@@ -278,7 +297,9 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         self._build_staging(n_stream)
         R = 0 if all_resident else min(placement.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
-        self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}") for s in range(R)]
+        slot_dtype = torch.bfloat16 if self._half else torch.float32
+        self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}", slot_dtype)
+                      for s in range(R)]
         self.free_slots = list(range(R))[::-1]
         self.resident: set[int] = set()
         self._slot_busy: dict[int, Future] = {}

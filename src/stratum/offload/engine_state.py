@@ -65,6 +65,8 @@ class EngineState:
     phase_s: dict[str, float]
     _all_on_device: bool
     _grads_home: bool
+    _half: bool
+    _param_bytes: int
     _updates_inline: bool
     _home_params: set[int]
     _held: dict[int, Tensor]

@@ -52,6 +52,11 @@ class Placement:
     (its checkpoint) per in-flight micro-batch on the device and recomputes the block in the backward; offload
     also spills the checkpoints to the host tier until their micro-batch's backward fetches them
     (stage_blocks.py)."""
+    half_params: bool = False
+    """Mixed-precision placement (train.precision = bf16, optimizer state in host RAM, parameters not on disk;
+    ``step_model.half_chunks``): the device's chunks (slots and pinned chunks) hold 16-bit working copies of the
+    parameters, the fp32 masters and AdamW moments stay on the host, gradients go down in 16 bits and are
+    accumulated in fp32 where the update runs."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -121,9 +126,10 @@ class Placement:
         return text + keep + (", recompute for the rest" if self.recomputes_some else "")
 
     def _updates_text(self) -> str:
+        half = "; bf16 working copies on the device, fp32 masters on the host" if self.half_params else ""
         if not self.deferred_chunks:
-            return ""
-        return f"; updates of {len(self.deferred_chunks)} chunks beside the next forward"
+            return half
+        return f"{half}; updates of {len(self.deferred_chunks)} chunks beside the next forward"
 
     def describe(self) -> str:
         tr = self.predicted_traffic

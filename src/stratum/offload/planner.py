@@ -23,7 +23,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import RING
 from stratum.offload.chunks import Layout, pack, param_order
 from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
-from stratum.offload.step_model import predict, predict_placement, slot_bytes
+from stratum.offload.step_model import half_chunks, predict, predict_placement, slot_bytes
 from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths, round_up
 from stratum.units import fmt_at_least, fmt_bytes
 
@@ -92,12 +92,13 @@ def _kept_options(acts: str, n_blocks: int, fixed: int | None, staged: bool) -> 
     return [frozenset(range(n_blocks - n, n_blocks)) for n in sizes if n < n_blocks]
 
 
-def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool,
-                      bw: Bandwidths | None) -> list[frozenset[int]]:
+def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool, bw: Bandwidths | None,
+                      half: bool = False) -> list[frozenset[int]]:
     """Sets of chunks whose update may run beside the next forward (Placement.deferred_chunks): none, and the first
     1/8 … 1/2 of the streamed chunks to complete their gradients. Only where updates otherwise run in the slot
-    during the backward: a CPU, a host/disk optimizer, streamed parameters, no clipping."""
-    if opt == DEVICE or ptier == DEVICE or deferred or (bw is not None and bw.async_copies):
+    during the backward: a CPU, a host/disk optimizer, streamed parameters, no clipping, fp32 chunks (``half``:
+    updates run on the host masters, never in a slot)."""
+    if opt == DEVICE or ptier == DEVICE or deferred or half or (bw is not None and bw.async_copies):
         return [frozenset()]
     order = sorted((c.index for c in layout.chunks if not c.tied), key=lambda i: -layout.ready_block[i])
     sets = {frozenset(order[:round(len(order) * f)]) for f in (0, 1 / 8, 1 / 4, 3 / 8, 1 / 2)}
@@ -151,6 +152,13 @@ class _Job:
     kept_blocks: int | None
     inflight: tuple[int, ...]
     """Placement.inflight (empty: not a pipeline rank)."""
+    precision: str
+    """train.precision: bf16 places 16-bit chunks on the device where the tiers allow (``half_chunks``; not on a
+    pipeline rank, whose stage runner keeps fp32 chunks)."""
+
+    def half(self, opt: str, ptier: str) -> bool:
+        """Placement.half_params of a candidate with these tiers."""
+        return not self.inflight and half_chunks(self.precision, opt, ptier)
 
 
 @dataclass
@@ -197,8 +205,9 @@ def _slot_options(job: _Job, t: _Tiers) -> list[int]:
     need = max(t.layout.max_chunks_per_block(), 1)
     base, _, _, _, _ = predict(t.layout, R=0, opt=t.opt, ptier=t.ptier, k=0, acts=t.acts, costs=job.costs,
                                bw=job.bw, n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
-                               spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept, inflight=job.inflight)
-    per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw)
+                               spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept, inflight=job.inflight,
+                               half=job.half(t.opt, t.ptier))
+    per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw, job.half(t.opt, t.ptier))
     rmax = n_stream if job.device_budget is None else (job.device_budget - base[DEVICE]) // per
     return sorted({need, max(need, min(rmax, n_stream))})
 
@@ -214,7 +223,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
-        inflight=job.inflight,
+        inflight=job.inflight, half_params=job.half(t.opt, t.ptier),
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 
 
@@ -234,7 +243,7 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
         predicted = predict(t.layout, R=R, opt=t.opt, ptier=t.ptier, k=k, acts=t.acts, costs=job.costs, bw=job.bw,
                             n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
                             spilled=t.spill_set, disk_spilled=t.disk_set, deferred_chunks=late, kept=t.kept,
-                            inflight=job.inflight)
+                            inflight=job.inflight, half=job.half(t.opt, t.ptier))
         peak, tr, step = predicted[0], predicted[1], predicted[2]
         ok = {DEVICE: job.device_budget is None or peak[DEVICE] <= job.device_budget,
               HOST: job.host_budget is None or peak[HOST] <= job.host_budget,
@@ -308,16 +317,17 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                    chunk_elems: int | None = None, resident_chunks: int | None = None,
                    optimizer_tier: str | None = None, prefetch_depth: int | None = None,
                    activations: str | None = None, kept_blocks: int | None = None,
-                   inflight: tuple[int, ...] = ()) -> Placement:
+                   inflight: tuple[int, ...] = (), precision: str = "fp32") -> Placement:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
-    ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's)."""
+    ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
+    ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro, deferred=grad_clip > 0,
                bw=bandwidths, device_budget=device_budget, host_budget=host_budget, disk_free=disk_free,
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
-               kept_blocks=kept_blocks, inflight=tuple(inflight))
+               kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision)
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     search = _Search()
@@ -330,7 +340,8 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                 before, stop_run = None, False
             if stop_run:
                 continue
-            here = _try_tiers(job, t, _deferral_options(layout, t.opt, t.ptier, job.deferred, bandwidths), search)
+            defer = _deferral_options(layout, t.opt, t.ptier, job.deferred, bandwidths, job.half(t.opt, t.ptier))
+            here = _try_tiers(job, t, defer, search)
             # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps the search
             # short; GPT-2 774M has 36 candidate suffixes' worth of blocks)
             if before is not None and here >= before:

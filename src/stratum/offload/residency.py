@@ -53,8 +53,9 @@ class Residency(EngineState):
     # ---- moving chunks ------------------------------------------------------------------------------------------
     def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:
         """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
-        if c.home == HOST:
-            into.copy_(c.home_copy(what), non_blocking=True)
+        if c.home == HOST:  # (a GPU under mixed precision sends the masters' 16-bit copy: half the bytes)
+            src = c.hp16 if what == "p" and c.hp16 is not None else c.home_copy(what)
+            into.copy_(src, non_blocking=True)
         elif self.device.type == "cpu":
             self._disk.read(f"{what}{c.i}", into)
         else:  # GPU ← disk: through the pinned transfer buffer (the disk reads into aligned host memory only)
@@ -95,7 +96,7 @@ class Residency(EngineState):
         busy = self._slot_busy.pop(slot_id, None)
         pending, c.pending = c.pending, None
         self.n_fetches += 1
-        self.bytes_h2d += c.cap * F32 * (2 if load_grad else 1)
+        self.bytes_h2d += c.cap * (self._param_bytes + (F32 if load_grad else 0))
 
         def task(slot=c.slot, cap=c.cap):
             if busy is not None:  # the slot's previous chunk is still being updated in place

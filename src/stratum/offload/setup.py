@@ -94,7 +94,8 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
         profile = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)
     return dict(device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk), bandwidths=bw,
-                profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, **kw)
+                profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip,
+                precision=cfg.train.precision, **kw)
 
 
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):

@@ -65,6 +65,8 @@ class StateIO(EngineState):
         host copy or the disk file."""
         if c.slot is not None:
             c.p().copy_(flat)
+        if c.hp16 is not None:
+            c.hp16.copy_(flat)
         if c.hp is not None:
             c.hp.copy_(flat)
         elif not c.pinned:

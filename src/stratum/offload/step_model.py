@@ -17,7 +17,7 @@ from stratum.offload.act_ring import RING
 from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import ChunkSpec, Layout
 from stratum.offload.placement import KEEP, RECOMPUTE, SPILL, Placement
-from stratum.offload.tiers import DEVICE, DISK, F32, HOST, Bandwidths, round_up
+from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, Bandwidths, round_up
 
 LINKS = ("h2d", "d2h", "disk_read", "disk_write")
 
@@ -51,11 +51,21 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
     return Accesses(seq, wants, consumed)
 
 
-def grads_to_host(opt: str, ptier: str, async_copies: bool) -> bool:
-    """Streamed chunks hand autograd's gradient tensors straight to the host optimizer (engine._grads_home):
-    on a CPU (no asynchronous copies: host RAM is the device's memory too) with parameters and moments on the
-    host."""
-    return not async_copies and ptier == HOST and opt == HOST
+def half_chunks(precision: str, opt: str, ptier: str) -> bool:
+    """Mixed-precision placement (Placement.half_params): under bf16 autocast with the fp32 master weights and
+    AdamW moments in host RAM, the device holds 16-bit working copies of the chunks (slots and pinned chunks),
+    every gradient goes to the host in 16 bits as autograd makes it and is accumulated there in fp32, where the
+    update runs; the updated masters come back up as 16-bit copies (ZeRO-Offload's recipe). With the moments on
+    the device nothing crosses a link to save; parameters or moments on disk keep fp32 chunks (their update reads
+    its gradients from a file: not built for 16-bit ones)."""
+    return precision == "bf16" and opt == HOST and ptier != DISK
+
+
+def grads_to_host(opt: str, ptier: str, async_copies: bool, half: bool = False) -> bool:
+    """Chunks hand autograd's gradient tensors straight to the host optimizer (engine._grads_home): every chunk's
+    under mixed-precision placement (``half``); else the streamed chunks' on a CPU (no asynchronous copies: host
+    RAM is the device's memory too) with parameters and moments on the host."""
+    return half or (not async_copies and ptier == HOST and opt == HOST)
 
 
 def runs_inline(async_copies: bool, *tiers: str) -> bool:
@@ -66,8 +76,11 @@ def runs_inline(async_copies: bool, *tiers: str) -> bool:
     return not async_copies and DISK not in tiers
 
 
-def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None) -> int:
-    """Bytes of one device slot: parameters and gradients, or parameters only (``grads_to_host``)."""
+def slot_bytes(C: int, opt: str, ptier: str, bw: Bandwidths | None, half: bool = False) -> int:
+    """Bytes of one device slot: parameters and gradients, or parameters only (``grads_to_host``), those in 16
+    bits under mixed-precision placement (``half``)."""
+    if half:
+        return HALF * C
     return (4 if grads_to_host(opt, ptier, bw is not None and bw.async_copies) else 8) * C
 
 
@@ -91,6 +104,8 @@ class _Candidate:
     kept: frozenset[int]
     inflight: tuple[int, ...] = ()
     """Placement.inflight: per block, the micro-batches a pipeline rank's stage holds at once (empty: one)."""
+    half: bool = False
+    """Placement.half_params: 16-bit chunks on the device, gradients to the host (``half_chunks``)."""
 
     @property
     def async_copies(self) -> bool:
@@ -122,7 +137,7 @@ class _Candidate:
         """A CPU slot is host memory: without clipping a streamed chunk's host/disk update runs in place on its
         slot as soon as its gradient is complete, and only the new parameters go home (engine._grad_complete) —
         except the deferred chunks', whose gradients go home and whose updates run beside the next forward."""
-        return self.opt != DEVICE and not self.deferred and not self.async_copies
+        return self.opt != DEVICE and not self.deferred and not self.async_copies and not self.half
 
     @property
     def late(self) -> int:
@@ -171,13 +186,17 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
     """Peak bytes per tier."""
     chunks, C, costs = c.layout.chunks, c.layout.chunk_elems, c.costs
     pinned, stream = c.pinned, c.stream
-    dev: float = sum(8 * ch.capacity for ch in pinned) + c.slots * slot_bytes(C, c.opt, c.ptier, c.bw) + act
-    if c.n_micro > 1:  # a tied chunk's per-micro-batch gradient buffer (same rounding as the plain engine)
+    # a pinned chunk: parameters and gradients, or (``half``) its 16-bit parameters only
+    dev: float = (sum((HALF if c.half else 8) * ch.capacity for ch in pinned)
+                  + c.slots * slot_bytes(C, c.opt, c.ptier, c.bw, c.half) + act)
+    if c.n_micro > 1 and not c.half:  # a tied chunk's per-micro-batch gradient buffer (same rounding as plain)
         dev += sum(4 * ch.capacity for ch in chunks if ch.tied)
     host: float = 0
     disk: float = 0
-    if c.opt != DEVICE and c.async_copies:  # a GPU's pinned chunks keep fp32 master params + grads on the host
+    if c.opt != DEVICE and (c.async_copies or c.half):  # pinned chunks' fp32 masters + grads on the host
         host += sum(8 * ch.capacity for ch in pinned)
+    if c.half and c.async_copies:  # a GPU's pinned 16-bit copies of the masters, sent up after each update
+        host += sum(HALF * ch.capacity for ch in chunks)
     if c.ptier == HOST:
         host += sum(8 * ch.capacity for ch in stream)
     elif c.ptier == DISK:
@@ -232,7 +251,8 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
     """Streamed chunks' fetches and gradient round trips, simulated on the step's access sequence."""
     C, stream = c.layout.chunk_elems, c.stream
     direct = c.ptier != DISK  # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O)
-    slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies)  # else autograd's gradients go to the host
+    slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies, c.half)  # else autograd's go to the host
+    P = HALF if c.half else F32  # bytes of a fetched parameter
     acc = access_sequence(c.layout, c.n_micro, c.deferred, c.opt)
     tied = {ch.index for ch in c.layout.chunks if ch.tied}
     seq = [tuple(x for x in cs if x not in tied) for cs in acc.seq]
@@ -243,8 +263,8 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
     sim = simulate_step(seq, c.slots, wants=acc.wants if slot_grads else None, consumed=acc.consumed, stale=stale)
     fetches = sim.fetches
     half = fetches // 2  # forward and backward touch every block once each
-    t.add("h2d", half * C * F32, False, direct)
-    t.add("h2d", (fetches - half) * C * F32, True, direct)
+    t.add("h2d", half * C * P, False, direct)
+    t.add("h2d", (fetches - half) * C * P, True, direct)
     t.add("h2d", sim.grad_reads * C * F32, True, direct)
     t.add("d2h", (sim.grad_writes - sim.grad_writes_fwd) * C * F32, True, direct)
     t.add("d2h", sim.grad_writes_fwd * C * F32, False, direct)
@@ -262,7 +282,10 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
 def _update_traffic(c: _Candidate, t: _Traffic) -> None:
     """What a host/disk optimizer moves: gradients home, updated parameters back, moments in and out."""
     C, chunks, pinned, n_stream = c.layout.chunk_elems, c.layout.chunks, c.pinned, len(c.stream)
-    if c.opt != DEVICE:
+    if c.half:  # every gradient down in 16 bits as autograd makes it; pinned chunks' new 16-bit copies up
+        t.add("d2h", c.n_micro * c.layout.grad_elems * HALF, True)
+        t.add("h2d", sum(ch.capacity for ch in pinned) * HALF, not c.deferred)
+    elif c.opt != DEVICE:
         direct = c.ptier != DISK
         slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies)
         if c.async_copies:  # on a CPU pinned chunks are updated in place (engine._in_slot)
@@ -355,7 +378,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
             spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
             deferred_chunks: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset(),
-            inflight: tuple[int, ...] = ()) -> tuple[dict, dict, float, float, float]:
+            inflight: tuple[int, ...] = (), half: bool = False) -> tuple[dict, dict, float, float, float]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``R`` device chunk slots, ``opt`` the optimizer's tier, ``ptier`` the parameters' home, ``k`` prefetch depth,
     ``acts`` keep | offload | recompute; ``deferred``: clipped updates (after the whole backward).
@@ -363,12 +386,14 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     ``kept`` (Placement.kept_blocks: a suffix of the blocks, neither spilled nor recomputed).
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
     ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot).
-    ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one)."""
+    ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one).
+    ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``)."""
     L = len(costs.act_bytes)
     kept = kept if acts == SPILL else frozenset()
     c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,
                    deferred=deferred, spilled=(frozenset(range(L)) if spilled is None else spilled) - kept,
-                   disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept, inflight=inflight)
+                   disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept, inflight=inflight,
+                   half=half)
     act = _activation_bytes(c)
     peaks = _peaks(c, act)
     t = _Traffic()
@@ -391,4 +416,4 @@ def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Band
                    deferred=deferred, n_params=n_params,
                    spilled=None if plan.spill_blocks is None else frozenset(plan.spill_blocks),
                    disk_spilled=frozenset(plan.disk_spill_blocks), deferred_chunks=frozenset(plan.deferred_chunks),
-                   kept=frozenset(plan.kept_blocks), inflight=plan.inflight)
+                   kept=frozenset(plan.kept_blocks), inflight=plan.inflight, half=plan.half_params)

@@ -43,6 +43,9 @@ DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
 F32 = 4
 """Bytes per element of the chunks, gradients and moments (fp32)."""
+HALF = 2
+"""Bytes per element of a chunk's 16-bit (bf16) working copy on the device, and of a gradient on its way to the
+host, under mixed-precision placement (``step_model.half_chunks``)."""
 
 
 class Tier:

@@ -18,7 +18,7 @@ from torch import Tensor
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.cpu_adam import adamw_chunks
 from stratum.offload.engine_state import EngineState
-from stratum.offload.tiers import DEVICE, DISK, F32, HOST
+from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST
 
 
 class Updates(EngineState):
@@ -35,6 +35,11 @@ class Updates(EngineState):
         assert grad is not None  # a post-accumulate hook runs with the gradient in place
         if k in self._home_params:
             held = self._held.get(k)
+            if self._half:  # down in 16 bits, accumulated in fp32 on the host
+                self.bytes_d2h += grad.numel() * HALF
+                grad = grad.to("cpu")
+                if held is None:
+                    grad = grad.float()
             if held is None:
                 self._held[k] = grad
                 self.tiers[HOST].charge(grad.numel() * F32, "gradients held for the host optimizer")
@@ -48,8 +53,9 @@ class Updates(EngineState):
         param.grad = None
 
     def _home_grads(self, c: ChunkState) -> bool:
-        """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``)."""
-        return self._grads_home and not c.pinned
+        """``c``'s gradients are autograd's tensors handed to the host optimizer (``_grads_home``): a streamed
+        chunk's, and under mixed precision a pinned one's too."""
+        return self._grads_home and (self._half or not c.pinned)
 
     # ---- optimizer ------------------------------------------------------------------------------------------
     def _norms(self, chunks: list[ChunkState]) -> None:
@@ -111,12 +117,13 @@ class Updates(EngineState):
         if not self._home_grads(c):  # (autograd's tensors are handed over, not copied)
             self.bytes_d2h += c.cap * F32
         fut: Future | None
-        if c.pinned:
+        if self._home_grads(c):  # the host optimizer takes autograd's tensors (c.held); a pinned chunk stays
+            fut = None
+            if not c.pinned:
+                self.free_slots.append(self._evict(c))
+        elif c.pinned:
             assert hg is not None  # a pinned chunk with a host optimizer on a GPU has host grads (_build)
             fut = self.xfer.submit(lambda: hg.copy_(slot[c.cap:], non_blocking=False))
-        elif self._home_grads(c):  # the host optimizer takes autograd's tensors (c.held)
-            fut = None
-            self.free_slots.append(self._evict(c))
         else:
             fut = self.xfer.submit(self._write_home, c, "g", slot[c.cap:])
             c.grad = None  # the slot's gradient is consumed: the eviction must not write it again
@@ -136,8 +143,9 @@ class Updates(EngineState):
 
     def _in_slot(self, c: ChunkState) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
-        defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed)."""
-        return self.device.type == "cpu" and (c.pinned or not self._update_later(c))
+        defers it (its slot is not freed until the update ends), a pinned chunk's always (never freed) — unless
+        the slot is a 16-bit working copy (``_half``): the update runs on the fp32 master."""
+        return self.device.type == "cpu" and not self._half and (c.pinned or not self._update_later(c))
 
     def _update_later(self, c: ChunkState) -> bool:
         """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
@@ -193,6 +201,8 @@ class Updates(EngineState):
             self.bytes_d2h += c.cap * F32
         elif src is None and c.pinned and held is None:  # the device copy of a pinned chunk is refreshed
             self.bytes_h2d += c.cap * F32
+        elif c.pinned and self._half:  # and its 16-bit copy (Updates._publish)
+            self.bytes_h2d += c.cap * HALF
 
         def task():
             if spill is not None:
@@ -215,7 +225,19 @@ class Updates(EngineState):
         self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
         if src is not None:
             c.hp.copy_(p)
+        self._publish(c)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+
+    def _publish(self, c: ChunkState) -> None:
+        """Under mixed precision, after ``c``'s update: the new fp32 master cast to 16 bits on the host (a GPU's
+        pinned copy, which fetches send up) and, for a pinned chunk, into its device slot."""
+        if not self._half:
+            return
+        assert c.hp is not None  # (every chunk's master is on the host under mixed precision)
+        if c.hp16 is not None:
+            c.hp16.copy_(c.hp)
+        if c.pinned:
+            c.p().copy_(c.hp if c.hp16 is None else c.hp16)
 
     def _host_update_held_together(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """The clipped update of ``_home_grads`` chunks on the training thread, all in one AdamW call per
@@ -229,6 +251,10 @@ class Updates(EngineState):
             items += c.param_items(c.hp, held, *c.moments())
             held_bytes += sum(g.numel() for g in held if g is not None) * F32
         self._adamw_params(items, coef, self._lr)
+        for c in chunks:
+            self._publish(c)
+            if c.pinned and self._half:
+                self.bytes_h2d += c.cap * HALF
         self.tiers[HOST].release(held_bytes)
 
     def _host_update(self, c: ChunkState, coef: Tensor | None, lr: float, src: Tensor | None = None,
@@ -408,7 +434,7 @@ class Updates(EngineState):
                     e.param.grad = None
                 self.tiers[DEVICE].charge(c.cap * F32, "tied gradient of one micro-batch")
                 out.append((c, None, stash))
-            elif c.spec.tied:
+            elif c.spec.tied and not self._home_grads(c):  # (held gradients are summed on the host in fp32)
                 tmp = self._alloc(DEVICE, c.cap, "tied gradient of one micro-batch")
                 before = {id(e.param) for e in c.spec.entries if id(e.param) in self._fresh}
                 for e in c.spec.entries:
