@@ -71,6 +71,32 @@ class HalfReference(PlainEngine):
                 p.data, p.grad = m, acc.get(id(p))
 
 
+class DelayedHalfReference(HalfReference):
+    """``HalfReference`` with the one-step-delayed update: each step's gradients (with their clip coefficient and
+    learning rate) update the weights after the next step's forward and backward; ``flush`` applies the pending
+    one now (as the engine's checkpoint does)."""
+
+    pending: tuple | None = None
+
+    def update(self, lr, coef):
+        ready, self.pending = self.pending, ([p.grad for p in self.params], lr, coef)
+        for p in self.params:
+            p.grad = None
+        if ready is not None:
+            self._apply(ready)
+
+    def _apply(self, ready):
+        grads, lr, coef = ready
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        super().update(lr, coef)
+
+    def flush(self):
+        ready, self.pending = self.pending, None
+        if ready is not None:
+            self._apply(ready)
+
+
 def _weight_dist(got, want) -> float:
     """Relative L2 distance of all parameters of two TrainStates."""
     num = sum(float((got.params[n].double() - w.double()).norm() ** 2) for n, w in want.params.items())
@@ -86,6 +112,15 @@ def shared_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("offload-mixed")
 
 
+_profiles: dict = {}
+
+
+def _profile(source: str, tmp):
+    if source not in _profiles:
+        _profiles[source] = profile(build(source, tmp))
+    return _profiles[source]
+
+
 def _bf16_plan(model, prof, **kw) -> Placement:
     return plan(model, prof, precision="bf16", optimizer_tier=HOST, activations="recompute", **kw)
 
@@ -97,8 +132,7 @@ def test_bf16_chunks_follow_the_recipe_and_plain_bf16(source, shared_tmp):
     pinned chunk's parameters in 16 bits, every link moves what the step model predicts, and the losses and fp32
     masters follow the hand-written recipe (exactly where nothing is tied) and plain bf16 within the measured
     tolerances."""
-    prof = profile(build(source, shared_tmp))
-    m = build(source, shared_tmp)
+    m, prof = build(source, shared_tmp), _profile(source, shared_tmp)
     p = _bf16_plan(m, prof, device_budget=state_bytes(m) // 10)
     assert p.half_params and p.param_tier == HOST and p.resident_chunks < p.n_chunks  # really streaming
     eng = OffloadEngine(m, optim=spec(), device=DEV, placement=p, precision="bf16")
@@ -127,21 +161,20 @@ def test_bf16_chunks_follow_the_recipe_and_plain_bf16(source, shared_tmp):
 def test_bf16_checkpoint_is_the_fp32_masters_and_resumes_under_another_placement(shared_tmp):
     """A checkpoint of bf16 chunks holds the fp32 masters and moments: resumed with every chunk pinned on the
     device (a 16-bit copy each, the masters on the host), the next steps are the uninterrupted streamed run's."""
-    prof = profile(build("gpt", shared_tmp))
-    m = build("gpt", shared_tmp)
+    m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp)
     a = OffloadEngine(m, optim=spec(), device=DEV, placement=_bf16_plan(m, prof, device_budget=state_bytes(m) // 10),
                       precision="bf16")
-    run(a, 3)
+    run(a, 2)
     st = a.state()
     assert all(t.dtype == torch.float32 for t in st.params.values())
-    cont = run(a, 3, start=3)
+    cont = run(a, 2, start=2)
     a.close()
     m2 = build("gpt", shared_tmp)
     p2 = _bf16_plan(m2, prof)
     assert p2.half_params and p2.param_tier == DEVICE
     b = OffloadEngine(m2, optim=spec(), device=DEV, placement=p2, precision="bf16")
     b.load_state(st)
-    assert [r.loss for r in run(b, 3, start=3)] == [r.loss for r in cont]
+    assert [r.loss for r in run(b, 2, start=2)] == [r.loss for r in cont]
     b.close()
 
 
@@ -149,8 +182,7 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_on_the_host(sha
     """Same chunks and slots planned for bf16 and fp32: the device holds half the parameter bytes and fetches move
     half; fp32, a device optimizer or parameters on disk keep fp32 chunks; an engine refuses a bf16 placement
     under fp32 precision."""
-    m = build("gpt", shared_tmp)
-    prof = profile(m)
+    m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp)
     fixed = dict(optimizer_tier=HOST, activations="recompute")
     half = plan(m, prof, precision="bf16", device_budget=state_bytes(m) // 10, **fixed)
     full = plan(m, prof, chunk_elems=half.chunk_elems, resident_chunks=half.resident_chunks, **fixed)
@@ -168,3 +200,38 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_on_the_host(sha
     assert half_chunks("bf16", HOST, HOST) and half_chunks("bf16", HOST, DEVICE)
     with pytest.raises(StratumError, match="plan it with the run's precision"):
         OffloadEngine(build("gpt", shared_tmp), optim=spec(), device=DEV, placement=half, precision="fp32")
+
+
+DELAYED_REL = 3e-2
+"""The delayed update against plain bf16 (largest relative loss difference over 10 steps at the tests' learning
+rate): 1.0e-2 measured for the ``nn.Sequential`` model, 1.7e-2 for GPT (it trains one update behind)."""
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="bit-exact against the hand-written reference on a CPU")
+def test_delayed_update_is_the_one_step_stale_recipe(shared_tmp):
+    """offload.delayed_update: step t + 1 runs on weights with every gradient up to step t - 1's — the hand-written
+    delayed recipe's losses bit for bit, streamed at 10 % with the plan's traffic; a checkpoint applies the pending
+    update and resumes exactly; the losses stay within DELAYED_REL of plain bf16 (stated, not exact)."""
+    src = "sequential"
+    m, prof = build(src, shared_tmp), _profile(src, shared_tmp)
+    p = _bf16_plan(m, prof, device_budget=state_bytes(m) // 10)
+    a = OffloadEngine(m, optim=spec(), device=DEV, placement=p, precision="bf16", delayed_update=True)
+    got = _run_checking_traffic(a, 3)  # the same bytes as without the delay
+    st = a.state()
+    got += run(a, 3, start=3)
+    a.close()
+    hand = DelayedHalfReference(build(src, shared_tmp), optim=spec(), device=DEV, precision="bf16")
+    by_hand = run(hand, 3)
+    hand.flush()
+    assert all(torch.equal(st.params[n], w) for n, w in hand.state().params.items())
+    by_hand += run(hand, 3, start=3)
+    assert [r.loss for r in got] == [r.loss for r in by_hand]
+    b = OffloadEngine(build(src, shared_tmp), optim=spec(), device=DEV, placement=p, precision="bf16",
+                      delayed_update=True)
+    b.load_state(st)
+    assert [r.loss for r in run(b, 3, start=3)] == [r.loss for r in got[3:]]
+    b.close()
+    plain = PlainEngine(build(src, shared_tmp), optim=spec(), device=DEV, precision="bf16")
+    assert _rel(got, run(plain, 6)) <= DELAYED_REL
+    with pytest.raises(StratumError, match="delayed_update needs bf16 chunks"):
+        OffloadEngine(build(src, shared_tmp), optim=spec(), device=DEV, placement=plan(m, prof), delayed_update=True)

@@ -190,6 +190,11 @@ class OffloadConfig:
     """Expert override: a block's saved activations between its forward and backward: auto (planner), keep (on
     the device), offload (copied to the host tier and back; what the host budget cannot hold goes to disk or is
     recomputed, whichever the planner predicts faster) or recompute (the block's forward is re-run)."""
+    delayed_update: bool = False
+    """With bf16 chunks (train.precision = "bf16", optimizer state on the host): run the host's AdamW over each
+    step's gradients beside the next step, whose forward and backward then use parameters one update behind
+    (ZeRO-Offload's delayed parameter update). Changes the losses (docs/offload.md gives how much); false = every
+    step computes with all updates so far, as the plain engine."""
 
 
 @dataclass(kw_only=True)

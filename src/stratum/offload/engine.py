@@ -39,6 +39,7 @@ from stratum.offload.activations import ActivationSpill
 from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import ChunkSpec, Layout, pack
+from stratum.offload.delayed import DelayedUpdates
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
 from stratum.offload.placement import KEEP, SPILL, Placement
 from stratum.offload.prefetch import Inline, Transfers, background_pool
@@ -98,12 +99,12 @@ class _MicroBatch:
     """Block kept on the device (Placement.kept_blocks) → bytes of its saved activations."""
 
 
-class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
+class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Engine):
     name = "offload"
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
                  precision: str = "fp32", disk_dir: str = "", check_every_step: bool = True,
-                 materialize=None, owns: Callable[[int], bool] | None = None):
+                 materialize=None, owns: Callable[[int], bool] | None = None, delayed_update: bool = False):
         self.model = model
         self.sharded = owns is not None
         """Another engine (a replica) updates some chunks: this one holds their parameters, not their AdamW
@@ -124,6 +125,11 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
         (``Updates._publish``)."""
         self._param_bytes = HALF if self._half else F32
         """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
+        if delayed_update and (not self._half or owns is not None):
+            raise StratumError("offload.delayed_update needs bf16 chunks with the optimizer state on the host "
+                               "(train.precision = 'bf16', offload.optimizer_tier = 'host') and no sharded replicas; "
+                               "set offload.delayed_update = false")
+        self._init_delayed(delayed_update)
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
@@ -250,7 +256,7 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
             for e in spec.entries:
                 e.param.data = self._placeholder(e.shape)
                 e.param.grad = None
-        if self._half and self.device.type == "cuda":
+        if self._half and (self.device.type == "cuda" or self._dpu):  # (DelayedUpdates: the published copy)
             c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", torch.bfloat16)
             c.hp16.copy_(c.home_copy("p"))
         self._alloc_moments(c)
@@ -513,6 +519,8 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""
         self._moved0, self._wait0 = self.traffic(), self.stall_s
+        if self._dpu:
+            self._start_delayed()
         self.model.train()
         self._lr = lr
         self._deferred = self.spec.grad_clip > 0
@@ -564,6 +572,8 @@ class OffloadEngine(Residency, Updates, Reductions, StateIO, Engine):
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
         self.drain()
+        if self._dpu:  # the parameters the next step computes with
+            self._publish_delayed()
         self.model.eval()
         total = 0.0
         for b in batches:

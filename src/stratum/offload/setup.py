@@ -109,4 +109,4 @@ def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement
     updates, where replicas share them out (all by default)."""
     print(placement.describe())
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement, precision=cfg.train.precision,
-                         disk_dir=cfg.offload.disk_dir, owns=owns)
+                         disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update)

@@ -75,6 +75,8 @@ class StateIO(EngineState):
 
     def load_state(self, state: TrainState) -> None:
         self.drain()
+        if self._dpu:
+            self._drop_delayed()
         for c in self.chunks:
             c.pending = None  # the loaded parameters and moments replace an update still waiting for a fetch
             flat, m, v = (aligned_empty(c.cap).zero_() for _ in range(3))

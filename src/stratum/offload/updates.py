@@ -81,6 +81,7 @@ class Updates(EngineState):
         if self._all_on_device:
             return [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None]
         if self._home_grads(c):
+            self._wait_delayed(c)
             c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
             c.live = [g is not None for g in c.held]
             return [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
@@ -129,7 +130,7 @@ class Updates(EngineState):
             c.grad = None  # the slot's gradient is consumed: the eviction must not write it again
             self.free_slots.append(self._evict(c))
         c.grad = "home"
-        c.stale_home = True
+        c.stale_home = True  # (delayed: its published copy changes when the next step starts)
         self._spill_futs[c.i] = fut
         if not self._update_later(c):
             self._submit_host_update(c, None)
@@ -148,8 +149,9 @@ class Updates(EngineState):
         return self.device.type == "cpu" and not self._half and (c.pinned or not self._update_later(c))
 
     def _update_later(self, c: ChunkState) -> bool:
-        """``c``'s update waits until after the backward: all with clipping, the plan's deferred chunks without."""
-        return self._deferred or c.i in self._defer
+        """``c``'s update waits until after the backward: all with clipping or delayed, the plan's deferred
+        chunks without."""
+        return self._deferred or self._dpu or c.i in self._defer
 
     def owned(self) -> list[ChunkState]:
         """The chunks this engine updates (all unless sharded)."""
@@ -211,6 +213,7 @@ class Updates(EngineState):
                 prev.result()
             if held is not None:
                 self._host_update_held(c, held, coef, lr, src)
+                self._publish(c)
             else:
                 self._host_update(c, coef, lr, src)
         c.opt_fut = self.opt_pool.submit(task)
@@ -225,7 +228,6 @@ class Updates(EngineState):
         self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
         if src is not None:
             c.hp.copy_(p)
-        self._publish(c)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
 
     def _publish(self, c: ChunkState) -> None:
@@ -343,7 +345,10 @@ class Updates(EngineState):
         self._host_update(c, coef, lr, into=into)
 
     def _flush_pending(self) -> None:
-        """Run the updates waiting for a fetch now (before the parameters are read: a checkpoint)."""
+        """Run the updates waiting for a fetch, or delayed to the next step, now (before the parameters are read:
+        a checkpoint)."""
+        if self._dpu:
+            self._flush_delayed()
         for c in self.chunks:
             if c.pending is not None:
                 coef, lr, spill = c.pending
@@ -356,6 +361,7 @@ class Updates(EngineState):
         for f in getattr(self, "_opt_futs", []):
             f.result()
         self._opt_futs = []
+        self._wait_delayed()
         for c in self.chunks:
             c.opt_fut = None
         self.xfer.submit(lambda: None).result()
@@ -388,7 +394,9 @@ class Updates(EngineState):
         when updates wait for the global norm (on a CPU the clipped host updates run here, elsewhere they are
         queued) — or for the next forward (the plan's deferred chunks)."""
         t_upd = time.perf_counter()
-        if self._all_on_device:
+        if self._dpu:
+            self._delay(coef)
+        elif self._all_on_device:
             self._update_params(coef)
         elif self._deferred and self.placement.optimizer_tier == DEVICE:
             for c in self.owned():
