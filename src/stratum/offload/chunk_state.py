@@ -32,8 +32,9 @@ class ChunkState:
     """Host parameters (home = host, or the fp32 master of a pinned chunk with a host/disk optimizer on a GPU; on
     a CPU the slot is host memory already and a pinned chunk is updated in place)."""
     hp16: Tensor | None = None
-    """Under mixed-precision placement on a GPU: a pinned 16-bit copy of the fp32 master ``hp``, cast on the host
-    after each update, which fetches (and a pinned chunk's refresh) send up: 16 bits cross the link."""
+    """Under mixed-precision placement on a GPU (or with the delayed update, delayed.py): a pinned 16-bit copy of
+    the fp32 master ``hp``, cast on the host after each update, which fetches (and a pinned chunk's refresh) read:
+    16 bits cross the link."""
     hg: Tensor | None = None
     grad: str | None = None
     """Where this step's gradient is: None (none yet), 'dev' (slot), 'home' (host tensor / disk file)."""

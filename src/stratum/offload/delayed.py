@@ -6,10 +6,10 @@ applies from the first step, so steps 0 and 1 both run on the initial parameters
 
 What keeps the two steps apart: fetches and pinned chunks read the published 16-bit copy of each master
 (``ChunkState.hp16``, on a CPU too) while the update writes the fp32 master; the copy is refreshed from the
-master only when the next step starts (:meth:`DelayedUpdates._start_delayed`), or an evaluation before it. A checkpoint (``state()``)
-applies the pending update first, so it holds every gradient so far and moves between engines as any other;
-the step after it then runs on those parameters (the delay restarts there, in the run that saved as in a run
-resumed from it).
+master only when the next step starts (:meth:`DelayedUpdates._start_delayed`), or an evaluation before it. A
+checkpoint (``state()``) applies the pending update first, so it holds every gradient so far and moves between
+engines as any other; the step after it then runs on those parameters (the delay restarts there, in the run that
+saved as in a run resumed from it).
 
 ``DelayedUpdates`` is a mixin of :class:`~stratum.offload.engine.OffloadEngine`.
 """
