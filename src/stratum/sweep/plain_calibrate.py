@@ -92,17 +92,19 @@ def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path
                                    stop_at=cfg.train.steps, device=None, threads=threads,
                                    log_path=out / "log.txt"), out))
     ended = _wait(segs)
-    out_list = []
-    for i, (seg, out) in enumerate(segs):
-        recs = read_metrics(out)
-        step_s = median(recs, "step_s")
-        if step_s is None:
-            raise StratumError(f"a calibration job recorded no step times; see {out / 'log.txt'}")
-        sample = Sample(profiled_step_s=prof.step_s * configs[i].micro_batches_per_step,
-                        state_bytes=prof.train_state_bytes, step_s=step_s,
-                        fixed_s=ended[i] - seg.started - len(recs) * step_s)
-        out_list.append(Measured(shape=shape_key(configs[i]), label=shape_label(configs[i]), sample=sample))
-    return out_list
+    return [job_measured(out, ended[i] - seg.started, configs[i], prof) for i, (seg, out) in enumerate(segs)]
+
+
+def job_measured(out: Path, wall_s: float, cfg: Config, prof: Profile) -> Measured:
+    """A calibration job's figures from its run directory's metrics and its worker's wall seconds: its step the
+    median step (the first, warm-up step left out), its fixed part the rest of the wall time."""
+    recs = read_metrics(out)
+    step_s = median(recs, "step_s")
+    if step_s is None:
+        raise StratumError(f"a calibration job recorded no step times; see {out / 'log.txt'}")
+    sample = Sample(profiled_step_s=prof.step_s * cfg.micro_batches_per_step, state_bytes=prof.train_state_bytes,
+                    step_s=step_s, fixed_s=wall_s - len(recs) * step_s)
+    return Measured(shape=shape_key(cfg), label=shape_label(cfg), sample=sample)
 
 
 def _wait(segs: list[tuple[Segment, Path]]) -> dict[int, float]:
