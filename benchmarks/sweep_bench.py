@@ -9,14 +9,14 @@ process (one worker server for all). ``--grad-accum 2`` splits each step's 4 seq
 planned may run a job as replicate(2) or pipeline(2) over both slots (planned-1slot: the same with every job on
 one slot).
 
-Before the sweeps it takes (or reads from its cache) the machine's calibration (stratum.sweep.calibrate: the
-base config trained at three model sizes, alone and 2 at once, ≈25 s) and, with sharded-lrtf, sharded-lrtf's own
-(stratum.sweep.shard_calibrate: the sweep's own 4 job shapes as offload jobs at the budget, a few steps each, in
-one shard worker on 2 slots; cached beside the plain one). Each sweep reads the file its scheduler uses through
+Before the sweeps it takes (or reads from its cache) the calibration of fifo, lrtf and planned
+(stratum.sweep.plain_calibrate: the sweep's own 4 job shapes, a few steps each, alone and 2 at once through the
+sweep's worker path) and, with sharded-lrtf, sharded-lrtf's own (stratum.sweep.shard_calibrate: the same shapes
+as offload jobs at the budget, in one shard worker on 2 slots; cached beside the plain one). Each sweep reads the file its scheduler uses through
 ``sweep.calibration``, so its own ordering (lrtf, planned, sharded-lrtf's remaining times) is the prediction's.
 Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job end)
 and three SIMULATED predictions of it: from each job's calibrated time (known before any job runs: the prediction
-the 15 % goal is about; sharded-lrtf: its shape's measured seconds on a slot), from the profiled forward+backward
+the 15 % goal is about: its shape's measured seconds with both slots busy; sharded-lrtf: on a slot), from the profiled forward+backward
 times alone (one set of profiles, taken up front with the calibration, for every scheduler's prediction), and
 from each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
@@ -46,14 +46,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
-from stratum.config import load_config
 from stratum.profile.profile import Profile
-from stratum.sweep.calibrate import DEFAULT_CACHE, Calibration, calibration, with_items
+from stratum.sweep.calibrate import with_items
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.job_strategy import pinned
-from stratum.sweep.predict import job_profiles, job_seconds, predicted_seconds
+from stratum.sweep.plain_calibrate import plain_calibration
+from stratum.sweep.predict import alone_share, job_profiles, job_seconds, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
-from stratum.sweep.shape_cost import ShardCalibration
+from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import task_seconds
@@ -78,6 +78,8 @@ GLOBAL_BATCH = 4
 """Sequences per optimizer step of every job (micro_batch_size × grad_accum)."""
 SHARDED_BUDGET = "32MB"
 """sharded-lrtf: sweep.device_budget (every job runs under the offload engine at this budget)."""
+DEFAULT_CACHE = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
+"""--calibration's default: the plain calibration's cache (sharded-lrtf's beside it)."""
 
 
 def base_text(*, steps: int, corpus: str, cache: str, grad_accum: int = 1) -> str:
@@ -120,12 +122,13 @@ def cal_file(cache: Path, scheduler: str) -> str:
 
 
 def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
-                launch_s: dict[int, float]) -> SimResult:
+                launch_s: dict[int, float], share: dict[str, float] | None = None) -> SimResult:
     """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
-    run takes ``local_s`` — the strategies' times those ratios of it plus a multi-process run's start-up, as the
-    runner predicts them."""
+    run takes ``local_s`` (``share`` of it alone) — the strategies' times those ratios of it plus a multi-process
+    run's start-up, as the runner predicts them."""
     options = {j: {n: replace(o, seconds=o.seconds + launch_s.get(o.devices, 0.0))
-                   for n, o in scaled(candidates[j], local_s[j]).items()} for j in local_s}
+                   for n, o in scaled(candidates[j], local_s[j], (share or {}).get(j, 1.0)).items()}
+               for j in local_s}
     plan = plan_jobs(options, [0.0, 0.0], time_limit_s=10.0)
     busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
     runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
@@ -134,7 +137,7 @@ def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, flo
 
 
 def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
-        cals: dict[str, Calibration | ShardCalibration],
+        cals: dict[str, ShapeCalibration],
         profiles: dict[str, Profile]) -> dict:
     scheduler, slice_by = VARIANTS[name]
     path = root / f"{name}.toml"
@@ -163,7 +166,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
     elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
         ran = {j: pinned(sweep.state, j) or "local" for j in steps}
         sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
-        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
+        share = {j: alone_share(profiles[j], sweep.configs[j], steps[j], cal) for j in steps}
+        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps}, sweep.launch_s, share)
         # each job as it ran: its strategy, its measured step time
         sim_meas = planned_sim({j: {ran[j]: replace(sweep.candidates[j][ran[j]], seconds=1.0)} for j in steps},
                                {j: meas_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
@@ -200,12 +204,7 @@ def main() -> None:
     corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
     root = Path(tempfile.mkdtemp(prefix="sweep-bench-"))
     try:
-        (root / "base.toml").write_text(base_text(steps=args.steps, corpus=corpus, cache=str(root / "cache"),
-                                                  grad_accum=args.grad_accum))
         t0 = time.perf_counter()
-        base = load_config(root / "base.toml")
-        cals: dict[str, Calibration | ShardCalibration] = {
-            "plain": calibration(base, threads=1, slots=2, work_dir=root / "calibration", cache=args.calibration)}
         # the predictions' profiles: taken once, up front beside the calibration, for every scheduler's prediction
         path = root / "predict.toml"
         path.write_text(sweep_text(root / "predict", "fifo", "checkpoint", steps=args.steps, segment_steps=0,
@@ -213,6 +212,9 @@ def main() -> None:
                                    grid=args.grid))
         configs = open_sweep(path, say=lambda line: None).configs
         profiles = job_profiles(configs, threads=1, cache_dir=None)
+        cals: dict[str, ShapeCalibration] = {
+            "plain": plain_calibration(list(configs.values()), [profiles[j] for j in configs], threads=1, slots=2,
+                                       work_dir=root / "calibration", cache=args.calibration)}
         if "sharded-lrtf" in args.only:  # the sweep's own job shapes, as sharded-lrtf runs them
             offload = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", SHARDED_BUDGET))
                        for c in configs.values()]

@@ -74,10 +74,13 @@ def test_options_add_a_multi_process_start_up_per_segment_left(tmp_path):
     state = SweepState(tmp_path)
     state.add_jobs([("a", 0, "a", 4)])
     cands = {"a": {"local": Option(seconds=1.0), "replicate(2)": Option(seconds=0.5, devices=2)}}
-    whole = options_of(cands, state, {}, lambda j: {"plain": 10.0}, {2: 3.0}, 0)("a")
+    whole = options_of(cands, state, {}, lambda j: {"plain": 10.0}, lambda j: 1.0, {2: 3.0}, 0)("a")
     assert whole == {"local": Option(seconds=10.0), "replicate(2)": Option(seconds=8.0, devices=2)}
-    sliced = options_of(cands, state, {}, lambda j: {"plain": 10.0}, {2: 3.0}, 2)("a")  # 4 steps: 2 segments
+    sliced = options_of(cands, state, {}, lambda j: {"plain": 10.0}, lambda j: 1.0, {2: 3.0}, 2)("a")  # 2 segments
     assert sliced["replicate(2)"].seconds == 11.0 and sliced["local"].seconds == 10.0
+    # the job alone takes 0.6 of its time beside others: a plan holding both slots is priced from that
+    alone = options_of(cands, state, {}, lambda j: {"plain": 10.0}, lambda j: 0.6, {2: 3.0}, 0)("a")
+    assert alone == {"local": Option(seconds=10.0), "replicate(2)": Option(seconds=0.5 * 6.0 + 3.0, devices=2)}
 
 
 def test_plan_overrides_keep_the_global_batch():

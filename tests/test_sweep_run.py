@@ -171,7 +171,8 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
     # lrtf in slices of 20 steps: the jobs take turns, each resuming from its own checkpoint. Its predictions go
     # through a hand-written calibration (sweep.calibration): a job not yet run is predicted 100 s + 10 s a step
     cal = {"fixed_s": 100.0, "fixed_s_per_byte": 0.0, "step_scale": 0.0, "step_overhead_s": 10.0, "contention": 1.0}
-    (tmp_path / "cal.json").write_text(json.dumps({"key": "written by hand", "calibration": cal}))
+    (tmp_path / "cal.json").write_text(json.dumps({"key": "written by hand", "kind": "plain", "calibration": cal,
+                                                   "shapes": {}}))  # no shape measured: the line prices every job
     path = sweep_file(tmp_path, corpus_file, cache_dir,
                       sweep='retries = 1\nscheduler = "lrtf"\nsegment_steps = 20\ncalibration = "cal.json"',
                       grid='"optim.lr" = [3e-3, 1e5, 2e-3]', steps=60, extra="eval_interval = 0\nckpt_interval = 5")

@@ -11,20 +11,23 @@ import pytest
 
 from stratum.config import config_from_dict
 from stratum.errors import StratumError
-from stratum.sweep.calibrate import Calibration, calibration_key, load_calibration, save_calibration
-from stratum.sweep.predict import sharded_seconds
+from stratum.sweep.calibrate import Calibration
+from stratum.sweep.plain_calibrate import plain_calibration_key
+from stratum.sweep.predict import job_seconds
 from stratum.sweep.shape_cost import (
+    MAX_SHAPES,
+    PLAIN,
+    SHARDED,
+    ShapeCalibration,
     ShapeCost,
-    ShardCalibration,
-    load_shard_calibration,
-    save_shard_calibration,
+    load_shape_calibration,
+    pick_shapes,
+    save_shape_calibration,
     shape_key,
 )
 from stratum.sweep.shard_calibrate import (
-    MAX_SHAPES,
     CalJob,
     fit_shapes,
-    pick_shapes,
     sample_from_tasks,
     shard_cache_path,
     shard_calibration,
@@ -109,38 +112,41 @@ def test_at_most_max_shapes_are_measured_spread_over_their_step_times():
 
 def test_a_job_s_sharded_seconds_are_its_shape_s_cost():
     cfg = config_from_dict({"data": {"seq_len": 32}})
-    cal = ShardCalibration(line=Calibration(fixed_s=0.0, fixed_s_per_byte=0.0, step_scale=1.0, step_overhead_s=0.0,
-                                            contention=1.0),
+    cal = ShapeCalibration(kind=SHARDED, line=Calibration(fixed_s=0.0, fixed_s_per_byte=0.0, step_scale=1.0,
+                                                          step_overhead_s=0.0, contention=1.0),
                            shapes={shape_key(cfg): ShapeCost(label="x", fixed_s=2.0, step_s=0.25)})
-    assert sharded_seconds(SimpleNamespace(), cfg, 8, cal) == pytest.approx(4.0)  # type: ignore[arg-type]
+    assert job_seconds(SimpleNamespace(), cfg, 8, cal) == pytest.approx(4.0)  # type: ignore[arg-type]
 
 
 def test_a_cached_sharded_calibration_is_used_without_measuring(tmp_path):
     configs = [config_from_dict({})]
     cache = tmp_path / "cal.json"
-    cal = ShardCalibration(line=Calibration(fixed_s=1.0, fixed_s_per_byte=0.0, step_scale=2.0, step_overhead_s=0.01,
-                                            contention=1.0),
+    cal = ShapeCalibration(kind=SHARDED, line=Calibration(fixed_s=1.0, fixed_s_per_byte=0.0, step_scale=2.0,
+                                                          step_overhead_s=0.01, contention=1.0),
                            shapes={shape_key(configs[0]): ShapeCost(label="mini", fixed_s=1.0, step_s=0.5)})
     key = shard_calibration_key(configs, threads=1, slots=2, shard_blocks=1)
-    save_shard_calibration(shard_cache_path(cache), key, cal)
+    save_shape_calibration(shard_cache_path(cache), key, cal)
     assert shard_cache_path(cache) == tmp_path / "cal.sharded.json"
-    assert load_calibration(cache, key) is None  # the plain calibration's file is another
+    assert load_shape_calibration(cache, key, SHARDED) is None  # the plain calibration's file is another
     got = shard_calibration(configs, [], threads=1, slots=2, shard_blocks=1, work_dir=tmp_path / "none",
                             cache=cache)
     assert got == cal and not (tmp_path / "none").exists()
     # another shape set is another key: it would be measured
     other = [config_from_dict({"data": {"seq_len": 16}})]
-    assert load_shard_calibration(shard_cache_path(cache),
-                                  shard_calibration_key(other, threads=1, slots=2, shard_blocks=1)) is None
+    assert load_shape_calibration(shard_cache_path(cache),
+                                  shard_calibration_key(other, threads=1, slots=2, shard_blocks=1), SHARDED) is None
 
 
 def test_auto_reuses_the_calibration_kept_in_the_sweep_directory(tmp_path):
     """sweep.calibration = "auto" on a resumed sweep: the calibration its first run kept is read, not measured."""
     configs = {"j000": config_from_dict({"train": {"engine": "offload"}})}
     settings = SweepSettings(scheduler="lrtf", slots=2, segment_steps=1, calibration="auto")
-    cal = Calibration(fixed_s=3.0, fixed_s_per_byte=0.0, step_scale=1.0, step_overhead_s=0.0, contention=1.5)
-    save_calibration(tmp_path / AUTO_CACHE, calibration_key(configs["j000"], threads=job_threads(settings), slots=2),
-                     cal)
+    cal = ShapeCalibration(kind=PLAIN, line=Calibration(fixed_s=3.0, fixed_s_per_byte=0.0, step_scale=1.0,
+                                                        step_overhead_s=0.0, contention=1.5),
+                           shapes={shape_key(configs["j000"]): ShapeCost(label="x", fixed_s=2.0, step_s=0.5)})
+    save_shape_calibration(tmp_path / AUTO_CACHE,
+                           plain_calibration_key(list(configs.values()), threads=job_threads(settings), slots=2), cal)
     lines: list[str] = []
-    assert auto_calibration(settings, tmp_path, configs, {}, lines.append) == cal
+    profiles = {"j000": SimpleNamespace()}  # a cached calibration reads no profile
+    assert auto_calibration(settings, tmp_path, configs, profiles, lines.append) == cal  # type: ignore[arg-type]
     assert lines[-1] == f"calibration: as cached: {cal.describe()}" and not (tmp_path / "calibration").exists()

@@ -49,8 +49,9 @@ def test_the_rule_on_a_hand_computed_case_as_a_table():
     assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
 
 
-JOB_SHAPE = config_from_dict({"model": {"preset": "tiny"}, "data": {"seq_len": 32}, "train": {"micro_batch_size": 4}})
-HAND_CALIBRATION = {"key": "written by hand", "calibration": {
+JOB_SHAPE = config_from_dict({"model": {"preset": "tiny"}, "data": {"seq_len": 32},
+                              "train": {"micro_batch_size": 4, "engine": "offload"}})
+HAND_CALIBRATION = {"key": "written by hand", "kind": "sharded-lrtf", "calibration": {
     "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
     "shapes": {shape_key(JOB_SHAPE): {"label": "tiny", "fixed_s": 50.0, "step_s": 10.0}}}
 """The sweep's sharded calibration (sweep.calibration): its jobs' one shape holds a slot 50 s + 10 s a step."""

@@ -172,9 +172,15 @@ PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_o
     ("lrtf", "{not json", "is not a plain calibration file (Expecting property name"),
     ("lrtf", json.dumps({"calibration": {**PLAIN_CAL, "contention": "high"}}), "contention is not a finite number"),
     ("planned", json.dumps({"calibration": {"fixed_s": 1.0}}), "must have exactly the fields"),
-    ("sharded-lrtf", json.dumps({"calibration": PLAIN_CAL}), "has no \"shapes\" table (a plain calibration"),
-    ("sharded-lrtf", json.dumps({"calibration": PLAIN_CAL, "shapes": {"s": {"label": "x", "fixed_s": 1.0}}}),
+    ("planned", json.dumps({"calibration": PLAIN_CAL, "shapes": {}}), "its \"kind\" must be \"plain\" or"),
+    ("planned", json.dumps({"kind": "plain", "calibration": PLAIN_CAL}), "has no \"shapes\" table"),
+    ("sharded-lrtf", json.dumps({"kind": "plain", "calibration": PLAIN_CAL, "shapes": {}}),
+     "it holds a plain calibration; the scheduler reads a sharded-lrtf one"),
+    ("sharded-lrtf", json.dumps({"kind": "sharded-lrtf", "calibration": PLAIN_CAL,
+                                 "shapes": {"s": {"label": "x", "fixed_s": 1.0}}}),
      "its shape 's' needs label (text), fixed_s and step_s"),
+    ("lrtf", json.dumps({"kind": "plain", "calibration": PLAIN_CAL, "shapes": {}, "alone": [1]}),
+     "its \"alone\" is not a table"),
 ])
 def test_a_calibration_file_that_holds_none_is_a_one_line_error_before_anything_is_written(
         tmp_path, capsys, scheduler, text, message):

@@ -1,16 +1,17 @@
-"""What a real sweep job costs beyond its profiled forward + backward: a calibration measured once per machine.
+"""What a sweep job costs beyond its profiled forward + backward, as a line: the form a calibration keeps for the
+job shapes it did not measure, and the pieces both calibrations share (a measured job's Sample, the machine's
+key, reading a calibration file).
 
 A profile times the blocks' forward and backward only. A job run by the sweep also spends a fixed part (worker
 start, data and token cache, model build, the final evaluation and checkpoint), which grows with the model's
 training state, and a per-step part (optimizer step, data, Python) beside its profiled compute; and slots that
-share the machine's cores slow each other. The calibration runs the sweep's own base config at three model
-sizes through the sweep's own worker path, alone and then ``slots`` at once, and fits::
+share the machine's cores slow each other. The line through measured jobs is::
 
     job seconds = (fixed_s + fixed_s_per_byte · state bytes
                    + steps · (step_scale · profiled step seconds + step_overhead_s)) · contention
 
-It is cached as JSON (DEFAULT_CACHE unless told otherwise), keyed by what it depends on; an unreadable or foreign
-cache is ignored (measured again), never trusted.
+The measured shapes themselves are priced as measured (:mod:`stratum.sweep.shape_cost`). An unreadable or
+foreign cache is ignored (measured again), never trusted.
 """
 
 from __future__ import annotations
@@ -19,32 +20,18 @@ import json
 import math
 import os
 import platform
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from stratum.atomic import atomic_write_text
-from stratum.config import Config, config_from_dict, to_toml
+from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
-from stratum.profile.profile import Profile
-from stratum.profile.profiler import profile_from_config
-from stratum.sweep.local import LocalBackend
-from stratum.sweep.segment import Segment
-from stratum.train.metrics import median
-from stratum.train.trainer import read_metrics
 
-CALIBRATION_PRESETS = ("tiny", "mini", "small")
-"""The model sizes the calibration trains (the lines are fitted through them by least squares)."""
-CALIBRATION_STEPS = 8
-"""Optimizer steps of each calibration job."""
 CALIBRATION_TIMEOUT_S = 300.0
 """A calibration job that runs longer than this is a failure, not a measurement."""
-DEFAULT_CACHE = Path("~/.cache/stratum/sweep_calibration.json").expanduser()
-"""Where a machine's calibration is kept unless told otherwise (one file: its key says whose it is)."""
 T = TypeVar("T")
 
 
@@ -162,92 +149,6 @@ def load_cached(path: Path, key: str, parse: Callable[[object], T]) -> T | None:
         return parse(doc)
     except (OSError, ValueError):
         return None
-
-
-def load_calibration(path: Path, key: str) -> Calibration | None:
-    """The cached plain calibration of ``key`` at ``path`` (None: see :func:`load_cached`)."""
-    return load_cached(path, key, parse_calibration)
-
-
-def save_calibration(path: Path, key: str, cal: Calibration) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"key": key, "calibration": asdict(cal)}, indent=1))
-
-
-def calibration(base: Config, *, threads: int, slots: int, work_dir: Path, cache: Path) -> Calibration:
-    """The cached calibration for ``base`` on this machine, measured (and cached) if there is none."""
-    key = calibration_key(base, threads=threads, slots=slots)
-    if (cal := load_calibration(cache, key)) is not None:
-        return cal
-    cal = measure(base, threads=threads, slots=slots, work_dir=work_dir)
-    save_calibration(cache, key, cal)
-    return cal
-
-
-def measure(base: Config, *, threads: int, slots: int, work_dir: Path) -> Calibration:
-    """Train ``base`` at each calibration preset through the sweep's worker path, alone, then ``slots`` copies
-    of each at once, and fit the calibration to what they took."""
-    configs = calibration_configs(base)
-    profiles = calibration_profiles(configs, threads)
-    backend = LocalBackend()
-    backend.warm_up()
-    alone, together = [], []
-    for i, (cfg, prof) in enumerate(zip(configs, profiles)):
-        alone.append(_run(backend, [cfg], prof, work_dir / f"alone{i}", threads)[0])
-        together.append(_run(backend, [cfg] * slots, prof, work_dir / f"together{i}", threads)[0])
-    return from_samples(alone, together)
-
-
-def calibration_configs(base: Config, *items: tuple[str, str, object]) -> list[Config]:
-    """``base`` at each calibration preset, CALIBRATION_STEPS steps, with (section, key, value) ``items``."""
-    return [with_items(base, ("model", "preset", p), ("train", "steps", CALIBRATION_STEPS), *items)
-            for p in CALIBRATION_PRESETS]
-
-
-def calibration_profiles(configs: list[Config], threads: int) -> list[Profile]:
-    """Each config's profile, measured at the workers' thread count."""
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return [profile_from_config(c, runs=1) for c in configs]
-    finally:
-        torch.set_num_threads(threads_before)
-
-
-def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path, threads: int) -> list[Sample]:
-    """Run ``configs`` at once, one worker each, to their end; one Sample per job."""
-    segs: list[tuple[Segment, Path]] = []
-    for i, cfg in enumerate(configs):
-        out = root / f"j{i}"
-        out.mkdir(parents=True, exist_ok=True)
-        job_cfg = with_items(cfg, ("train", "out_dir", str(out)))
-        (out / "job.toml").write_text(to_toml(job_cfg))
-        segs.append((backend.start(job=f"cal{i}", slots=(i,), config_path=out / "job.toml", start_step=0,
-                                   stop_at=cfg.train.steps, device=None, threads=threads,
-                                   log_path=out / "log.txt"), out))
-    ended: dict[int, float] = {}
-    deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
-    while len(ended) < len(segs) and time.monotonic() < deadline:
-        for i, (seg, _) in enumerate(segs):
-            if i not in ended and seg.worker.poll() is not None:
-                ended[i] = time.monotonic()
-        time.sleep(0.02)
-    if bad := [out for i, (seg, out) in enumerate(segs) if i not in ended or seg.worker.poll() != 0]:
-        for seg, _ in segs:
-            if seg.worker.poll() is None:
-                seg.worker.kill()
-        raise StratumError(f"a calibration job did not finish within {CALIBRATION_TIMEOUT_S:.0f} s or "
-                           f"failed; see {bad[0] / 'log.txt'}")
-    samples = []
-    for i, (seg, out) in enumerate(segs):
-        recs = read_metrics(out)
-        step_s = median(recs, "step_s")
-        if step_s is None:
-            raise StratumError(f"a calibration job recorded no step times; see {out / 'log.txt'}")
-        samples.append(Sample(profiled_step_s=prof.step_s * configs[0].micro_batches_per_step,
-                              state_bytes=prof.train_state_bytes, step_s=step_s,
-                              fixed_s=ended[i] - seg.started - len(recs) * step_s))
-    return samples
 
 
 def with_items(cfg: Config, *items: tuple[str, str, object]) -> Config:

@@ -102,23 +102,24 @@ def launch_costs(candidates: dict[str, dict[str, Option]], cache_dir: Path) -> d
 
 
 def options_of(candidates: dict[str, dict[str, Option]], state: SweepState, configs: dict[str, Config],
-               predict: Callable[[str], dict[str, float]], launch_s: dict[int, float],
-               segment_steps: int) -> Callable[[str], dict[str, Option]]:
-    """Job → its strategies in seconds for what remains of it: its predicted local time times each one's ratio,
-    plus, over several slots, the start-up of each segment left (``launch_s``); a started job only its own
-    strategy (once it has run over several slots, its measured time is that strategy's, taken as it is)."""
+               predict: Callable[[str], dict[str, float]], share: Callable[[str], float],
+               launch_s: dict[int, float], segment_steps: int) -> Callable[[str], dict[str, Option]]:
+    """Job → its strategies in seconds for what remains of it: its predicted local time times each one's ratio
+    (over several slots, of its time alone: ``share``), plus, over several slots, the start-up of each segment
+    left (``launch_s``); a started job only its own strategy (once it has run over several slots, its measured
+    time is that strategy's, taken as it is)."""
     def options(job_id: str) -> dict[str, Option]:
         remaining = min(predict(job_id).values())
         plan = pinned(state, job_id)
         opts = candidates[job_id]
         if plan is None:
-            out = scaled(opts, remaining)
+            out = scaled(opts, remaining, share(job_id))
         elif plan not in opts:  # sweep.plans changed since it started: it goes on as it started
             out = {plan: Option(seconds=remaining, devices=plan_slots(plan))}
         elif plan != "local" and len(segment_records(configs[job_id])) > 1:
             out = {plan: Option(seconds=remaining, devices=opts[plan].devices)}
         else:
-            out = scaled({plan: opts[plan]}, remaining)
+            out = scaled({plan: opts[plan]}, remaining, share(job_id))
         row = state.job(job_id)
         segments = -(-(row.steps - row.step) // segment_steps) if segment_steps else 1
         return {n: replace(o, seconds=o.seconds + segments * launch_s.get(o.devices, 0.0)) for n, o in out.items()}

@@ -19,9 +19,8 @@ from stratum.offload.setup import placement_for
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
 from stratum.runtime.device import resolve_device
-from stratum.sweep.calibrate import Calibration
 from stratum.sweep.segment import segment_records
-from stratum.sweep.shape_cost import ShardCalibration, shape_key
+from stratum.sweep.shape_cost import SHARDED, ShapeCalibration, shape_key
 from stratum.sweep.state import SweepState
 from stratum.train.metrics import median
 
@@ -68,13 +67,6 @@ def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
     return profile.step_s * cfg.micro_batches_per_step * steps
 
 
-def calibrated_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration) -> float:
-    """Wall seconds of a sweep job of ``steps`` optimizer steps: its profiled compute through this machine's
-    calibration (fixed start-up, evaluation and checkpoint; per-step overhead; slots sharing the cores)."""
-    return cal.job_seconds(profiled_step_s=predicted_seconds(profile, cfg, 1),
-                           state_bytes=profile.train_state_bytes, steps=steps)
-
-
 def offload_step_s(cfg: Config, profile: Profile) -> float:
     """Seconds of one optimizer step of ``cfg`` under the offload engine at its ``offload`` budgets, as the engine's
     planner predicts them from ``profile`` (compute, recompute, chunk copies at this machine's measured
@@ -85,27 +77,35 @@ def offload_step_s(cfg: Config, profile: Profile) -> float:
     return placement_for(cfg, model, resolve_device(cfg.train.device), profile=profile).predicted_step_s
 
 
-def sharded_seconds(profile: Profile, cfg: Config, steps: int, cal: ShardCalibration) -> float:
-    """Seconds a sharded-lrtf job of ``steps`` optimizer steps holds a slot: its shape's measured cost
-    (:mod:`stratum.sweep.shape_cost`), or for a shape not measured its offload plan's predicted step through the
-    calibration's line; ``cfg`` with its offload budget."""
+def line_step_s(profile: Profile, cfg: Config, cal: ShapeCalibration) -> float:
+    """The step the calibration's line is against: the offload plan's predicted step (sharded-lrtf, ``cfg`` with
+    its budget), else the profiled forward + backward of an optimizer step."""
+    return offload_step_s(cfg, profile) if cal.kind == SHARDED else predicted_seconds(profile, cfg, 1)
+
+
+def job_seconds(profile: Profile, cfg: Config, steps: int, cal: ShapeCalibration) -> float:
+    """A job's calibrated seconds for ``steps`` steps beside other jobs (under sharded-lrtf: on a slot): its
+    shape's measured cost (:mod:`stratum.sweep.shape_cost`), or for a shape not measured the calibration's line."""
     cost = cal.shapes.get(shape_key(cfg))
     if cost is not None:
-        return max(0.0, cost.fixed_s + steps * cost.step_s)
-    return cal.line.job_seconds(profiled_step_s=offload_step_s(cfg, profile), state_bytes=profile.train_state_bytes,
-                                steps=steps)
+        return cost.seconds(steps)
+    return cal.line.job_seconds(profiled_step_s=line_step_s(profile, cfg, cal),
+                                state_bytes=profile.train_state_bytes, steps=steps)
 
 
-def job_seconds(profile: Profile, cfg: Config, steps: int, cal: Calibration | ShardCalibration) -> float:
-    """A job's calibrated seconds for ``steps`` steps: under sharded-lrtf's calibration its seconds on a slot,
-    under the plain one its wall seconds."""
-    if isinstance(cal, ShardCalibration):
-        return sharded_seconds(profile, cfg, steps, cal)
-    return calibrated_seconds(profile, cfg, steps, cal)
+def alone_share(profile: Profile, cfg: Config, steps: int, cal: ShapeCalibration | None) -> float:
+    """A job's calibrated seconds with the machine to itself over its seconds beside other jobs (1 without a
+    calibration): its shape's measured alone cost over its busy cost, or for a shape not measured 1 over the
+    line's contention."""
+    busy = job_seconds(profile, cfg, steps, cal) if cal is not None else 0.0
+    if cal is None or busy <= 0.0:
+        return 1.0
+    alone = cal.alone.get(shape_key(cfg))
+    return min(1.0, alone.seconds(steps) / busy) if alone is not None else 1.0 / cal.line.contention
 
 
 def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile], *,
-                 calibration: Calibration | ShardCalibration | None = None) -> Callable[[str], dict[str, float]]:
+                 calibration: ShapeCalibration | None = None) -> Callable[[str], dict[str, float]]:
     """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
     time once it has run, else its calibrated time (given a calibration) or its profiled time scaled by how far
     measured jobs ran from their profiles (so started and unstarted jobs are compared in the same units)."""
@@ -124,3 +124,13 @@ def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[s
             measured = profiled * (sorted(ratios)[len(ratios) // 2] if ratios else 1.0)
         return {"plain": measured * (row.steps - row.step)}
     return predict
+
+
+def make_alone_share(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
+                     calibration: ShapeCalibration | None) -> Callable[[str], float]:
+    """Job → :func:`alone_share` for what remains of it: what a strategy holding all its slots (no job beside it)
+    takes of the job's predicted time beside others."""
+    def share(job_id: str) -> float:
+        row = state.job(job_id)
+        return alone_share(profiles[job_id], configs[job_id], row.steps - row.step, calibration)
+    return share

@@ -25,7 +25,7 @@ from stratum.sweep.job_strategy import options_of
 from stratum.sweep.launched import group_alive
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.plot import loss_png
-from stratum.sweep.predict import make_predict
+from stratum.sweep.predict import make_alone_share, make_predict
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
@@ -68,8 +68,11 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         retries=s.retries, time_budget_s=s.time_budget_s, say=say,
                         tick=(lambda: tick(sweep)) if tick is not None else None)
         else:
-            options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, sweep.launch_s,
-                                 s.segment_steps) if s.scheduler == "planned" and predict is not None else None
+            options = None
+            if s.scheduler == "planned" and predict is not None:
+                share = make_alone_share(sweep.state, sweep.configs, sweep_profiles(sweep), sweep.calibration)
+                options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, share, sweep.launch_s,
+                                     s.segment_steps)
             policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
                                  options=options)
             expect: Expect | None = None

@@ -14,13 +14,12 @@ from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
-from stratum.sweep.calibrate import Calibration
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
 from stratum.sweep.gang import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.segment import Backend, Segment
-from stratum.sweep.shape_cost import ShardCalibration
+from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_run import check_shardable
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import PAUSED, STOPPED, SweepState, spec_fingerprint
@@ -58,7 +57,7 @@ class Sweep:
     """Job → its paused worker (slice_by = pause): the job's state in that process's memory until it continues."""
     backend: Backend | None = None
     """Where segments run (set by :func:`stratum.sweep.runner.run_sweep`)."""
-    calibration: Calibration | ShardCalibration | None = None
+    calibration: ShapeCalibration | None = None
     """What the predictions go through beyond the profiles (sweep.calibration): the file it names, read when the
     sweep opens; "auto"'s, measured or read from the sweep directory when it runs; None = "off"."""
     makespan_s: float = 0.0

@@ -5,19 +5,18 @@ handed between slots, so its seconds on a slot are not a plain job's: the engine
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
 another job's set-up all add to its profiled compute, and by amounts that follow the job's shape (model, sequence
 length, micro-batches) more closely than any profile-based line. So the calibration runs the sweep's own
-distinct job shapes (:func:`stratum.sweep.shape_cost.shape_key`; at most MAX_SHAPES of them, spread over their
-profiled step times), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all (shapes repeated), in one shard
+distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all (shapes repeated), in one shard
 worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed
 between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
 job's slot-holding seconds from the worker's grant log: a step's seconds are its tasks' (median over the steps),
 the fixed part the rest (the first task holds the job's set-up; the one after its last step the last optimizer
-step, evaluation and checkpoint). A shape's cost is the mean over its jobs. For a shape not measured it keeps a
-line in :class:`stratum.sweep.calibrate.Calibration`'s form against the offload planner's predicted step at the
-budget (:func:`stratum.sweep.predict.offload_step_s`), which models what the budget costs (recomputed or spilled
+step, evaluation and checkpoint). The costs and the line for a shape not measured are the plain calibration's
+fit (:func:`stratum.sweep.shape_cost.fit`), the line against the offload planner's predicted step at the budget
+(:func:`stratum.sweep.predict.offload_step_s`), which models what the budget costs (recomputed or spilled
 activations, chunk copies).
 
-It is cached at ``<cache stem>.sharded.json`` beside the plain calibration, keyed also by the budget, the shard
-size and the shapes measured.
+It is cached at ``<cache stem>.sharded.json`` beside the plain calibration, keyed also by the budget and the
+shard size.
 """
 
 from __future__ import annotations
@@ -32,24 +31,24 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
-from stratum.sweep.calibrate import CALIBRATION_TIMEOUT_S, Sample, calibration_key, from_samples, with_items
+from stratum.sweep.calibrate import CALIBRATION_TIMEOUT_S, Sample, with_items
 from stratum.sweep.local import start_process
 from stratum.sweep.predict import offload_step_s
 from stratum.sweep.shape_cost import (
-    ShapeCost,
-    ShardCalibration,
-    load_shard_calibration,
-    save_shard_calibration,
+    SHAPE_STEPS,
+    SHARDED,
+    Measured,
+    ShapeCalibration,
+    fit,
+    load_shape_calibration,
+    pick_shapes,
+    save_shape_calibration,
     shape_key,
     shape_label,
+    shapes_key,
 )
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import ShardJob, shard_worker_main, task_seconds
-
-MAX_SHAPES = 6
-"""The most job shapes one calibration trains (the others are priced by the line through these)."""
-SHAPE_STEPS = 4
-"""Optimizer steps of each calibration job (its first holds its set-up: the median step leaves it out)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,42 +75,28 @@ def shard_cache_path(cache: Path) -> Path:
 
 
 def shard_calibration_key(configs: list[Config], *, threads: int, slots: int, shard_blocks: int) -> str:
-    """What a sharded calibration depends on: the plain one's key (of the first config), the budget, the shard
-    size and the shapes."""
-    first = configs[0]
-    return json.dumps([calibration_key(first, threads=threads, slots=slots), "sharded-lrtf",
-                       first.offload.device_budget, shard_blocks, sorted({shape_key(c) for c in configs})])
+    """What a sharded calibration depends on: the machine, the budget, the shard size and the shapes."""
+    return shapes_key(configs, threads=threads, slots=slots, kind=SHARDED,
+                      extra=(configs[0].offload.device_budget, shard_blocks))
 
 
 def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
-                      shard_blocks: int, work_dir: Path, cache: Path) -> ShardCalibration:
+                      shard_blocks: int, work_dir: Path, cache: Path) -> ShapeCalibration:
     """The cached sharded-lrtf calibration of the job ``configs`` (each with its offload budget; ``profiles[i]``
     is ``configs[i]``'s) on this machine, measured (and cached at :func:`shard_cache_path` of ``cache``) if there
     is none."""
     key = shard_calibration_key(configs, threads=threads, slots=slots, shard_blocks=shard_blocks)
     path = shard_cache_path(cache)
-    if (cal := load_shard_calibration(path, key)) is not None:
+    if (cal := load_shape_calibration(path, key, SHARDED)) is not None:
         return cal
     cal = measure_shapes(configs, profiles, threads=threads, slots=slots, shard_blocks=shard_blocks,
                          work_dir=work_dir)
-    save_shard_calibration(path, key, cal)
+    save_shape_calibration(path, key, cal)
     return cal
 
 
-def pick_shapes(configs: list[Config], profiles: list[Profile]) -> list[tuple[Config, Profile]]:
-    """One config per distinct shape (the first of each), at most MAX_SHAPES of them spread evenly over their
-    profiled step times (the smallest and the largest among them)."""
-    by_shape: dict[str, tuple[Config, Profile]] = {}
-    for cfg, prof in zip(configs, profiles):
-        by_shape.setdefault(shape_key(cfg), (cfg, prof))
-    shapes = sorted(by_shape.values(), key=lambda cp: cp[1].step_s * cp[0].micro_batches_per_step)
-    if len(shapes) <= MAX_SHAPES:
-        return shapes
-    return [shapes[round(i * (len(shapes) - 1) / (MAX_SHAPES - 1))] for i in range(MAX_SHAPES)]
-
-
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
-                   shard_blocks: int, work_dir: Path) -> ShardCalibration:
+                   shard_blocks: int, work_dir: Path) -> ShapeCalibration:
     """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all,
     as sharded-lrtf jobs in one shard worker on ``slots`` slots; their costs from the grant log."""
     shapes = pick_shapes(configs, profiles)
@@ -132,20 +117,13 @@ def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: i
     return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root), runs, steps=SHAPE_STEPS)
 
 
-def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShardCalibration:
+def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShapeCalibration:
     """The calibration from the calibration jobs' tasks' seconds on a slot (:func:`task_seconds` of their grant
-    log): each shape's fixed and step seconds the mean over its jobs' samples (:func:`sample_from_tasks`), and
-    the line fitted through every sample."""
-    samples = {r.id: sample_from_tasks(tasks.get(r.id, []), per_step=r.per_step, steps=steps,
-                                       profiled_step_s=r.predicted_step_s, state_bytes=r.state_bytes) for r in runs}
-    shapes: dict[str, ShapeCost] = {}
-    for shape in dict.fromkeys(r.shape for r in runs):
-        mine = [samples[r.id] for r in runs if r.shape == shape]
-        label = next(r.label for r in runs if r.shape == shape)
-        shapes[shape] = ShapeCost(label=label, fixed_s=sum(s.fixed_s for s in mine) / len(mine),
-                                  step_s=sum(s.step_s for s in mine) / len(mine))
-    line = from_samples(list(samples.values()), list(samples.values()))
-    return ShardCalibration(line=line, shapes=shapes)
+    log): each job's sample (:func:`sample_from_tasks`) fitted by :func:`stratum.sweep.shape_cost.fit`."""
+    return fit(SHARDED, [Measured(shape=r.shape, label=r.label,
+                                  sample=sample_from_tasks(tasks.get(r.id, []), per_step=r.per_step, steps=steps,
+                                                           profiled_step_s=r.predicted_step_s,
+                                                           state_bytes=r.state_bytes)) for r in runs])
 
 
 def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[str, list[float]]:

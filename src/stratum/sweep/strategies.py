@@ -11,8 +11,10 @@ parameters and gradients on the device.
 
 The local runner's planned scheduler offers each job ``local`` and ``replicate(k)``/``pipeline(k)`` over k of
 its slots (:func:`relative_options`): a strategy's time is the job's own predicted local time (measured, or
-profiled and scaled) times the cost model's step-time ratio of that plan to ``local`` on this machine's slots,
-for the same steps — what the runner then runs with :func:`plan_overrides`.
+calibrated: its shape's measured seconds alone, as the strategy has the slots to itself, :func:`scaled`) times
+the cost model's step-time ratio of that plan to ``local`` on this machine's slots, for the same steps — what the
+runner then runs with :func:`plan_overrides`. A plan over several slots is not itself calibrated: the ratio and
+the measured start-up of a multi-process run (:mod:`stratum.sweep.launch_cost`) price it.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ def relative_options(profile: Profile, cfg: Config, plans: list[str], hw: Hardwa
     return out
 
 
-def scaled(options: dict[str, Option], local_s: float) -> dict[str, Option]:
-    """``relative_options`` in seconds, for a job whose local run has ``local_s`` seconds left."""
-    return {n: replace(o, seconds=o.seconds * local_s) for n, o in options.items()}
+def scaled(options: dict[str, Option], local_s: float, share: float = 1.0) -> dict[str, Option]:
+    """``relative_options`` in seconds, for a job whose local run has ``local_s`` seconds left beside other jobs
+    and ``share`` of that alone: a strategy over several slots holds the machine to itself, so its ratio applies
+    to the job's time alone."""
+    return {n: replace(o, seconds=o.seconds * local_s * (share if o.devices > 1 else 1.0))
+            for n, o in options.items()}

@@ -1,13 +1,13 @@
 """``sweep.calibration``: the calibration a sweep's predictions go through — none ("off"), the file it names, or
 ("auto") one measured for this sweep on this machine and kept in the sweep directory.
 
-``lrtf`` and ``planned`` use the plain calibration (:mod:`stratum.sweep.calibrate`), ``sharded-lrtf`` its own
-(:mod:`stratum.sweep.shard_calibrate`: the sweep's own job shapes); ``fifo`` predicts nothing. "auto" keeps its
-measurement in ``<sweep dir>/calibration.json`` (sharded-lrtf: ``calibration.sharded.json``) rather than in a
-per-machine cache: the sharded one is measured on this sweep's own job shapes, so it is the sweep's; a resumed
-sweep orders its jobs with the numbers it started with (as its profiles, kept in ``<sweep dir>/profiles/``); and
-its key (machine, torch, threads, slots, settings) still makes a sweep directory moved to another machine
-measure again.
+``lrtf`` and ``planned`` use the plain calibration (:mod:`stratum.sweep.plain_calibrate`), ``sharded-lrtf`` its
+own (:mod:`stratum.sweep.shard_calibrate`); both measure the sweep's own job shapes and are fitted alike
+(:mod:`stratum.sweep.shape_cost`); ``fifo`` predicts nothing. "auto" keeps its measurement in
+``<sweep dir>/calibration.json`` (sharded-lrtf: ``calibration.sharded.json``) rather than in a per-machine cache:
+it is measured on this sweep's own job shapes, so it is the sweep's; a resumed sweep orders its jobs with the
+numbers it started with (as its profiles, kept in ``<sweep dir>/profiles/``); and its key (machine, torch,
+threads, slots, settings, shapes) still makes a sweep directory moved to another machine measure again.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from pathlib import Path
 
 from stratum.config import Config
 from stratum.profile.profile import Profile
-from stratum.sweep.calibrate import Calibration, calibration, parse_calibration, read_given, with_items
-from stratum.sweep.shape_cost import ShardCalibration, parse_shard_calibration
+from stratum.sweep.calibrate import read_given
+from stratum.sweep.plain_calibrate import plain_calibration
+from stratum.sweep.shape_cost import PLAIN, SHARDED, ShapeCalibration, parse_shape_calibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.spec import SweepSettings, SweepSpec, job_threads
 
@@ -30,41 +31,42 @@ AUTO_CACHE = "calibration.json"
 """The plain calibration's file in the sweep directory (sharded-lrtf's: :func:`shard_cache_path` of it)."""
 
 
-def given_calibration(spec: SweepSpec) -> Calibration | ShardCalibration | None:
+def calibration_kind(settings: SweepSettings) -> str:
+    """The kind of calibration the sweep's scheduler reads."""
+    return SHARDED if settings.scheduler == "sharded-lrtf" else PLAIN
+
+
+def given_calibration(spec: SweepSpec) -> ShapeCalibration | None:
     """The calibration of the file ``sweep.calibration`` names, of the kind the scheduler reads; None for "off"
     and "auto" (measured when the sweep runs). A file that holds none is a one-line error."""
     path = spec.calibration_path
     if path is None:
         return None
-    what = "sweep.calibration:"
-    if spec.settings.scheduler == "sharded-lrtf":
-        return read_given(path, what, parse_shard_calibration, "sharded-lrtf")
-    return read_given(path, what, parse_calibration, "plain")
+    kind = calibration_kind(spec.settings)
+    return read_given(path, "sweep.calibration:", lambda doc: parse_shape_calibration(doc, kind), kind)
 
 
 def auto_calibration(settings: SweepSettings, sweep_dir: Path, configs: dict[str, Config],
-                     profiles: dict[str, Profile], say: Callable[[str], None]) -> Calibration | ShardCalibration:
+                     profiles: dict[str, Profile], say: Callable[[str], None]) -> ShapeCalibration:
     """The calibration cached in ``sweep_dir`` for this machine and these jobs, or measured now (its training in
     ``<sweep dir>/calibration/``, removed after) and cached; says which, and what it holds."""
     threads = job_threads(settings)
     cache = sweep_dir / AUTO_CACHE
     work = sweep_dir / "calibration"
-    sharded = settings.scheduler == "sharded-lrtf"
+    sharded = calibration_kind(settings) == SHARDED
     path = shard_cache_path(cache) if sharded else cache
     before = stamp(path)
     say(f"calibration for {settings.scheduler}'s predictions: {path} if it holds this machine's and these jobs', "
-        "else measured now" + (" (this sweep's job shapes, a few steps each)" if sharded
-                               else " (3 model sizes, alone and together)"))
+        "else measured now (this sweep's job shapes, a few steps each"
+        + (")" if sharded else ", alone and with every slot busy)"))
     t0 = time.monotonic()
-    cal: Calibration | ShardCalibration
+    jobs, profs = list(configs.values()), [profiles[j] for j in configs]
     try:
         if sharded:
-            cal = shard_calibration(list(configs.values()), [profiles[j] for j in configs], threads=threads,
-                                    slots=settings.slots, shard_blocks=settings.shard_blocks, work_dir=work,
-                                    cache=cache)
-        else:  # the plain calibration trains the plain engine, whatever engine the first job was given
-            base = with_items(next(iter(configs.values())), ("train", "engine", "plain"), ("parallel", "plan", ""))
-            cal = calibration(base, threads=threads, slots=settings.slots, work_dir=work, cache=cache)
+            cal = shard_calibration(jobs, profs, threads=threads, slots=settings.slots,
+                                    shard_blocks=settings.shard_blocks, work_dir=work, cache=cache)
+        else:
+            cal = plain_calibration(jobs, profs, threads=threads, slots=settings.slots, work_dir=work, cache=cache)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     how = "as cached" if stamp(path) == before else f"measured in {time.monotonic() - t0:.0f} s"
