@@ -7,14 +7,16 @@ position plus the sequence length.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 class NextUse:
     """Answers "when is chunk c next used after position t?" on a cyclic sequence."""
 
-    def __init__(self, seq: list[tuple[int, ...]]):
+    def __init__(self, seq: Sequence[tuple[int, ...]]):
         self.n = len(seq)
         self.pos: dict[int, list[int]] = {}
         for t, cs in enumerate(seq):
@@ -30,13 +32,9 @@ class NextUse:
 
 
 def choose_victim(candidates, t: int, nxt: NextUse) -> int | None:
-    """The candidate used farthest in the future (OPT); ``None`` if there is none."""
-    best, best_t = None, -1.0
-    for c in candidates:
-        u = nxt.after(c, t)
-        if u > best_t:
-            best, best_t = c, u
-    return best
+    """The candidate used farthest in the future (OPT), the first of equals in ``candidates``' order; ``None`` if
+    there is none."""
+    return max(candidates, key=lambda c: nxt.after(c, t), default=None)
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,16 @@ def simulate_step(seq: list[tuple[int, ...]], slots: int, *, wants: list[bool] |
     gradient starts a step empty, stays in its slot while resident, goes home when the chunk is evicted and comes
     back with the next access that wants it — until the access at ``consumed[c]`` (its completion), after which
     the engine's update takes it (counted by the planner, not here)."""
+    return _simulate(tuple(seq), slots, tuple(wants) if wants else None,
+                     tuple(sorted(consumed.items())) if consumed is not None else None, frozenset(stale), steps)
+
+
+# The planner prices many candidates that differ only where the chunks' traffic does not (activations,
+# deferred updates of other tiers): a few dozen distinct simulations among thousands of calls.
+@functools.lru_cache(maxsize=512)
+def _simulate(seq: tuple[tuple[int, ...], ...], slots: int, wants: tuple[bool, ...] | None,
+              consumed_items: tuple[tuple[int, int], ...] | None, stale: frozenset[int], steps: int) -> Traffic:
+    consumed = dict(consumed_items) if consumed_items is not None else None
     nxt = NextUse(seq)
     resident: set[int] = set()
     out = Traffic(0)

@@ -89,7 +89,10 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
     host_b = parse_budget(o.host_budget, "offload.host_budget", state)
     kw = overrides(cfg)
     disk = resolve_disk_dir(o.disk_dir)
-    bw = measure_bandwidths(device, str(disk))
+    # The disk holds state only where the host cannot (a host budget) or where the optimizer is put there; its
+    # probe (a 256 MiB synced write and read) is skipped otherwise, and a rate of 0 keeps the planner off it.
+    disk_used = host_b is not None or o.optimizer_tier == "disk"
+    bw = measure_bandwidths(device, str(disk) if disk_used else None)
     if profile is None and (always_profile or dev_b is not None or host_b is not None):
         profile = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)
