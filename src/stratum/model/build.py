@@ -10,6 +10,7 @@ from stratum.config import ModelConfig
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.gpt import PRESETS, build_gpt, init_gpt_block
+from stratum.model.meta_init import no_meta_init
 from stratum.model.sequential import build_sequential
 
 
@@ -24,6 +25,12 @@ def build_model(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: i
 
     The model's vocabulary must cover the tokenizer's, and its context the training sequence length.
     """
+    with no_meta_init():
+        return _build(cfg, tokenizer_vocab=tokenizer_vocab, seq_len=seq_len, seed=seed, device=device, lazy=lazy)
+
+
+def _build(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: int, device: torch.device | str,
+           lazy: bool) -> BlockSeq:
     if cfg.source == "gpt":
         vocab = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or tokenizer_vocab
         _check_vocab(vocab, tokenizer_vocab)
