@@ -100,7 +100,8 @@ class Updates(EngineState):
         if not self.owns(c.i):
             self._drop_grads(c)
             return
-        self._norms([c])
+        if not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
+            self._norms([c])
         if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
                 self._update_device([c], None)
@@ -387,7 +388,11 @@ class Updates(EngineState):
 
     def grad_norms_now(self) -> list[tuple[str, Tensor]]:
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
-        backward; the norms of streamed chunks were taken as each completed)."""
+        backward; the norms of streamed chunks were taken as each completed, except those of gradients held on
+        the host for an update after the backward: taken here, all in one call)."""
+        held = [c for c in self.owned() if self._home_grads(c) and c.held is not None]
+        if held:
+            self._norms(held)
         if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
             live = [e for c in self.owned() for e in c.spec.entries if e.param.grad is not None]
             grads = [e.param.grad for e in live if e.param.grad is not None]
