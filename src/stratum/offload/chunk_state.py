@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from stratum.offload.chunks import ChunkSpec
@@ -103,25 +104,12 @@ class ChunkState:
         assert self.live is not None, f"chunk {self.i}: its gradient is not complete"
         return self.live
 
-    def count_steps(self) -> None:
-        """Advance the step count of the entries that got a gradient (``live``); a chunk where one did not stops
-        updating as one range (``uniform``)."""
-        if self.uniform and all(self.live_entries()):
-            self.step_counts().add_(1)
-            return
-        self.uniform = False
-        live = [k for k, ok in enumerate(self.live_entries()) if ok]
-        if live:
-            self.step_counts()[live] += 1
-
     def param_items(self, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
                     hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``; counts advanced here), one per parameter of the chunk with a
+        """adamw_chunks items (``count_step=False``: :func:`count_steps` first), one per parameter of the chunk with a
         gradient (``grads[k]``: entry k's, any shape, or None), each with its own step count: its range of ``p``
         (the chunk's parameters) and of the moments ``m``/``v``, which hold the chunk's elements ``[lo, hi)`` (a
         piece of a disk chunk's moments; by default all of them)."""
-        if lo == 0:
-            self.count_steps()
         hi = self.cap if hi is None else hi
         if lo == 0 and hi == self.cap:
             key = (p.data_ptr(), m.data_ptr())
@@ -147,15 +135,32 @@ class ChunkState:
 
     def flat_items(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
                    hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``) of a chunk whose gradients are one flat range ``g`` (a slot's
+        """adamw_chunks items (``count_step=False``: :func:`count_steps` first) of a chunk whose gradients are one flat range ``g`` (a slot's
         or home copy, like ``p``): the whole range as one item where every parameter has a gradient (at every step
         so far), else parameter by parameter (``param_items``); ``m`` and ``v`` hold elements ``[lo, hi)``."""
         hi = self.cap if hi is None else hi
         if self.uniform and all(self.live_entries()):
-            if lo == 0:
-                self.count_steps()
             nd, used = min(max(self.spec.n_decay - lo, 0), hi - lo), min(self.spec.used - lo, hi - lo)
             return [(p[lo:hi], g[lo:hi], m, v, self.step_counts()[0], nd, used)]
         grads = [g[e.offset:e.offset + e.numel] if ok else None
                  for e, ok in zip(self.spec.entries, self.live_entries())]
         return self.param_items(p, grads, m, v, lo, hi)
+
+
+def count_steps(chunks: list[ChunkState]) -> None:
+    """Advance the step count of the entries of ``chunks`` that got a gradient (``live``), before their update's
+    items are made; a chunk where one did not stops updating as one range (``uniform``). The chunks that update
+    as one range advance in one ``_foreach_add_`` (as torch's AdamW advances all its steps): a call per chunk was
+    a kernel launch per chunk on a GPU."""
+    whole = []
+    for c in chunks:
+        live = c.live_entries()
+        if c.uniform and all(live):
+            whole.append(c.step_counts())
+            continue
+        c.uniform = False
+        ks = [k for k, ok in enumerate(live) if ok]
+        if ks:
+            c.step_counts()[ks] += 1
+    if whole:
+        torch._foreach_add_(whole, 1)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stratum.offload.chunk_state import ChunkState
+from stratum.offload.chunk_state import ChunkState, count_steps
 from stratum.offload.cpu_adam import adamw_chunks
 from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST
@@ -100,7 +100,8 @@ class Updates(EngineState):
         if not self.owns(c.i):
             self._drop_grads(c)
             return
-        self._norms([c])
+        if not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
+            self._norms([c])
         if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
                 self._update_device([c], None)
@@ -161,6 +162,7 @@ class Updates(EngineState):
         """AdamW of ``chunks`` (on the device, with their moments) in one fused call per weight-decay class."""
         if coef is not None:
             torch._foreach_mul_([c.g() for c in chunks], coef)
+        count_steps(chunks)
         items = [it for c in chunks for it in c.flat_items(c.p(), c.g(), *c.moments())]
         adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
                      weight_decay=self.spec.weight_decay, count_step=False)
@@ -172,11 +174,12 @@ class Updates(EngineState):
     def _update_params(self, coef: Tensor | None) -> None:
         """All on the device: AdamW of every parameter with its autograd gradient (then dropped, as the plain
         engine's ``zero_grad``), in one fused call per weight-decay class."""
-        items = []
-        for c in self.owned():
-            grads = [e.param.grad for e in c.spec.entries]
-            c.live = [g is not None for g in grads]
-            items += c.param_items(c.p(), grads, *c.moments())
+        owned = self.owned()
+        for c in owned:
+            c.live = [e.param.grad is not None for e in c.spec.entries]
+        count_steps(owned)
+        items = [it for c in owned for it in c.param_items(c.p(), [e.param.grad for e in c.spec.entries],
+                                                             *c.moments())]
         self._adamw_params(items, coef, self._lr)
         for c in self.chunks:
             for e in c.spec.entries:
@@ -225,6 +228,7 @@ class Updates(EngineState):
         then home) or on its host copy; the gradients' host charge is released."""
         p = c.hp if src is None else src[:c.cap]
         assert p is not None and c.hp is not None  # a ``_home_grads`` chunk lives on the host
+        count_steps([c])
         self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
         if src is not None:
             c.hp.copy_(p)
@@ -244,14 +248,16 @@ class Updates(EngineState):
     def _host_update_held_together(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """The clipped update of ``_home_grads`` chunks on the training thread, all in one AdamW call per
         weight-decay class (a call per chunk was 2 × 19 fused calls a step for GPT ``small``)."""
-        items, held_bytes = [], 0
+        items, helds = [], []
         for c in chunks:
             assert self._spill_futs.pop(c.i, None) is None and (c.opt_fut is None or c.opt_fut.done())
-            held, c.held = c.held, None
-            c.grad, c.stale_home = None, False
-            assert held is not None and c.hp is not None  # (apply_updates chose chunks with held gradients)
-            items += c.param_items(c.hp, held, *c.moments())
-            held_bytes += sum(g.numel() for g in held if g is not None) * F32
+            assert c.held is not None and c.hp is not None  # (apply_updates chose chunks with held gradients)
+            helds.append(c.held)
+            c.held, c.grad, c.stale_home = None, None, False
+        count_steps(chunks)
+        for c, held in zip(chunks, helds):
+            items += c.param_items(c.home_copy("p"), held, *c.moments())
+        held_bytes = sum(g.numel() for held in helds for g in held if g is not None) * F32
         self._adamw_params(items, coef, self._lr)
         for c in chunks:
             self._publish(c)
@@ -287,6 +293,7 @@ class Updates(EngineState):
                 coef = None
         kw: dict[str, Any] = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         p_written = False
+        count_steps([c])
         if self.placement.optimizer_tier != DISK:
             arrived()
             adamw_chunks(c.flat_items(p, g, *c.moments()), count_step=False, **kw)
@@ -381,7 +388,11 @@ class Updates(EngineState):
 
     def grad_norms_now(self) -> list[tuple[str, Tensor]]:
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
-        backward; the norms of streamed chunks were taken as each completed)."""
+        backward; the norms of streamed chunks were taken as each completed, except those of gradients held on
+        the host for an update after the backward: taken here, all in one call)."""
+        held = [c for c in self.owned() if self._home_grads(c) and c.held is not None]
+        if held:
+            self._norms(held)
         if self._all_on_device:  # norms of the gradients that exist (a parameter without one is skipped, as plain)
             live = [e for c in self.owned() for e in c.spec.entries if e.param.grad is not None]
             grads = [e.param.grad for e in live if e.param.grad is not None]

@@ -10,32 +10,13 @@ where CUDA's fused attention launches one or two), so an attention block's count
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from stratum.ir.work import Work
 from stratum.model.blockseq import BlockSeq
-
-_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default,
-              torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format}
-"""Operators that only relabel or allocate a tensor (views are told by ``is_view``)."""
-
-
-class KernelCounter(TorchDispatchMode):
-    """Counts the operators that launch a kernel."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view and func not in _NO_KERNEL:
-            self.kernels += 1
-        return func(*args, **(kwargs or {}))
+from stratum.profile.launches import KernelCounter
 
 
 def _inputs(model: BlockSeq, seq_len: int) -> tuple[Tensor, Tensor]:
