@@ -1,7 +1,9 @@
 """Benchmark: the start-up of a multi-process ``stratum train``, ranks exec'd (``STRATUM_SPAWN=exec``: a fresh
 ``python`` per rank, each importing torch) against ranks forked from the warm forkserver (the default on Linux).
 
-Each round runs every plan once per mode, the modes alternating, and records the wall time and the CPU time of the
+The ``stratum train`` runs get this process's environment (without ``OMP_NUM_THREADS``, the launcher gives each
+rank its share of the cores); the pytest runs get ``OMP_NUM_THREADS=1`` as the suite is run. Each round runs
+every plan once per mode, the modes alternating, and records the wall time and the CPU time of the
 whole process tree (this process is the tree's subreaper, so the forkserver and the ranks it forked are counted
 when they end). Optionally (``--pytest``) it times the same pytest command once per mode, also alternating.
 
@@ -46,9 +48,9 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def timed(argv: list[str], mode: str) -> dict:
+def timed(argv: list[str], mode: str, **env_extra: str) -> dict:
     """Run ``python argv`` in ``mode``; wall and CPU seconds of it and every process it left behind."""
-    env = dict(os.environ, STRATUM_SPAWN=mode)
+    env = dict(os.environ, STRATUM_SPAWN=mode, **env_extra)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0, load0 = time.perf_counter(), load()
     proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
@@ -84,7 +86,7 @@ def main() -> None:
                     runs[plan][mode].append(r)
                     print(f"{plan:24s} {mode:5s} wall {r['wall_s']:6.2f} s  cpu {r['cpu_s']:6.2f} s  "
                           f"load {r['load_before']:.2f}", flush=True)
-        pytest = {mode: timed(PYTEST, mode) for mode in MODES} if args.pytest else {}
+        pytest = {mode: timed(PYTEST, mode, OMP_NUM_THREADS="1") for mode in MODES} if args.pytest else {}
     result = {"command": "python benchmarks/startup_bench.py" + (" --pytest" if args.pytest else ""),
               "cpus": os.cpu_count(), "runs": runs, "pytest": pytest, "median": {}}
     for plan in PLANS:
