@@ -78,7 +78,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {p: {m: [] for m in MODES} for p in PLANS}
     with tempfile.TemporaryDirectory() as tmp:
         for plan in PLANS:  # untimed: the data cache, the page cache
-            timed(train_argv(plan, args.corpus, Path(tmp) / "warm"), "exec")
+            timed(train_argv(plan, args.corpus, Path(tmp) / f"warm-{plan}"), "exec")
         for i in range(args.rounds):
             for plan in PLANS:
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
