@@ -5,7 +5,9 @@ Three ways a run gets its processes:
 - ``stratum train`` with a plan of N > 1 processes (``parallel.plan``) on a plain shell: the CLI checks the plan,
   prepares the data once, then :func:`spawn_local` starts N copies of the same command as workers
   (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` on a free local port, plus
-  ``STRATUM_WORKER=1``) and waits for them; ``stratum run --nproc N script.py`` does the same for a user's script;
+  ``STRATUM_WORKER=1``) and waits for them; ``stratum run --nproc N script.py`` does the same for a user's script.
+  On Linux the workers are forked from a warm forkserver (:mod:`stratum.dist.forked_rank`: torch imported once,
+  not once per worker); ``STRATUM_SPAWN=exec`` starts each as a fresh ``python`` instead;
 - ``torchrun --nproc_per_node N -m stratum train ...`` (also multi-node, with torchrun's rendezvous): torchrun
   sets the same variables, the CLI sees them and runs as a worker directly;
 - a one-process plan needs no group at all (:func:`stratum.dist.world.join_world`).
