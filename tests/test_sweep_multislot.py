@@ -145,13 +145,19 @@ def test_replicate_2_jobs_hold_both_slots_through_asha_and_equal_their_standalon
     assert close(swept, plain), (swept, plain)
 
 
-def _ranks(launcher: int) -> list[int]:
-    """The launcher's children: its ranks, once both started."""
+def _children(pid: int) -> list[int]:
     try:
-        text = Path(f"/proc/{launcher}/task/{launcher}/children").read_text()
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The launcher's ranks, once both started: its children, or (forked ranks) the children of the forkserver
+    it started."""
+    kids = _children(launcher)
+    return [g for k in kids for g in _children(k)] or kids
 
 
 @pytest.mark.slow

@@ -177,13 +177,14 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from stratum.data.prepare import prepare_data
-    from stratum.dist.launch import PEER_GRACE_S, spawn_local
+    from stratum.dist.launch import PEER_GRACE_S, spawn_local, warm_up
     from stratum.parallel.compose import check_plan
     from stratum.train.lock import hold_out_dir, inherited_lock_env
     from stratum.train.stopping import missing_dirs, remove_empty_dirs
     from stratum.train.trainer import prepare_out_dir
 
     check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
+    warm_up()  # the ranks' forkserver imports torch and the trainer while this process prepares the data
     prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
     out_dir = Path(cfg.train.out_dir).expanduser()
     made = missing_dirs(out_dir)

@@ -5,7 +5,9 @@ Three ways a run gets its processes:
 - ``stratum train`` with a plan of N > 1 processes (``parallel.plan``) on a plain shell: the CLI checks the plan,
   prepares the data once, then :func:`spawn_local` starts N copies of the same command as workers
   (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` on a free local port, plus
-  ``STRATUM_WORKER=1``) and waits for them; ``stratum run --nproc N script.py`` does the same for a user's script;
+  ``STRATUM_WORKER=1``) and waits for them; ``stratum run --nproc N script.py`` does the same for a user's script.
+  On Linux the workers are forked from a warm forkserver (:mod:`stratum.dist.forked_rank`: torch imported once,
+  not once per worker); ``STRATUM_SPAWN=exec`` starts each as a fresh ``python`` instead;
 - ``torchrun --nproc_per_node N -m stratum train ...`` (also multi-node, with torchrun's rendezvous): torchrun
   sets the same variables, the CLI sees them and runs as a worker directly;
 - a one-process plan needs no group at all (:func:`stratum.dist.world.join_world`).
@@ -31,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+from stratum.dist import forked
+from stratum.dist.forked import die_with_parent
+from stratum.dist.forked_rank import PRELOAD, ForkedRank
 from stratum.errors import StratumError
 
 WORKER_ENV = "STRATUM_WORKER"
@@ -184,11 +189,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SPAWN_ENV = "STRATUM_SPAWN"
+"""``exec`` makes :func:`spawn_local` start each rank as a fresh ``python`` process instead of forking it from the
+warm forkserver (which only Linux has)."""
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the worker gets SIGTERM when the launcher dies, so no orphan keeps waiting on its peers."""
-    with contextlib.suppress(Exception):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """The worker gets SIGTERM when the launcher dies, so no orphan keeps waiting on its peers."""
+    die_with_parent(signal.SIGTERM)
+
+
+def forking() -> bool:
+    """Ranks are forked from the warm forkserver (not exec'd): on Linux, unless ``STRATUM_SPAWN=exec``."""
+    return forked.usable() and os.environ.get(SPAWN_ENV, "fork") != "exec"
+
+
+def warm_up() -> None:
+    """Start the forkserver now, when ranks will be forked: its imports overlap the launcher's own work."""
+    if forking():
+        forked.warm_up(PRELOAD)
+
+
+def _start_rank(argv: list[str], env: dict[str, str], rank: int) -> ForkedRank | subprocess.Popen:
+    """``python <argv>`` with ``env`` as rank ``rank``: forked from the warm server, or exec'd."""
+    if forking():
+        return ForkedRank(argv, env, name=f"stratum-rank-{rank}")
+    return subprocess.Popen([sys.executable, *argv], env=env, preexec_fn=_die_with_parent, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
 
 
 class _ErrorDedup:
@@ -274,7 +301,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     the others get ``grace_s`` seconds to notice (they stop with their own one-line error), then are killed.
     """
     port = free_port()
-    procs: list[subprocess.Popen] = []
+    procs: list[ForkedRank | subprocess.Popen] = []
     errors = _ErrorDedup(log)
     base = dict(os.environ, **(env or {}))
     for r in range(nprocs):
@@ -282,9 +309,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         # CPU workers share the cores: keep torch's intra-op pool from oversubscribing them
         if "OMP_NUM_THREADS" not in base:
             e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        procs.append(subprocess.Popen([sys.executable, *argv], env=e, preexec_fn=preexec,
-                                      stderr=subprocess.PIPE, text=True, bufsize=1))
+        procs.append(_start_rank(argv, e, r))
         errors.follow(procs[-1].stderr, r)
     first_fail: tuple[int, int] | None = None
     deadline = None
@@ -327,7 +352,8 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     if first_fail is None:
         return 0
     # A rank killed by a signal is the cause, even when a peer noticed the broken connection and exited first.
-    died = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode < 0 and r not in killed_here]
+    final = [p.wait() for p in procs]  # every rank has ended by now
+    died = [(r, c) for r, c in enumerate(final) if c < 0 and r not in killed_here]
     if died:
         r, c = died[0]
         name = signal.Signals(-c).name if -c in signal.Signals._value2member_map_ else str(-c)
@@ -335,8 +361,8 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
               file=sys.stderr)
         return 3
     # a rank that crashed without a word of its own is the cause, whichever rank the others' errors reached first
-    for r, p in enumerate(procs):
-        if p.returncode not in (0, None) and r not in killed_here:
-            if (line := errors.crash_line(r, p.returncode)) is not None:
+    for r, c in enumerate(final):
+        if c != 0 and r not in killed_here:
+            if (line := errors.crash_line(r, c)) is not None:
                 print(line, file=sys.stderr)
     return first_fail[1]

@@ -4,43 +4,35 @@ Workers are forked from a ``forkserver`` that has imported torch and the trainer
 milliseconds rather than the seconds an interpreter needs to import torch, and the sweep process's own torch
 state (profiling for the planner) never reaches a worker. On Linux a worker is killed when its parent dies
 (``PR_SET_PDEATHSIG``; the forkserver exits when the sweep dies), so a killed sweep never leaves a job writing to
-its directory behind the next one; a worker forked just as the sweep died exits by itself.
+its directory behind the next one; a worker forked just as the sweep died exits by itself
+(:mod:`stratum.dist.forked`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from stratum.dist import forked
 from stratum.sweep.launched import launch_train
-from stratum.sweep.parent_death import die_with_sweep
 from stratum.sweep.segment import Segment, Worker, run_segment
 
-
-def _context() -> multiprocessing.context.ForkServerContext:
-    ctx = multiprocessing.get_context("forkserver")
-    # torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker
-    ctx.set_forkserver_preload(["stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo"])
-    return ctx
+PRELOAD = ("stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo")
+"""torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker."""
 
 
-def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
-                sweep_pid: int) -> None:
+def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> None:
     """A segment's process: exits with :func:`run_segment`'s code."""
-    die_with_sweep(sweep_pid)
     sys.exit(run_segment(config_path, stop_at, device, threads, log_path))
 
 
 def start_process(target, args: tuple, name: str) -> LocalWorker:
-    """Fork ``target(*args)`` from the forkserver (imports done once there)."""
-    proc = _context().Process(target=target, name=name, daemon=False, args=args)
-    proc.start()
-    return LocalWorker(proc)
+    """Fork ``target(*args)`` from the forkserver (imports done once there); it is killed when the sweep dies."""
+    return LocalWorker(forked.start_forked(target, args, name=name, preload=PRELOAD, death_signal=signal.SIGKILL))
 
 
 class LocalWorker:
@@ -80,8 +72,7 @@ class LocalBackend:
 
     def warm_up(self) -> None:
         """Start the forkserver now (its imports take seconds), so it is ready by the first segment."""
-        _context()
-        multiprocessing.forkserver.ensure_running()
+        forked.warm_up(PRELOAD)
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
               device: str | None, threads: int, log_path: Path) -> Segment:
@@ -93,8 +84,8 @@ class LocalBackend:
             assert device is None  # (spec.py: jobs over several slots run on CPU slots)
             worker = launch_train(config_path, stop_at, threads, log_path)
         else:
-            worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path),
-                                                 os.getpid()), f"stratum-sweep-{job}")
+            worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path)),
+                                   f"stratum-sweep-{job}")
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 

@@ -22,7 +22,6 @@ shard size.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +130,7 @@ def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[
     spec_path = root / "shard_spec.json"
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(root), "slots": slots, "threads": threads,
                                              "jobs": [vars(j) for j in jobs]}))
-    worker = start_process(shard_worker_main, (str(spec_path), os.getpid()), "stratum-calibration-shards")
+    worker = start_process(shard_worker_main, (str(spec_path),), "stratum-calibration-shards")
     deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
     while worker.poll() is None and time.monotonic() < deadline:
         worker.join(0.05)

@@ -10,7 +10,6 @@ steps once it has run) spread over its tasks: ``tasks_left × task_s``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +83,7 @@ def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, C
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
                                              "jobs": [vars(j) for j in jobs]}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
-    worker = start_process(shard_worker_main, (str(spec_path), os.getpid()), "stratum-sweep-shards")
+    worker = start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
     began = time.monotonic()
     for j in jobs:
         state.update(j.id, status=RUNNING, pid=worker.pid)

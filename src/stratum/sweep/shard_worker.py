@@ -39,7 +39,6 @@ from stratum.atomic import atomic_write_text
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.offload.tasks import Stage, set_gate
-from stratum.sweep.local import die_with_sweep
 from stratum.sweep.shard_lrtf import pick_longest
 from stratum.train.trainer import train
 
@@ -282,9 +281,9 @@ def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir:
     return codes
 
 
-def shard_worker_main(spec_path: str, sweep_pid: int) -> None:
-    """The worker process: reads its jobs from ``spec_path`` (JSON), trains them, writes their exit codes."""
-    die_with_sweep(sweep_pid)
+def shard_worker_main(spec_path: str) -> None:
+    """The worker process (it dies with the sweep: :func:`stratum.sweep.local.start_process`): reads its jobs from
+    ``spec_path`` (JSON), trains them, writes their exit codes."""
     spec = json.loads(Path(spec_path).read_text())
     sweep_dir = Path(spec["sweep_dir"])
     fd = os.open(sweep_dir / "shards.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -1,0 +1,102 @@
+"""Ranks forked from the warm forkserver behave as the ``python <argv>`` processes they replace: the same argv,
+environment, ``__main__``, streams, exit codes, atexit handlers; they die with their launcher. The exec path
+(``STRATUM_SPAWN=exec``) is the oracle: the same script gives the same report there."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stratum.dist.launch import spawn_local
+from stratum.procs import pid_alive
+
+SCRIPT = r'''
+import atexit, json, os, sys, threading, time
+mode = sys.argv[1]
+rank = int(os.environ["RANK"])
+torch = sys.modules.get("torch")  # imported already in a forked rank; not imported here otherwise
+report = dict(rank=rank, argv=sys.argv[1:], argv0=os.path.basename(sys.argv[0]), name=__name__,
+              path0=sys.path[0], cwd=os.getcwd(), world=os.environ["WORLD_SIZE"], extra=os.environ.get("EXTRA"),
+              omp=os.environ["OMP_NUM_THREADS"], worker=os.environ["STRATUM_WORKER"],
+              torch_threads_ok=torch is None or torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"]))
+atexit.register(lambda: sys.stdout.write(f"atexit {rank}\n"))  # unflushed: the exit must flush it
+threading.Thread(target=lambda: (time.sleep(0.2), sys.stdout.write(f"thread {rank}\n"))).start()
+if mode == "report":
+    sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+    sys.stderr.write(f"stratum: rank {rank} done\n")
+elif mode == "fail" and rank == 1:
+    sys.exit(int(sys.argv[2]))
+elif mode == "raise" and rank == 1:
+    raise ValueError("boom")
+elif mode == "interrupt" and rank == 1:
+    raise KeyboardInterrupt
+elif mode == "sleep":
+    open(os.path.join(sys.argv[2], f"pid{rank}"), "w").write(str(os.getpid()))
+    time.sleep(120)
+'''
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "scripts" / "rank_script.py"
+    path.parent.mkdir()
+    path.write_text(SCRIPT)
+    return path
+
+
+def _run(script: Path, *args: str, capfd, **kw) -> tuple[int, str, str]:
+    code = spawn_local([str(script), *args], 2, grace_s=30, fail_grace_s=5, env={"EXTRA": "x"}, **kw)
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_a_forked_rank_sees_and_ends_as_an_exec_rank(script, capfd, monkeypatch):
+    reports = {}
+    for mode in ("exec", "fork"):
+        monkeypatch.setenv("STRATUM_SPAWN", mode)
+        code, out, err = _run(script, "report", capfd=capfd)
+        assert code == 0, err
+        lines = out.splitlines()
+        reports[mode] = sorted(ln for ln in lines if ln.startswith("{"))
+        assert sorted(ln for ln in lines if not ln.startswith("{")) == ["atexit 0", "atexit 1", "thread 0",
+                                                                        "thread 1"], out
+        assert sorted(err.splitlines()) == ["stratum: rank 0 done", "stratum: rank 1 done"]
+    assert reports["fork"] == reports["exec"]
+    got = json.loads(reports["fork"][1])
+    assert got["argv"] == ["report"] and got["argv0"] == "rank_script.py" and got["name"] == "__main__"
+    assert got["path0"] == str(script.parent) and got["extra"] == "x" and got["torch_threads_ok"]
+
+    monkeypatch.setenv("STRATUM_SPAWN", "fork")
+    assert _run(script, "fail", "7", capfd=capfd)[0] == 7
+    code, _, err = _run(script, "raise", capfd=capfd)
+    assert code == 1 and "Traceback" in err and "ValueError: boom" in err
+    code, _, err = _run(script, "interrupt", capfd=capfd)  # an uncaught Ctrl-C ends a rank by SIGINT
+    assert code == 3 and "stratum: error: rank 1 was killed by SIGINT" in err
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_forked_ranks_with_it(script, tmp_path):
+    """The launcher's own forkserver exits with it, and the ranks it forked get their death signal."""
+    proc = subprocess.Popen([sys.executable, "-m", "stratum", "run", "--nproc", "2", str(script), "sleep",
+                             str(tmp_path)], stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "STRATUM_SPAWN"})
+    pids = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.05)
+    ranks = [int(p.read_text()) for p in pids]
+    assert all(os.getppid() != r for r in ranks)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 15
+    while any(pid_alive(r) for r in ranks):
+        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
+        time.sleep(0.05)
