@@ -115,21 +115,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self.device = device
         self.precision = precision
         self.placement = placement
-        if placement.half_params and precision != "bf16":
-            raise StratumError(f"the offload placement holds bf16 chunks (planned for train.precision = bf16) but "
-                               f"this run's precision is {precision!r}; plan it with the run's precision")
-        self._half = placement.half_params
-        """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
-        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
-        makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
-        (``Updates._publish``)."""
-        self._param_bytes = HALF if self._half else F32
-        """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
-        if delayed_update and (not self._half or owns is not None):
-            raise StratumError("offload.delayed_update needs bf16 chunks with the optimizer state on the host "
-                               "(train.precision = 'bf16', offload.optimizer_tier = 'host') and no sharded replicas; "
-                               "set offload.delayed_update = false")
-        self._init_delayed(delayed_update)
+        self._init_precision(delayed_update)
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
@@ -185,6 +171,25 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             e.param.register_post_accumulate_grad_hook(self._take_grad) for c in self.chunks for e in c.spec.entries]
 
     # ---- set-up ---------------------------------------------------------------------------------------------
+    def _init_precision(self, delayed_update: bool) -> None:
+        """The chunks' parameter precision the placement planned, checked against the run's, and the delayed
+        update, which only a mixed-precision placement without sharded replicas can run."""
+        if self.placement.half_params and self.precision != "bf16":
+            raise StratumError(f"the offload placement holds bf16 chunks (planned for train.precision = bf16) but "
+                               f"this run's precision is {self.precision!r}; plan it with the run's precision")
+        self._half = self.placement.half_params
+        """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
+        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
+        makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
+        (``Updates._publish``)."""
+        self._param_bytes = HALF if self._half else F32
+        """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
+        if delayed_update and (not self._half or self.sharded):
+            raise StratumError("offload.delayed_update needs bf16 chunks with the optimizer state on the host "
+                               "(train.precision = 'bf16', offload.optimizer_tier = 'host') and no sharded replicas; "
+                               "set offload.delayed_update = false")
+        self._init_delayed(delayed_update)
+
     def _init_counters(self) -> None:
         """What the engine counts over its steps: fetches, bytes per link, waits, seconds per phase."""
         self.n_fetches = 0
