@@ -439,7 +439,7 @@ def main() -> None:
 
     import torch
 
-    from stratum.model.gpt import PRESETS
+    from stratum.model.presets import PRESETS
     from stratum.profile.profiler import profile_from_config
 
     load_before = os.getloadavg()

@@ -56,8 +56,8 @@ def build(source: str, tmp_path, dropout: float | None = None) -> BlockSeq:
     the transformers GPT-2 config: 0.1)."""
     torch.manual_seed(0)
     if source == "gpt":
-        from stratum.model import gpt
-        shape = gpt.GPTShape(n_layer=LAYERS["gpt"], n_head=2, d_model=64, max_seq_len=64, vocab_size=None)
+        from stratum.model import gpt, presets
+        shape = presets.GPTShape(n_layer=LAYERS["gpt"], n_head=2, d_model=64, max_seq_len=64, vocab_size=None)
         gpt.PRESETS.setdefault("offload-test", shape)
         return gpt.build_gpt("offload-test", vocab_size=V, seed=0, dropout=dropout or 0.0)
     if source == "sequential":

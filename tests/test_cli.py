@@ -102,3 +102,15 @@ def test_subprocess_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "stratum", "train", "--bogus"], capture_output=True, text=True,
                        env=env, timeout=120, cwd=tmp_path)
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_help_usage_errors_and_config_do_not_import_torch():
+    """`stratum --help`, a mistyped flag and `stratum config` answer at once: the grammar and the config's
+    validation import no torch (it takes seconds to import)."""
+    code = ("import sys\nfrom stratum.cli import build_parser, main\nbuild_parser()\n"
+            "assert main(['config']) == 0\n"
+            "assert main(['train', '--set', 'model.preset=\"bogus\"']) == 2\n"
+            "from stratum.config import load_config\nload_config(None, ['model.preset=\"gpt2-124m\"'])\n"
+            "assert 'torch' not in sys.modules, 'the command line imported torch before running a command'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

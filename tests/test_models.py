@@ -6,7 +6,8 @@ from torch import nn
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
-from stratum.model.gpt import PRESETS, build_gpt, gpt_param_count, init_gpt_block
+from stratum.model.gpt import build_gpt, init_gpt_block
+from stratum.model.presets import PRESETS, gpt_param_count
 from stratum.model.sequential import build_sequential, from_block_builders, from_sequential
 
 
@@ -154,7 +155,7 @@ def test_block_constructors_cannot_share_parameters():
     ("no_colon", "must look like"),
     ("not_a_module_xyz:f", "cannot import"),
     ("stratum.model.sequential:nope", "has no callable"),
-    ("stratum.model.gpt:preset_names", "must accept keyword arguments vocab_size and seq_len"),
+    ("stratum.model.presets:preset_names", "must accept keyword arguments vocab_size and seq_len"),
     ("builtins:dict", "returned dict"),
 ])
 def test_bad_factories(spec, message):

@@ -34,7 +34,7 @@ rank 1: F1.0 I1.0 F1.1 B1.1 W1.0 F1.2 B1.2 F1.3 B1.3
 
 # ---- models and data shared by the worker and the reference -----------------------------------------------
 def register_preset() -> None:
-    from stratum.model.gpt import PRESETS, GPTShape
+    from stratum.model.presets import PRESETS, GPTShape
     PRESETS.setdefault("pipe-test", GPTShape(n_layer=6, n_head=2, d_model=32, max_seq_len=64, vocab_size=None))
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from stratum.errors import StratumError
-from stratum.model.gpt import PRESETS, build_gpt
+from stratum.model.gpt import build_gpt
+from stratum.model.presets import PRESETS
 from stratum.model.sequential import from_sequential
 from stratum.profile import Profile
 from stratum.profile.profiler import block_static_bytes, profile_blockseq, profile_from_config

@@ -31,7 +31,7 @@ import os
 import sys
 from typing import NoReturn
 
-from stratum.errors import StratumError
+from stratum.errors import PeerError, StratumError
 from stratum.log import console
 
 MAX_PROFILE_RUNS = 1000
@@ -88,17 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_schedule(sub)
-    from stratum.offload.cli import add_parser as add_plan
+    from stratum.offload.cli_args import add_parser as add_plan
     add_plan(sub)
     from stratum.sweep.cli import add_parser as add_sweep
     add_sweep(sub)
-    from stratum.cluster.cli import add_parser as add_cluster
+    from stratum.cluster.cli_args import add_parser as add_cluster
     add_cluster(sub)
     from stratum.train.sample_cli import add_parser as add_sample
     add_sample(sub)
     from stratum.train.export_cli import add_parser as add_export
     add_export(sub)
-    from stratum.plan.hardware_cli import add_parser as add_hardware
+    from stratum.plan.hardware_args import add_parser as add_hardware
     add_hardware(sub)
     return parser
 
@@ -225,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     except StratumError as e:
         sys.stderr.write(f"stratum: error: {e}\n")  # one write: lines of several ranks do not interleave
         sys.stderr.flush()
-        from stratum.dist.launch import PeerError, is_worker
-        if isinstance(e, PeerError) and is_worker():
-            # a peer is gone: leave now rather than let process-group teardown wait on it
-            sys.stdout.flush()
-            os._exit(e.exit_code)
+        if isinstance(e, PeerError):
+            from stratum.dist.launch import is_worker  # imports torch: bad input alone answers without it
+            if is_worker():
+                # a peer is gone: leave now rather than let process-group teardown wait on it
+                sys.stdout.flush()
+                os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",

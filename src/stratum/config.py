@@ -23,7 +23,7 @@ from typing import Any
 from stratum.errors import StratumError
 from stratum.extras import require
 from stratum.ir.plan import Plan, parse_plan
-from stratum.model.gpt import PRESETS
+from stratum.model.presets import PRESETS
 from stratum.schedule.generators import KINDS, is_kind
 from stratum.units import parse_budget, parse_bytes
 

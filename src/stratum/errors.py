@@ -12,3 +12,9 @@ class StratumError(Exception):
     """Bad input the user can fix; the message says what is wrong and what to do."""
 
     exit_code = 2
+
+
+class PeerError(StratumError):
+    """Another rank died, hung or failed; this rank stops. Exit code 3 (2 stays 'bad input')."""
+
+    exit_code = 3

@@ -23,7 +23,8 @@ from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.work import Work
 from stratum.model.blockseq import BlockSeq
-from stratum.model.gpt import PRESETS, build_gpt
+from stratum.model.gpt import build_gpt
+from stratum.model.presets import PRESETS
 from stratum.profile.fast import cache_key, cache_path, cached_profile
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import block_static_bytes

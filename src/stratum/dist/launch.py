@@ -14,7 +14,7 @@ Three ways a run gets its processes:
 
 Every wait has a limit: the process groups are created with ``parallel.timeout_s`` (collectives and start-up),
 and the pipeline runtime waits on its point-to-point messages with the same limit. A peer that dies or hangs
-surfaces as :class:`PeerError` (exit code 3), a one-line message naming the rank and what it waited for.
+surfaces as :class:`~stratum.errors.PeerError` (exit code 3), a one-line message naming the rank and what it waited for.
 """
 
 from __future__ import annotations
@@ -36,16 +36,10 @@ import torch
 from stratum.dist import forked
 from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import PRELOAD, ForkedRank
-from stratum.errors import StratumError
+from stratum.errors import PeerError, StratumError
 
 WORKER_ENV = "STRATUM_WORKER"
 """Set (to 1) in processes started by :func:`spawn_local`."""
-
-
-class PeerError(StratumError):
-    """Another rank died, hung or failed; this rank stops. Exit code 3 (2 stays 'bad input')."""
-
-    exit_code = 3
 
 
 def under_torchrun() -> bool:

@@ -1,5 +1,2 @@
-"""Model sources flattened into the ``BlockSeq`` IR."""
-
-from stratum.model.blockseq import BlockSeq, ModelInfo, TiedGroup, lm_cross_entropy
-
-__all__ = ["BlockSeq", "ModelInfo", "TiedGroup", "lm_cross_entropy"]
+"""Model sources flattened into the ``BlockSeq`` IR (:mod:`stratum.model.blockseq`). The package re-exports
+nothing, so importing one of its light modules (:mod:`stratum.model.presets`) does not import torch."""

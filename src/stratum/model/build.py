@@ -9,8 +9,9 @@ import torch
 from stratum.config import ModelConfig
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
-from stratum.model.gpt import PRESETS, build_gpt, init_gpt_block
+from stratum.model.gpt import build_gpt, init_gpt_block
 from stratum.model.meta_init import no_meta_init
+from stratum.model.presets import PRESETS
 from stratum.model.sequential import build_sequential
 
 

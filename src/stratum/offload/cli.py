@@ -19,41 +19,12 @@ import argparse
 from stratum.atomic import atomic_write_json
 from stratum.config import load_config
 from stratum.errors import StratumError
+from stratum.offload.cli_args import DEFAULT_SWEEP
 from stratum.offload.plan_inputs import planning_inputs
 from stratum.offload.planner import make_placement
 from stratum.offload.tiers import DEVICE
 from stratum.plan.search_cli import run_search
 from stratum.units import Size, fmt_bytes, parse_bytes, parse_percent
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="print the offload engine's plan (tiers, chunks, predicted bytes and time)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML config file (defaults apply to what it omits)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config field (repeatable), e.g. --set offload.device_budget=2GB")
-    p.add_argument("--profile", metavar="FILE.json", help="use this `stratum profile` output instead of profiling")
-    p.add_argument("--estimate", action="store_true",
-                   help="bytes per tier from the model's shapes alone, in seconds: no block is run or timed, so no "
-                        "step time is predicted")
-    p.add_argument("--json", dest="json_out", metavar="FILE.json", help="also write the plan as JSON")
-    p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, metavar="BUDGETS",
-                   help="plan these device budgets instead (comma-separated sizes or percentages of the training "
-                        f"state; default {_escape_percent(DEFAULT_SWEEP)}) and print one row each")
-    p.add_argument("--parallel", action="store_true", help="rank Plan trees (replicate x pipeline x split) for "
-                   "--devices devices instead: predicted step time and peak memory, best first")
-    p.add_argument("--devices", type=int, metavar="N", help="with --parallel: devices to plan for (default: the "
-                   "hardware spec's)")
-    p.add_argument("--hardware", metavar="FILE.toml", help="with --parallel: hardware spec (default: this machine, "
-                   "measured once and cached)")
-    return p
-
-
-DEFAULT_SWEEP = "10%,25%,50%,100%"
-
-
-def _escape_percent(text: str) -> str:
-    """argparse %-formats help strings: a literal ``%`` must be doubled."""
-    return text.replace("%", "%%")
 
 
 def sweep_budgets(text: str, state_bytes: int) -> list[tuple[str, int]]:

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from stratum.data.tokens import Batch
-from stratum.dist.launch import PeerError, short_reason
+from stratum.dist.launch import short_reason
 from stratum.dist.world import World
+from stratum.errors import PeerError
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty

@@ -31,9 +31,9 @@ from torch import nn
 
 from stratum.config import PIPELINE_PARTITIONS as PARTITIONS
 from stratum.data.tokens import Batch
-from stratum.dist.launch import PeerError, short_reason
+from stratum.dist.launch import short_reason
 from stratum.dist.world import World
-from stratum.errors import StratumError
+from stratum.errors import PeerError, StratumError
 from stratum.ir.plan import Pipeline
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers

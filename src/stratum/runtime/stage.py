@@ -22,7 +22,7 @@ threads, NCCL on its stream. Messages carry a tag unique within a step (kind, bo
 pair up whatever order the ranks post them in. Shapes: before the first step with a new input shape, one
 forward pass of a single micro-batch (no grad, under ``neutral``: RNG and buffers untouched) sends each
 boundary's shape and dtype to the next rank, so every later receive is pre-allocated. Every wait has a deadline
-(``timeout_s``); a peer that died or hung becomes a :class:`~stratum.dist.launch.PeerError` naming the rank and
+(``timeout_s``); a peer that died or hung becomes a :class:`~stratum.errors.PeerError` naming the rank and
 the message.
 """
 
@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from stratum.data.tokens import Batch
-from stratum.dist.launch import PeerError, short_reason, wait_until
+from stratum.dist.launch import short_reason, wait_until
+from stratum.errors import PeerError
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream
 from stratum.runtime.device import autocast
