@@ -111,6 +111,7 @@ def test_help_usage_errors_and_config_do_not_import_torch():
             "assert main(['config']) == 0\n"
             "assert main(['train', '--set', 'model.preset=\"bogus\"']) == 2\n"
             "from stratum.config import load_config\nload_config(None, ['model.preset=\"gpt2-124m\"'])\n"
+            "import stratum.dist.roles  # a launcher starts the ranks' forkserver before it imports torch\n"
             "assert 'torch' not in sys.modules, 'the command line imported torch before running a command'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

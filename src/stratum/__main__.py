@@ -2,7 +2,7 @@ import os
 import sys
 
 from stratum.cli import main
-from stratum.dist.launch import is_worker
+from stratum.dist.roles import is_worker
 
 code = main()
 if is_worker():

@@ -31,6 +31,7 @@ import os
 import sys
 from typing import NoReturn
 
+from stratum.dist.roles import is_worker, warm_up
 from stratum.errors import PeerError, StratumError
 from stratum.log import console
 
@@ -151,7 +152,6 @@ def _run(args: argparse.Namespace) -> int:
             from stratum.train.dryrun import dry_run
             dry_run(cfg)
             return 0
-        from stratum.dist.launch import is_worker
         if cfg.plan.world_size() > 1 and not is_worker():
             return _spawn_workers(cfg, args)
         from stratum.train.trainer import train
@@ -174,17 +174,17 @@ def _run(args: argparse.Namespace) -> int:
 def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     """Check the plan and prepare the data here, then run the same command in as many local worker processes as
     the plan needs (each joins the process groups from its environment)."""
+    warm_up()  # the ranks' forkserver imports torch and the trainer while this process imports and prepares
     from pathlib import Path
 
     from stratum.data.prepare import prepare_data
-    from stratum.dist.launch import PEER_GRACE_S, spawn_local, warm_up
+    from stratum.dist.launch import PEER_GRACE_S, spawn_local
     from stratum.parallel.compose import check_plan
     from stratum.train.lock import hold_out_dir, inherited_lock_env
     from stratum.train.stopping import missing_dirs, remove_empty_dirs
     from stratum.train.trainer import prepare_out_dir
 
     check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
-    warm_up()  # the ranks' forkserver imports torch and the trainer while this process prepares the data
     prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
     out_dir = Path(cfg.train.out_dir).expanduser()
     made = missing_dirs(out_dir)
@@ -225,12 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     except StratumError as e:
         sys.stderr.write(f"stratum: error: {e}\n")  # one write: lines of several ranks do not interleave
         sys.stderr.flush()
-        if isinstance(e, PeerError):
-            from stratum.dist.launch import is_worker  # imports torch: bad input alone answers without it
-            if is_worker():
-                # a peer is gone: leave now rather than let process-group teardown wait on it
-                sys.stdout.flush()
-                os._exit(e.exit_code)
+        if isinstance(e, PeerError) and is_worker():
+            # a peer is gone: leave now rather than let process-group teardown wait on it
+            sys.stdout.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",

@@ -27,11 +27,8 @@ from typing import NoReturn
 import torch
 
 from stratum.dist.forked import PassedFd, start_forked
+from stratum.dist.roles import RANK_PRELOAD
 
-PRELOAD = ("torch._dynamo", "torch.distributed", "stratum.cli", "stratum.config", "stratum.train.trainer",
-           "stratum.train.fit", "stratum.parallel.compose", "stratum.runtime.pipeline", "stratum.dist.forked_rank")
-"""What the server imports once for every rank: torch, the dynamo import of the first optimizer step, and the
-modules of ``stratum train``."""
 
 
 class ForkedRank:
@@ -42,7 +39,7 @@ class ForkedRank:
         read, write = os.pipe()
         stdio = (_passed(0), _passed(1), PassedFd(write))
         try:
-            self.proc = start_forked(rank_main, (list(argv), dict(env), stdio), name=name, preload=PRELOAD,
+            self.proc = start_forked(rank_main, (list(argv), dict(env), stdio), name=name, preload=RANK_PRELOAD,
                                      death_signal=signal.SIGTERM)
         finally:
             os.close(write)

@@ -35,34 +35,9 @@ import torch
 
 from stratum.dist import forked
 from stratum.dist.forked import die_with_parent
-from stratum.dist.forked_rank import PRELOAD, ForkedRank
+from stratum.dist.forked_rank import ForkedRank
+from stratum.dist.roles import WORKER_ENV, env_rank, forking, is_worker, under_torchrun, warm_up
 from stratum.errors import PeerError, StratumError
-
-WORKER_ENV = "STRATUM_WORKER"
-"""Set (to 1) in processes started by :func:`spawn_local`."""
-
-
-def under_torchrun() -> bool:
-    """True when ``RANK`` and ``WORLD_SIZE`` are set (torchrun, our own spawn, or another launcher)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def is_worker() -> bool:
-    """True in a process that must run its share of a multi-process job itself (not spawn one)."""
-    return under_torchrun() or os.environ.get(WORKER_ENV) == "1"
-
-
-def env_rank() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the environment; (0, 1, 0) outside a launched job."""
-    if not under_torchrun():
-        return 0, 1, 0
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
-    except ValueError:
-        raise StratumError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
-    return rank, world, local
-
 
 def rank() -> int:
     """This process's rank in the default group (0 when there is none)."""
@@ -183,25 +158,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SPAWN_ENV = "STRATUM_SPAWN"
-"""``exec`` makes :func:`spawn_local` start each rank as a fresh ``python`` process instead of forking it from the
-warm forkserver (which only Linux has)."""
-
-
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The worker gets SIGTERM when the launcher dies, so no orphan keeps waiting on its peers."""
     die_with_parent(signal.SIGTERM)
-
-
-def forking() -> bool:
-    """Ranks are forked from the warm forkserver (not exec'd): on Linux, unless ``STRATUM_SPAWN=exec``."""
-    return forked.usable() and os.environ.get(SPAWN_ENV, "fork") != "exec"
-
-
-def warm_up() -> None:
-    """Start the forkserver now, when ranks will be forked: its imports overlap the launcher's own work."""
-    if forking():
-        forked.warm_up(PRELOAD)
 
 
 def _start_rank(argv: list[str], env: dict[str, str], rank: int) -> ForkedRank | subprocess.Popen:

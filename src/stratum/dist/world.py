@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from stratum.dist import launch
+from stratum.dist import launch, roles
 from stratum.errors import PeerError
 from stratum.dist.launch import short_reason, wait_until
 from stratum.ir.plan import Coord, Plan
@@ -134,7 +134,7 @@ def mesh_world(plan: Plan, device: torch.device, timeout_s: float) -> World:
 def join_world(plan: Plan, device: torch.device, *, backend: str, timeout_s: float) -> World:
     """The world ``plan`` runs in: one process without a group, or this process's place among the launched ones
     (the default group joined from the launcher's environment, the slice groups created)."""
-    if plan.world_size() == 1 and not launch.under_torchrun():
+    if plan.world_size() == 1 and not roles.under_torchrun():
         return single_world(plan, device)
     device = launch.local_device(device)
     launch.init_process_group(world=plan.world_size(), backend=backend, device=device, timeout_s=timeout_s)

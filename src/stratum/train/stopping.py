@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stratum.dist.launch import is_worker
+from stratum.dist.roles import is_worker
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
