@@ -187,7 +187,7 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_on_the_host(sha
     half = plan(m, prof, precision="bf16", device_budget=state_bytes(m) // 10, **fixed)
     full = plan(m, prof, chunk_elems=half.chunk_elems, resident_chunks=half.resident_chunks, **fixed)
     assert half.half_params and not full.half_params and full.param_tier == HOST
-    assert "bf16 working copies on the device" in half.describe()
+    assert "16-bit working copies on the device" in half.describe()
     C, R = half.chunk_elems, half.resident_chunks
     pinned = sum(c.capacity for c in pack(m, C).chunks if c.tied)
     assert pinned > 0  # (the tied embedding)
