@@ -388,7 +388,10 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
     ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot).
     ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one).
-    ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``)."""
+    ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``); the
+    activation bytes are then the ones the profile measured on 16-bit parameters, where it did."""
+    if half:
+        costs = costs.on_half_params()
     L = len(costs.act_bytes)
     kept = kept if acts == SPILL else frozenset()
     c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,
