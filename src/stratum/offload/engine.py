@@ -16,7 +16,9 @@ there, otherwise on the optimizer thread on host/disk, overlapped with the rest 
 (``optim.grad_clip > 0``) the global norm needs every gradient first: per-parameter norms are taken as each
 chunk completes, gradients stay with their chunk (spilled to its home tier when it is evicted), and the updates
 run after the backward. That costs gradient traffic but is exact: the same norm, coefficient and update as
-``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``.
+``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``. Under fp16 (loss scaling, on 16-bit chunks) every update
+waits likewise: the global norm of the scaled gradients is the overflow check that decides whether any runs
+(``Updates._scaled_update``, runtime/loss_scale.py).
 """
 
 from __future__ import annotations

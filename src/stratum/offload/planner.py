@@ -324,7 +324,8 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
     ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
-    ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params)."""
+    ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params;
+    fp16: only such placements, every update after the backward)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
