@@ -287,6 +287,7 @@ def test_fp16_chunks_skip_the_plain_engines_overflows_and_resume_exactly(shared_
     ref_st = ref.state()
     want += run(ref, 2, start=5)
     assert [r.skipped for r in want] == [r.skipped for r in got] == [True] * 2 + [False] * 5
+    assert all(r.grad_norm < 10 for r in got[2:] + want[2:])  # unscaled before the norm (scaled: ~1e5)
     scales = [r.loss_scale for r in want]
     assert scales == [r.loss_scale for r in got] == [2.0**k for k in (19, 18, 17, 17, 18, 18, 19)]
     assert _rel(got[2:], want[2:]) <= FP16_LOSS_REL and _weight_dist(st, ref_st) <= FP16_WEIGHT_REL
