@@ -257,7 +257,8 @@ def test_fp16_chunks_skip_the_plain_engines_overflows_and_resume_exactly(shared_
     """train.precision = fp16, streamed through 10 % of the training state: the device holds fp16 chunks (the
     bf16 bytes), the links move what the step model predicts; the steps whose gradients overflow are skipped in
     the offload and the plain engine alike (same scales, same skips, parameters untouched), the others follow
-    plain fp16 within FP16_*; a checkpoint holds the scaler and resumes both engines exactly. Planned from an
+    plain fp16 within FP16_*; a checkpoint holds the scaler and resumes both engines exactly (and the plain engine
+    from the offload engine's, with its scale, within FP16_*). Planned from an
     fp16 profile, whose activation bytes are measured on 16-bit parameters, the predicted device peak is within
     PEAK_MARGIN above the measured one."""
     m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp, "fp16")
@@ -299,3 +300,7 @@ def test_fp16_chunks_skip_the_plain_engines_overflows_and_resume_exactly(shared_
     again = PlainEngine(build("gpt", shared_tmp), optim=spec(), device=DEV, precision="fp16", loss_scale=FORCED)
     again.load_state(ref_st)
     assert [(r.loss, r.loss_scale) for r in run(again, 2, start=5)] == [(r.loss, r.loss_scale) for r in want[5:]]
+    cross = PlainEngine(build("gpt", shared_tmp), optim=spec(), device=DEV, precision="fp16", loss_scale=FORCED)
+    cross.load_state(st)  # the offload engine's checkpoint, scaler included, under the plain engine
+    res = run(cross, 2, start=5)
+    assert [r.loss_scale for r in res] == scales[5:] and _rel(res, got[5:]) <= FP16_LOSS_REL
