@@ -96,9 +96,10 @@ def plain(model, clip=1.0):
     return PlainEngine(model, optim=spec(clip), device=DEV)
 
 
-def profile(model):
+def profile(model, precision: str = "fp32"):
     with torch.random.fork_rng(devices=[]):
-        prof = profile_blockseq(copy.deepcopy(model), micro_batch=B, seq_len=T, device=DEV, runs=1)
+        prof = profile_blockseq(copy.deepcopy(model), micro_batch=B, seq_len=T, device=DEV, runs=1,
+                                precision=precision)
     return prof
 
 

@@ -40,6 +40,25 @@ def test_resume_is_bit_exact(make_cfg, tmp_path, extra):
         assert torch.equal(pa[k], pb[k]), k
 
 
+def test_fp16_skips_overflowing_steps_logs_the_scale_and_resumes_exactly(make_cfg, tmp_path):
+    """train.precision = fp16 from a first loss scale so large that the tiny GPT's gradients overflow: those steps
+    are skipped (not a failure: the run goes on), every record has the scale it ran with and whether it was
+    skipped, the scale backs off and grows again, and a run stopped and resumed (the scaler's state in the
+    checkpoint) logs the same losses, scales and skips as one run straight through."""
+    args = ("train.precision='fp16'", "train.loss_scale=1048576", "train.loss_scale_growth_interval=2",
+            "train.steps=12")
+    train(make_cfg(*args, out=tmp_path / "a"))
+    train(make_cfg(*args, out=tmp_path / "b"), stop_at=5)
+    assert set(_final_params(tmp_path / "b")) >= {"scaler/scale", "scaler/growth_tracker"}
+    train(make_cfg(*args, out=tmp_path / "b"))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [(r["loss"], r["loss_scale"], r["skipped"]) for r in a] == [(r["loss"], r["loss_scale"], r["skipped"])
+                                                                       for r in b]
+    skips, scales = [r["skipped"] for r in a], [r["loss_scale"] for r in a]
+    assert skips[:3] == [1, 1, 1] and 0 in skips and max(scales[3:]) > scales[3]
+    assert a[-1]["loss"] < a[0]["loss"] - 0.3
+
+
 def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_path):
     out = tmp_path / "r"
     train(make_cfg("train.steps=6", "train.ckpt_interval=3", "train.keep_checkpoints=5", out=out))

@@ -109,9 +109,9 @@ def test_plan_estimate_answers_from_shapes_alone(corpus_file, tmp_path, monkeypa
     assert all(r.split()[-1] == "-" for r in rows)  # no step time in an estimate's rows
     assert main([*_plan_args(corpus_file, tmp_path), "--estimate", "--profile", "p.json"]) == 2
     assert "give one" in capsys.readouterr().err
-    # bf16 with the optimizer state on the host: 16-bit chunks on the device, half the parameter bytes
+    # bf16 or fp16 with the optimizer state on the host: 16-bit chunks on the device, half the parameter bytes
     peaks = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         out = tmp_path / f"{precision}.json"
         assert main([*_plan_args(corpus_file, tmp_path, f"train.precision='{precision}'",
                                  "offload.optimizer_tier='host'", "offload.activations='recompute'",
@@ -119,8 +119,9 @@ def test_plan_estimate_answers_from_shapes_alone(corpus_file, tmp_path, monkeypa
                      "--estimate", "--json", str(out)]) == 0
         plan = json.loads(out.read_text())
         peaks[precision] = (plan["predicted_peak"]["device"] - plan["act_bytes"], plan["half_params"])
-        assert ("bf16 working copies on the device" in capsys.readouterr().out) == (precision == "bf16")
+        assert ("16-bit working copies on the device" in capsys.readouterr().out) == (precision != "fp32")
     assert peaks["bf16"][1] and not peaks["fp32"][1] and peaks["bf16"][0] < peaks["fp32"][0] / 2
+    assert peaks["fp16"] == peaks["bf16"]
 
 
 def test_plan_measures_once_with_a_line_per_block_then_reads_the_cache(corpus_file, tmp_path, capsys):

@@ -133,7 +133,7 @@ def test_every_grant_is_the_rule_s_choice(sharded):
         assert len(mine) == 1 + left and left % tasks_per_step(blocks, 2, 1) == 0
 
 
-def test_sharded_lrtf_needs_a_budget_and_no_dropout(tmp_path, corpus_file, cache_dir):
+def test_sharded_lrtf_needs_a_budget_no_dropout_and_no_fp16(tmp_path, corpus_file, cache_dir):
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"',
                       grid='"optim.lr" = [1e-3]', steps=2)
     with pytest.raises(StratumError, match="set sweep.device_budget"):
@@ -141,6 +141,11 @@ def test_sharded_lrtf_needs_a_budget_and_no_dropout(tmp_path, corpus_file, cache
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"model.dropout" = [0.0, 0.1]',
                       steps=2)
     with pytest.raises(StratumError, match="j001: .*model.dropout must be 0"):
+        open_sweep(path, say=lambda _: None)
+    (tmp_path / "fp16").mkdir()
+    path = sweep_file(tmp_path / "fp16", corpus_file, cache_dir, sweep=SHARDED,
+                      grid='"train.precision" = ["fp32", "fp16"]', steps=2)
+    with pytest.raises(StratumError, match="j001: sharded-lrtf does not run train.precision = 'fp16'"):
         open_sweep(path, say=lambda _: None)
     assert not (tmp_path / "sw" / "jobs").exists()
 

@@ -22,14 +22,14 @@ from typing import Any
 
 from stratum.errors import StratumError
 from stratum.extras import require
-from stratum.ir.plan import Plan, parse_plan
+from stratum.ir.plan import Local, Offload, Plan, parse_plan
 from stratum.model.presets import PRESETS
 from stratum.schedule.generators import KINDS, is_kind
 from stratum.units import parse_budget, parse_bytes
 
 SOURCES = ("gpt", "sequential", "hf")
 TOKENIZERS = ("byte", "bpe")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("plain", "pipeline", "offload")
 OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
 OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
@@ -111,7 +111,13 @@ class TrainConfig:
     seed: int = 1337
     """Seeds weights, data order and dropout."""
     precision: str = "fp32"
-    """fp32, or bf16 (autocast; weights and optimizer state stay fp32)."""
+    """fp32, bf16 (autocast; weights and optimizer state stay fp32), or fp16 (autocast with dynamic loss scaling,
+    for GPUs without bf16 such as T4 and V100: a step whose gradients overflow is skipped and the scale halved;
+    the plain and offload engines only)."""
+    loss_scale: float = 65536.0
+    """train.precision = fp16: the initial loss scale (torch GradScaler's default, 2**16)."""
+    loss_scale_growth_interval: int = 2000
+    """train.precision = fp16: steps in a row without an overflow after which the loss scale doubles."""
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, or cuda:N."""
     threads: int = 0
@@ -336,6 +342,8 @@ class Config:
         _check("train.threads", 0 <= t.threads <= 4096, "must be in [0, 4096] (0 = auto)")
         _check("train.seed", 0 <= t.seed <= SEED_MAX, f"must be in [0, 2**63 - 1 = {SEED_MAX}]")
         _choice("train.precision", t.precision, PRECISIONS)
+        _check("train.loss_scale", t.loss_scale >= 1, "must be ≥ 1 (a power of two keeps unscaling exact)")
+        _check("train.loss_scale_growth_interval", t.loss_scale_growth_interval >= 1, "must be ≥ 1")
         _choice("train.priority", t.priority, PRIORITIES)
         if not (t.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", t.device)):
             raise StratumError(f"train.device = {_show(t.device)} is not auto, cpu, cuda or cuda:N")
@@ -369,6 +377,7 @@ class Config:
             _ = self.plan  # parses and checks the plan expression
             self._validate_speeds()
         self._validate_auto()
+        self._validate_fp16()
         _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
         self._validate_schedule()
         self._validate_offload()
@@ -382,6 +391,25 @@ class Config:
         if pl.hardware.strip() and not Path(pl.hardware).expanduser().is_file():
             raise StratumError(f"parallel.hardware = {_show(pl.hardware)} is not a file; write a spec with "
                                "`stratum hardware probe --out FILE`")
+
+    def _validate_fp16(self) -> None:
+        """fp16's dynamic loss scaling is built into the plain and the offload engine alone (one process): every
+        other plan is refused here rather than run unscaled. The offload engine runs it on 16-bit chunks with the
+        fp32 masters and AdamW moments in host RAM (Placement.half_params)."""
+        if self.train.precision != "fp16":
+            return
+        what = "train.precision = 'fp16' (loss scaling) runs on the plain and offload engines only"
+        if self.parallel.plan.strip() == "auto":
+            raise StratumError(f"{what}, and parallel.plan = 'auto' searches multi-process plans: name the plan, or "
+                               "use bf16 or fp32")
+        if not isinstance(self.plan.root, (Local, Offload)):
+            raise StratumError(f"{what}, not under plan {str(self.plan)!r}: use bf16 or fp32 there")
+        if isinstance(self.plan.root, Offload) and self.offload.optimizer_tier in ("device", "disk"):
+            raise StratumError("train.precision = 'fp16' on the offload engine keeps AdamW in host RAM: set "
+                               "offload.optimizer_tier = 'auto' or 'host'")
+        if isinstance(self.plan.root, Offload) and self.offload.delayed_update:
+            raise StratumError("offload.delayed_update runs with bf16 chunks, not train.precision = 'fp16': set it "
+                               "to false")
 
     def _validate_schedule(self) -> None:
         """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""

@@ -39,6 +39,9 @@ class Costs:
     """Bytes an activation spill of unit s copies (the profiler's measure; ``act_bytes`` where not given)."""
     param_bytes: Sequence[float] = ()
     """Bytes of unit s's parameters, and of its gradient (0 where not given)."""
+    half_bytes: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None
+    """``act_bytes``, ``out_bytes`` and ``spill_bytes`` of the units run on 16-bit parameters (the offload
+    engine's 16-bit chunks), where measured (:meth:`on_half_params`); None: as the others."""
     latency: float = 0.0
     bandwidth: float = math.inf
     time_unit: str = "s"
@@ -65,6 +68,13 @@ class Costs:
         if not self.bandwidth > 0:
             raise StratumError(f"costs: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
 
+    def on_half_params(self) -> Costs:
+        """These costs with the byte columns measured on 16-bit parameters in place (itself where none were)."""
+        if self.half_bytes is None:
+            return self
+        act, out, spill = self.half_bytes
+        return replace(self, act_bytes=act, out_bytes=out, spill_bytes=spill, half_bytes=None)
+
     @property
     def num_stages(self) -> int:
         return len(self.f)
@@ -82,10 +92,14 @@ class Costs:
     def blocks(cls, profile) -> Costs:
         """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
         bs = profile.blocks
+        half = None
+        if bs and all(x.half_act_saved_bytes is not None for x in bs):
+            half = ([x.half_act_saved_bytes for x in bs], [x.half_out_bytes or 0 for x in bs],
+                    [x.half_spill_bytes or x.half_act_saved_bytes for x in bs])
         return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
                    w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
                    out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs],
-                   param_bytes=[x.param_bytes for x in bs])
+                   param_bytes=[x.param_bytes for x in bs], half_bytes=half)
 
     @classmethod
     def zeros(cls, n: int) -> Costs:

@@ -16,7 +16,9 @@ there, otherwise on the optimizer thread on host/disk, overlapped with the rest 
 (``optim.grad_clip > 0``) the global norm needs every gradient first: per-parameter norms are taken as each
 chunk completes, gradients stay with their chunk (spilled to its home tier when it is evicted), and the updates
 run after the backward. That costs gradient traffic but is exact: the same norm, coefficient and update as
-``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``.
+``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``. Under fp16 (loss scaling, on 16-bit chunks) every update
+waits likewise: the global norm of the scaled gradients is the overflow check that decides whether any runs
+(``Updates._scaled_update``, runtime/loss_scale.py).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from stratum.offload.tasks import block_done
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
-from stratum.runtime.device import autocast, canonical
+from stratum.runtime.device import HALF_DTYPES, autocast, canonical
 from stratum.runtime.engine import Engine, OptimSpec, StepResult
+from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
 
 
 def discard(_t: Tensor) -> None:
@@ -104,7 +107,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
                  precision: str = "fp32", disk_dir: str = "", check_every_step: bool = True,
-                 materialize=None, owns: Callable[[int], bool] | None = None, delayed_update: bool = False):
+                 materialize=None, owns: Callable[[int], bool] | None = None, delayed_update: bool = False,
+                 loss_scale: LossScaleSpec | None = None):
         self.model = model
         self.sharded = owns is not None
         """Another engine (a replica) updates some chunks: this one holds their parameters, not their AdamW
@@ -115,7 +119,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self.device = device
         self.precision = precision
         self.placement = placement
-        self._init_precision(delayed_update)
+        self._init_precision(delayed_update, loss_scale)
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         tune_allocator()
@@ -171,20 +175,34 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             e.param.register_post_accumulate_grad_hook(self._take_grad) for c in self.chunks for e in c.spec.entries]
 
     # ---- set-up ---------------------------------------------------------------------------------------------
-    def _init_precision(self, delayed_update: bool) -> None:
-        """The chunks' parameter precision the placement planned, checked against the run's, and the delayed
-        update, which only a mixed-precision placement without sharded replicas can run."""
-        if self.placement.half_params and self.precision != "bf16":
-            raise StratumError(f"the offload placement holds bf16 chunks (planned for train.precision = bf16) but "
-                               f"this run's precision is {self.precision!r}; plan it with the run's precision")
+    def _init_precision(self, delayed_update: bool, loss_scale: LossScaleSpec | None) -> None:
+        """The chunks' parameter precision the placement planned, checked against the run's; fp16's loss scaler,
+        which needs 16-bit chunks and no sharded replicas; and the delayed update, which only a bf16 placement
+        without sharded replicas can run."""
+        if self.placement.half_params and self.precision not in HALF_DTYPES:
+            raise StratumError(f"the offload placement holds 16-bit chunks (planned for train.precision = bf16 or "
+                               f"fp16) but this run's precision is {self.precision!r}; plan it with the run's "
+                               "precision")
+        fp16 = self.precision == "fp16"
+        if fp16 and (not self.placement.half_params or self.sharded):
+            raise StratumError("train.precision = 'fp16' on the offload engine needs 16-bit chunks with the fp32 "
+                               "masters and AdamW in host RAM (a placement planned for fp16, "
+                               "offload.optimizer_tier = 'host') and no sharded replicas; use bf16 or fp32 otherwise")
+        self.scaler = LossScaler(loss_scale or LossScaleSpec(), self.device) if fp16 else None
+        """fp16: the dynamic loss scale (runtime/loss_scale.py); every update then waits for the end of the
+        backward, where one inf/NaN check over all chunks decides whether any runs (``_scaled_update``)."""
+        self._skipped = False
+        """The last step's gradients overflowed: nothing was updated."""
         self._half = self.placement.half_params
+        self._half_dtype = HALF_DTYPES.get(self.precision, torch.bfloat16)
+        """The dtype of the device's 16-bit working copies (``_half``): the run's autocast dtype."""
         """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
         fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
         makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
         (``Updates._publish``)."""
         self._param_bytes = HALF if self._half else F32
         """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
-        if delayed_update and (not self._half or self.sharded):
+        if delayed_update and (not self._half or self.sharded or fp16):
             raise StratumError("offload.delayed_update needs bf16 chunks with the optimizer state on the host "
                                "(train.precision = 'bf16', offload.optimizer_tier = 'host') and no sharded replicas; "
                                "set offload.delayed_update = false")
@@ -231,7 +249,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                     flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
             return flat
         if pinned and self._half:  # a 16-bit working copy of the fp32 master, filled from it
-            c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}", torch.bfloat16)
+            c.slot = self._alloc(DEVICE, spec.capacity, f"pinned chunk {spec.index}", self._half_dtype)
             c.hp = fill(self._alloc(HOST, spec.capacity, "master params"))
             c.p().copy_(c.hp)
             self._bind(c)
@@ -262,7 +280,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                 e.param.data = self._placeholder(e.shape)
                 e.param.grad = None
         if self._half and (self.device.type == "cuda" or self._dpu):  # (DelayedUpdates: the published copy)
-            c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", torch.bfloat16)
+            c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", self._half_dtype)
             c.hp16.copy_(c.home_copy("p"))
         self._alloc_moments(c)
         return c
@@ -308,7 +326,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self._build_staging(n_stream)
         R = 0 if all_resident else min(placement.resident_chunks, n_stream)
         cap = self.layout.chunk_elems
-        slot_dtype = torch.bfloat16 if self._half else torch.float32
+        slot_dtype = self._half_dtype if self._half else torch.float32
         self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}", slot_dtype)
                       for s in range(R)]
         self.free_slots = list(range(R))[::-1]
@@ -370,8 +388,10 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         return out
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
+        scale = float(self.scaler.scale) if self.scaler is not None else None
         loss_sum, norm = self.train_share(micro_batches, lr, len(micro_batches))
-        return StepResult(loss=loss_sum.item() / len(micro_batches), grad_norm=float(norm))
+        return StepResult(loss=loss_sum.item() / len(micro_batches), grad_norm=float(norm), loss_scale=scale,
+                          skipped=self._skipped)
 
     def train_share(self, micro_batches: list[Batch], lr: float, divisor: int) -> tuple[Tensor, Tensor]:
         """One optimizer step over this engine's part of the step's micro-batches, each loss divided by
@@ -459,7 +479,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                     c.grad = "home" if self._home_grads(c) else "dev"
             out = self._block_output(mb, i)
             if i == L - 1:
-                (out / divisor).backward()
+                part = out / divisor
+                (part if self.scaler is None else self.scaler.scaled(part)).backward()
             else:
                 x_next = mb.ins[i + 1]
                 assert x_next is not None
@@ -528,7 +549,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             self._start_delayed()
         self.model.train()
         self._lr = lr
-        self._deferred = self.spec.grad_clip > 0
+        self._deferred = self.spec.grad_clip > 0 or self.scaler is not None
         self._grad_norms: dict[str, Tensor] = {}
         self._spill_futs: dict[int, Future | None] = {}
         self._opt_futs = [f for f in getattr(self, "_opt_futs", []) if not f.done()]

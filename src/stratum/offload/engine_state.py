@@ -25,6 +25,7 @@ from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DiskStore, Tier
 from stratum.offload.trace import AccessTrace
 from stratum.runtime.engine import OptimSpec
+from stratum.runtime.loss_scale import LossScaler
 
 
 class EngineState:
@@ -66,6 +67,8 @@ class EngineState:
     _all_on_device: bool
     _grads_home: bool
     _half: bool
+    scaler: LossScaler | None
+    _skipped: bool
     _dpu: bool
     _param_bytes: int
     _updates_inline: bool

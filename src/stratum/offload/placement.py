@@ -126,7 +126,7 @@ class Placement:
         return text + keep + (", recompute for the rest" if self.recomputes_some else "")
 
     def _updates_text(self) -> str:
-        half = "; bf16 working copies on the device, fp32 masters on the host" if self.half_params else ""
+        half = "; 16-bit working copies on the device, fp32 masters on the host" if self.half_params else ""
         if not self.deferred_chunks:
             return half
         return f"{half}; updates of {len(self.deferred_chunks)} chunks beside the next forward"

@@ -154,7 +154,8 @@ class _Job:
     """Placement.inflight (empty: not a pipeline rank)."""
     precision: str
     """train.precision: bf16 places 16-bit chunks on the device where the tiers allow (``half_chunks``; not on a
-    pipeline rank, whose stage runner keeps fp32 chunks)."""
+    pipeline rank, whose stage runner keeps fp32 chunks); fp16 only places 16-bit chunks (its loss scaling is
+    built on them), its updates all after the backward (``deferred``: they wait for the overflow check)."""
 
     def half(self, opt: str, ptier: str) -> bool:
         """Placement.half_params of a candidate with these tiers."""
@@ -268,6 +269,8 @@ def _tier_options(job: _Job, layout: Layout, opts: list[str], recs: list[str]) -
         for ptier in (DEVICE, HOST, DISK):
             if ptier == DEVICE and job.resident_chunks is not None and job.resident_chunks < n_stream:
                 continue
+            if job.precision == "fp16" and not job.half(opt, ptier):
+                continue
             for rc, spill_set, disk_set in _activation_options(recs, job.host_budget, layout, opt, ptier, job.costs,
                                                                job.n_micro, job.deferred, job.n_params, job.bw,
                                                                bool(job.inflight)):
@@ -321,9 +324,11 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
     ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
-    ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params)."""
+    ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params;
+    fp16: only such placements, every update after the backward)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
-               n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro, deferred=grad_clip > 0,
+               n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
+               deferred=grad_clip > 0 or precision == "fp16",
                bw=bandwidths, device_budget=device_budget, host_budget=host_budget, disk_free=disk_free,
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
@@ -348,5 +353,8 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                 stop_run = True
             before = here
     if not search.fits:
-        raise _no_fit(search, device_budget, host_budget)
+        err = _no_fit(search, device_budget, host_budget)
+        if precision == "fp16":  # (its candidates keep parameters and moments off the disk: half_chunks)
+            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW in host RAM")
+        raise err
     return _pick(job, search)

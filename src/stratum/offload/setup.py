@@ -19,6 +19,7 @@ from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_d
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import _measure_block, block_static_bytes
 from stratum.runtime.device import describe
+from stratum.runtime.loss_scale import loss_scale_spec
 from stratum.runtime.optim import optim_spec
 from stratum.units import parse_budget, parse_bytes
 
@@ -112,4 +113,5 @@ def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement
     updates, where replicas share them out (all by default)."""
     print(placement.describe())
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement, precision=cfg.train.precision,
-                         disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update)
+                         disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update,
+                         loss_scale=loss_scale_spec(cfg))

@@ -58,7 +58,8 @@ class StateIO(EngineState):
         # parameters the engine does not manage (frozen) are read from the model
         for n, p in self.model.named_parameters():
             params.setdefault(n, p.detach().cpu().clone())
-        return TrainState(params=params, optim=optim, buffers=buffers_to_cpu(self.model))
+        return TrainState(params=params, optim=optim, buffers=buffers_to_cpu(self.model),
+                          scaler=self.scaler.state() if self.scaler is not None else {})
 
     def set_params(self, c: ChunkState, flat: Tensor) -> None:
         """Replace ``c``'s parameters (a CPU tensor of its capacity) in every copy of them: the device slot, the
@@ -102,3 +103,5 @@ class StateIO(EngineState):
             c.step_counts().copy_(torch.tensor(steps))
             c.uniform = len(set(steps)) == 1
         load_buffers(self.model, state.buffers)
+        if self.scaler is not None:
+            self.scaler.load(state.scaler)

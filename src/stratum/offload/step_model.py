@@ -18,6 +18,7 @@ from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import ChunkSpec, Layout
 from stratum.offload.placement import KEEP, RECOMPUTE, SPILL, Placement
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, Bandwidths, round_up
+from stratum.runtime.device import HALF_DTYPES
 
 LINKS = ("h2d", "d2h", "disk_read", "disk_write")
 
@@ -52,13 +53,13 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 
 def half_chunks(precision: str, opt: str, ptier: str) -> bool:
-    """Mixed-precision placement (Placement.half_params): under bf16 autocast with the fp32 master weights and
-    AdamW moments in host RAM, the device holds 16-bit working copies of the chunks (slots and pinned chunks),
+    """Mixed-precision placement (Placement.half_params): under 16-bit autocast (bf16, or fp16 with loss scaling;
+    the chunks in that dtype) with the fp32 master weights and AdamW moments in host RAM, the device holds 16-bit working copies of the chunks (slots and pinned chunks),
     every gradient goes to the host in 16 bits as autograd makes it and is accumulated there in fp32, where the
     update runs; the updated masters come back up as 16-bit copies (ZeRO-Offload's recipe). With the moments on
     the device nothing crosses a link to save; parameters or moments on disk keep fp32 chunks (their update reads
     its gradients from a file: not built for 16-bit ones)."""
-    return precision == "bf16" and opt == HOST and ptier != DISK
+    return precision in HALF_DTYPES and opt == HOST and ptier != DISK
 
 
 def grads_to_host(opt: str, ptier: str, async_copies: bool, half: bool = False) -> bool:
@@ -387,7 +388,10 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     ``disk_spilled``: those of them spilled to disk through the activation ring rather than to the host.
     ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot).
     ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one).
-    ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``)."""
+    ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``); the
+    activation bytes are then the ones the profile measured on 16-bit parameters, where it did."""
+    if half:
+        costs = costs.on_half_params()
     L = len(costs.act_bytes)
     kept = kept if acts == SPILL else frozenset()
     c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,

@@ -19,6 +19,7 @@ from stratum.offload.chunk_state import ChunkState, count_steps
 from stratum.offload.cpu_adam import adamw_chunks
 from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST
+from stratum.runtime.engine import clip_coef
 
 
 class Updates(EngineState):
@@ -380,11 +381,36 @@ class Updates(EngineState):
         total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=self.device)
         if self.combine_norm is not None:
             total_norm = self.combine_norm(total_norm)
+        if self.scaler is not None:
+            return self._scaled_update(total_norm)
         coef = None
         if self._deferred:
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
         self.apply_updates(coef)
         return total_norm
+
+    def _scaled_update(self, scaled_norm: Tensor) -> Tensor:
+        """fp16: the gradients are the scaled loss's, all held on the host (16-bit chunks), every update waiting
+        here. Their global norm is finite exactly when every gradient is (fp32 sums of squares of values in
+        fp16's range cannot overflow): the inf/NaN check over all chunks. A step with one drops every gradient
+        and updates nothing — no parameter, moment or step count — as GradScaler skips ``optimizer.step``;
+        otherwise the unscaled norm clips, and one coefficient (clip factor / scale) multiplies each gradient,
+        which with a power-of-two scale is the plain engine's ``unscale_`` then clip to the bit. The unscaled
+        norm is returned."""
+        assert self.scaler is not None
+        found_inf = (~torch.isfinite(scaled_norm)).float()
+        inv_scale = self.scaler.scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        norm = scaled_norm * inv_scale.to(scaled_norm.device)
+        self._skipped = bool(found_inf)
+        if self._skipped:
+            for c in self.owned():
+                self._drop_grads(c)
+                self._spill_futs.pop(c.i, None)
+                c.stale_home = False  # its parameters stay as they are
+        else:
+            self.apply_updates(clip_coef(norm, self.spec.grad_clip) * inv_scale.to(norm.device))
+        self.scaler.update(found_inf)
+        return norm
 
     def grad_norms_now(self) -> list[tuple[str, Tensor]]:
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the

@@ -38,6 +38,7 @@ from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.parallel.split_offload import ShardLayout, SplitOffload, SplitOffloadPipeline, split_locally
 from stratum.runtime.device import compute_rate, resolve_device
 from stratum.runtime.engine import Engine, GradEngine
+from stratum.runtime.loss_scale import loss_scale_spec
 from stratum.runtime.optim import MakeOptimizer, optim_spec
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
 from stratum.runtime.plain import PlainEngine
@@ -214,7 +215,8 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
         engine = PipelineEngine(model, plan=pipeline_plan, optim=spec, world=world, precision=precision,
                                 schedule_for=lambda m: make_schedule(node, m), make_optimizer=make_opt)
     else:
-        engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt)
+        engine = PlainEngine(model, optim=spec, device=world.device, precision=precision, make_optimizer=make_opt,
+                             loss_scale=loss_scale_spec(cfg))
     if plan.replicate is not None:
         engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan),
                                  rebalance=cfg.parallel.speeds.strip() == "auto")

@@ -190,7 +190,9 @@ def scale(block: BlockProfile, factor: float) -> BlockProfile:
     return dataclasses.replace(
         block, act_saved_bytes=round(block.act_saved_bytes * factor), out_bytes=round(block.out_bytes * factor),
         spill_bytes=round(block.spill_bytes * factor), fwd_s=block.fwd_s * factor, bwd_s=block.bwd_s * factor,
-        bwd_input_s=block.bwd_input_s * factor)
+        bwd_input_s=block.bwd_input_s * factor,
+        **{k: round(v * factor) for k in ("half_act_saved_bytes", "half_spill_bytes", "half_out_bytes")
+           if (v := getattr(block, k)) is not None})
 
 
 def scaled_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
@@ -220,7 +222,7 @@ def cache_key(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.
     facts = {"model": model.fingerprint(), "device": describe(device), "threads": torch.get_num_threads(),
              "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
              "probe": probe_batch(model, micro_batch, seq_len), "runs": PROBE_RUNS, "torch": torch.__version__,
-             "format": FORMAT_VERSION}
+             "format": FORMAT_VERSION, "measures": "half_bytes"}  # (BlockProfile.half_*: measured since)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -83,6 +83,16 @@ class BlockProfile:
     spill_bytes: int = 0
     """Bytes the offload engine's activation spill copies for this block: each distinct saved view, except
     parameters and the block's own input (kept anyway), rounded up to SPILL_ALIGN. 0 in older profiles."""
+    half_act_saved_bytes: int | None = None
+    """``act_saved_bytes`` of the block as the offload engine runs it on 16-bit chunks (Placement.half_params,
+    train.precision bf16 or fp16): its parameters in the 16-bit dtype — the weights it saves are then the chunks'
+    own tensors, not autocast's casts — on its input in that dtype (the residual stream under 16-bit chunks: an
+    embedding's output has its weight's dtype); None where not measured (fp32, an estimate from shapes, older
+    profiles: the fp32-weight figures stand, an over-estimate)."""
+    half_spill_bytes: int | None = None
+    """``spill_bytes`` on 16-bit chunks (as ``half_act_saved_bytes``)."""
+    half_out_bytes: int | None = None
+    """``out_bytes`` on 16-bit chunks (as ``half_act_saved_bytes``)."""
 
     @property
     def bwd_weight_s(self) -> float:

@@ -25,7 +25,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.model.neutral import neutral
 from stratum.profile.profile import BlockProfile, Profile, spill_key
-from stratum.runtime.device import autocast, describe, resolve_device, synchronize
+from stratum.runtime.device import HALF_DTYPES, autocast, describe, resolve_device, synchronize
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32
 
@@ -124,6 +124,27 @@ def _time_backward(forward, inp: Tensor, params: list[nn.Parameter], device: tor
     return statistics.median(times[1:])
 
 
+def _half_saved(block: nn.Module, inp: Tensor, finish, device: torch.device, precision: str) -> dict[str, int]:
+    """BlockProfile's ``half_*`` bytes of ``block`` (``finish``: its output → what the step differentiates, the
+    loss for the last block): a forward counted as the offload engine runs it on 16-bit chunks — a copy with its
+    parameters (not its buffers, which stay as they are) in ``precision``'s 16-bit dtype, on its input in that
+    dtype. Empty for fp32."""
+    if precision not in HALF_DTYPES:
+        return {}
+    dtype = HALF_DTYPES[precision]
+    half = copy.deepcopy(block)
+    for p in half.parameters():
+        p.data = p.data.to(dtype)
+    x = inp.detach().to(dtype) if inp.is_floating_point() else inp.detach()
+    x.requires_grad_(x.is_floating_point())
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in half.parameters()}, x.untyped_storage().data_ptr())
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast(device, precision):
+        raw = half(x)
+        out = finish(raw)
+    return {"half_act_saved_bytes": counter.bytes, "half_spill_bytes": counter.spill_bytes,
+            "half_out_bytes": 0 if out is not raw else raw.numel() * raw.element_size()}
+
+
 def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.device, precision: str,
                    runs: int) -> tuple[BlockProfile, Tensor]:
     """Profile block ``i`` on input ``x``; returns its profile and its (detached) output. The measuring forwards
@@ -151,10 +172,11 @@ def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.de
                        if inp.requires_grad else 0.0)
         with torch.no_grad():
             nxt = x if last else block(x)
+        half = _half_saved(block, inp, lambda out: seq.loss_fn(out, y) if last else out, device, precision)
         prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
                             act_saved_bytes=counter.bytes, spill_bytes=counter.spill_bytes,
                             out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
-                            bwd_input_s=bwd_input_s, **block_static_bytes(seq, i))
+                            bwd_input_s=bwd_input_s, **half, **block_static_bytes(seq, i))
         return prof, nxt.detach()
 
 

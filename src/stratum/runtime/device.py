@@ -34,10 +34,14 @@ def canonical(device: torch.device) -> torch.device:
     return device
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""train.precision → the 16-bit dtype its autocast computes in (fp16 with dynamic loss scaling: loss_scale.py)."""
+
+
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on the device when asked; a no-op context for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    """bf16 or fp16 autocast on the device when asked; a no-op context for fp32."""
+    if precision in HALF_DTYPES:
+        return torch.autocast(device_type=device.type, dtype=HALF_DTYPES[precision])
     return contextlib.nullcontext()
 
 

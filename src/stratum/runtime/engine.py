@@ -39,7 +39,11 @@ class StepResult:
     loss: float
     """Mean loss over the step's micro-batches."""
     grad_norm: float
-    """Global gradient norm before clipping."""
+    """Global gradient norm before clipping (unscaled under fp16; inf or NaN on a skipped step)."""
+    loss_scale: float | None = None
+    """train.precision = fp16: the loss scale this step's backward ran with; None without loss scaling."""
+    skipped: bool = False
+    """fp16: the step's gradients held an inf or a NaN, so no update ran (runtime/loss_scale.py)."""
 
 
 @dataclass(kw_only=True)
@@ -53,6 +57,9 @@ class TrainState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Canonical persistent-buffer name (``blocks.<i>.<name>``) → tensor (CPU), e.g. BatchNorm's running statistics;
     empty for a model without buffers or a state saved before buffers were (the model then keeps its own)."""
+    scaler: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The fp16 loss scaler's ``scale`` and ``growth_tracker`` (runtime/loss_scale.py); empty without loss scaling
+    (a run resumed under fp16 from such a state starts from the configured initial scale)."""
 
 
 class Engine(abc.ABC):

@@ -87,8 +87,12 @@ class LocalAdamW(Optimizer):
         scale_grads_([p.grad for _, p in self.named if p.grad is not None], coef)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        self.opt.step()
+        self._apply()
         self.opt.zero_grad(set_to_none=True)
+
+    def _apply(self) -> None:
+        """The AdamW step itself, on the (clipped) gradients."""
+        self.opt.step()
 
     def export(self) -> dict[str, dict[str, torch.Tensor]]:
         return export_state(self.opt, self.named)

@@ -30,13 +30,16 @@ INTERRUPTED = 130
 
 
 def check_shardable(configs: dict[str, Config]) -> None:
-    """Steps of interleaved jobs must draw nothing from torch's global RNG (they share it): no dropout; and each job
-    runs one process under the plain or offload engine."""
+    """Steps of interleaved jobs must draw nothing from torch's global RNG (they share it): no dropout; each job
+    runs one process under the plain or offload engine, in fp32 or bf16."""
     for job_id, cfg in configs.items():
         if cfg.model.dropout > 0:
             raise StratumError(f"sweep job {job_id}: sweep.scheduler = \"sharded-lrtf\" interleaves jobs that share "
                                f"torch's random state, so model.dropout must be 0 (got {cfg.model.dropout:g}); use "
                                "lrtf or fifo for jobs with dropout")
+        if cfg.train.precision == "fp16":  # (its loss scaling is the offload engine's alone, untested interleaved)
+            raise StratumError(f"sweep job {job_id}: sharded-lrtf does not run train.precision = 'fp16' jobs; use "
+                               "bf16 or fp32, or the lrtf or fifo scheduler")
         if cfg.train.engine not in ("plain", "offload") or cfg.parallel.plan.strip():
             raise StratumError(f"sweep job {job_id}: sharded-lrtf runs jobs under the offload engine; "
                                f"train.engine = {cfg.train.engine!r} / parallel.plan are not supported with it")

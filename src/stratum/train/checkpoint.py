@@ -5,7 +5,8 @@ newest. A checkpoint directory is written under a temporary name and renamed int
 replaced atomically afterwards, so a kill at any moment leaves the previous checkpoint usable.
 
 Tensors (safetensors): ``param/<name>``, ``optim/<name>/<key>``, ``buffer/<name>`` (persistent buffers such as
-running statistics; a checkpoint without them loads, and the model keeps its own), ``rng/cpu``, ``rng/cuda<i>``.
+running statistics; a checkpoint without them loads, and the model keeps its own), ``scaler/scale`` and
+``scaler/growth_tracker`` (the fp16 loss scaler's; absent otherwise), ``rng/cpu``, ``rng/cuda<i>``.
 ``meta.json`` holds the step, the full config, the model fingerprint (parameter names and shapes), which a
 resume compares against the current run, and the size and SHA-256 of ``state.safetensors``; the tensor file's
 own header repeats the step. A load verifies all of it, and that the tensors are the model's (every parameter in
@@ -97,6 +98,7 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     for n, st in state.optim.items():
         tensors.update({f"optim/{n}/{k}": v.contiguous() for k, v in st.items()})
     tensors.update({f"buffer/{n}": t.contiguous() for n, t in state.buffers.items()})
+    tensors.update({f"scaler/{k}": t.contiguous() for k, t in state.scaler.items()})
     tensors.update(_rng_state())
     try:
         if tmp.exists():
@@ -177,6 +179,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     buffers: dict[str, torch.Tensor] = {}
+    scaler: dict[str, torch.Tensor] = {}
     rng: dict[str, torch.Tensor] = {}
     for k, v in tensors.items():
         kind, _, rest = k.partition("/")
@@ -187,11 +190,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
             optim.setdefault(name, {})[key] = v
         elif kind == "buffer":
             buffers[rest] = v
+        elif kind == "scaler":
+            scaler[rest] = v
         else:
             rng[k] = v
     if "rng/cpu" not in rng:
         raise _corrupt(path / STATE_FILE, "it has no rng/cpu tensor")
-    state = TrainState(params=params, optim=optim, buffers=buffers)
+    state = TrainState(params=params, optim=optim, buffers=buffers, scaler=scaler)
     return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=rng)
 
 

@@ -32,7 +32,8 @@ WANDB_ID_FILE = "wandb_run_id"
 EVENT_FILE_VERSION = "brain.Event:2"
 """The event-file format TensorBoard reads (what ``torch.utils.tensorboard`` writes too)."""
 
-TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss"}
+TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
+        "loss_scale": "train/loss_scale", "skipped": "train/skipped"}
 """Tags of the records' main keys; every other number goes under ``perf/<key>``."""
 
 

@@ -257,8 +257,10 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
 
 
 def _non_finite(rec: dict) -> str | None:
-    """The first of a step record's loss and gradient norm that is NaN or infinite; None when both are finite."""
-    return next((k for k in ("loss", "grad_norm") if not math.isfinite(rec[k])), None)
+    """The first of a step record's loss and gradient norm that is NaN or infinite; None when both are finite.
+    A step fp16's loss scaler skipped for an overflowing gradient changed nothing: its norm is not a failure."""
+    keys = ("loss",) if rec.get("skipped") else ("loss", "grad_norm")
+    return next((k for k in keys if not math.isfinite(rec[k])), None)
 
 
 def _saved_summary(out_dir: Path, steps_done: int) -> dict:
@@ -281,6 +283,8 @@ def _one_step(cfg: Config, engine, data, step: int, *, per_step: int, tokens: in
     rec = {"step": step + 1, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "tokens": tokens,
            "step_s": dt, "tokens_per_s": tokens / dt, "tflops": flops_per_token * tokens / dt / 1e12,
            **engine.memory_stats(), **engine.step_io()}
+    if res.loss_scale is not None:  # fp16: the scale the step ran with, and whether it was skipped (0/1)
+        rec.update(loss_scale=res.loss_scale, skipped=int(res.skipped))
     done = step + 1
     if ((t.eval_interval and done % t.eval_interval == 0) or done == t.steps) and cfg.data.val_fraction > 0:
         rec["eval_loss"] = engine.eval_loss(eval_batches)
