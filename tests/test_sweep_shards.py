@@ -4,9 +4,11 @@ tier under the budget its state exceeds, every grant the rule's choice."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
+import sqlite3
 
 import pytest
 
@@ -21,7 +23,7 @@ from stratum.train.trainer import read_metrics
 from stratum.units import parse_budget
 from tests.test_sweep_run import job_losses, rows, standalone_losses, sweep_file
 
-BUDGET = "1.2MB"
+BUDGET = "1.4MB"
 SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
 PINNED_PLACEMENT = '[offload]\nresident_chunks = 6\noptimizer_tier = "host"\nprefetch_depth = 4'
 """The sweep's offload placement's choices that decide whether a job's next shard has chunks to fetch, pinned:
@@ -49,7 +51,7 @@ def test_the_rule_on_a_hand_computed_case_as_a_table():
     assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
 
 
-JOB_SHAPE = config_from_dict({"model": {"preset": "tiny"}, "data": {"seq_len": 32},
+JOB_SHAPE = config_from_dict({"model": {"preset": "tiny", "dropout": 0.1}, "data": {"seq_len": 32},
                               "train": {"micro_batch_size": 4, "engine": "offload"}})
 HAND_CALIBRATION = {"key": "written by hand", "kind": "sharded-lrtf", "calibration": {
     "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
@@ -59,12 +61,13 @@ HAND_CALIBRATION = {"key": "written by hand", "kind": "sharded-lrtf", "calibrati
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, corpus_file, cache_dir):
-    """The sweep — j003 diverges at step 2 (lr 1e5) — its worker asked to stop (SIGTERM) once midway: the jobs
-    leave at a shard boundary and a new worker resumes them from their checkpoints."""
+    """The sweep — its jobs with dropout (each job's thread draws its own masks beside the others'); j003
+    diverges at step 2 (lr 1e5) — its worker asked to stop (SIGTERM) once midway: the jobs leave at a shard
+    boundary and a new worker resumes them from their checkpoints."""
     tmp = tmp_path_factory.mktemp("shards")
     (tmp / "cal.json").write_text(json.dumps(HAND_CALIBRATION))
     path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0\ncalibration = \"cal.json\"",
-                      grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]', steps=2,
+                      grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]\n"model.dropout" = [0.1]', steps=2,
                       extra="eval_interval = 2\nckpt_interval = 1\n" + PINNED_PLACEMENT)
     lines: list[str] = []
     stopped: list[int] = []
@@ -84,8 +87,8 @@ def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
     path, tmp, lines, stopped = sharded
     got = rows(tmp / "sw")
     assert {j: (r["status"], r["step"], r["attempts"]) for j, r in got.items()} == {
-        "j000": ("done", 1, 0), "j001": ("done", 3, 0), "j002": ("done", 1, 0), "j003": ("failed", 1, 1)}, lines
-    assert "grad_norm became nan at step 2" in got["j003"]["reason"]  # its own failure; the others finished
+        "j000": ("done", 1, 0), "j001": ("done", 3, 0), "j002": ("done", 1, 0), "j003": ("failed", 2, 1)}, lines
+    assert "became nan at step 3" in got["j003"]["reason"]  # its own failure; the others finished
     assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) >= 2, lines  # stopped, resumed
     for job_id in ("j000", "j001", "j002"):
         job_toml = (tmp / "sw" / "jobs" / job_id / "job.toml").read_text()
@@ -133,16 +136,11 @@ def test_every_grant_is_the_rule_s_choice(sharded):
         assert len(mine) == 1 + left and left % tasks_per_step(blocks, 2, 1) == 0
 
 
-def test_sharded_lrtf_needs_a_budget_and_no_dropout(tmp_path, corpus_file, cache_dir):
+def test_sharded_lrtf_needs_a_budget(tmp_path, corpus_file, cache_dir):
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"',
                       grid='"optim.lr" = [1e-3]', steps=2)
     with pytest.raises(StratumError, match="set sweep.device_budget"):
         load_sweep(path)
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"model.dropout" = [0.0, 0.1]',
-                      steps=2)
-    with pytest.raises(StratumError, match="j001: .*model.dropout must be 0"):
-        open_sweep(path, say=lambda _: None)
-    assert not (tmp_path / "sw" / "jobs").exists()
 
 
 def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded):
@@ -164,3 +162,48 @@ def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded
     last = runs[-1]  # the worker that runs its jobs to their ends: each staged task is then granted
     grants = {(r["job"], r["task"]) for r in last if "remaining" in r}
     assert all((r["job"], r["stage"]) in grants for r in last if "stage" in r)
+
+
+@pytest.fixture(scope="module")
+def asha_sharded(tmp_path_factory, corpus_file, cache_dir):
+    """An ASHA sweep under sharded-lrtf — two learning rates, with and without dropout; rung at step 3 of 6 —
+    its worker asked to stop (SIGTERM) once the first job reports at the rung: a new worker takes the pending
+    jobs and the paused one, from the sweep state."""
+    tmp = tmp_path_factory.mktemp("shards_asha")
+    (tmp / "cal.json").write_text(json.dumps(HAND_CALIBRATION))
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + '\ncalibration = "cal.json"\nearly_stop = "asha"'
+                      '\nasha_min_steps = 3\nasha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]\n"model.dropout" = [0.0, 0.1]',
+                      steps=6, extra="eval_interval = 3\nckpt_interval = 1\n" + PINNED_PLACEMENT)
+    lines: list[str] = []
+    stopped: list[int] = []
+
+    def stop_the_worker_at_the_first_report(sweep) -> None:
+        pids = {r.pid for r in sweep.state.jobs() if r.pid is not None}
+        if not stopped and pids and sweep.state.rungs():
+            stopped.append(pids.pop())
+            os.kill(stopped[0], signal.SIGTERM)
+
+    run_sweep(path, say=lines.append, tick=stop_the_worker_at_the_first_report)
+    return path, tmp, lines, stopped
+
+
+def test_asha_under_sharded_lrtf_stops_the_worst_and_promoted_jobs_keep_parity(asha_sharded, tmp_path):
+    path, tmp, lines, stopped = asha_sharded
+    got = rows(tmp / "sw")
+    db = sqlite3.connect(tmp / "sw" / "state.db")
+    rung3 = dict(db.execute("SELECT job, metric FROM rungs WHERE step = 3").fetchall())
+    db.close()
+    assert sorted(rung3) == ["j000", "j001", "j002", "j003"], lines
+    assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) >= 2, lines  # stopped, resumed
+    done = {j for j, r in got.items() if r["status"] == "done"}
+    out = {j for j, r in got.items() if r["status"] == "stopped"}
+    assert out and done and done | out == set(rung3), got
+    assert all(got[j]["step"] == 3 and "asha" in got[j]["reason"] for j in out)
+    # the best half at the rung goes on (a job promoted early may too); the worst there never does
+    assert set(sorted(rung3, key=rung3.get)[:2]) <= done and max(rung3, key=rung3.get) in out
+    assert [r for r in csv.DictReader(open(tmp / "sw" / "results.csv")) if r["status"] == "stopped"]
+    for job_id in sorted(done)[:2]:
+        assert job_losses(tmp / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id, [
+            "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
+    for job_id in out:  # its 3 steps, once each, and nothing past the rung
+        assert len(job_losses(tmp / "sw", job_id)) == 3
