@@ -7,8 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
+from stratum.sweep.shard_run import report_missed
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
 from stratum.units import parse_budget
@@ -207,3 +210,26 @@ def test_asha_under_sharded_lrtf_stops_the_worst_and_promoted_jobs_keep_parity(a
             "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
     for job_id in out:  # its 3 steps, once each, and nothing past the rung
         assert len(job_losses(tmp / "sw", job_id)) == 3
+
+
+def test_a_job_killed_between_its_rung_checkpoint_and_its_report_is_reported_on_resume(asha_sharded, tmp_path):
+    """As a sweep killed in that moment leaves it: the job pending, its checkpoint at the rung, no report. The
+    next run reports it from its metrics before it starts a worker, so it pauses there as it would have."""
+    path, tmp, _, _ = asha_sharded
+    shutil.copytree(tmp / "sw", tmp_path / "sw")
+    shutil.copy(tmp / "cal.json", tmp_path / "cal.json")
+    path = Path(shutil.copy(path, tmp_path / "sweep.toml"))
+    path.write_text(path.read_text().replace(str(tmp), str(tmp_path)))
+    sweep = open_sweep(path, say=lambda _: None)
+    stopped = next(j for j, r in rows(tmp_path / "sw").items() if r["status"] == "stopped")
+    metric = dict((j, m) for j, s, m in sweep.state.rungs() if s == 3)[stopped]
+    db = sqlite3.connect(tmp_path / "sw" / "state.db")
+    with db:
+        db.execute("DELETE FROM rungs WHERE job = ?", (stopped,))
+        db.execute("UPDATE jobs SET status = 'pending', reason = '' WHERE id = ?", (stopped,))
+    db.close()
+    assert sweep.asha is not None
+    report_missed(sweep.state, sweep.configs, sweep.asha)
+    row = rows(tmp_path / "sw")[stopped]
+    assert (row["status"], row["step"], row["eval_loss"]) == ("paused", 3, metric)
+    assert (stopped, 3, metric) in sweep.state.rungs()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stratum.sweep.asha import Asha
+from stratum.sweep.segment import result_values
 from stratum.sweep.state import PAUSED, STOPPED, SweepState
 
 
@@ -20,6 +21,18 @@ def asha_from_state(state: SweepState, *, min_steps: int, eta: int) -> Asha:
         if not (st in (PAUSED, STOPPED) and at == step):
             asha.promote(job, step)
     return asha
+
+
+def report_rung(state: SweepState, asha: Asha, job: str, rung: int, records: list[dict], start: int) -> float:
+    """Record ``job``'s eval loss at ``rung`` from its metrics ``records`` (its segment from step ``start``) in
+    ``asha`` and, with the job paused there, in the state (one transaction); the eval loss."""
+    records = [r for r in records if r["step"] <= rung]  # (a killed run may have logged steps past it)
+    metric = records[-1].get("eval_loss") if records else None
+    if not records or records[-1]["step"] != rung or metric is None:  # _check_asha makes eval steps cover the rungs
+        raise RuntimeError(f"{job}: no eval loss at rung {rung}")
+    asha.report(job, rung, metric)
+    state.add_rung(job, rung, metric, status=PAUSED, **result_values(records, start))
+    return metric
 
 
 def stop_paused(state: SweepState, eta: int, say: Callable[[str], None]) -> None:

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stratum.sweep.asha import Asha
-from stratum.sweep.asha_state import asha_from_state
-from stratum.sweep.segment import result_values
+from stratum.sweep.asha_state import asha_from_state, report_rung
 from stratum.sweep.state import PAUSED, RUNNING, SweepState
 
 
@@ -69,13 +68,8 @@ class RungBoard:
     def at_rung(self, job: str, rung: int, records: list[dict], start: int) -> bool:
         """``job`` reached ``rung`` (its metrics ``records``, its segment from step ``start``): record its eval
         loss there, then wait as :meth:`promoted`."""
-        values = result_values(records, start)
-        metric = records[-1].get("eval_loss")
-        if records[-1]["step"] != rung or metric is None:  # _check_asha makes eval steps cover the rungs
-            raise RuntimeError(f"{job}: no eval loss at rung {rung}")
         with self.cond:
-            self.asha.report(job, rung, metric)
-            self.state.add_rung(job, rung, metric, status=PAUSED, **values)
+            metric = report_rung(self.state, self.asha, job, rung, records, start)
             self.say(f"{job}: at rung {rung}, eval loss {metric:.4f}")
             self.active.discard(job)
             self.paused.add(job)

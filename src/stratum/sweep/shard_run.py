@@ -18,8 +18,8 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
-from stratum.sweep.asha import Asha
-from stratum.sweep.asha_state import asha_from_state, stop_paused
+from stratum.sweep.asha import Asha, rung_steps
+from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
 from stratum.sweep.local import start_process
 from stratum.sweep.segment import checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
@@ -61,6 +61,18 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
     return out
 
 
+def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> None:
+    """A pending job whose checkpoint stands at a rung it has not reported at (its sweep, or worker, was killed
+    between the two) is reported there now, from its metrics: it pauses there as it would have."""
+    rungs = asha_from_state(state, min_steps=asha.min_steps, eta=asha.eta)
+    for row in state.jobs():
+        cfg = configs[row.id]
+        step = checkpoint_step(Path(cfg.train.out_dir))
+        if row.status == PENDING and step in rung_steps(asha.min_steps, asha.eta, row.steps) \
+                and row.id not in rungs.results.get(step, {}):
+            report_rung(state, rungs, row.id, step, segment_records(cfg), 0)
+
+
 def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
                 shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None, say: Callable[[str], None],
@@ -68,7 +80,11 @@ def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict
     """Run shard workers until no job is pending (or the time budget is spent); then, under ASHA, stop the jobs
     left at their rungs."""
     t0 = time.monotonic()
-    while jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha):
+    while True:
+        if asha is not None:
+            report_missed(state, configs, asha)
+        if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
+            break
         spent = _one_worker(jobs, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots, threads=threads,
                             retries=retries, deadline=t0 + time_budget_s if time_budget_s else None, say=say,
                             tick=tick, asha=asha)

@@ -8,9 +8,13 @@ a shard's last block the job's thread gives its slot back and waits for its next
 in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). While every slot is
 busy, the waiting job the next freed slot goes to (as things stand) stages its next shard: its engine starts moving
 that shard's chunks to its device slots (``stage``, the engine's prefetch with nothing in use), so its task starts
-with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only; model
-set-up (which seeds and draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws
-during steps) are refused by the sweep file's checks.
+with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only. What
+the jobs share is torch's global generators: a job's set-up (which seeds them) holds
+:data:`~stratum.model.streams.GLOBAL_RNG` from its start to its first shard boundary, every block forward of a
+job with dropout holds it too (it forks, seeds from the block's stream, draws, puts back), and the thread of a
+job without dropout forks nothing (:func:`~stratum.model.streams.thread_draws_nothing`), so it never waits for it.
+Under ASHA (:mod:`stratum.sweep.shard_asha`) a job runs to each rung, reports there and waits without a slot
+until it is promoted or the worker ends.
 
 Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend). Its
 lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot, job,
