@@ -5,7 +5,7 @@ concurrent threads would draw each other's masks):
 
 1. **Single process** (every engine outside the sharded-lrtf worker): one ``block_stream`` (fork, seed, put back)
    per block forward; the lock adds an uncontended RLock acquire and release to each. Measured as µs per
-   ``block_stream`` and as the step time of a plain-engine step of ``--preset`` with dropout 0.1.
+   acquire and release, µs per ``block_stream`` and as the step time of a plain-engine step of ``--preset`` with dropout 0.1.
 2. **sharded-lrtf worker, 2 slots**: two jobs with dropout (their block forwards exclusive under the lock, and
    a job's set-up excludes the others' forwards) — the shard worker's makespan with the lock and without; and two
    jobs without dropout (their threads fork nothing, so the lock is never taken) for reference.
@@ -55,7 +55,7 @@ def lock_removed() -> Iterator[None]:
         streams.GLOBAL_RNG = lock
 
 
-def paired(fn: Callable[[], float], repeats: int) -> dict[str, float]:
+def paired(fn: Callable[[], float], repeats: int) -> dict:
     """Median of ``fn`` with the lock and without it, alternating."""
     locked, free = [], []
     for _ in range(repeats):
@@ -73,6 +73,19 @@ def stream_us(n: int = 20_000) -> float:
         with streams.block_stream(12345, k % 12, cpu):
             pass
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def lock_us(n: int = 200_000) -> float:
+    """One uncontended acquire and release of the lock, less the loop's own time."""
+    lock = streams.GLOBAL_RNG
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with lock:
+            pass
+    t1 = time.perf_counter()
+    for _ in range(n):
+        pass
+    return ((t1 - t0) - (time.perf_counter() - t1)) / n * 1e6
 
 
 def step_ms_fn(preset: str) -> Callable[[], float]:
@@ -147,6 +160,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out: dict = {"command": "python benchmarks/shard_dropout_lock.py", "args": vars(args),
                  "load_average": os.getloadavg(), "torch_threads": 1}
+    out["lock_us"] = statistics.median(lock_us() for _ in range(5))
     out["block_stream_us"] = paired(stream_us, max(args.repeats, 5))
     out["plain_step_ms"] = paired(step_ms_fn(args.preset), max(args.repeats, 5))
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +172,7 @@ def main() -> None:
     for k in ("block_stream_us", "plain_step_ms", "shard_worker_dropout_s"):
         v = out[k]
         print(f"{k}: with lock {v['with_lock']:.4g}, without {v['without_lock']:.4g}, ratio {v['ratio']:.3f}")
-    print(f"shard_worker_no_dropout_s: {out['shard_worker_no_dropout_s']:.4g}")
+    print(f"shard_worker_no_dropout_s: {out['shard_worker_no_dropout_s']:.4g}; lock_us: {out['lock_us']:.3g}")
     print(f"load average {out['load_average']} → {out['load_average_end']}; wrote {args.out}")
 
 

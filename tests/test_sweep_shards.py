@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from stratum.config import config_from_dict
 from stratum.errors import StratumError
 from stratum.sweep.predict import job_profiles, memory_need
-from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.runner import Sweep, open_sweep, run_sweep
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
 from stratum.sweep.shard_run import report_missed
@@ -72,18 +73,25 @@ def sharded(tmp_path_factory, corpus_file, cache_dir):
     path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0\ncalibration = \"cal.json\"",
                       grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]\n"model.dropout" = [0.1]', steps=2,
                       extra="eval_interval = 2\nckpt_interval = 1\n" + PINNED_PLACEMENT)
+    grants = tmp / "sw" / "shard_tasks.jsonl"
+    midway = lambda _: grants.exists() and len(grants.read_text().splitlines()) >= 12  # noqa: E731
+    return (path, tmp, *run_stopping_the_worker_once(path, midway))
+
+
+def run_stopping_the_worker_once(path: Path, when: Callable[[Sweep], bool]) -> tuple[list[str], list[int]]:
+    """Run the sweep, sending its shard worker SIGTERM the first time ``when`` holds; its lines, and the pid
+    stopped."""
     lines: list[str] = []
     stopped: list[int] = []
-    grants = tmp / "sw" / "shard_tasks.jsonl"
 
-    def stop_the_worker_once_midway(sweep) -> None:
+    def stop_once(sweep: Sweep) -> None:
         pids = {r.pid for r in sweep.state.jobs() if r.pid is not None}
-        if not stopped and pids and grants.exists() and len(grants.read_text().splitlines()) >= 12:
+        if not stopped and pids and when(sweep):
             stopped.append(pids.pop())
             os.kill(stopped[0], signal.SIGTERM)
 
-    run_sweep(path, say=lines.append, tick=stop_the_worker_once_midway)
-    return path, tmp, lines, stopped
+    run_sweep(path, say=lines.append, tick=stop_once)
+    return lines, stopped
 
 
 def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
@@ -177,17 +185,7 @@ def asha_sharded(tmp_path_factory, corpus_file, cache_dir):
     path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + '\ncalibration = "cal.json"\nearly_stop = "asha"'
                       '\nasha_min_steps = 3\nasha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]\n"model.dropout" = [0.0, 0.1]',
                       steps=6, extra="eval_interval = 3\nckpt_interval = 1\n" + PINNED_PLACEMENT)
-    lines: list[str] = []
-    stopped: list[int] = []
-
-    def stop_the_worker_at_the_first_report(sweep) -> None:
-        pids = {r.pid for r in sweep.state.jobs() if r.pid is not None}
-        if not stopped and pids and sweep.state.rungs():
-            stopped.append(pids.pop())
-            os.kill(stopped[0], signal.SIGTERM)
-
-    run_sweep(path, say=lines.append, tick=stop_the_worker_at_the_first_report)
-    return path, tmp, lines, stopped
+    return (path, tmp, *run_stopping_the_worker_once(path, lambda sweep: bool(sweep.state.rungs())))
 
 
 def test_asha_under_sharded_lrtf_stops_the_worst_and_promoted_jobs_keep_parity(asha_sharded, tmp_path):

@@ -108,10 +108,13 @@ def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, C
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
                                              "jobs": [vars(j) for j in jobs], "asha": rungs}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
+    for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
+        if state.job(j.id).status != PAUSED:
+            state.update(j.id, status=RUNNING)
     worker = start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
     began = time.monotonic()
-    for j in jobs:  # (a job at a rung stays paused until the worker promotes it)
-        state.update(j.id, pid=worker.pid, **({} if state.job(j.id).status == PAUSED else {"status": RUNNING}))
+    for j in jobs:
+        state.update(j.id, pid=worker.pid)
     say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s) (worker pid {worker.pid})")
     stopped = False
     try:
