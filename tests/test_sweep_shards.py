@@ -4,24 +4,30 @@ tier under the budget its state exceeds, every grant the rule's choice."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import shutil
 import signal
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from stratum.config import config_from_dict
 from stratum.errors import StratumError
 from stratum.sweep.predict import job_profiles, memory_need
-from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.runner import Sweep, open_sweep, run_sweep
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
+from stratum.sweep.shard_run import report_missed
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
 from stratum.units import parse_budget
 from tests.test_sweep_run import job_losses, rows, standalone_losses, sweep_file
 
-BUDGET = "1.2MB"
+BUDGET = "1.4MB"
 SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
 PINNED_PLACEMENT = '[offload]\nresident_chunks = 6\noptimizer_tier = "host"\nprefetch_depth = 4'
 """The sweep's offload placement's choices that decide whether a job's next shard has chunks to fetch, pinned:
@@ -49,7 +55,7 @@ def test_the_rule_on_a_hand_computed_case_as_a_table():
     assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
 
 
-JOB_SHAPE = config_from_dict({"model": {"preset": "tiny"}, "data": {"seq_len": 32},
+JOB_SHAPE = config_from_dict({"model": {"preset": "tiny", "dropout": 0.1}, "data": {"seq_len": 32},
                               "train": {"micro_batch_size": 4, "engine": "offload"}})
 HAND_CALIBRATION = {"key": "written by hand", "kind": "sharded-lrtf", "calibration": {
     "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
@@ -59,33 +65,41 @@ HAND_CALIBRATION = {"key": "written by hand", "kind": "sharded-lrtf", "calibrati
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, corpus_file, cache_dir):
-    """The sweep — j003 diverges at step 2 (lr 1e5) — its worker asked to stop (SIGTERM) once midway: the jobs
-    leave at a shard boundary and a new worker resumes them from their checkpoints."""
+    """The sweep — its jobs with dropout (each job's thread draws its own masks beside the others'); j003
+    diverges at step 2 (lr 1e5) — its worker asked to stop (SIGTERM) once midway: the jobs leave at a shard
+    boundary and a new worker resumes them from their checkpoints."""
     tmp = tmp_path_factory.mktemp("shards")
     (tmp / "cal.json").write_text(json.dumps(HAND_CALIBRATION))
     path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + "\nretries = 0\ncalibration = \"cal.json\"",
-                      grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]', steps=2,
+                      grid='"optim.lr" = [1e-3, 1e5]\n"train.steps" = [1, 3]\n"model.dropout" = [0.1]', steps=2,
                       extra="eval_interval = 2\nckpt_interval = 1\n" + PINNED_PLACEMENT)
+    grants = tmp / "sw" / "shard_tasks.jsonl"
+    midway = lambda _: grants.exists() and len(grants.read_text().splitlines()) >= 12  # noqa: E731
+    return (path, tmp, *run_stopping_the_worker_once(path, midway))
+
+
+def run_stopping_the_worker_once(path: Path, when: Callable[[Sweep], bool]) -> tuple[list[str], list[int]]:
+    """Run the sweep, sending its shard worker SIGTERM the first time ``when`` holds; its lines, and the pid
+    stopped."""
     lines: list[str] = []
     stopped: list[int] = []
-    grants = tmp / "sw" / "shard_tasks.jsonl"
 
-    def stop_the_worker_once_midway(sweep) -> None:
+    def stop_once(sweep: Sweep) -> None:
         pids = {r.pid for r in sweep.state.jobs() if r.pid is not None}
-        if not stopped and pids and grants.exists() and len(grants.read_text().splitlines()) >= 12:
+        if not stopped and pids and when(sweep):
             stopped.append(pids.pop())
             os.kill(stopped[0], signal.SIGTERM)
 
-    run_sweep(path, say=lines.append, tick=stop_the_worker_once_midway)
-    return path, tmp, lines, stopped
+    run_sweep(path, say=lines.append, tick=stop_once)
+    return lines, stopped
 
 
 def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
     path, tmp, lines, stopped = sharded
     got = rows(tmp / "sw")
     assert {j: (r["status"], r["step"], r["attempts"]) for j, r in got.items()} == {
-        "j000": ("done", 1, 0), "j001": ("done", 3, 0), "j002": ("done", 1, 0), "j003": ("failed", 1, 1)}, lines
-    assert "grad_norm became nan at step 2" in got["j003"]["reason"]  # its own failure; the others finished
+        "j000": ("done", 1, 0), "j001": ("done", 3, 0), "j002": ("done", 1, 0), "j003": ("failed", 2, 1)}, lines
+    assert "became nan at step 3" in got["j003"]["reason"]  # its own failure; the others finished
     assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) >= 2, lines  # stopped, resumed
     for job_id in ("j000", "j001", "j002"):
         job_toml = (tmp / "sw" / "jobs" / job_id / "job.toml").read_text()
@@ -133,15 +147,11 @@ def test_every_grant_is_the_rule_s_choice(sharded):
         assert len(mine) == 1 + left and left % tasks_per_step(blocks, 2, 1) == 0
 
 
-def test_sharded_lrtf_needs_a_budget_no_dropout_and_no_fp16(tmp_path, corpus_file, cache_dir):
+def test_sharded_lrtf_needs_a_budget_and_no_fp16(tmp_path, corpus_file, cache_dir):
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"',
                       grid='"optim.lr" = [1e-3]', steps=2)
     with pytest.raises(StratumError, match="set sweep.device_budget"):
         load_sweep(path)
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"model.dropout" = [0.0, 0.1]',
-                      steps=2)
-    with pytest.raises(StratumError, match="j001: .*model.dropout must be 0"):
-        open_sweep(path, say=lambda _: None)
     (tmp_path / "fp16").mkdir()
     path = sweep_file(tmp_path / "fp16", corpus_file, cache_dir, sweep=SHARDED,
                       grid='"train.precision" = ["fp32", "fp16"]', steps=2)
@@ -169,3 +179,61 @@ def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded
     last = runs[-1]  # the worker that runs its jobs to their ends: each staged task is then granted
     grants = {(r["job"], r["task"]) for r in last if "remaining" in r}
     assert all((r["job"], r["stage"]) in grants for r in last if "stage" in r)
+
+
+@pytest.fixture(scope="module")
+def asha_sharded(tmp_path_factory, corpus_file, cache_dir):
+    """An ASHA sweep under sharded-lrtf — two learning rates, with and without dropout; rung at step 3 of 6 —
+    its worker asked to stop (SIGTERM) once the first job reports at the rung: a new worker takes the pending
+    jobs and the paused one, from the sweep state."""
+    tmp = tmp_path_factory.mktemp("shards_asha")
+    (tmp / "cal.json").write_text(json.dumps(HAND_CALIBRATION))
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep=SHARDED + '\ncalibration = "cal.json"\nearly_stop = "asha"'
+                      '\nasha_min_steps = 3\nasha_eta = 2', grid='"optim.lr" = [3e-3, 3e-5]\n"model.dropout" = [0.0, 0.1]',
+                      steps=6, extra="eval_interval = 3\nckpt_interval = 1\n" + PINNED_PLACEMENT)
+    return (path, tmp, *run_stopping_the_worker_once(path, lambda sweep: bool(sweep.state.rungs())))
+
+
+def test_asha_under_sharded_lrtf_stops_the_worst_and_promoted_jobs_keep_parity(asha_sharded, tmp_path):
+    path, tmp, lines, stopped = asha_sharded
+    got = rows(tmp / "sw")
+    db = sqlite3.connect(tmp / "sw" / "state.db")
+    rung3 = dict(db.execute("SELECT job, metric FROM rungs WHERE step = 3").fetchall())
+    db.close()
+    assert sorted(rung3) == ["j000", "j001", "j002", "j003"], lines
+    assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) >= 2, lines  # stopped, resumed
+    done = {j for j, r in got.items() if r["status"] == "done"}
+    out = {j for j, r in got.items() if r["status"] == "stopped"}
+    assert out and done and done | out == set(rung3), got
+    assert all(got[j]["step"] == 3 and "asha" in got[j]["reason"] for j in out)
+    # the best half at the rung goes on (a job promoted early may too); the worst there never does
+    assert set(sorted(rung3, key=rung3.get)[:2]) <= done and max(rung3, key=rung3.get) in out
+    assert [r for r in csv.DictReader(open(tmp / "sw" / "results.csv")) if r["status"] == "stopped"]
+    for job_id in sorted(done)[:2]:
+        assert job_losses(tmp / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id, [
+            "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
+    for job_id in out:  # its 3 steps, once each, and nothing past the rung
+        assert len(job_losses(tmp / "sw", job_id)) == 3
+
+
+def test_a_job_killed_between_its_rung_checkpoint_and_its_report_is_reported_on_resume(asha_sharded, tmp_path):
+    """As a sweep killed in that moment leaves it: the job pending, its checkpoint at the rung, no report. The
+    next run reports it from its metrics before it starts a worker, so it pauses there as it would have."""
+    path, tmp, _, _ = asha_sharded
+    shutil.copytree(tmp / "sw", tmp_path / "sw")
+    shutil.copy(tmp / "cal.json", tmp_path / "cal.json")
+    path = Path(shutil.copy(path, tmp_path / "sweep.toml"))
+    path.write_text(path.read_text().replace(str(tmp), str(tmp_path)))
+    sweep = open_sweep(path, say=lambda _: None)
+    stopped = next(j for j, r in rows(tmp_path / "sw").items() if r["status"] == "stopped")
+    metric = dict((j, m) for j, s, m in sweep.state.rungs() if s == 3)[stopped]
+    db = sqlite3.connect(tmp_path / "sw" / "state.db")
+    with db:
+        db.execute("DELETE FROM rungs WHERE job = ?", (stopped,))
+        db.execute("UPDATE jobs SET status = 'pending', reason = '' WHERE id = ?", (stopped,))
+    db.close()
+    assert sweep.asha is not None
+    report_missed(sweep.state, sweep.configs, sweep.asha)
+    row = rows(tmp_path / "sw")[stopped]
+    assert (row["status"], row["step"], row["eval_loss"]) == ("paused", 3, metric)
+    assert (stopped, 3, metric) in sweep.state.rungs()

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from stratum.model.streams import forked
+
 
 class BufferSnapshot:
     """The buffers of some modules at one moment (their values and which tensor each module held), so they can be
@@ -58,7 +60,7 @@ def neutral(*modules: nn.Module, devices: Iterable[torch.device] = ()) -> Iterat
     are forked (restored on exit), and the buffers of ``modules`` are restored on exit to the tensors and values
     they had on entry. Work that only draws random numbers passes no modules."""
     snapshot = BufferSnapshot(modules)
-    with torch.random.fork_rng(devices=_rng_devices(devices)):
+    with forked(_rng_devices(devices)):
         try:
             yield
         finally:

@@ -7,25 +7,55 @@ pipeline stage on its own process, replicas side by side, the offload engine rec
 stream number (:class:`stratum.data.tokens.Batch`), and each block's training forward runs on a generator seeded
 from (stream, block) and then put back (:func:`block_stream`), so every engine draws the plain engine's masks
 and the global RNG is left as it was.
+
+torch's global generators are one per process, so threads that train side by side (the sweep's sharded-lrtf
+worker runs each job in a thread) must not fork, seed or draw from them at once: every fork here holds
+:data:`GLOBAL_RNG`, and a thread whose model draws nothing (:func:`thread_draws_nothing`) neither forks nor waits.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from stratum.seeds import mix
 
+GLOBAL_RNG = threading.RLock()
+"""Held while torch's global generators are forked, seeded or drawn from where another thread may do the same:
+by every fork here, and by a sharded-lrtf job's set-up (which seeds them). Reentrant: a block's forward forks
+inside a recompute's fork. Uncontended in a single-threaded run."""
+
+_thread = threading.local()
+
+
+def thread_draws_nothing() -> None:
+    """The calling thread's training draws no random numbers (its model has no dropout and initialises from its
+    own generators): its forks are skipped — no copy of the generators, no wait for :data:`GLOBAL_RNG` — so it
+    never touches the generators another thread's blocks draw from."""
+    _thread.quiet = True
+
+
+@contextlib.contextmanager
+def forked(devices: Sequence[int | torch.device] = ()) -> Iterator[None]:
+    """The global generators (the CPU's and those of the CUDA ``devices``) put back as they were after the body,
+    which no other thread's fork overlaps."""
+    if getattr(_thread, "quiet", False):
+        yield
+        return
+    with GLOBAL_RNG, torch.random.fork_rng(devices=list(devices)):
+        yield
+
 
 @contextlib.contextmanager
 def block_stream(stream: int | None, block: int, device: torch.device) -> Iterator[None]:
     """Run block ``block`` of the micro-batch with dropout stream ``stream`` on its own generator state; with
-    ``stream`` None (evaluation, probes) nothing changes."""
-    if stream is None:
+    ``stream`` None (evaluation, probes), or in a thread that draws nothing, nothing changes."""
+    if stream is None or getattr(_thread, "quiet", False):
         yield
         return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with forked([device] if device.type == "cuda" else []):
         torch.manual_seed(mix(stream, block))
         yield

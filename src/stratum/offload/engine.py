@@ -439,7 +439,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                     spill.begin_block(i)
                 self._boundary.add(xi.untyped_storage().data_ptr())
                 self._act_seen = set()
-            mb.rng.append(self._rng_state() if recompute else None)
+            # with a stream the block seeds its own generator (block_stream): the global state is not its to keep
+            mb.rng.append(self._rng_state() if recompute and mb.stream is None else None)
             mb.bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
             if recompute:
                 # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a GPU's
@@ -522,9 +523,10 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             return kept_out
         t_re = time.perf_counter()
         state, snap = mb.rng[i], mb.bufs[i]
-        assert state is not None and snap is not None
+        assert snap is not None
         with neutral(self.model.blocks[i], devices=[self.device]):
-            self._set_rng_state(state)
+            if state is not None:
+                self._set_rng_state(state)
             snap.restore()
             out = self._forward_block(i, x_in, mb.y, i == len(self.model) - 1, mb.n, mb.stream)
         mb.bufs[i] = None

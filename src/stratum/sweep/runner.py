@@ -19,6 +19,7 @@ from pathlib import Path
 from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.errors import StratumError
 from stratum.procs import pid_alive
+from stratum.sweep.asha_state import stop_paused
 from stratum.sweep.dispatch import Expect, fill, paused_worker, pending, unique
 from stratum.sweep.harvest import STOP_GRACE_S, harvest
 from stratum.sweep.job_strategy import options_of
@@ -33,7 +34,7 @@ from stratum.sweep.segment import Backend, await_stop, checkpoint_step
 from stratum.sweep.setup import Sweep, open_sweep, slot_device, sweep_profiles, write_job_configs
 from stratum.sweep.shard_run import run_sharded
 from stratum.sweep.spec import job_threads
-from stratum.sweep.state import PAUSED, PENDING, STOPPED, JobRow
+from stratum.sweep.state import PAUSED, PENDING, JobRow
 from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
 
 POLL_S = 0.2
@@ -65,7 +66,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             assert predict is not None  # (sharded-lrtf needs predictions)
             run_sharded(state=sweep.state, configs=sweep.configs, profiles=sweep_profiles(sweep), predict=predict,
                         sweep_dir=sweep.dir, slots=s.slots, threads=job_threads(s), shard_blocks=s.shard_blocks,
-                        retries=s.retries, time_budget_s=s.time_budget_s, say=say,
+                        retries=s.retries, time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
                         tick=(lambda: tick(sweep)) if tick is not None else None)
         else:
             options = None
@@ -185,14 +186,8 @@ def _stop_all(sweep: Sweep) -> None:
 
 
 def _stop_paused(sweep: Sweep) -> None:
-    """Nothing left to run: the jobs still paused at a rung were never among its best; they stop there."""
-    if sweep.asha is None:
-        return
-    for row in sweep.state.jobs():
-        if row.status == PAUSED:
-            sweep.state.update(row.id, status=STOPPED, reason=f"asha: not in the best 1/{sweep.asha.eta} at "
-                                                              f"step {row.step}")
-            sweep.say(f"{row.id}: stopped at step {row.step} (asha)")
+    if sweep.asha is not None:
+        stop_paused(sweep.state, sweep.asha.eta, sweep.say)
 
 
 def write_results(sweep_dir: Path, rows: list[JobRow], *, say: Callable[[str], None]) -> None:

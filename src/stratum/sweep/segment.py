@@ -205,3 +205,13 @@ def checkpoint_step(out_dir: Path) -> int:
 def segment_records(cfg: Config) -> list[dict]:
     """The job's metrics records so far (one consistent run: the trainer drops records past a checkpoint)."""
     return read_metrics(Path(cfg.train.out_dir))
+
+
+def result_values(records: list[dict], start: int) -> dict:
+    """What the state records of a job whose last segment began at step ``start`` and ended well: its last step,
+    loss and eval loss, and its median throughput over that segment."""
+    last = records[-1]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    tps = sorted(r["tokens_per_s"] for r in records if r["step"] > start) or [last["tokens_per_s"]]
+    return dict(step=last["step"], loss=last["loss"], eval_loss=evals[-1] if evals else None,
+                tokens_per_s=tps[len(tps) // 2], reason="")

@@ -14,6 +14,7 @@ from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
+from stratum.sweep.asha_state import asha_from_state
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
 from stratum.sweep.gang import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
@@ -22,7 +23,7 @@ from stratum.sweep.segment import Backend, Segment
 from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_run import check_shardable
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
-from stratum.sweep.state import PAUSED, STOPPED, SweepState, spec_fingerprint
+from stratum.sweep.state import SweepState, spec_fingerprint
 from stratum.sweep.sweep_calibration import given_calibration
 from stratum.units import fmt_bytes, parse_budget
 
@@ -87,7 +88,7 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
                   dir=sweep_dir, state=state, say=say, calibration=given)
     if spec.settings.early_stop == "asha":
-        sweep.asha = _asha_from_state(spec, state)
+        sweep.asha = asha_from_state(state, min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
     if spec.settings.scheduler == "sharded-lrtf":
         check_shardable(sweep.configs)
     if spec.settings.device_budget.strip():
@@ -129,19 +130,6 @@ def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None
             raise StratumError(f"sweep job {job.id}: asha compares eval losses at rungs, so train.eval_interval "
                                f"({ev}) must divide sweep.asha_min_steps ({s.asha_min_steps}); e.g. set "
                                f"train.eval_interval = {s.asha_min_steps}")
-
-
-def _asha_from_state(spec: SweepSpec, state: SweepState) -> Asha:
-    """The rung results recorded so far; a job that reported at a rung and is no longer paused (or stopped)
-    there was promoted from it."""
-    asha = Asha(min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
-    status = {j.id: (j.status, j.step) for j in state.jobs()}
-    for job, step, metric in state.rungs():
-        asha.report(job, step, metric)
-        st, at = status[job]
-        if not (st in (PAUSED, STOPPED) and at == step):
-            asha.promote(job, step)
-    return asha
 
 
 def slot_device(sweep: Sweep, slot: int) -> str | None:

@@ -18,11 +18,13 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
+from stratum.sweep.asha import Asha, rung_steps
+from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
 from stratum.sweep.local import start_process
-from stratum.sweep.segment import checkpoint_step, diverged, failure_reason, segment_records
+from stratum.sweep.segment import checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_worker import ShardJob, shard_worker_main
-from stratum.sweep.state import DONE, FAILED, PENDING, RUNNING, SweepState
+from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0
@@ -30,13 +32,9 @@ INTERRUPTED = 130
 
 
 def check_shardable(configs: dict[str, Config]) -> None:
-    """Steps of interleaved jobs must draw nothing from torch's global RNG (they share it): no dropout; each job
-    runs one process under the plain or offload engine, in fp32 or bf16."""
+    """Each job runs one process under the plain or offload engine (its shard tasks are the offload engine's
+    blocks), in fp32 or bf16."""
     for job_id, cfg in configs.items():
-        if cfg.model.dropout > 0:
-            raise StratumError(f"sweep job {job_id}: sweep.scheduler = \"sharded-lrtf\" interleaves jobs that share "
-                               f"torch's random state, so model.dropout must be 0 (got {cfg.model.dropout:g}); use "
-                               "lrtf or fifo for jobs with dropout")
         if cfg.train.precision == "fp16":  # (its loss scaling is the offload engine's alone, untested interleaved)
             raise StratumError(f"sweep job {job_id}: sharded-lrtf does not run train.precision = 'fp16' jobs; use "
                                "bf16 or fp32, or the lrtf or fifo scheduler")
@@ -46,11 +44,17 @@ def check_shardable(configs: dict[str, Config]) -> None:
 
 
 def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
-               predict: Callable[[str], dict[str, float]], shard_blocks: int) -> list[ShardJob]:
-    """The pending jobs as the worker takes them: chains from their checkpoints to their ends."""
+               predict: Callable[[str], dict[str, float]], shard_blocks: int, asha: Asha | None) -> list[ShardJob]:
+    """The jobs a worker takes, as chains from their checkpoints to their ends: the pending ones and, under ASHA
+    while some job may still report or be promoted, the paused ones (a report may promote them)."""
+    rows = state.jobs()
+    take = {PENDING}
+    if asha is not None and (any(r.status == PENDING for r in rows)
+                             or asha_from_state(state, min_steps=asha.min_steps, eta=asha.eta).promotable()):
+        take.add(PAUSED)
     out = []
-    for row in state.jobs():
-        if row.status != PENDING:
+    for row in rows:
+        if row.status not in take:
             continue
         cfg = configs[row.id]
         per_step = tasks_per_step(len(profiles[row.id].blocks), shard_blocks, cfg.micro_batches_per_step)
@@ -60,36 +64,60 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
     return out
 
 
+def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> None:
+    """A pending job whose checkpoint stands at a rung it has not reported at (its sweep, or worker, was killed
+    between the two) is reported there now, from its metrics: it pauses there as it would have."""
+    rungs = asha_from_state(state, min_steps=asha.min_steps, eta=asha.eta)
+    for row in state.jobs():
+        cfg = configs[row.id]
+        step = checkpoint_step(Path(cfg.train.out_dir))
+        if row.status == PENDING and step in rung_steps(asha.min_steps, asha.eta, row.steps) \
+                and row.id not in rungs.results.get(step, {}):
+            report_rung(state, rungs, row.id, step, segment_records(cfg), 0)
+
+
 def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
-                shard_blocks: int, retries: int, time_budget_s: float, say: Callable[[str], None],
+                shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None, say: Callable[[str], None],
                 tick: Callable[[], None] | None) -> None:
-    """Run shard workers until no job is pending (or the time budget is spent)."""
+    """Run shard workers until no job is pending (or the time budget is spent); then, under ASHA, stop the jobs
+    left at their rungs."""
     t0 = time.monotonic()
-    while jobs := shard_jobs(state, configs, profiles, predict, shard_blocks):
+    while True:
+        if asha is not None:
+            report_missed(state, configs, asha)
+        if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
+            break
         spent = _one_worker(jobs, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots, threads=threads,
                             retries=retries, deadline=t0 + time_budget_s if time_budget_s else None, say=say,
-                            tick=tick)
+                            tick=tick, asha=asha)
         if spent:
             say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at a shard boundary; run the same "
                 "command to go on (each resumes from its last checkpoint)")
             return
+    if asha is not None:
+        stop_paused(state, asha.eta, say)
 
 
 def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, Config], sweep_dir: Path,
                 slots: int, threads: int, retries: int, deadline: float | None, say: Callable[[str], None],
-                tick: Callable[[], None] | None) -> bool:
-    """One worker over ``jobs``; records their outcomes. True when the time budget stopped it."""
+                tick: Callable[[], None] | None, asha: Asha | None) -> bool:
+    """One worker over ``jobs``; records their outcomes (a job at a rung is the worker's to record). True when
+    the time budget stopped it."""
     exit_path = sweep_dir / "shard_exit.json"
     exit_path.unlink(missing_ok=True)
     spec_path = sweep_dir / "shard_spec.json"
+    rungs = {"min_steps": asha.min_steps, "eta": asha.eta} if asha is not None else None
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
-                                             "jobs": [vars(j) for j in jobs]}))
+                                             "jobs": [vars(j) for j in jobs], "asha": rungs}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
+    for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
+        if state.job(j.id).status != PAUSED:
+            state.update(j.id, status=RUNNING)
     worker = start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
     began = time.monotonic()
     for j in jobs:
-        state.update(j.id, status=RUNNING, pid=worker.pid)
+        state.update(j.id, pid=worker.pid)
     say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s) (worker pid {worker.pid})")
     stopped = False
     try:
@@ -119,11 +147,14 @@ def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, C
 
 def _record(state: SweepState, job_id: str, code: int, cfg: Config, retries: int, run_s: float, start: int,
             say: Callable[[str], None]) -> None:
-    """A job's outcome in the state: done, pending (stopped, or failed with retries left) or failed."""
+    """A job's outcome in the state: done, pending (stopped, or failed with retries left) or failed; a job the
+    worker left at a rung stays paused."""
     row = state.job(job_id)
     out = Path(cfg.train.out_dir)
     records = segment_records(cfg)
     state.update(job_id, pid=None, run_s=row.run_s + run_s)
+    if row.status == PAUSED:
+        return
     if code == INTERRUPTED:
         state.update(job_id, status=PENDING, step=checkpoint_step(out))
         return
@@ -138,9 +169,7 @@ def _record(state: SweepState, job_id: str, code: int, cfg: Config, retries: int
         say(f"{job_id}: failed: {reason}; " + (f"retry {attempts} of {retries} from its last checkpoint" if retry
                                                else "no retries left"))
         return
-    last = records[-1]
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    tps = sorted(r["tokens_per_s"] for r in records if r["step"] > start) or [last["tokens_per_s"]]
-    state.update(job_id, status=DONE, step=last["step"], loss=last["loss"],
-                 eval_loss=evals[-1] if evals else None, tokens_per_s=tps[len(tps) // 2], reason="")
-    say(f"{job_id}: done, loss {last['loss']:.4f}" + (f", eval loss {evals[-1]:.4f}" if evals else ""))
+    values = result_values(records, start)
+    state.update(job_id, status=DONE, **values)
+    say(f"{job_id}: done, loss {values['loss']:.4f}"
+        + (f", eval loss {values['eval_loss']:.4f}" if values["eval_loss"] is not None else ""))

@@ -8,9 +8,13 @@ a shard's last block the job's thread gives its slot back and waits for its next
 in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). While every slot is
 busy, the waiting job the next freed slot goes to (as things stand) stages its next shard: its engine starts moving
 that shard's chunks to its device slots (``stage``, the engine's prefetch with nothing in use), so its task starts
-with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only; model
-set-up (which seeds and draws from torch's global RNG) runs one job at a time, and jobs with dropout (which draws
-during steps) are refused by the sweep file's checks.
+with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only. What
+the jobs share is torch's global generators: a job's set-up (which seeds them) holds
+:data:`~stratum.model.streams.GLOBAL_RNG` from its start to its first shard boundary, every block forward of a
+job with dropout holds it too (it forks, seeds from the block's stream, draws, puts back), and the thread of a
+job without dropout forks nothing (:func:`~stratum.model.streams.thread_draws_nothing`), so it never waits for it.
+Under ASHA (:mod:`stratum.sweep.shard_asha`) a job runs to each rung, reports there and waits without a slot
+until it is promoted or the worker ends.
 
 Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend). Its
 lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot, job,
@@ -36,11 +40,16 @@ from pathlib import Path
 import torch
 
 from stratum.atomic import atomic_write_text
-from stratum.config import load_config
+from stratum.config import Config, load_config
 from stratum.errors import StratumError
+from stratum.model.streams import GLOBAL_RNG, thread_draws_nothing
 from stratum.offload.tasks import Stage, set_gate
+from stratum.sweep.segment import checkpoint_step, segment_records
+from stratum.sweep.shard_asha import RungBoard
 from stratum.sweep.shard_lrtf import pick_longest
 from stratum.train.trainer import train
+
+logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # the jobs' threads all reach the scheduler within this (they only load their configs)
 
@@ -202,42 +211,51 @@ def task_seconds(tasks_path: Path) -> dict[str, list[float]]:
 
 
 class JobGate:
-    """The offload engine's gate in one job's thread: at a shard's last block, give the slot back and wait."""
+    """The offload engine's gate in one job's thread: at a shard's last block, give the slot back and wait. A
+    job's set-up — from its slot's grant to its first shard boundary — holds :data:`GLOBAL_RNG`: it seeds torch's
+    global generators, which the other jobs' dropout draws from."""
 
-    def __init__(self, job: ShardJob, sched: SlotScheduler, setup: threading.Lock):
-        self.job, self.sched, self.setup = job, sched, setup
+    def __init__(self, job: ShardJob, sched: SlotScheduler):
+        self.job, self.sched = job, sched
         self.left = job.tasks_left
         self.holds_setup = False
-        """The job's thread holds the set-up lock (from its start to its first shard boundary)."""
+        """The job's thread holds the set-up lock (from a training run's start to its first shard boundary)."""
 
     def remaining_s(self) -> float:
         return max(self.left, 0) * self.job.task_s
+
+    def take_setup(self) -> None:
+        GLOBAL_RNG.acquire()
+        self.holds_setup = True
+
+    def drop_setup(self) -> None:
+        if self.holds_setup:
+            self.holds_setup = False
+            GLOBAL_RNG.release()
 
     def __call__(self, kind: str, block: int, blocks: int, stage: Stage) -> None:
         g = self.job.shard_blocks
         boundary = (block + 1) % g == 0 or block == blocks - 1 if kind == "F" else block % g == 0
         if not boundary:
             return
-        if self.holds_setup:
-            self.holds_setup = False
-            self.setup.release()
+        self.drop_setup()
         self.left -= 1
         self.sched.acquire(self.job.id, self.remaining_s(), stage)
 
 
-def _run_job(job: ShardJob, sched: SlotScheduler, setup: threading.Lock, threads: int, codes: dict[str, int]) -> None:
-    """One job's thread: wait for a slot, train (set-up one job at a time), record the exit code."""
-    gate = JobGate(job, sched, setup)
+def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threads: int,
+             codes: dict[str, int]) -> None:
+    """One job's thread: train its chain (set-up one job at a time), record the exit code."""
+    gate = JobGate(job, sched)
     log = Path(job.config_path).parent / "worker.log"
     code = 0
     try:
-        sched.acquire(job.id, gate.remaining_s())
-        setup.acquire()
-        gate.holds_setup = True
+        cfg = load_config(job.config_path)
+        if cfg.model.source == "gpt" and cfg.model.dropout == 0:
+            thread_draws_nothing()  # (its blocks draw nothing; it initialises from its own generators)
         set_gate(gate)
         torch.set_num_threads(threads)
-        cfg = load_config(job.config_path)
-        train(cfg)
+        _train_chain(job, cfg, gate, sched, board)
     except StratumError as e:
         code = e.exit_code
         _append(log, f"stratum: error: {e}\n")
@@ -248,10 +266,31 @@ def _run_job(job: ShardJob, sched: SlotScheduler, setup: threading.Lock, threads
         _append(log, traceback.format_exc())
     finally:
         set_gate(None)
-        if gate.holds_setup:
-            setup.release()
+        gate.drop_setup()
         codes[job.id] = code
+        if board is not None:
+            board.finish(job.id)
         sched.finish(job.id)
+
+
+def _train_chain(job: ShardJob, cfg: Config, gate: JobGate, sched: SlotScheduler, board: RungBoard | None) -> None:
+    """Train the job from its checkpoint to its end — under ASHA a run to each rung, where it waits for its
+    promotion without a slot — or until the worker ends with it at a rung."""
+    steps, step = cfg.train.steps, checkpoint_step(Path(cfg.train.out_dir))
+    if board is not None and board.waits(job.id) and not board.promoted(job.id):
+        return
+    while True:
+        stop = board.next_stop(step, steps) if board is not None else steps
+        sched.acquire(job.id, gate.remaining_s())
+        gate.take_setup()
+        train(cfg, stop_at=stop)
+        gate.drop_setup()
+        if board is None or stop >= steps:
+            return
+        sched.release(job.id)
+        if not board.at_rung(job.id, stop, segment_records(cfg), step):
+            return
+        step = stop
 
 
 def _append(path: Path, text: str) -> None:
@@ -259,25 +298,34 @@ def _append(path: Path, text: str) -> None:
         f.write(text)
 
 
-def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path) -> dict[str, int]:
-    """Train ``jobs`` on ``slots`` slots by the shard-level rule; each job's exit code. SIGTERM stops every job at
-    its next shard boundary (it resumes from its last checkpoint)."""
+def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path,
+                   asha: dict[str, int] | None = None) -> dict[str, int]:
+    """Train ``jobs`` on ``slots`` slots by the shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA
+    at the rungs); each job's exit code. SIGTERM stops every job at its next shard boundary (it resumes from its
+    last checkpoint)."""
     sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl")
-    setup = threading.Lock()
+    board = RungBoard.open(sweep_dir, [j.id for j in jobs], say=logger.info, **asha) if asha else None
     codes: dict[str, int] = {}
-    previous = signal.signal(signal.SIGTERM, lambda *_: sched.stop())
-    threads_ = [threading.Thread(target=_run_job, args=(j, sched, setup, threads, codes), name=f"job-{j.id}",
+
+    def stop(*_) -> None:
+        sched.stop()
+        if board is not None:
+            board.stop()
+    previous = signal.signal(signal.SIGTERM, stop)
+    threads_ = [threading.Thread(target=_run_job, args=(j, sched, board, threads, codes), name=f"job-{j.id}",
                                  daemon=True) for j in jobs]
     try:
         for t in threads_:
             t.start()
-        sched.open_when_waiting(len(jobs))
+        sched.open_when_waiting(len(jobs) - (len(board.paused) if board is not None else 0))
         for t in threads_:
             while t.is_alive():
                 t.join(0.2)  # the main thread stays responsive to signals
     finally:
         signal.signal(signal.SIGTERM, previous)
         sched.close()
+        if board is not None:
+            board.close()
     return codes
 
 
@@ -291,7 +339,8 @@ def shard_worker_main(spec_path: str) -> None:
     os.dup2(fd, 2)
     logging.basicConfig(level=logging.INFO, format="%(threadName)s %(message)s", stream=sys.stderr)
     jobs = [ShardJob(**j) for j in spec["jobs"]]
-    codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir)
+    codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir,
+                           asha=spec.get("asha"))
     atomic_write_text(sweep_dir / "shard_exit.json", json.dumps(codes))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -356,9 +356,6 @@ def _check_sharded(s: SweepSettings) -> None:
     if not s.device_budget.strip():
         raise StratumError("sweep.scheduler = \"sharded-lrtf\" keeps each job's state on the host tier between "
                            "its shard tasks: set sweep.device_budget (per job on its slot), e.g. \"64MB\"")
-    if s.early_stop:
-        raise StratumError("sweep.early_stop is not supported with sweep.scheduler = \"sharded-lrtf\"; use lrtf "
-                           "or fifo with asha")
 
 
 def _flat_keys(doc: dict[str, Any], where: str) -> dict[str, Any]:

@@ -73,8 +73,9 @@ class SweepState:
         self.path = sweep_dir / "state.db"
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: each `with self._tx()` is one explicit transaction
-            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            # isolation_level=None: each `with self._tx()` is one explicit transaction; any thread may use it,
+            # one at a time (a sharded-lrtf worker's job threads, under its rung board's lock)
+            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0, check_same_thread=False)
             self._db.executescript(_SCHEMA)
         except (OSError, sqlite3.Error) as e:
             raise StratumError(f"cannot open the sweep state {self.path} ({e}); choose a writable sweep.out_dir") \
