@@ -20,6 +20,7 @@ from pathlib import Path
 from stratum.dist import forked
 from stratum.sweep.launched import launch_train
 from stratum.sweep.segment import Segment, Worker, run_segment
+from stratum.sweep.shard_worker import shard_worker_main
 
 PRELOAD = ("stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo")
 """torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker."""
@@ -88,6 +89,10 @@ class LocalBackend:
                                    f"stratum-sweep-{job}")
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
+
+    def start_shard_worker(self, spec_path: Path, cpus: int) -> Worker:
+        """sharded-lrtf's worker, forked (its jobs' threads share this machine's cores)."""
+        return start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
 
     def close(self) -> None:
         pass

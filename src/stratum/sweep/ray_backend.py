@@ -33,6 +33,7 @@ from stratum.dist.launch import rank_env
 from stratum.errors import StratumError
 from stratum.sweep.launched import job_env, train_command
 from stratum.sweep.segment import Segment, run_segment
+from stratum.sweep.shard_worker import run_shard_worker
 
 PLACE_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 30.0
@@ -73,7 +74,20 @@ class SlotActor:
                 proc.kill()
 
 
-def _join(worker: RayWorker | RayRanks, timeout_s: float) -> None:
+class ShardActor:
+    """The process behind sharded-lrtf's worker on Ray (made a Ray actor class by :class:`RayBackend`): one actor
+    holding every slot's CPUs, its jobs' threads interleaved inside it as in the local worker."""
+
+    def where(self) -> tuple[int, str]:
+        ray = importlib.import_module("ray")
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def run(self, spec_path: str) -> int:
+        run_shard_worker(spec_path)
+        return 0
+
+
+def _join(worker: RayWorker | RayRanks | RayShardWorker, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for ``worker`` to end (Ray reports it through polls)."""
     deadline = time.monotonic() + timeout_s
     while worker.poll() is None and time.monotonic() < deadline:
@@ -112,6 +126,38 @@ class RayWorker:
     def kill(self) -> None:
         if self.poll() is None:
             self.backend.ray.kill(self.backend.actors[self.slot][0])
+
+    def join(self, timeout_s: float) -> None:
+        _join(self, timeout_s)
+
+
+class RayShardWorker:
+    """sharded-lrtf's worker on its actor (the runner's :class:`~stratum.sweep.segment.Worker`)."""
+
+    def __init__(self, ray, actor, ref, pid: int | None):
+        self.ray, self.actor, self.ref, self.pid = ray, actor, ref, pid
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._code is None and self.ray.wait([self.ref], timeout=0)[0]:
+            try:
+                self._code = self.ray.get(self.ref)
+            except self.ray.exceptions.RayError:  # the actor (its process) died
+                self._code = -signal.SIGKILL
+        return self._code
+
+    def terminate(self) -> None:
+        """SIGTERM where the actor runs on this machine (every job stops at its next shard boundary with a
+        checkpoint); elsewhere the actor is killed and the jobs resume from their last checkpoints."""
+        if self.poll() is None:
+            if self.pid is not None:
+                os.kill(self.pid, signal.SIGTERM)
+            else:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self.ray.kill(self.actor)
 
     def join(self, timeout_s: float) -> None:
         _join(self, timeout_s)
@@ -159,6 +205,8 @@ class RayBackend:
         self.threads = threads
         self.gpu_slots = gpu_slots
         self.actors: dict[int, tuple[Any, int | None]] = {}  # (Ray's handles are untyped)
+        self.shard: tuple[Any, int] | None = None
+        """sharded-lrtf's worker actor and its CPUs, while it holds them."""
         self._actor_cls: Any = None
         self.slots = slots
 
@@ -217,14 +265,33 @@ class RayBackend:
                 for rank, (a, _) in enumerate(actors)]
         return RayRanks(self, slots, refs, [pid for _, pid in actors])
 
+    def start_shard_worker(self, spec_path: Path, cpus: int) -> RayShardWorker:
+        """sharded-lrtf's worker as one actor with ``cpus`` CPUs (the slots' actors are released first: the
+        worker takes their CPUs)."""
+        self.close()
+        actor = self.ray.remote(ShardActor).options(num_cpus=cpus, max_restarts=0).remote()
+        self.shard = (actor, cpus)
+        try:
+            pid, node = self.ray.get(actor.where.remote(), timeout=PLACE_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            self.ray.kill(actor)
+            raise StratumError(f"Ray could not place sharded-lrtf's worker ({cpus} CPUs on one node) within "
+                               f"{PLACE_TIMEOUT_S:g} s: it runs every slot in one process; lower sweep.slots or "
+                               "sweep.threads_per_job") from None
+        here = node == self.ray.get_runtime_context().get_node_id()
+        return RayShardWorker(self.ray, actor, actor.run.remote(str(spec_path)), pid if here else None)
+
     def close(self) -> None:
         """Kill the actors and wait (bounded) until Ray has their CPUs back: a sweep started next in this
         process asks for them at once, and an actor asked for while its resources are still held waits for
         Ray's retry of pending placements, far longer than the release takes."""
-        held = self.threads * len(self.actors)
+        held = self.threads * len(self.actors) + (self.shard[1] if self.shard else 0)
         for actor, _ in self.actors.values():
             self.ray.kill(actor)
         self.actors.clear()
+        if self.shard:
+            self.ray.kill(self.shard[0])
+            self.shard = None
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
         while self.ray.available_resources().get("CPU", 0.0) < held and time.monotonic() < deadline:
             time.sleep(0.1)

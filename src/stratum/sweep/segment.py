@@ -150,6 +150,10 @@ class Backend(Protocol):
         """Start a segment of ``job`` on ``slots``: one process, or for a plan over several slots one rank on
         each (``threads`` threads each); the segment sits on the first."""
 
+    def start_shard_worker(self, spec_path: Path, cpus: int) -> Worker:
+        """Start sharded-lrtf's one worker (:func:`stratum.sweep.shard_worker.run_shard_worker` over
+        ``spec_path``), with ``cpus`` CPUs for all its slots."""
+
     def close(self) -> None:
         """Release the workers."""
 

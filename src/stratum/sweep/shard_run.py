@@ -20,10 +20,9 @@ from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
-from stratum.sweep.local import start_process
-from stratum.sweep.segment import checkpoint_step, diverged, failure_reason, result_values, segment_records
+from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
-from stratum.sweep.shard_worker import ShardJob, shard_worker_main
+from stratum.sweep.shard_worker import ShardJob
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 
 POLL_S = 0.2
@@ -76,7 +75,7 @@ def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> 
             report_rung(state, rungs, row.id, step, segment_records(cfg), 0)
 
 
-def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
+def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
                 shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None, say: Callable[[str], None],
                 tick: Callable[[], None] | None) -> None:
@@ -88,8 +87,8 @@ def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict
             report_missed(state, configs, asha)
         if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
             break
-        spent = _one_worker(jobs, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots, threads=threads,
-                            retries=retries, deadline=t0 + time_budget_s if time_budget_s else None, say=say,
+        spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
+                            threads=threads, retries=retries, deadline=t0 + time_budget_s if time_budget_s else None, say=say,
                             tick=tick, asha=asha)
         if spent:
             say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at a shard boundary; run the same "
@@ -99,8 +98,8 @@ def run_sharded(*, state: SweepState, configs: dict[str, Config], profiles: dict
         stop_paused(state, asha.eta, say)
 
 
-def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, Config], sweep_dir: Path,
-                slots: int, threads: int, retries: int, deadline: float | None, say: Callable[[str], None],
+def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, configs: dict[str, Config],
+                sweep_dir: Path, slots: int, threads: int, retries: int, deadline: float | None, say: Callable[[str], None],
                 tick: Callable[[], None] | None, asha: Asha | None) -> bool:
     """One worker over ``jobs``; records their outcomes (a job at a rung is the worker's to record). True when
     the time budget stopped it."""
@@ -114,7 +113,7 @@ def _one_worker(jobs: list[ShardJob], *, state: SweepState, configs: dict[str, C
     for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
         if state.job(j.id).status != PAUSED:
             state.update(j.id, status=RUNNING)
-    worker = start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
+    worker = backend.start_shard_worker(spec_path, cpus=slots * threads)
     began = time.monotonic()
     for j in jobs:
         state.update(j.id, pid=worker.pid)

@@ -16,7 +16,8 @@ job without dropout forks nothing (:func:`~stratum.model.streams.thread_draws_no
 Under ASHA (:mod:`stratum.sweep.shard_asha`) a job runs to each rung, reports there and waits without a slot
 until it is promoted or the worker ends.
 
-Runbook: the sweep runner starts this with :func:`shard_worker_main` (a forked process of the local backend). Its
+Runbook: the sweep runner starts this through its backend: :func:`shard_worker_main` in a forked process (local),
+:func:`run_shard_worker` in one Ray actor holding every slot's CPUs (ray). Its
 lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/worker.log``; every grant (slot, job,
 its task index, the waiting jobs' remaining seconds), stage (job, the task it stages for, chunk fetches started) and
 job end (slot, job) to ``<sweep dir>/shard_tasks.jsonl`` (:func:`task_seconds` reads each task's seconds on its slot
@@ -329,9 +330,9 @@ def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir:
     return codes
 
 
-def shard_worker_main(spec_path: str) -> None:
-    """The worker process (it dies with the sweep: :func:`stratum.sweep.local.start_process`): reads its jobs from
-    ``spec_path`` (JSON), trains them, writes their exit codes."""
+def run_shard_worker(spec_path: str) -> None:
+    """Read the jobs from ``spec_path`` (JSON), train them with this process's output in ``shards.log``, write
+    their exit codes to ``shard_exit.json``."""
     spec = json.loads(Path(spec_path).read_text())
     sweep_dir = Path(spec["sweep_dir"])
     fd = os.open(sweep_dir / "shards.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -344,5 +345,9 @@ def shard_worker_main(spec_path: str) -> None:
     atomic_write_text(sweep_dir / "shard_exit.json", json.dumps(codes))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
 
+
+def shard_worker_main(spec_path: str) -> None:
+    """The local backend's worker process (it dies with the sweep: :func:`stratum.sweep.local.start_process`)."""
+    run_shard_worker(spec_path)
+    os._exit(0)  # every result is written; skip the interpreter's teardown of the jobs' threads

@@ -348,11 +348,11 @@ def _check_multi_slot(s: SweepSettings) -> None:
 
 
 def _check_sharded(s: SweepSettings) -> None:
-    """sharded-lrtf interleaves the jobs' shard tasks in one local process, under the offload engine."""
-    if s.backend != "local" or s.devices:
-        raise StratumError("sweep.scheduler = \"sharded-lrtf\" runs the jobs' shard tasks in one local process on "
-                           "CPU slots (a job's offload engine is bound to one device); use backend = \"local\" "
-                           "without sweep.devices")
+    """sharded-lrtf interleaves the jobs' shard tasks in one process (local, or one Ray actor), under the offload
+    engine."""
+    if s.devices:
+        raise StratumError("sweep.scheduler = \"sharded-lrtf\" runs the jobs' shard tasks in one process on CPU "
+                           "slots (a job's offload engine is bound to one device); remove sweep.devices")
     if not s.device_budget.strip():
         raise StratumError("sweep.scheduler = \"sharded-lrtf\" keeps each job's state on the host tier between "
                            "its shard tasks: set sweep.device_budget (per job on its slot), e.g. \"64MB\"")
