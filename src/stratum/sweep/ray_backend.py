@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ class SlotActor:
 
     def run(self, config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> int:
         return run_segment(config_path, stop_at, device, threads, log_path)
+
+    def run_shards(self, spec_path: str) -> int:
+        """sharded-lrtf's worker (an actor holding every slot's CPUs): its jobs' threads interleaved in it."""
+        run_shard_worker(spec_path)
+        return 0
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a port free on it: where rank 0 of a plan over several slots listens."""
@@ -74,20 +80,7 @@ class SlotActor:
                 proc.kill()
 
 
-class ShardActor:
-    """The process behind sharded-lrtf's worker on Ray (made a Ray actor class by :class:`RayBackend`): one actor
-    holding every slot's CPUs, its jobs' threads interleaved inside it as in the local worker."""
-
-    def where(self) -> tuple[int, str]:
-        ray = importlib.import_module("ray")
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def run(self, spec_path: str) -> int:
-        run_shard_worker(spec_path)
-        return 0
-
-
-def _join(worker: RayWorker | RayRanks | RayShardWorker, timeout_s: float) -> None:
+def _join(worker: RayWorker | RayRanks, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for ``worker`` to end (Ray reports it through polls)."""
     deadline = time.monotonic() + timeout_s
     while worker.poll() is None and time.monotonic() < deadline:
@@ -95,47 +88,15 @@ def _join(worker: RayWorker | RayRanks | RayShardWorker, timeout_s: float) -> No
 
 
 class RayWorker:
-    """A segment running on a slot's actor (the runner's :class:`~stratum.sweep.segment.Worker`)."""
+    """A call running on an actor — a segment on a slot's actor, or sharded-lrtf's worker on its own (the runner's
+    :class:`~stratum.sweep.segment.Worker`). A stop request reaches an actor on this machine as SIGTERM (the
+    trainer, or every job of the shard worker, checkpoints and exits); one elsewhere is killed, and its jobs
+    resume from their last checkpoints."""
 
-    def __init__(self, backend: RayBackend, slot: int, ref, pid: int | None):
-        self.backend = backend
-        self.slot = slot
-        self.ref = ref
-        self.pid = pid
-        self._code: int | None = None
-
-    def poll(self) -> int | None:
-        ray = self.backend.ray
-        if self._code is None:
-            ready, _ = ray.wait([self.ref], timeout=0)
-            if ready:
-                try:
-                    self._code = ray.get(self.ref)
-                except ray.exceptions.RayError:  # the actor (its process) died
-                    self._code = -signal.SIGKILL
-                    self.backend.forget(self.slot)
-        return self._code
-
-    def terminate(self) -> None:
-        if self.poll() is None:
-            if self.pid is not None:
-                os.kill(self.pid, signal.SIGTERM)
-            else:
-                self.kill()
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            self.backend.ray.kill(self.backend.actors[self.slot][0])
-
-    def join(self, timeout_s: float) -> None:
-        _join(self, timeout_s)
-
-
-class RayShardWorker:
-    """sharded-lrtf's worker on its actor (the runner's :class:`~stratum.sweep.segment.Worker`)."""
-
-    def __init__(self, ray, actor, ref, pid: int | None):
+    def __init__(self, ray, actor, ref, pid: int | None, on_death: Callable[[], None] | None = None):
         self.ray, self.actor, self.ref, self.pid = ray, actor, ref, pid
+        self.on_death = on_death
+        """What the backend does when the actor (its process) died: forget a slot's actor, to replace it."""
         self._code: int | None = None
 
     def poll(self) -> int | None:
@@ -144,11 +105,11 @@ class RayShardWorker:
                 self._code = self.ray.get(self.ref)
             except self.ray.exceptions.RayError:  # the actor (its process) died
                 self._code = -signal.SIGKILL
+                if self.on_death is not None:
+                    self.on_death()
         return self._code
 
     def terminate(self) -> None:
-        """SIGTERM where the actor runs on this machine (every job stops at its next shard boundary with a
-        checkpoint); elsewhere the actor is killed and the jobs resume from their last checkpoints."""
         if self.poll() is None:
             if self.pid is not None:
                 os.kill(self.pid, signal.SIGTERM)
@@ -169,7 +130,7 @@ class RayRanks:
     failing rank ends the others."""
 
     def __init__(self, backend: RayBackend, slots: tuple[int, ...], refs: list, pids: list[int | None]):
-        self.ranks = [RayWorker(backend, slot, ref, pid) for slot, ref, pid in zip(slots, refs, pids)]
+        self.ranks = [backend.slot_call(slot, ref, pid) for slot, ref, pid in zip(slots, refs, pids)]
         self.pid: int | None = pids[0]
 
     def poll(self) -> int | None:
@@ -223,16 +184,24 @@ class RayBackend:
         if slot not in self.actors:
             gpus = 1 if slot in self.gpu_slots else 0
             actor = self._actor_cls.options(num_cpus=self.threads, num_gpus=gpus, max_restarts=0).remote()
-            try:
-                pid, node = self.ray.get(actor.where.remote(), timeout=PLACE_TIMEOUT_S)
-            except self.ray.exceptions.GetTimeoutError:
-                self.ray.kill(actor)
-                raise StratumError(f"Ray could not place slot {slot}'s worker ({self.threads} CPU, {gpus} GPU) "
-                                   f"within {PLACE_TIMEOUT_S:g} s: the cluster lacks the resources for "
-                                   "sweep.slots; lower sweep.slots or sweep.threads_per_job") from None
-            here = node == self.ray.get_runtime_context().get_node_id()
-            self.actors[slot] = (actor, pid if here else None)
+            pid = self._placed(actor, f"slot {slot}'s worker ({self.threads} CPU, {gpus} GPU)", "the cluster lacks "
+                               "the resources for sweep.slots")
+            self.actors[slot] = (actor, pid)
         return self.actors[slot]
+
+    def _placed(self, actor, what: str, why: str) -> int | None:
+        """Wait until Ray has placed ``actor``; its pid where it runs on this machine, None elsewhere."""
+        try:
+            pid, node = self.ray.get(actor.where.remote(), timeout=PLACE_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            self.ray.kill(actor)
+            raise StratumError(f"Ray could not place {what} within {PLACE_TIMEOUT_S:g} s: {why}; lower sweep.slots "
+                               "or sweep.threads_per_job") from None
+        return pid if node == self.ray.get_runtime_context().get_node_id() else None
+
+    def slot_call(self, slot: int, ref, pid: int | None) -> RayWorker:
+        """``ref``, a call on the slot's actor, as a worker; the actor is replaced if it dies."""
+        return RayWorker(self.ray, self.actors[slot][0], ref, pid, on_death=lambda: self.forget(slot))
 
     def forget(self, slot: int) -> None:
         """The slot's actor died: a new one serves its next segment."""
@@ -248,7 +217,7 @@ class RayBackend:
             if device is not None and device.startswith("cuda"):
                 device = "cuda"  # Ray gives the actor its GPU as the only visible one
             ref = actor.run.remote(str(config_path), stop_at, device, threads, str(log_path))
-            worker = RayWorker(self, slots[0], ref, pid)
+            worker = self.slot_call(slots[0], ref, pid)
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 
@@ -265,21 +234,15 @@ class RayBackend:
                 for rank, (a, _) in enumerate(actors)]
         return RayRanks(self, slots, refs, [pid for _, pid in actors])
 
-    def start_shard_worker(self, spec_path: Path, cpus: int) -> RayShardWorker:
+    def start_shard_worker(self, spec_path: Path, cpus: int) -> RayWorker:
         """sharded-lrtf's worker as one actor with ``cpus`` CPUs (the slots' actors are released first: the
         worker takes their CPUs)."""
         self.close()
-        actor = self.ray.remote(ShardActor).options(num_cpus=cpus, max_restarts=0).remote()
+        actor = self._actor_cls.options(num_cpus=cpus, max_restarts=0).remote()
         self.shard = (actor, cpus)
-        try:
-            pid, node = self.ray.get(actor.where.remote(), timeout=PLACE_TIMEOUT_S)
-        except self.ray.exceptions.GetTimeoutError:
-            self.ray.kill(actor)
-            raise StratumError(f"Ray could not place sharded-lrtf's worker ({cpus} CPUs on one node) within "
-                               f"{PLACE_TIMEOUT_S:g} s: it runs every slot in one process; lower sweep.slots or "
-                               "sweep.threads_per_job") from None
-        here = node == self.ray.get_runtime_context().get_node_id()
-        return RayShardWorker(self.ray, actor, actor.run.remote(str(spec_path)), pid if here else None)
+        pid = self._placed(actor, f"sharded-lrtf's worker ({cpus} CPUs on one node)", "it runs every slot in one "
+                           "process")
+        return RayWorker(self.ray, actor, actor.run_shards.remote(str(spec_path)), pid)
 
     def close(self) -> None:
         """Kill the actors and wait (bounded) until Ray has their CPUs back: a sweep started next in this
