@@ -3,18 +3,12 @@ plain engine on the same global batch — real gloo processes through ``stratum 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
+from cli_in_process import run_main
 
-from stratum.cli import main
 from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import parse_plan
@@ -106,10 +100,8 @@ def test_a_faster_pipeline_rank_gets_more_blocks():
 
 # ---- parity through `stratum train` ------------------------------------------------------------------------------
 def _stratum(cfg, *extra: str, stop_at: int | None = None) -> str:
-    """``stratum train`` with ``cfg``'s settings and ``extra`` overrides, as the command line runs it (its ``main``)
-    with this test process as the launcher: the ranks are real gloo processes, forked from the one warm forkserver
-    this test process keeps, not each run's fresh interpreter and server (seconds of imports a run). Returns what
-    the launcher and its ranks printed; a non-zero exit fails with it."""
+    """``stratum train`` with ``cfg``'s settings and ``extra`` overrides, run in this process (cli_in_process.py):
+    what the launcher and its ranks printed; a non-zero exit fails with it."""
     d, t = cfg.data, cfg.train
     args = ["train"] + (["--stop-at", str(stop_at)] if stop_at else [])
     for o in [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
@@ -119,38 +111,9 @@ def _stratum(cfg, *extra: str, stop_at: int | None = None) -> str:
               f"optim.warmup_steps={cfg.optim.warmup_steps}", f"optim.lr={cfg.optim.lr}",
               f"train.out_dir={t.out_dir!r}", *extra]:
         args += ["--set", o]
-    with _printed() as out:
-        code = main(args)
-    assert code == 0, out[0]
-    return out[0]
-
-
-@contextlib.contextmanager
-def _printed() -> Iterator[list[str]]:
-    """Collects what is written inside the block to sys.stdout, sys.stderr and file descriptors 1 and 2 (where
-    forked ranks write), with one intra-op thread per process as ``make test`` runs; the yielded list holds the
-    text once the block ends."""
-    text: list[str] = []
-    with tempfile.TemporaryFile("w+") as f, mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
-        with _descriptors_to(f.fileno()), contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            yield text
-        f.seek(0)
-        text.append(f.read())
-
-
-@contextlib.contextmanager
-def _descriptors_to(fd: int) -> Iterator[None]:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    try:
-        yield
-    finally:
-        for target, copy in enumerate(saved, start=1):
-            os.dup2(copy, target)
-            os.close(copy)
+    code, out = run_main(args)
+    assert code == 0, out
+    return out
 
 
 def _same_run(got_dir: Path, want_dir: Path, rel: float = 1e-5, *, param_atol: float = 1e-5,
