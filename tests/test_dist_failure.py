@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from cli_in_process import run_main
 
 from stratum.train.checkpoint import latest_checkpoint, load_checkpoint
 from stratum.train.trainer import read_metrics, train
@@ -48,17 +49,17 @@ def _stratum(args: list[str], *, env: dict | None = None, timeout: float = 150) 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_pipeline_run_matches_plain_and_resumes_across_engines(make_cfg, tmp_path):
-    """`stratum train` spawns 2 ranks itself; losses equal the plain engine's; a plain checkpoint resumes
-    under the pipeline engine and continues exactly like an uninterrupted plain run."""
+    """`stratum train` (run in this process: cli_in_process.py) spawns 2 ranks itself; losses equal the plain
+    engine's; a plain checkpoint resumes under the pipeline engine and continues exactly like an uninterrupted
+    plain run."""
     steps = ["train.steps=6", "train.grad_accum=4", "train.eval_interval=3"]
     plain = make_cfg(*steps, out=tmp_path / "plain")
     train(plain)
     want = read_metrics(tmp_path / "plain")
 
     pipe = make_cfg(*steps, out=tmp_path / "pipe")
-    code, out, err, _ = _stratum(_args(pipe, "train.engine='pipeline'", "pipeline.ranks=2",
-                                       "pipeline.schedule='zb-1f1b'"))
-    assert code == 0, err
+    code, out = run_main(_args(pipe, "train.engine='pipeline'", "pipeline.ranks=2", "pipeline.schedule='zb-1f1b'"))
+    assert code == 0, out
     got = read_metrics(tmp_path / "pipe")
     assert [r["step"] for r in got] == list(range(1, 7))
     for g, w in zip(got, want):
@@ -75,9 +76,8 @@ def test_cli_pipeline_run_matches_plain_and_resumes_across_engines(make_cfg, tmp
     # plain for 3 steps, then the pipeline (wave: 4 stages on 2 ranks) resumes to 6
     mixed = make_cfg(*steps, out=tmp_path / "mixed")
     train(mixed, stop_at=3)
-    code, _, err, _ = _stratum(_args(mixed, "train.engine='pipeline'", "pipeline.ranks=2",
-                                     "pipeline.schedule='wave'"))
-    assert code == 0, err
+    code, out = run_main(_args(mixed, "train.engine='pipeline'", "pipeline.ranks=2", "pipeline.schedule='wave'"))
+    assert code == 0, out
     resumed = read_metrics(tmp_path / "mixed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     for g, w in zip(resumed, want):

@@ -482,3 +482,35 @@ def test_slots_are_counted_at_the_layouts_rounded_chunk_size(gpt):
         assert p.param_tier != DEVICE
         one_more = slot_bytes(layout.chunk_elems, p.optimizer_tier, p.param_tier, None)
         assert p.predicted_peak[DEVICE] + one_more > budget or p.resident_chunks == len(layout.streamable)
+
+
+def test_the_host_probes_are_sized_to_the_model(make_cfg, monkeypatch):
+    """The copy and AdamW probes that price a plan move the model's fp32 weights (1 MiB to 32 MiB): the tiny GPT's
+    plan is priced from a 1 MiB copy and AdamW over 2^17 parameters; a machine probe (no model) keeps 32 MiB."""
+    import torch
+
+    from stratum.model.gpt import build_gpt
+    from stratum.offload import tiers
+    from stratum.offload.setup import placement_inputs
+
+    assert tiers.host_probe_bytes(1000) == tiers.MIN_HOST_PROBE == 1 << 20
+    assert tiers.host_probe_bytes(10**9) == tiers.PROBE_BYTES == 32 << 20
+    assert tiers.host_probe_bytes(1_000_000) == 4_001_792  # 4 MB of weights, rounded up to whole 4 KiB pages
+    probes: list[tuple[str, int]] = []
+    monkeypatch.setattr(tiers, "_measure_copy", lambda device, n: probes.append(("copy", n)) or (2e9, 1e9))
+    monkeypatch.setattr(tiers, "_measure_adam", lambda n: probes.append(("adam", n)) or 3e8)
+    cached = (tiers._measure_adam_here, tiers._measure_adam_beside)
+    try:
+        for f in cached:  # the real rates are cached per process: the fakes must neither see them nor stay
+            f.cache_clear()
+        model = build_gpt("tiny", vocab_size=256, seed=0)
+        assert sum(p.numel() for p in model.parameters()) * 4 < 1 << 20
+        bw = placement_inputs(make_cfg(), model, torch.device("cpu"))["bandwidths"]
+        assert sorted(probes) == [("adam", 1 << 17), ("adam", 1 << 17), ("copy", 1 << 20)]
+        assert (bw.h2d, bw.d2h, bw.adam_params_per_s, bw.adam_inline_params_per_s) == (2e9, 1e9, 3e8, 3e8)
+        probes.clear()
+        tiers.measure_bandwidths(torch.device("cpu"), None)
+        assert sorted(probes) == [("adam", 1 << 22), ("adam", 1 << 22), ("copy", 32 << 20)]
+    finally:
+        for f in cached:
+            f.cache_clear()

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import run_workers
 
 from stratum.ir.plan import parse_plan
 from stratum.parallel import adasum
@@ -96,27 +95,13 @@ def overlap_worker(job: dict) -> None:
     Path(job["out"], f"overlap{world.rank}.json").write_text(json.dumps(seen))
 
 
-def _spawn_workers(n: int, job: Path, timeout: float = 120) -> None:
-    from stratum.dist.launch import free_port
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                  OMP_NUM_THREADS="1"))
-             for r in range(n)]
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-        assert p.returncode == 0, out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_adasum_over_processes_equals_the_tree_in_one_process(tmp_path, n):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"out": str(tmp_path)}))
-    _spawn_workers(n, job)
+    run_workers(__file__, job, n, timeout=120)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     for name in res[0]["mine"]:
         want = adasum.tree([res[r]["mine"][name] for r in range(n)])
@@ -129,7 +114,7 @@ def test_adasum_over_processes_equals_the_tree_in_one_process(tmp_path, n):
 def test_mean_buckets_start_during_the_backward(tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"out": str(tmp_path), "mode": "overlap"}))
-    _spawn_workers(2, job)
+    run_workers(__file__, job, 2, timeout=120)
     for r in range(2):
         [(started, total)] = json.loads((tmp_path / f"overlap{r}.json").read_text())
         assert total >= 3 and started == total  # every bucket was started by the hooks, none left for finish()

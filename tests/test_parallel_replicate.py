@@ -3,13 +3,11 @@ plain engine on the same global batch — real gloo processes through ``stratum 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import run_main
 
 from stratum.dist.world import World
 from stratum.errors import StratumError
@@ -101,7 +99,9 @@ def test_a_faster_pipeline_rank_gets_more_blocks():
 
 
 # ---- parity through `stratum train` ------------------------------------------------------------------------------
-def _stratum(cfg, *extra: str, stop_at: int | None = None, timeout: float = 240) -> str:
+def _stratum(cfg, *extra: str, stop_at: int | None = None) -> str:
+    """``stratum train`` with ``cfg``'s settings and ``extra`` overrides, run in this process (cli_in_process.py):
+    what the launcher and its ranks printed; a non-zero exit fails with it."""
     d, t = cfg.data, cfg.train
     args = ["train"] + (["--stop-at", str(stop_at)] if stop_at else [])
     for o in [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
@@ -111,10 +111,9 @@ def _stratum(cfg, *extra: str, stop_at: int | None = None, timeout: float = 240)
               f"optim.warmup_steps={cfg.optim.warmup_steps}", f"optim.lr={cfg.optim.lr}",
               f"train.out_dir={t.out_dir!r}", *extra]:
         args += ["--set", o]
-    p = subprocess.run([sys.executable, "-m", "stratum", *args], capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stderr
-    return p.stdout
+    code, out = run_main(args)
+    assert code == 0, out
+    return out
 
 
 def _same_run(got_dir: Path, want_dir: Path, rel: float = 1e-5, *, param_atol: float = 1e-5,

@@ -81,7 +81,7 @@ def test_pipelined_split_over_offload_matches_plain(make_cfg, tmp_path):
     train(make_cfg(*common, out=tmp_path / "plain"))
     out = _stratum(make_cfg(*common, out=tmp_path / "pso"),
                    "parallel.plan='pipeline(2, split(2, offload(device_budget=30%)))'", *common,
-                   f"offload.disk_dir={str(tmp_path)!r}", timeout=380)
+                   f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 4 and "device-resident chunks" in out
     _same_losses(tmp_path / "pso", tmp_path / "plain")
 
@@ -95,7 +95,7 @@ def test_replicated_split_over_offload_matches_plain(make_cfg, tmp_path):
     train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
     out = _stratum(make_cfg(*common, out=tmp_path / "rso"),
                    "parallel.plan='replicate(2, split(2, offload(device_budget=40%)))'", *common,
-                   f"offload.disk_dir={str(tmp_path)!r}", timeout=380)
+                   f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 4 and "device-resident chunks" in out
     _same_losses(tmp_path / "rso", tmp_path / "plain")
 

@@ -9,12 +9,9 @@ resumed run's are the uninterrupted run's. Models: own GPT and a transformers GP
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from cli_in_process import run_main
 
 from stratum.model.build import build_model
 from stratum.model.sequential import batchnorm_lm_blocks
@@ -124,8 +121,9 @@ def test_offload_through_the_trainer_matches_plain(make_cfg, tmp_path, tmp_path_
     _same_buffers(got_buffers, want_buffers, 1e-6)
 
 
-def _stratum_train(cfg, *extra: str, timeout: float = 200) -> subprocess.CompletedProcess:
-    """``stratum train`` in a fresh process (it spawns the pipeline's ranks itself) for the fixture config ``cfg``."""
+def _stratum_train(cfg, *extra: str) -> tuple[int, str]:
+    """``stratum train`` (it spawns the pipeline's ranks itself) for the fixture config ``cfg``, run in this process
+    (cli_in_process.py): its exit code and what it printed."""
     d, t = cfg.data, cfg.train
     sets = [f"data.corpus={d.corpus!r}", f"data.cache_dir={d.cache_dir!r}", f"data.seq_len={d.seq_len}",
             f"model.preset={cfg.model.preset!r}",
@@ -133,9 +131,7 @@ def _stratum_train(cfg, *extra: str, timeout: float = 200) -> subprocess.Complet
             f"train.eval_interval={t.eval_interval}", f"train.eval_batches={t.eval_batches}",
             f"optim.warmup_steps={cfg.optim.warmup_steps}", f"optim.lr={cfg.optim.lr}",
             f"train.grad_accum={t.grad_accum}", f"train.out_dir={t.out_dir!r}", *BN, *extra]
-    args = [sys.executable, "-m", "stratum", "train"] + [a for s in sets for a in ("--set", s)]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_main(["train"] + [a for s in sets for a in ("--set", s)])
 
 
 @pytest.mark.slow
@@ -151,14 +147,14 @@ def test_pipeline_keeps_buffers_like_plain_and_resumes_them(make_cfg, tmp_path):
     want_buffers = load_checkpoint(latest_checkpoint(tmp_path / "plain")).state.buffers
     assert want_buffers
 
-    p = _stratum_train(make_cfg(*steps, *BN, out=tmp_path / "pipe"), *pipe)
-    assert p.returncode == 0, p.stderr[-3000:]
+    code, out = _stratum_train(make_cfg(*steps, *BN, out=tmp_path / "pipe"), *pipe)
+    assert code == 0, out[-3000:]
     _same(read_metrics(tmp_path / "pipe"), want, 1e-5)
     _same_buffers(load_checkpoint(latest_checkpoint(tmp_path / "pipe")).state.buffers, want_buffers, 1e-5)
 
     mixed = make_cfg(*steps, *BN, out=tmp_path / "mixed")
     train(mixed, stop_at=2)
-    p = _stratum_train(mixed, *pipe)
-    assert p.returncode == 0, p.stderr[-3000:]
+    code, out = _stratum_train(mixed, *pipe)
+    assert code == 0, out[-3000:]
     _same(read_metrics(tmp_path / "mixed"), want, 1e-5)
     _same_buffers(load_checkpoint(latest_checkpoint(tmp_path / "mixed")).state.buffers, want_buffers, 1e-5)

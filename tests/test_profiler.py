@@ -130,7 +130,7 @@ def test_profiles_and_probes_leave_rng_and_buffers_as_they_were(tmp_path):
     quick_profile(seq, micro_batch=2, seq_len=8, device=cpu)
     tiers._measure_adam_here.cache_clear()  # the AdamW probes draw their inputs once per process: draw them here
     tiers._measure_adam_beside.cache_clear()
-    tiers.measure_bandwidths(cpu, str(tmp_path), probe_bytes=1 << 16)
+    tiers.measure_bandwidths(cpu, str(tmp_path), host_bytes=1 << 16, disk_bytes=1 << 16)
     assert torch.equal(torch.get_rng_state(), rng)
     after = persistent_buffers(seq)
     assert before.keys() == after.keys() and len(before) == 6  # 2 BatchNorms: running mean, var, count

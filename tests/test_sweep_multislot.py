@@ -6,14 +6,12 @@ which is retried from its checkpoint."""
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_main
 
 from stratum.config import load_config
 from stratum.errors import StratumError
@@ -30,8 +28,6 @@ from stratum.train.trainer import read_metrics
 
 from test_sweep_gang import _profile
 from test_sweep_run import job_losses, kill_midway, rows, standalone_losses, sweep_file, sweep_process
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- planning (no processes) ----------------------------------------------------------------------------------
@@ -109,10 +105,10 @@ def test_bad_sweep_plans_are_one_line_errors(tmp_path, corpus_file, cache_dir, s
 
 # ---- real runs ------------------------------------------------------------------------------------------------
 def train_alone(job_toml: Path, out: Path) -> list[float]:
-    """`stratum train --config jobs/<id>/job.toml` as a person repeats the job (its out_dir moved)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "stratum", "train", "--config", str(job_toml), "--set",
-                    f"train.out_dir={str(out)!r}"], env=env, check=True, capture_output=True, timeout=300)
+    """`stratum train --config jobs/<id>/job.toml` as a person repeats the job (its out_dir moved), run in this
+    process (cli_in_process.py)."""
+    code, printed = run_main(["train", "--config", str(job_toml), "--set", f"train.out_dir={str(out)!r}"])
+    assert code == 0, printed
     return [r["loss"] for r in read_metrics(out)]
 
 

@@ -15,7 +15,7 @@ from stratum.offload.engine import OffloadEngine
 from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.placement import Placement
 from stratum.offload.planner import make_placement
-from stratum.offload.tiers import disk_free_bytes, measure_bandwidths, resolve_disk_dir
+from stratum.offload.tiers import disk_free_bytes, host_probe_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import _measure_block, block_static_bytes
 from stratum.runtime.device import describe
@@ -85,7 +85,8 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
     profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
-    state = 16 * sum(p.numel() for p in model.parameters())  # params, grads, exp_avg, exp_avg_sq in fp32
+    n_params = sum(p.numel() for p in model.parameters())
+    state = 16 * n_params  # params, grads, exp_avg, exp_avg_sq in fp32
     dev_b = parse_budget(o.device_budget, "offload.device_budget", state)
     host_b = parse_budget(o.host_budget, "offload.host_budget", state)
     kw = overrides(cfg)
@@ -93,7 +94,7 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
     # The disk holds state only where the host cannot (a host budget) or where the optimizer is put there; its
     # probe (a 256 MiB synced write and read) is skipped otherwise, and a rate of 0 keeps the planner off it.
     disk_used = host_b is not None or o.optimizer_tier == "disk"
-    bw = measure_bandwidths(device, str(disk) if disk_used else None)
+    bw = measure_bandwidths(device, str(disk) if disk_used else None, host_bytes=host_probe_bytes(n_params))
     if profile is None and (always_profile or dev_b is not None or host_b is not None):
         profile = quick_profile(model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)

@@ -202,30 +202,49 @@ def _measure_adam(n: int) -> float:
     return _best_rate(run, n, repeats=9)  # one call is ~1 ms: a single preemption would spoil a short series
 
 
-def measure_bandwidths(device: torch.device, disk_dir: str | None, probe_bytes: int = 32 << 20) -> Bandwidths:
-    """Time real copies host↔device, a disk write+read under ``disk_dir`` and CPU AdamW (cached per process).
+PROBE_BYTES = 32 << 20
+"""Bytes each host↔device copy probe moves, and the disk probe's request size, where no model sizes them."""
+MIN_HOST_PROBE = 1 << 20
+"""The smallest host probe a model gets: below a mebibyte a copy or AdamW call is per-call overhead."""
+
+
+def host_probe_bytes(n_params: int) -> int:
+    """Bytes of the host copy and AdamW probes that price the plan of a model of ``n_params`` parameters: its
+    fp32 weights, within [MIN_HOST_PROBE, PROBE_BYTES]. No transfer or update of its training moves more than
+    that at once, and a larger probe times a bigger working set (out of the caches a small model's state stays
+    in) at up to a second of start-up per engine process."""
+    return max(MIN_HOST_PROBE, min(PROBE_BYTES, round_up(F32 * n_params)))
+
+
+def measure_bandwidths(device: torch.device, disk_dir: str | None, *, host_bytes: int = PROBE_BYTES,
+                       disk_bytes: int = PROBE_BYTES) -> Bandwidths:
+    """Time real copies of ``host_bytes`` host↔device, AdamW over ``host_bytes / 8`` parameters (each of its four
+    fp32 tensors half the copy's size) and a disk write+read of requests of ``disk_bytes`` under ``disk_dir``
+    (each cached per process and size). The disk probe keeps its size whatever the model: a short one times the
+    disk's burst rate, not the sustained one a run streams at (``_measure_disk``).
     The AdamW probe draws random numbers: the training run's RNG streams must not see it (``neutral``)."""
+    adam_n = max(1, host_bytes // (2 * F32))
     with neutral(devices=[device]):
-        h2d, d2h = _measure_copy(str(device), probe_bytes)
-        read, write = (_measure_disk(str(disk_dir), probe_bytes) if disk_dir else (0.0, 0.0))
+        h2d, d2h = _measure_copy(str(device), host_bytes)
+        read, write = (_measure_disk(str(disk_dir), disk_bytes) if disk_dir else (0.0, 0.0))
         return Bandwidths(h2d=h2d, d2h=d2h, disk_read=read, disk_write=write,
-                          adam_params_per_s=_measure_adam_beside(device),
-                          adam_inline_params_per_s=_measure_adam_here() if device.type == "cpu" else 0.0,
+                          adam_params_per_s=_measure_adam_beside(device, adam_n),
+                          adam_inline_params_per_s=_measure_adam_here(adam_n) if device.type == "cpu" else 0.0,
                           async_copies=device.type == "cuda")
 
 
-@functools.lru_cache(maxsize=1)
-def _measure_adam_here() -> float:
-    """CPU AdamW parameters/s on the calling (training) thread, with all of its threads."""
-    return _measure_adam(1 << 22)
+@functools.lru_cache(maxsize=4)
+def _measure_adam_here(n: int) -> float:
+    """CPU AdamW parameters/s on the calling (training) thread, with all of its threads, over ``n`` parameters."""
+    return _measure_adam(n)
 
 
 @functools.lru_cache(maxsize=4)
-def _measure_adam_beside(device: torch.device) -> float:
+def _measure_adam_beside(device: torch.device, n: int) -> float:
     """CPU AdamW parameters/s as the optimizer thread runs it (prefetch.background_pool: one thread on a CPU)."""
     pool = background_pool(device, "stratum-adam-probe")
     try:
-        return pool.submit(_measure_adam, 1 << 22).result()
+        return pool.submit(_measure_adam, n).result()
     finally:
         pool.shutdown()
 
