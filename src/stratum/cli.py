@@ -31,7 +31,7 @@ import os
 import sys
 from typing import NoReturn
 
-from stratum.dist.roles import is_worker, warm_up
+from stratum.dist.roles import HF_PRELOAD, is_worker, warm_up
 from stratum.errors import PeerError, StratumError
 from stratum.log import console
 
@@ -174,7 +174,8 @@ def _run(args: argparse.Namespace) -> int:
 def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     """Check the plan and prepare the data here, then run the same command in as many local worker processes as
     the plan needs (each joins the process groups from its environment)."""
-    warm_up()  # the ranks' forkserver imports torch and the trainer while this process imports and prepares
+    # the ranks' forkserver imports torch, the trainer (and the model's library) while this process prepares
+    warm_up(HF_PRELOAD if cfg.model.source == "hf" else ())
     from pathlib import Path
 
     from stratum.data.prepare import prepare_data

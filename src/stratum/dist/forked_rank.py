@@ -30,7 +30,6 @@ from stratum.dist.forked import PassedFd, start_forked
 from stratum.dist.roles import RANK_PRELOAD
 
 
-
 class ForkedRank:
     """A forked rank as the launcher sees it: ``pid``, ``stderr`` (text lines), ``poll``, ``wait``,
     ``send_signal``, ``kill`` and ``returncode`` as ``subprocess.Popen`` has them."""

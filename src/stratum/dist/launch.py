@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from stratum.dist import forked
 from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import ForkedRank
-from stratum.dist.roles import WORKER_ENV, env_rank, forking, is_worker, under_torchrun, warm_up
+from stratum.dist.roles import WORKER_ENV, env_rank, forking, under_torchrun
 from stratum.errors import PeerError, StratumError
+
 
 def rank() -> int:
     """This process's rank in the default group (0 when there is none)."""

@@ -6,6 +6,7 @@ before it imports torch itself, so the two imports overlap.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from stratum.dist import forked
 from stratum.errors import StratumError
@@ -22,6 +23,10 @@ RANK_PRELOAD = ("torch._dynamo", "torch.distributed", "stratum.cli", "stratum.co
                 "stratum.dist.forked_rank")
 """What the server imports once for every rank: torch, the dynamo import of the first optimizer step, and the
 modules of ``stratum train``."""
+
+HF_PRELOAD = ("transformers.modeling_utils",)
+"""What an ``hf`` model's ranks import beyond that (≈1,000 modules, seconds): the server imports them once. An
+ImportError there is ignored by the server; the rank then reports the missing extra itself."""
 
 
 def under_torchrun() -> bool:
@@ -51,7 +56,8 @@ def forking() -> bool:
     return forked.usable() and os.environ.get(SPAWN_ENV, "fork") != "exec"
 
 
-def warm_up() -> None:
-    """Start the forkserver now, when ranks will be forked: its imports overlap the launcher's own work."""
+def warm_up(extra: Sequence[str] = ()) -> None:
+    """Start the forkserver now, when ranks will be forked: its imports (``RANK_PRELOAD``, and ``extra`` — the
+    modules the run's model needs) overlap the launcher's own work, and no rank repeats them."""
     if forking():
-        forked.warm_up(RANK_PRELOAD)
+        forked.warm_up([*RANK_PRELOAD, *extra])

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from stratum.dist import launch, roles
-from stratum.errors import PeerError
 from stratum.dist.launch import short_reason, wait_until
+from stratum.errors import PeerError
 from stratum.ir.plan import Coord, Plan
 
 DIMS = ("replica", "stage_rank", "split")
