@@ -57,8 +57,13 @@ min_lr = 1e-6
 
 
 def standalone_losses(path: Path, job_id: str, tmp_path: Path, extra: list[str] = ()) -> list[float]:
-    """The job's config (with ``extra`` overrides, as the sweep gave it) run alone, in this process, as `stratum
-    train` runs it (same thread count as a worker)."""
+    """The losses of the job's config run alone (:func:`standalone_records`)."""
+    return [r["loss"] for r in standalone_records(path, job_id, tmp_path, extra)]
+
+
+def standalone_records(path: Path, job_id: str, tmp_path: Path, extra: list[str] = ()) -> list[dict]:
+    """The metrics of the job's config (with ``extra`` overrides, as the sweep gave it) run alone, in this
+    process, as `stratum train` runs it (same thread count as a worker)."""
     spec = load_sweep(path)
     job = next(j for j in expand(spec) if j.id == job_id)
     cfg = job_config(spec, job, tmp_path / "alone", extra)
@@ -68,7 +73,7 @@ def standalone_losses(path: Path, job_id: str, tmp_path: Path, extra: list[str] 
         train(cfg)
     finally:
         torch.set_num_threads(threads)
-    return [r["loss"] for r in read_metrics(cfg.train.out_dir)]
+    return read_metrics(cfg.train.out_dir)
 
 
 def job_losses(sweep_dir: Path, job_id: str) -> list[float]:

@@ -25,7 +25,7 @@ from stratum.sweep.shard_run import report_missed
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
 from stratum.units import parse_budget
-from tests.test_sweep_run import job_losses, rows, standalone_losses, sweep_file
+from tests.test_sweep_run import job_losses, rows, standalone_losses, standalone_records, sweep_file
 
 BUDGET = "1.4MB"
 SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
@@ -147,17 +147,31 @@ def test_every_grant_is_the_rule_s_choice(sharded):
         assert len(mine) == 1 + left and left % tasks_per_step(blocks, 2, 1) == 0
 
 
-def test_sharded_lrtf_needs_a_budget_and_no_fp16(tmp_path, corpus_file, cache_dir):
+def test_sharded_lrtf_needs_a_budget(tmp_path, corpus_file, cache_dir):
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"',
                       grid='"optim.lr" = [1e-3]', steps=2)
     with pytest.raises(StratumError, match="set sweep.device_budget"):
         load_sweep(path)
-    (tmp_path / "fp16").mkdir()
-    path = sweep_file(tmp_path / "fp16", corpus_file, cache_dir, sweep=SHARDED,
-                      grid='"train.precision" = ["fp32", "fp16"]', steps=2)
-    with pytest.raises(StratumError, match="j001: sharded-lrtf does not run train.precision = 'fp16'"):
-        open_sweep(path, say=lambda _: None)
-    assert not (tmp_path / "sw" / "jobs").exists()
+
+
+@pytest.mark.slow
+def test_fp16_jobs_skip_and_scale_as_alone(tmp_path, corpus_file, cache_dir):
+    """fp16 jobs interleaved (each engine its own loss scaler): a first scale that overflows, so both skip steps
+    and back off side by side, then train; losses, scales and skips equal each job's `stratum train`."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED,
+                      grid='"optim.lr" = [1e-3, 3e-3]\n"model.dropout" = [0.1]', steps=5,
+                      extra="eval_interval = 5\nprecision = \"fp16\"\nloss_scale = 524288.0\n"
+                            "loss_scale_growth_interval = 2")
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    assert {j: r["status"] for j, r in rows(tmp_path / "sw").items()} == {"j000": "done", "j001": "done"}, lines
+    for job_id in ("j000", "j001"):
+        swept = read_metrics(tmp_path / "sw" / "jobs" / job_id)
+        assert [r["skipped"] for r in swept][:3] == [1, 1, 1] and swept[-1]["skipped"] == 0
+        alone = standalone_records(path, job_id, tmp_path / job_id, ["train.engine='offload'",
+                                                                     f"offload.device_budget={BUDGET!r}"])
+        assert [(r["loss"], r["loss_scale"], r["skipped"]) for r in swept] == [
+            (r["loss"], r["loss_scale"], r["skipped"]) for r in alone]
 
 
 def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded):

@@ -32,11 +32,8 @@ INTERRUPTED = 130
 
 def check_shardable(configs: dict[str, Config]) -> None:
     """Each job runs one process under the plain or offload engine (its shard tasks are the offload engine's
-    blocks), in fp32 or bf16."""
+    blocks)."""
     for job_id, cfg in configs.items():
-        if cfg.train.precision == "fp16":  # (its loss scaling is the offload engine's alone, untested interleaved)
-            raise StratumError(f"sweep job {job_id}: sharded-lrtf does not run train.precision = 'fp16' jobs; use "
-                               "bf16 or fp32, or the lrtf or fifo scheduler")
         if cfg.train.engine not in ("plain", "offload") or cfg.parallel.plan.strip():
             raise StratumError(f"sweep job {job_id}: sharded-lrtf runs jobs under the offload engine; "
                                f"train.engine = {cfg.train.engine!r} / parallel.plan are not supported with it")
