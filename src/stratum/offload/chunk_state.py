@@ -135,9 +135,10 @@ class ChunkState:
 
     def flat_items(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
                    hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``: :func:`count_steps` first) of a chunk whose gradients are one flat range ``g`` (a slot's
-        or home copy, like ``p``): the whole range as one item where every parameter has a gradient (at every step
-        so far), else parameter by parameter (``param_items``); ``m`` and ``v`` hold elements ``[lo, hi)``."""
+        """adamw_chunks items (``count_step=False``: :func:`count_steps` first) of a chunk whose gradients are one
+        flat range ``g`` (a slot's or home copy, like ``p``): the whole range as one item where every parameter has
+        a gradient (at every step so far), else parameter by parameter (``param_items``); ``m`` and ``v`` hold
+        elements ``[lo, hi)``."""
         hi = self.cap if hi is None else hi
         if self.uniform and all(self.live_entries()):
             nd, used = min(max(self.spec.n_decay - lo, 0), hi - lo), min(self.spec.used - lo, hi - lo)

@@ -53,12 +53,12 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 
 def half_chunks(precision: str, opt: str, ptier: str) -> bool:
-    """Mixed-precision placement (Placement.half_params): under 16-bit autocast (bf16, or fp16 with loss scaling;
-    the chunks in that dtype) with the fp32 master weights and AdamW moments in host RAM, the device holds 16-bit working copies of the chunks (slots and pinned chunks),
-    every gradient goes to the host in 16 bits as autograd makes it and is accumulated there in fp32, where the
-    update runs; the updated masters come back up as 16-bit copies (ZeRO-Offload's recipe). With the moments on
-    the device nothing crosses a link to save; parameters or moments on disk keep fp32 chunks (their update reads
-    its gradients from a file: not built for 16-bit ones)."""
+    """Mixed-precision placement (Placement.half_params): under 16-bit autocast (bf16, or fp16 with loss scaling; the
+    chunks in that dtype) with the fp32 master weights and AdamW moments in host RAM, the device holds 16-bit working
+    copies of the chunks (slots and pinned chunks), every gradient goes to the host in 16 bits as autograd makes it and
+    is accumulated there in fp32, where the update runs; the updated masters come back up as 16-bit copies
+    (ZeRO-Offload's recipe). With the moments on the device nothing crosses a link to save; parameters or moments on
+    disk keep fp32 chunks (their update reads its gradients from a file: not built for 16-bit ones)."""
     return precision in HALF_DTYPES and opt == HOST and ptier != DISK
 
 

@@ -1,13 +1,13 @@
 """Counting the ATen operators a piece of work dispatches that launch a kernel: one each, as eager PyTorch launches
 them on a GPU.
 
-:class:`KernelCounter` is a ``TorchDispatchMode``: every operator that reaches a device's kernels while it is
-active passes through it, by name, with views and other metadata-only operators (a detach, an allocation)
-left out (and the profiler's range markers). It sees the operators of the thread it is entered on and of autograd's backward of that thread, not
-those of an engine's background threads (a GPU's side-stream copies, disk I/O): on a CPU with every tier in RAM
-the offload engine runs all its work on the training thread (``step_model.runs_inline``), so there the count is
-the whole step's. A ``_foreach_*`` or fused operator counts once, as a GPU runs it in one launch (per ~100 tensors);
-a CPU runs it as a loop inside one dispatch.
+:class:`KernelCounter` is a ``TorchDispatchMode``: every operator that reaches a device's kernels while it is active
+passes through it, by name, with views and other metadata-only operators (a detach, an allocation) left out (and the
+profiler's range markers). It sees the operators of the thread it is entered on and of autograd's backward of that
+thread, not those of an engine's background threads (a GPU's side-stream copies, disk I/O): on a CPU with every tier in
+RAM the offload engine runs all its work on the training thread (``step_model.runs_inline``), so there the count is the
+whole step's. A ``_foreach_*`` or fused operator counts once, as a GPU runs it in one launch (per ~100 tensors); a CPU
+runs it as a loop inside one dispatch.
 
 :func:`ops_per_step` is "ops per step of engine X on its micro-batches": the test-facing and benchmark-facing
 count of a training step's launches.

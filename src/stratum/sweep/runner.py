@@ -65,8 +65,9 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         if s.scheduler == "sharded-lrtf":
             assert predict is not None  # (sharded-lrtf needs predictions)
             run_sharded(backend=sweep.backend, state=sweep.state, configs=sweep.configs,
-                        profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots, threads=job_threads(s), shard_blocks=s.shard_blocks,
-                        retries=s.retries, time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
+                        profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots,
+                        threads=job_threads(s), shard_blocks=s.shard_blocks, retries=s.retries,
+                        time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
                         tick=(lambda: tick(sweep)) if tick is not None else None)
         else:
             options = None

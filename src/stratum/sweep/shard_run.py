@@ -74,8 +74,8 @@ def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> 
 
 def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
-                shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None, say: Callable[[str], None],
-                tick: Callable[[], None] | None) -> None:
+                shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None,
+                say: Callable[[str], None], tick: Callable[[], None] | None) -> None:
     """Run shard workers until no job is pending (or the time budget is spent); then, under ASHA, stop the jobs
     left at their rungs."""
     t0 = time.monotonic()
@@ -84,9 +84,9 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
             report_missed(state, configs, asha)
         if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
             break
+        deadline = t0 + time_budget_s if time_budget_s else None
         spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
-                            threads=threads, retries=retries, deadline=t0 + time_budget_s if time_budget_s else None, say=say,
-                            tick=tick, asha=asha)
+                            threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha)
         if spent:
             say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at a shard boundary; run the same "
                 "command to go on (each resumes from its last checkpoint)")
@@ -96,8 +96,8 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
 
 
 def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, configs: dict[str, Config],
-                sweep_dir: Path, slots: int, threads: int, retries: int, deadline: float | None, say: Callable[[str], None],
-                tick: Callable[[], None] | None, asha: Asha | None) -> bool:
+                sweep_dir: Path, slots: int, threads: int, retries: int, deadline: float | None,
+                say: Callable[[str], None], tick: Callable[[], None] | None, asha: Asha | None) -> bool:
     """One worker over ``jobs``; records their outcomes (a job at a rung is the worker's to record). True when
     the time budget stopped it."""
     exit_path = sweep_dir / "shard_exit.json"
