@@ -14,10 +14,12 @@ FLOPs on the device model of :mod:`stratum.ir.work`; ring all-reduce prices), ne
   few parameters, fully connected layers with most of the parameters and few FLOPs), 64 images a step; its
   kernels and FLOPs counted like GPT's, its work reported in the same unit (its FLOPs at 50 GFLOP/s).
 - ``elastic``: a generated Philly-like trace (``stratum.cluster.generate``: Gavel's Philly sizes and durations,
-  Poisson arrivals at load 1 and 2) on 64 GPUs, replayed under ``static-dp`` and ``elastic``; jobs completed by the
-  last arrival and average job completion time with every job run to the end; a resize pays a checkpoint-restart
-  (the training state over the host link twice and a 30 s start-up). Goals (Saxena et al.): ≥ 2× the jobs
-  completed and ≥ 5× lower average JCT. Median over three trace seeds per load.
+  Poisson arrivals at load 1 and 2) on 64 GPUs, replayed under ``static-dp``, ``elastic`` and ``elastic-devices``
+  (Saxena et al.'s own baseline: devices re-allocated, batch fixed); jobs completed by the last arrival and
+  average job completion time with every job run to the end; a resize pays a checkpoint-restart (the training
+  state over the host link twice and a 30 s start-up). Goals (the issue's, against static-dp): ≥ 2× the jobs
+  completed and ≥ 5× lower average JCT; the paper's "up to ≈2× / ≈10×" are against elastic-devices, reported too.
+  Median over three trace seeds per load.
 
 The hardware: 64 GPUs, 8 to a node, 80 GB each, sustaining 150 TFLOP/s on large kernels (an A100's 312 TFLOP/s
 bf16 dense peak at the 44–52 % Megatron-LM reaches training GPTs on A100s, Narayanan et al., SC 2021), a 5 µs
@@ -162,26 +164,28 @@ def elastic(config: PolicyConfig, cache: Path, jobs_per_trace: int, load: float,
         jobs = generate(TraceSpec(jobs=jobs_per_trace, seed=seed, devices=64, load=load), step_s)
         horizon = jobs[-1].arrival_s
         t0 = time.perf_counter()
-        full = replay(hw, jobs, costs, ["static-dp", "elastic"], config=config)
-        cut = replay(hw, jobs, costs, ["static-dp", "elastic"], config=config, until_s=horizon)
+        policies = ["static-dp", "elastic", "elastic-devices"]
+        full = replay(hw, jobs, costs, policies, config=config)
+        cut = replay(hw, jobs, costs, policies, config=config, until_s=horizon)
         s = {r.policy: summary(r) for r in full}
         c = {r.policy: summary(r)["completed"] for r in cut}
         seeds.append({"seed": seed, "jobs": len(jobs), "horizon_s": horizon, "completed_by_horizon": c,
                       "avg_jct_s": {p: v["avg_jct_s"] for p, v in s.items()},
                       "p95_jct_s": {p: v["p95_jct_s"] for p, v in s.items()},
                       "utilisation": {p: v["utilisation"] for p, v in s.items()},
-                      "completed_ratio": c["elastic"] / max(c["static-dp"], 1),
-                      "jct_ratio": s["static-dp"]["avg_jct_s"] / s["elastic"]["avg_jct_s"],
+                      **{f"{key}_ratio{'' if base == 'static-dp' else '_vs_devices'}": value
+                         for base in ("static-dp", "elastic-devices")
+                         for key, value in (("completed", c["elastic"] / max(c[base], 1)),
+                                            ("jct", s[base]["avg_jct_s"] / s["elastic"]["avg_jct_s"]))},
                       "simulate_s": time.perf_counter() - t0})
-        print(f"elastic load {load:g} seed {seed}: jobs completed by the last arrival {c['static-dp']} -> "
-              f"{c['elastic']} ({seeds[-1]['completed_ratio']:.2f}x); average JCT "
-              f"{s['static-dp']['avg_jct_s'] / 3600:.1f} h -> "
-              f"{s['elastic']['avg_jct_s'] / 3600:.1f} h ({seeds[-1]['jct_ratio']:.2f}x)  SIMULATED", flush=True)
+        print(f"elastic load {load:g} seed {seed}: jobs completed by the last arrival static-dp {c['static-dp']}, "
+              f"elastic-devices {c['elastic-devices']}, elastic {c['elastic']}; average JCT "
+              f"{s['static-dp']['avg_jct_s'] / 3600:.1f} h, {s['elastic-devices']['avg_jct_s'] / 3600:.1f} h, "
+              f"{s['elastic']['avg_jct_s'] / 3600:.1f} h  SIMULATED", flush=True)
         if png and seed == 0:
             write_png(png, full, title=f"{len(jobs)} Philly-like jobs on 64 GPUs (load {load:g}, seed 0)")
-    return {"load": load, "seeds": seeds,
-            "median_completed_ratio": statistics.median(s["completed_ratio"] for s in seeds),
-            "median_jct_ratio": statistics.median(s["jct_ratio"] for s in seeds)}
+    keys = ("completed_ratio", "jct_ratio", "completed_ratio_vs_devices", "jct_ratio_vs_devices")
+    return {"load": load, "seeds": seeds, **{f"median_{k}": statistics.median(s[k] for s in seeds) for k in keys}}
 
 
 def main() -> None:
@@ -210,8 +214,11 @@ def main() -> None:
         doc["elastic"] = []
         for i, load in enumerate(float(x) for x in args.load.split(",")):
             doc["elastic"].append(elastic(config, cache, args.jobs, load, png if i == 0 else None))
-            print(f"elastic load {load:g}: median completed ratio {doc['elastic'][-1]['median_completed_ratio']:.2f}x, "
-                  f"median average-JCT ratio {doc['elastic'][-1]['median_jct_ratio']:.2f}x  SIMULATED", flush=True)
+            med = doc["elastic"][-1]
+            print(f"elastic load {load:g}, medians: jobs completed {med['median_completed_ratio']:.2f}x static-dp's, "
+                  f"{med['median_completed_ratio_vs_devices']:.2f}x elastic-devices'; average JCT "
+                  f"{med['median_jct_ratio']:.2f}x / {med['median_jct_ratio_vs_devices']:.2f}x lower  SIMULATED",
+                  flush=True)
     atomic_write_json(args.out, doc)
     print(f"wrote {args.out}")
 

@@ -97,6 +97,16 @@ def test_elastic_shares_the_devices_then_grows_the_survivor():
     assert ends("elastic") == pytest.approx({"F": f_end, "G": g_end})
 
 
+def test_elastic_devices_keeps_the_batch_where_elastic_grows_it():
+    # one job of 2 sequences (batch 1, max_batch 2) on 2 devices. At batch 1 it fits one device: 2 × (3 + 3) s.
+    # At batch 2 over both: each block 3 s a device, then block 0's 1 GB all-reduce (1 s) with nothing to hide it
+    jobs = [Job(id="a", arrival_s=0, model="m", batch=1, steps=2, devices=1, max_batch=2)]
+    got = {p: r for p, r in zip(("elastic", "elastic-devices"), replay(
+        HW, jobs, {("m", 1024): MODEL}, ["elastic", "elastic-devices"], config=PolicyConfig(startup_s=STARTUP)))}
+    assert got["elastic"].jobs[0].end_s == pytest.approx(3.0 + 3.0 + 1.0)
+    assert got["elastic-devices"].jobs[0].end_s == pytest.approx(2 * 6.0)
+
+
 def test_elastic_programme_equals_brute_force():
     hw = Hardware.uniform(5, memory_bytes=10**9, intra=Link(bandwidth=2e9, latency=1e-3))
     models = {("m", 1024): MODEL, ("n", 1024): ModelCosts(costs=Costs(

@@ -113,7 +113,8 @@ def test_cli_simulates_every_policy_and_writes_json_and_png(tmp_path, capsys, ca
     out = capsys.readouterr().out
     assert "SIMULATED (cost-model" in out and all(p in out for p in ("static-dp", "burst+multiplex", "elastic"))
     doc = json.loads((tmp_path / "s.json").read_text())
-    assert [p["summary"]["policy"] for p in doc["policies"]] == ["static-dp", "burst", "burst+multiplex", "elastic"]
+    assert [p["summary"]["policy"] for p in doc["policies"]] == ["static-dp", "burst", "burst+multiplex", "elastic",
+                                                                 "elastic-devices"]
     assert all(p["summary"]["completed"] == 2 for p in doc["policies"])
     assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG"
 

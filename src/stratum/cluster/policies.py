@@ -9,6 +9,9 @@
   ``batch`` to ``max_batch`` (its work in sequences stays fixed). A job whose device count or batch stays keeps
   its devices; one that is resized, moved or resumed pays a checkpoint-restart (:meth:`Elastic.restart_s`):
   its training state saved to host memory and loaded back over the host link, and a process start-up.
+- ``elastic-devices``: the same programme with every job's batch fixed at ``batch`` — Saxena et al.'s baseline,
+  which scales the number of GPUs but not the batch, so that what batch scaling adds can be read apart from what
+  re-allocating devices adds.
 
 The burst policies (DeepPool) are in :mod:`stratum.cluster.burst`.
 """
@@ -83,14 +86,18 @@ class Elastic:
         state = self.cluster.models[job.id].state_bytes
         return 2 * transfer_s(state, self.cluster.hw.host_link) + self.startup_s
 
+    def batches(self, job: Job) -> list[int]:
+        """The global batches ``job`` may run at, smallest first: its own and its ``max_batch``."""
+        return sorted({job.batch, job.batch_limit})
+
     def curve(self, job: Job) -> list[tuple[float, int]]:
-        """(sequences/s, batch) on n = 0, 1, … devices (the first n ranks; 0 for none): the better of ``batch``
-        and ``max_batch``, the smaller on a tie."""
+        """(sequences/s, batch) on n = 0, 1, … devices (the first n ranks; 0 for none): the best of
+        :meth:`batches`, the smallest on a tie."""
         if job.id not in self._curves:
             out = [(0.0, job.batch)]
-            for n in range(1, min(self.cluster.size, job.batch_limit) + 1):
+            for n in range(1, min(self.cluster.size, max(self.batches(job))) + 1):
                 best = (0.0, job.batch)
-                for b in sorted({job.batch, job.batch_limit}):
+                for b in self.batches(job):
                     if b >= n:
                         rate = b / self.cluster.dp(job, b, range(n)).step_s
                         if rate > best[0] * (1 + 1e-12):
@@ -136,3 +143,12 @@ class Elastic:
                 runs[job.id] = replace(run, restart_s=self.restart_s(job)) if job.id in self._started else run
                 self._started.add(job.id)
         return runs
+
+
+class ElasticDevices(Elastic):
+    """Saxena et al.'s baseline: devices re-allocated by the same programme, every job at its own batch."""
+
+    name = "elastic-devices"
+
+    def batches(self, job: Job) -> list[int]:
+        return [job.batch]

@@ -11,13 +11,13 @@ from pathlib import Path
 from stratum.cluster.burst import Burst, BurstMultiplex
 from stratum.cluster.cluster import Cluster
 from stratum.cluster.models import ModelCosts, preset_costs
-from stratum.cluster.policies import Elastic, Policy, StaticDP
+from stratum.cluster.policies import Elastic, ElasticDevices, Policy, StaticDP
 from stratum.cluster.simulate import SimResult, simulate
 from stratum.cluster.trace import Job
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 
-POLICIES = ("static-dp", "burst", "burst+multiplex", "elastic")
+POLICIES = ("static-dp", "burst", "burst+multiplex", "elastic", "elastic-devices")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class PolicyConfig:
     """burst+multiplex: background work gets this fraction less of the idle time it fills, and a foreground job
     hosting it steps this fraction slower."""
     startup_s: float = 30.0
-    """elastic: seconds a restarted job's processes take to start (launch, CUDA and communicator set-up, data
+    """elastic, elastic-devices: seconds a restarted job's processes take to start (launch, CUDA and communicator set-up, data
     loader) before it trains again, on top of moving its state over the host link."""
 
     def __post_init__(self) -> None:
@@ -57,6 +57,8 @@ def make_policy(name: str, cluster: Cluster, config: PolicyConfig) -> Policy:
         return StaticDP(cluster)
     if name == "elastic":
         return Elastic(cluster, startup_s=config.startup_s)
+    if name == "elastic-devices":
+        return ElasticDevices(cluster, startup_s=config.startup_s)
     if name == "burst":
         return Burst(cluster, amplification=config.amplification)
     if name == "burst+multiplex":
