@@ -1,0 +1,75 @@
+"""The batch of issue 20's benchmarks ("the seeds' settings"): the largest micro-batch the plain engine trains on the
+device, found by doubling until an allocation fails, and the gradient accumulation that brings an optimizer step to
+a target number of tokens — the same for every engine compared, so only the engine differs.
+
+Powers of two only: the micro-batch just below the first failure leaves the allocator some room, since a longer run
+(accumulation, another engine's buffers beside the model) fragments memory more than one probing step does.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+
+from stratum.config import Config
+from stratum.data.tokens import Batch
+from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq
+from stratum.parallel.compose import make_engine
+from stratum.runtime.device import synchronize
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """An allocation failure: the CUDA allocator's, or the CPU allocator's (a process under an address-space limit)."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def release(device: torch.device) -> None:
+    """Return freed blocks to the device, so the next allocation (and the next peak reading) starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _trains(engine, vocab: int, micro: int, seq_len: int, device: torch.device) -> bool:
+    """One optimizer step of one ``micro`` × ``seq_len`` micro-batch (AdamW's state allocated by the first): True
+    if every allocation succeeded."""
+    x = torch.randint(0, vocab, (micro, seq_len), generator=torch.Generator().manual_seed(micro))
+    try:
+        engine.train_step([Batch(x=x, y=x.roll(-1, dims=1), stream=0)], 0.0)
+        synchronize(device)
+        return True
+    except RuntimeError as err:  # torch.cuda.OutOfMemoryError is one
+        if not out_of_memory(err):
+            raise
+        return False
+
+
+def largest_micro_batch(cfg: Config, model: BlockSeq, device: torch.device, cap: int) -> tuple[int, list[dict]]:
+    """The largest power-of-two micro-batch (at most ``cap``) the plain engine of ``cfg`` trains ``model`` with at
+    ``cfg.data.seq_len`` on ``device``, and every size tried (``{"micro_batch", "fits"}``). ``model`` is copied."""
+    engine = make_engine(cfg, copy.deepcopy(model), device)
+    vocab = model.info.vocab_size
+    tried: list[dict] = []
+    best, micro = 0, 1
+    while micro <= cap:
+        ok = _trains(engine, vocab, micro, cfg.data.seq_len, device)
+        release(device)
+        tried.append({"micro_batch": micro, "fits": ok})
+        if not ok:
+            break
+        best, micro = micro, 2 * micro
+    del engine
+    release(device)
+    if best == 0:
+        raise StratumError(f"the plain engine cannot train one sequence of {cfg.data.seq_len} tokens of "
+                           f"{cfg.model.preset} on {device}: pick a smaller preset or sequence length")
+    return best, tried
+
+
+def accumulation(tokens_per_step: int, micro: int, seq_len: int) -> int:
+    """Micro-batches per optimizer step nearest ``tokens_per_step`` tokens (at least one; 0 tokens: one)."""
+    return max(1, round(tokens_per_step / (micro * seq_len)))
