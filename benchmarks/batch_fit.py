@@ -48,26 +48,32 @@ def _trains(engine, vocab: int, micro: int, seq_len: int, device: torch.device) 
         return False
 
 
-def largest_micro_batch(cfg: Config, model: BlockSeq, device: torch.device, cap: int) -> tuple[int, list[dict]]:
-    """The largest power-of-two micro-batch (at most ``cap``) the plain engine of ``cfg`` trains ``model`` with at
-    ``cfg.data.seq_len`` on ``device``, and every size tried (``{"micro_batch", "fits"}``). ``model`` is copied."""
-    engine = make_engine(cfg, copy.deepcopy(model), device)
-    vocab = model.info.vocab_size
+def largest_micro_batch(engine, vocab: int, seq_len: int, device: torch.device, cap: int) -> tuple[int, list[dict]]:
+    """The largest power-of-two micro-batch (at most ``cap``) ``engine`` trains at ``seq_len`` on ``device``, and
+    every size tried (``{"micro_batch", "fits"}``); a StratumError where not even one sequence fits."""
     tried: list[dict] = []
     best, micro = 0, 1
     while micro <= cap:
-        ok = _trains(engine, vocab, micro, cfg.data.seq_len, device)
+        ok = _trains(engine, vocab, micro, seq_len, device)
         release(device)
         tried.append({"micro_batch": micro, "fits": ok})
         if not ok:
             break
         best, micro = micro, 2 * micro
-    del engine
-    release(device)
     if best == 0:
-        raise StratumError(f"the plain engine cannot train one sequence of {cfg.data.seq_len} tokens of "
-                           f"{cfg.model.preset} on {device}: pick a smaller preset or sequence length")
+        raise StratumError(f"the plain engine cannot train one sequence of {seq_len} tokens on {device}: pick a "
+                           "smaller preset or sequence length")
     return best, tried
+
+
+def plain_fit(cfg: Config, model: BlockSeq, device: torch.device, cap: int) -> tuple[int, list[dict]]:
+    """:func:`largest_micro_batch` of the plain engine of ``cfg`` over a copy of ``model``, released after."""
+    engine = make_engine(cfg, copy.deepcopy(model), device)
+    try:
+        return largest_micro_batch(engine, model.info.vocab_size, cfg.data.seq_len, device, cap)
+    finally:
+        del engine
+        release(device)
 
 
 def accumulation(tokens_per_step: int, micro: int, seq_len: int) -> int:

@@ -24,13 +24,15 @@ LOG=${LOG:-runs/gpu-check}
 OUT=${OUT:-runs/gpu-check-out}
 if [ "$DEVICE" = cpu ]; then  # the dry run: every command line end to end, in seconds
   : "${PRESET:=mini}" "${SEQ:=64}" "${TOKENS:=512}" "${STEPS:=2}" "${WARMUP:=1}" "${MAX_MICRO:=4}"
-  : "${CLI_PRESET:=tiny}" "${CLI_STEPS:=3}" "${CLI_MICRO:=2}" "${CLI_SEQ:=64}" "${PLAN_PRESET:=mini}"
+  : "${CLI_PRESET:=mini}" "${CLI_STEPS:=3}" "${CLI_MICRO:=2}" "${CLI_SEQ:=64}"
+  : "${PLAN_PRESET:=mini}" "${PLAN_MICRO:=2}" "${PLAN_SEQ:=64}"
   : "${CAP_OFFLOAD:=tiny}" "${CAP_PLAIN:=tiny}" "${CAP_SEQ:=64}" "${CAP_MICRO:=2}" "${CAP_TOKENS:=256}"
   : "${CAP_STEPS:=2}" "${DEVICE_BUDGET:=64MB}" "${PYTEST_ARGS:=--collect-only}" "${DISK_DIR:=$LOG/disk}"
   : "${PRECISION:=fp32}"  # a CPU's bf16 matrix products are slow to measure; the GPU runs bf16
 else
   : "${PRESET:=gpt2-774m}" "${SEQ:=1024}" "${TOKENS:=262144}" "${STEPS:=5}" "${WARMUP:=2}" "${MAX_MICRO:=64}"
-  : "${CLI_PRESET:=small}" "${CLI_STEPS:=30}" "${CLI_MICRO:=8}" "${CLI_SEQ:=256}" "${PLAN_PRESET:=gpt2-774m}"
+  : "${CLI_PRESET:=small}" "${CLI_STEPS:=30}" "${CLI_MICRO:=8}" "${CLI_SEQ:=256}"
+  : "${PLAN_PRESET:=gpt2-774m}" "${PLAN_MICRO:=4}" "${PLAN_SEQ:=1024}"
   : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
   : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 4}"
 fi
@@ -114,7 +116,8 @@ part_cli() {
   train fp16 "train.engine='offload'" "offload.device_budget='25%'" "offload.optimizer_tier='host'" \
     "train.precision='fp16'"
   step cli-plan "$(limit cli-plan 120)" "$PY" -m stratum plan --set "train.device='$DEVICE'" \
-    --set "model.preset='$PLAN_PRESET'" --set "offload.device_budget='25%'" --set "train.precision='bf16'"
+    --set "model.preset='$PLAN_PRESET'" --set "train.micro_batch_size=$PLAN_MICRO" --set "data.seq_len=$PLAN_SEQ" \
+    --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
 }
 
 run_part() {

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from batch_fit import accumulation, largest_micro_batch, release
+from batch_fit import accumulation, plain_fit, release
 
 from stratum.atomic import atomic_write_json
 
@@ -70,7 +70,7 @@ def _search_batch(args, dev) -> dict:
     if micro == 0:
         cfg = _cfg(args.preset, 1, args.seq_len, args.set)
         model = build_model(cfg.model, tokenizer_vocab=256, seq_len=args.seq_len, seed=0)
-        micro, tried = largest_micro_batch(cfg, model, dev, args.max_micro_batch)
+        micro, tried = plain_fit(cfg, model, dev, args.max_micro_batch)
         del model
         release(dev)
         print(f"largest micro-batch the plain engine trains: {micro} ({tried})", flush=True)
