@@ -5,7 +5,7 @@ Runbook::
     python benchmarks/offload_bench.py overhead      # budget ≥ training state: everything stays on the device
     python benchmarks/offload_bench.py offload       # device budget = 25% of the training state
     python benchmarks/offload_bench.py beyond-ram    # GPT-2 774M, RAM budgets adding up to 2 GB, rest on disk
-    python benchmarks/offload_bench.py capacity      # largest preset each engine trains for 3 steps
+    python benchmarks/offload_bench.py capacity      # largest preset each engine trains for 3 steps, and its MFU
 
 ``overhead`` and ``offload`` run both engines in one process on the same batches: by default the plain engine's
 steps first, then the offload engine's (``--block N`` alternates blocks of N steps instead); the median step time
@@ -22,6 +22,21 @@ Results go to ``benchmarks/results/offload_<mode>.json``.
 
     python benchmarks/offload_bench.py offload --preset small --micro-batch 4 --seq-len 128 --steps 30 \
         --warmup 3 --processes 5
+
+Issue 20's settings (the seeds' — Elixir, ZeRO-Offload — on a GPU; benchmarks/gpu_check.sh runs them, docs/gpu.md
+says how): ``--micro-batch 0`` takes the largest power of two the plain engine trains on the device (batch_fit.py;
+where no offload plan fits the budget at it, both engines halve it), ``--tokens-per-step`` accumulates micro-batches
+to about that many tokens per optimizer step, the same for both engines. Every mode prints and writes tokens/s and
+MFU: the model's FLOPs per token (``BlockSeq.flops_per_token``) over the device's peak (stratum.runtime.peak: a
+known GPU's datasheet rate for the precision, else a matrix product measured on the device, labelled so). With a
+GPU the offload engine's CUDA allocator peak is set against its budget, and ``capacity`` runs on the GPU with the
+machine's RAM and disk as the other tiers (``--device-budget auto``: 90 % of the GPU's memory)::
+
+    python benchmarks/offload_bench.py offload --device cuda --preset gpt2-774m --micro-batch 0 \
+        --tokens-per-step 262144 --seq-len 1024 --steps 5 --warmup 2 --set train.precision='bf16'
+    python benchmarks/offload_bench.py capacity --device cuda --engines offload --presets gpt-6.7b \
+        --micro-batch 8 --seq-len 2048 --tokens-per-step 262144 --device-budget auto --host-budget auto \
+        --disk-dir /var/tmp/stratum-offload --set train.precision='bf16'
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from batch_fit import accumulation, plain_fit, release
+from batch_fit import accumulation, out_of_memory, plain_fit, release
 
 from stratum.atomic import atomic_write_json
 
@@ -106,15 +121,13 @@ def _cuda_peak(dev, base: int) -> int | None:
     return torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
 
 
-def _run_pair(make: dict, batches, warmup: int, block: int, dev) -> dict:
+def _run_pair(make: dict, batches, warmup: int, block: int, dev, rec: dict) -> None:
     """Both engines (``make``: name → a function building it, called when its first step comes) over the same
     batches in blocks of ``block`` steps, plain first. Where plain's steps all come first, its engine is dropped
     before the offload engine is built, so the CUDA peak read over the offload engine's steps is its own (less
-    what was allocated before it was built)."""
+    what was allocated before it was built). Fills ``rec`` as it goes (a failure leaves what ran before it)."""
     import torch
 
-    rec: dict = {"times": {"plain": [], "offload": []}, "losses": {"plain": [], "offload": []}, "moved": [],
-                 "offload_cuda_peak_bytes": None}
     engines: dict = {}
     order, base = ["plain", "offload"], 0
     for lo in range(0, len(batches), block):
@@ -133,7 +146,6 @@ def _run_pair(make: dict, batches, warmup: int, block: int, dev) -> dict:
                 rec["offload_cuda_peak_bytes"] = max(peak, rec["offload_cuda_peak_bytes"] or 0)
         order.reverse()
     rec["offload"] = engines["offload"]
-    return rec
 
 
 def _plan(args, model, dev, batch: dict) -> tuple:
@@ -163,21 +175,18 @@ def _plan(args, model, dev, batch: dict) -> tuple:
 
 
 def side_by_side(args) -> dict:
-    """overhead / offload in one process: both engines on the same model and batches (the module doc)."""
-    import torch
-
+    """overhead / offload in one process: both engines on the same model and batches (the module doc). An engine
+    running out of device memory, or the offload engine's allocator check failing, gives a result with ``error``
+    and the steps timed before it."""
     from stratum.model.build import build_model
     from stratum.offload.setup import offload_engine
     from stratum.parallel.compose import make_engine
-    from stratum.runtime.device import describe as describe_device
     from stratum.runtime.device import resolve_device
 
     dev = resolve_device(args.device)
     batch = _search_batch(args, dev)
     cfg = _cfg(args.preset, batch["micro_batch"], args.seq_len, args.set)
-    vocab = _batches(cfg, 0)[1]
-    model = build_model(cfg.model, tokenizer_vocab=vocab, seq_len=args.seq_len, seed=0)
-    state = 16 * model.num_params()
+    model = build_model(cfg.model, tokenizer_vocab=_batches(cfg, 0)[1], seq_len=args.seq_len, seed=0)
     cfg, ocfg, plan, plan_s, batch = _plan(args, model, dev, batch)
     batches = _batches(cfg, args.steps + args.warmup)[0]
     block = args.block if args.block > 0 else len(batches)
@@ -185,31 +194,45 @@ def side_by_side(args) -> dict:
     # was built), so it is built only when its first step comes, after the plain engine's allocations.
     make = {"plain": lambda: make_engine(cfg, copy.deepcopy(model), dev),
             "offload": lambda: offload_engine(ocfg, model, dev, plan)}
-    rec = _run_pair(make, batches, args.warmup, block, dev)
+    rec: dict = {"times": {"plain": [], "offload": []}, "losses": {"plain": [], "offload": []}, "moved": [],
+                 "offload_cuda_peak_bytes": None}
+    head = {"mode": args.mode, "preset": args.preset, "params": model.num_params(),
+            "train_state_bytes": 16 * model.num_params(), "device_budget_bytes": plan.device_budget, **batch,
+            "seq_len": args.seq_len, "tokens_per_step": cfg.tokens_per_step, "warmup_steps": args.warmup,
+            "block_steps": block, "plan": plan.to_dict(), "plan_s": plan_s}
+    try:
+        _run_pair(make, batches, args.warmup, block, dev, rec)
+    except (AssertionError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not out_of_memory(err):
+            raise
+        return {**head, "error": f"{type(err).__name__}: {str(err)[:500]}", "step_s": rec["times"],
+                "losses": rec["losses"], "load_average": os.getloadavg()}
     off = rec.pop("offload")
-    tokens = cfg.tokens_per_step
-    med = {k: statistics.median(v) for k, v in rec["times"].items()}
-    losses = rec["losses"]
-    out = {
-        "mode": args.mode, "preset": args.preset, "params": model.num_params(), "train_state_bytes": state,
-        "device_budget_bytes": plan.device_budget, **batch, "seq_len": args.seq_len, "tokens_per_step": tokens,
-        "steps_timed": len(rec["times"]["offload"]), "warmup_steps": args.warmup, "block_steps": block,
-        "threads": torch.get_num_threads(), "device": describe_device(dev),
-        "median_step_s": med, "tokens_per_s": {k: tokens / v for k, v in med.items()},
-        "ratio_offload_over_plain": med["plain"] / med["offload"],
-        **_mfu_fields(model.flops_per_token(args.seq_len), {k: tokens / v for k, v in med.items()}, dev,
-                      cfg.train.precision),
-        "losses": losses, "losses_equal": losses["plain"] == losses["offload"],
-        "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in zip(losses["plain"], losses["offload"])),
-        "plan": plan.to_dict(), "plan_s": plan_s,
-        "measured_peak_bytes": off.measured_peaks(), "offload_cuda_peak_bytes": rec["offload_cuda_peak_bytes"],
-        "cuda_peak_under_budget": _under(rec["offload_cuda_peak_bytes"], plan.device_budget),
-        "fetches": off.n_fetches, "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h,
-        "moved_per_step_median": _median_moved(rec["moved"]),
-        "load_average": os.getloadavg(),
-    }
+    out = {**head, **_pair_result(rec, cfg, dev, model.flops_per_token(args.seq_len)),
+           "measured_peak_bytes": off.measured_peaks(),
+           "cuda_peak_under_budget": _under(rec["offload_cuda_peak_bytes"], plan.device_budget),
+           "fetches": off.n_fetches, "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h}
     off.close()
     return out
+
+
+def _pair_result(rec: dict, cfg, dev, flops_per_token: float) -> dict:
+    """Timings, throughput, MFU and loss agreement of a side-by-side run, for the JSON."""
+    import torch
+
+    from stratum.runtime.device import describe
+
+    tokens = cfg.tokens_per_step
+    med = {k: statistics.median(v) for k, v in rec["times"].items()}
+    tps = {k: tokens / v for k, v in med.items()}
+    losses = rec["losses"]
+    return {"steps_timed": len(rec["times"]["offload"]), "threads": torch.get_num_threads(), "device": describe(dev),
+            "median_step_s": med, "tokens_per_s": tps, "ratio_offload_over_plain": med["plain"] / med["offload"],
+            **_mfu_fields(flops_per_token, tps, dev, cfg.train.precision),
+            "losses": losses, "losses_equal": losses["plain"] == losses["offload"],
+            "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in zip(losses["plain"], losses["offload"])),
+            "offload_cuda_peak_bytes": rec["offload_cuda_peak_bytes"], "moved_per_step_median": _median_moved(
+                rec["moved"]), "load_average": os.getloadavg()}
 
 
 def _under(peak: int | None, budget: int | None) -> bool | None:
@@ -506,10 +529,15 @@ def main() -> None:
                      indent=2))
     print(f"wrote {path}")
     print(_headline(res))
+    if "error" in res:
+        raise SystemExit(1)
 
 
 def _headline(res: dict) -> str:
     """One line of what a run found, printed last (the GPU check's summary keeps its logs' last lines)."""
+    if "error" in res:
+        return (f"{res['mode']} {res['preset']}: FAILED at micro-batch {res['micro_batch']} x {res['grad_accum']}: "
+                f"{res['error'][:300]}")
     if res["mode"] == "capacity":
         return f"capacity: {res['best']} (MFU goal {res['mfu_goal']:.0%}; runs: " + ", ".join(
             f"{k} {_mfu_text(r) or r.get('why', '')[:120]}" for k, r in res["runs"].items()) + ")"
