@@ -34,7 +34,7 @@ else
   : "${CLI_PRESET:=small}" "${CLI_STEPS:=30}" "${CLI_MICRO:=8}" "${CLI_SEQ:=256}"
   : "${PLAN_PRESET:=gpt2-774m}" "${PLAN_MICRO:=4}" "${PLAN_SEQ:=1024}"
   : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
-  : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 4}"
+  : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 8}"
 fi
 MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
 HOST_BUDGET=${HOST_BUDGET:-auto}                    # auto: 90 % of the machine's RAM
@@ -78,10 +78,13 @@ bench() {  # mode, name, extra args...: offload_bench.py at the seeds' batch on 
 }
 
 capacity() {  # engines, presets, micro-batch, tokens per step, name
-  step "$5" "$(limit "$5" 560)" "$PY" benchmarks/offload_bench.py capacity --device "$DEVICE" --engines "$1" \
+  local secs
+  secs=$(limit "$5" 560)
+  # each run's own limit ends it (and the part writes its JSON) before the part's limit ends the part
+  step "$5" "$secs" "$PY" benchmarks/offload_bench.py capacity --device "$DEVICE" --engines "$1" \
     --presets "$2" --micro-batch "$3" --tokens-per-step "$4" --seq-len "$CAP_SEQ" --steps "$CAP_STEPS" \
     --warmup 1 --device-budget "$DEVICE_BUDGET" --host-budget "$HOST_BUDGET" --disk-dir "$DISK_DIR" \
-    --set "train.precision='$PRECISION'" --timeout "$(limit "$5" 560)" --out "$LOG/offload_$5_${DEVICE}.json"
+    --set "train.precision='$PRECISION'" --timeout "$((secs - 30))" --out "$LOG/offload_$5_${DEVICE}.json"
 }
 
 train() {  # name, overrides...: a short `stratum train` on the device
