@@ -76,8 +76,12 @@ def test_the_batch_search_doubles_until_out_of_memory_and_backs_off(batch_fit):
     engine = _FitsUpTo(12)
     micro, tried = batch_fit.largest_micro_batch(engine, 256, 32, cpu, cap=64)
     assert micro == 8 and engine.sizes == [1, 2, 4, 8, 16]
-    assert tried[-1] == {"micro_batch": 16, "fits": False} and all(t["fits"] for t in tried[:-1])
+    assert tried[-1] == {"micro_batch": 16, "fits": False, "peak_bytes": None} and all(t["fits"] for t in tried[:-1])
     assert batch_fit.largest_micro_batch(_FitsUpTo(100), 256, 32, cpu, cap=4)[0] == 4
+    # a size whose step peaks above the limit does not fit (a CPU reads a peak of 0, so a limit below 0 fails all)
+    assert batch_fit.largest_micro_batch(_FitsUpTo(100), 256, 32, cpu, cap=4, limit_bytes=0)[0] == 4
+    with pytest.raises(StratumError, match="cannot train one sequence"):
+        batch_fit.largest_micro_batch(_FitsUpTo(100), 256, 32, cpu, cap=4, limit_bytes=-1)
     with pytest.raises(StratumError, match="cannot train one sequence"):
         batch_fit.largest_micro_batch(_FitsUpTo(0), 256, 32, cpu, cap=64)
     with pytest.raises(ValueError):  # anything but an allocation failure is the engine's error, not a size limit
