@@ -470,7 +470,7 @@ def _disk_free(disk_dir: str) -> int:
     return shutil.disk_usage(disk_dir or "/tmp").free
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["overhead", "offload", "beyond-ram", "capacity", "worker"])
     ap.add_argument("--preset", default="small")
@@ -506,7 +506,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="the device the engines train on (cuda: a GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both engines (overhead, offload, worker), e.g. train.precision='bf16'")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
     for key, value in (MODE_DEFAULTS["capacity"] if args.mode == "capacity" else MODE_DEFAULTS["other"]).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
