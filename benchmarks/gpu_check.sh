@@ -103,12 +103,14 @@ part_check() {
     grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h '$DISK_DIR' /tmp . 2>/dev/null
     if command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv; fi"
-  # Every test file that honours STRATUM_TEST_DEVICE (tests/offload_helpers.py's DEV), fp16 and bf16 included.
-  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+  # Every test file that honours STRATUM_TEST_DEVICE (through tests/offload_helpers.py's DEV or itself), fp16 and
+  # bf16 included: test_offload_engine, _mixed, _reductions, _stage, _planner, _launches as of this writing.
+  local files
+  files=$(grep -l -E 'offload_helpers|STRATUM_TEST_DEVICE' tests/test_*.py | tr '\n' ' ')
+  echo "   test files: $files" >>"$LOG/summary.txt"
+  # shellcheck disable=SC2086  # PYTEST_ARGS and files are lists of words
   TAIL=25 step tests-offload "$(limit tests-offload 420)" env STRATUM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q \
-    -p no:cacheprovider --timeout 300 -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $PYTEST_ARGS \
-    tests/test_offload_engine.py tests/test_offload_mixed.py tests/test_offload_reductions.py \
-    tests/test_offload_stage.py tests/test_offload_planner.py tests/test_offload_launches.py
+    -p no:cacheprovider --timeout 300 -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $PYTEST_ARGS $files
 }
 
 part_cli() {
