@@ -5,16 +5,17 @@
 #   bash benchmarks/gpu_check.sh PART...       # on a machine with one CUDA GPU and torch (python3 there has it)
 #   DEVICE=cpu PY=.venv/bin/python bash benchmarks/gpu_check.sh all   # the CPU dry run: every part, tiny sizes
 #
-# Parts, in the order a session runs them:
+# Parts, in the order a session runs them (most needed first: device time may end before the last):
 #   check             torch/CUDA/machine facts, then the offload tests with STRATUM_TEST_DEVICE=$DEVICE
-#   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
 #   overhead          no budget, $PRESET at the largest micro-batch that fits plain (goal >= 0.97x plain)
 #   offload25         device budget 25 % of the training state, same batch (goal >= 0.9x plain)
 #   capacity-offload  the offload engine on $CAP_OFFLOAD with the GPU, host RAM and disk as tiers (goal: >= 30 % MFU)
 #   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
+#   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
 #   all               every part above, in that order
-# Every part runs under its own time limit (T_<part> seconds, dashes as underscores), so a hang in one still
-# leaves the others' results. Logs, JSON and train runs go to $LOG; $OUT (the folder the device tool brings back,
+# Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
+# (T_<step> seconds, dashes as underscores: T_tests_offload, T_cli_fp16), so a hang in one still leaves the
+# others' results. Logs, JSON and train runs go to $LOG; $OUT (the folder the device tool brings back,
 # at most 8 files) gets summary.txt and gpu-check.tar.gz (all of $LOG but checkpoints), both rewritten after
 # every part. Sizes come from the environment (defaults below: the GPU's, or tiny ones with DEVICE=cpu).
 set -u
@@ -133,8 +134,8 @@ run_part() {
     offload25) bench offload offload25 ;;
     capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
     capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;
-    all) for p in check cli overhead offload25 capacity-offload capacity-plain; do run_part "$p"; done ;;
-    *) echo "gpu_check.sh: unknown part '$1' (check cli overhead offload25 capacity-offload capacity-plain all)" >&2
+    all) for p in check overhead offload25 capacity-offload capacity-plain cli; do run_part "$p"; done ;;
+    *) echo "gpu_check.sh: unknown part '$1' (check overhead offload25 capacity-offload capacity-plain cli all)" >&2
        exit 2 ;;
   esac
 }
