@@ -130,7 +130,7 @@ run_part() {
   case $1 in
     check) part_check ;;
     cli) part_cli ;;
-    overhead) bench overhead overhead ;;
+    overhead) bench overhead overhead --plain-twice ;;
     offload25) bench offload offload25 ;;
     capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
     capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;

@@ -192,6 +192,8 @@ def side_by_side(args) -> dict:
     block = args.block if args.block > 0 else len(batches)
     # The offload engine checks the GPU allocator's bytes against its budget (all of this process's bytes since it
     # was built), so it is built only when its first step comes, after the plain engine's allocations.
+    # the offload engine trains ``model``'s own tensors, so a second plain run starts from a copy taken now
+    pristine = copy.deepcopy(model) if args.plain_twice else None
     make = {"plain": lambda: make_engine(cfg, copy.deepcopy(model), dev),
             "offload": lambda: offload_engine(ocfg, model, dev, plan)}
     rec: dict = {"times": {"plain": [], "offload": []}, "losses": {"plain": [], "offload": []}, "moved": [],
@@ -213,7 +215,23 @@ def side_by_side(args) -> dict:
            "cuda_peak_under_budget": _under(rec["offload_cuda_peak_bytes"], plan.device_budget),
            "fetches": off.n_fetches, "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h}
     off.close()
+    del off
+    if pristine is not None:
+        out["plain_again_max_rel_loss_diff"] = _plain_again(lambda: make_engine(cfg, pristine, dev), batches,
+                                                            rec["losses"]["plain"], dev)
     return out
+
+
+def _plain_again(make_plain, batches, losses: list[float], dev) -> float:
+    """The plain engine run again over the same batches from the same weights: the largest relative difference
+    from its first run's losses — the device's own run-to-run spread, against which the offload engine's is read
+    (attention's backward kernels on a GPU accumulate with atomics)."""
+    release(dev)
+    engine = make_plain()
+    again = [engine.train_step(b, 1e-4).loss for b in batches]
+    diff = max(abs(a - b) / abs(a) for a, b in zip(losses, again))
+    print(f"plain again: max rel loss diff {diff:.1e}", flush=True)
+    return diff
 
 
 def _pair_result(rec: dict, cfg, dev, flops_per_token: float) -> dict:
@@ -484,6 +502,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="steps after warm-up (default 8; capacity: in all, 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; capacity 1)")
     ap.add_argument("--mfu-goal", type=float, default=0.3, help="capacity: the MFU a preset must reach to count")
+    ap.add_argument("--plain-twice", action="store_true",
+                    help="overhead/offload in one process: run the plain engine again afterwards, untimed, and "
+                         "report how far its losses are from its first run's (the device's own spread)")
     ap.add_argument("--engine", default="plain")
     ap.add_argument("--device-budget", default="1GB")
     ap.add_argument("--host-budget", default="1GB")
@@ -552,7 +573,8 @@ def _headline(res: dict) -> str:
     return (f"{res['mode']} {res['preset']}: micro-batch {res['micro_batch']} x {res['grad_accum']} x "
             f"{res['seq_len']} = {res['tokens_per_step']:,} tokens/step; plain {tps['plain']:,.0f} tok/s MFU "
             f"{mfu['plain']:.1%}, offload {tps['offload']:,.0f} tok/s MFU {mfu['offload']:.1%}: "
-            f"{res['ratio_offload_over_plain']:.3f}x plain; losses max rel diff {res['max_rel_loss_diff']:.1e}; "
+            f"{res['ratio_offload_over_plain']:.3f}x plain; losses max rel diff {res['max_rel_loss_diff']:.1e} "
+            f"(plain against itself {res.get('plain_again_max_rel_loss_diff', float('nan')):.1e}); "
             f"CUDA peak {_size(peak)} against budget {_size(budget)}; peak {res['peak']['source']}")
 
 
