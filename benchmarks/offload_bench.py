@@ -179,7 +179,6 @@ def side_by_side(args) -> dict:
     running out of device memory, or the offload engine's allocator check failing, gives a result with ``error``
     and the steps timed before it."""
     from stratum.model.build import build_model
-    from stratum.offload.setup import offload_engine
     from stratum.parallel.compose import make_engine
     from stratum.runtime.device import resolve_device
 
@@ -190,12 +189,9 @@ def side_by_side(args) -> dict:
     cfg, ocfg, plan, plan_s, batch = _plan(args, model, dev, batch)
     batches = _batches(cfg, args.steps + args.warmup)[0]
     block = args.block if args.block > 0 else len(batches)
-    # The offload engine checks the GPU allocator's bytes against its budget (all of this process's bytes since it
-    # was built), so it is built only when its first step comes, after the plain engine's allocations.
     # the offload engine trains ``model``'s own tensors, so a second plain run starts from a copy taken now
     pristine = copy.deepcopy(model) if args.plain_twice else None
-    make = {"plain": lambda: make_engine(cfg, copy.deepcopy(model), dev),
-            "offload": lambda: offload_engine(ocfg, model, dev, plan)}
+    make = _makers(cfg, ocfg, model, plan, dev)
     rec: dict = {"times": {"plain": [], "offload": []}, "losses": {"plain": [], "offload": []}, "moved": [],
                  "offload_cuda_peak_bytes": None}
     head = {"mode": args.mode, "preset": args.preset, "params": model.num_params(),
@@ -215,23 +211,41 @@ def side_by_side(args) -> dict:
            "cuda_peak_under_budget": _under(rec["offload_cuda_peak_bytes"], plan.device_budget),
            "fetches": off.n_fetches, "bytes_h2d": off.bytes_h2d, "bytes_d2h": off.bytes_d2h}
     off.close()
-    del off
+    # what the offload engine left on the device (a resident chunk is the model's parameters' storage) goes with it
+    del off, make, model
     if pristine is not None:
         out["plain_again_max_rel_loss_diff"] = _plain_again(lambda: make_engine(cfg, pristine, dev), batches,
                                                             rec["losses"]["plain"], dev)
     return out
 
 
-def _plain_again(make_plain, batches, losses: list[float], dev) -> float:
+def _plain_again(make_plain, batches, losses: list[float], dev) -> float | None:
     """The plain engine run again over the same batches from the same weights: the largest relative difference
     from its first run's losses — the device's own run-to-run spread, against which the offload engine's is read
-    (attention's backward kernels on a GPU accumulate with atomics)."""
+    (attention's backward kernels on a GPU accumulate with atomics). None where it ran out of device memory."""
     release(dev)
     engine = make_plain()
-    again = [engine.train_step(b, 1e-4).loss for b in batches]
+    try:
+        again = [engine.train_step(b, 1e-4).loss for b in batches]
+    except RuntimeError as err:
+        if not out_of_memory(err):
+            raise
+        print(f"plain again: out of memory ({str(err)[:200]})", flush=True)
+        return None
     diff = max(abs(a - b) / abs(a) for a, b in zip(losses, again))
     print(f"plain again: max rel loss diff {diff:.1e}", flush=True)
     return diff
+
+
+def _makers(cfg, ocfg, model, plan, dev) -> dict:
+    """Name → a function building that engine. The offload engine checks the GPU allocator's bytes against its
+    budget (all of this process's bytes since it was built), so each is built only when its first step comes, after
+    the plain engine's allocations."""
+    from stratum.offload.setup import offload_engine
+    from stratum.parallel.compose import make_engine
+
+    return {"plain": lambda: make_engine(cfg, copy.deepcopy(model), dev),
+            "offload": lambda: offload_engine(ocfg, model, dev, plan)}
 
 
 def _pair_result(rec: dict, cfg, dev, flops_per_token: float) -> dict:
@@ -574,8 +588,12 @@ def _headline(res: dict) -> str:
             f"{res['seq_len']} = {res['tokens_per_step']:,} tokens/step; plain {tps['plain']:,.0f} tok/s MFU "
             f"{mfu['plain']:.1%}, offload {tps['offload']:,.0f} tok/s MFU {mfu['offload']:.1%}: "
             f"{res['ratio_offload_over_plain']:.3f}x plain; losses max rel diff {res['max_rel_loss_diff']:.1e} "
-            f"(plain against itself {res.get('plain_again_max_rel_loss_diff', float('nan')):.1e}); "
+            f"(plain against itself {_num(res.get('plain_again_max_rel_loss_diff'))}); "
             f"CUDA peak {_size(peak)} against budget {_size(budget)}; peak {res['peak']['source']}")
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def _size(n: int | None) -> str:
