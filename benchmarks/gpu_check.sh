@@ -106,12 +106,15 @@ part_check() {
       nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv; fi"
   # Every test file that honours STRATUM_TEST_DEVICE (through tests/offload_helpers.py's DEV or itself), fp16 and
   # bf16 included: test_offload_engine, _mixed, _reductions, _stage, _planner, _launches as of this writing.
-  local files
+  local files args=$PYTEST_ARGS
   files=$(grep -l -E 'offload_helpers|STRATUM_TEST_DEVICE' tests/test_*.py | tr '\n' ' ')
-  echo "   test files: $files" >>"$LOG/summary.txt"
-  # shellcheck disable=SC2086  # PYTEST_ARGS and files are lists of words
+  # without pytest-xdist or pytest-timeout the tests still run: in one process, or with no per-test limit
+  "$PY" -c "import xdist" 2>/dev/null || args=$(echo "$args" | sed -E 's/-n *[0-9]+//')
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then args="$args --timeout 300"; fi
+  echo "   test files: $files; pytest arguments: $args" >>"$LOG/summary.txt"
+  # shellcheck disable=SC2086  # args and files are lists of words
   TAIL=25 step tests-offload "$(limit tests-offload 420)" env STRATUM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q \
-    -p no:cacheprovider --timeout 300 -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $PYTEST_ARGS $files
+    -p no:cacheprovider -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $args $files
 }
 
 part_cli() {
