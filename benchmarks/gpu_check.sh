@@ -96,7 +96,7 @@ train() {  # name, overrides...: a short `stratum train` on the device
             "train.out_dir='$LOG/train-$name'" "train.resume=false" "$@"; do
     args+=(--set "$kv")
   done
-  step "cli-$name" "$(limit "cli-$name" 120)" "$PY" -m stratum train "${args[@]}"
+  step "cli-$name" "$(limit "cli-$name" 100)" "$PY" -m stratum train "${args[@]}"
 }
 
 part_check() {
@@ -124,7 +124,7 @@ part_cli() {
     "train.precision='bf16'"
   train fp16 "train.engine='offload'" "offload.device_budget='25%'" "offload.optimizer_tier='host'" \
     "train.precision='fp16'"
-  step cli-plan "$(limit cli-plan 120)" "$PY" -m stratum plan --set "train.device='$DEVICE'" \
+  step cli-plan "$(limit cli-plan 100)" "$PY" -m stratum plan --set "train.device='$DEVICE'" \
     --set "model.preset='$PLAN_PRESET'" --set "train.micro_batch_size=$PLAN_MICRO" --set "data.seq_len=$PLAN_SEQ" \
     --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
 }
