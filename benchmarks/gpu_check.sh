@@ -1,49 +1,150 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go (the CPU suite cannot reach these paths): the offload engine's tests on
-# CUDA (device tier = GPU memory checked with torch.cuda.memory_allocated, host tier = pinned RAM, copies on side
-# streams), a training run through the CLI on each engine, and the overhead / offload benchmarks on the GPU.
+# Everything issue 20 asks of a GPU, in parts that each fit one 10-minute command of the device tool; docs/gpu.md is
+# the runbook (which `run` call runs which part, in what order, and how to read the results).
 #
-#   bash benchmarks/gpu_check.sh [LOG_DIR]        # on a machine with one CUDA GPU and torch installed
+#   bash benchmarks/gpu_check.sh PART...       # on a machine with one CUDA GPU and torch (python3 there has it)
+#   DEVICE=cpu PY=.venv/bin/python bash benchmarks/gpu_check.sh all   # the CPU dry run: every part, tiny sizes
 #
-# PARTS (default "tests cli bench") picks parts; PY (default python3) the interpreter. Each part has its own
-# time limit so a hang in one still reports the others. Logs and benchmark JSON go to LOG_DIR (default
-# runs/gpu-check).
+# Parts, in the order a session runs them (most needed first: device time may end before the last):
+#   check             torch/CUDA/machine facts, then the offload tests with STRATUM_TEST_DEVICE=$DEVICE
+#   overhead          no budget, $PRESET at the largest micro-batch that fits plain (goal >= 0.97x plain)
+#   offload25         device budget 25 % of the training state, same batch (goal >= 0.9x plain)
+#   capacity-offload  the offload engine on $CAP_OFFLOAD with the GPU, host RAM and disk as tiers (goal: >= 30 % MFU)
+#   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
+#   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
+#   all               every part above, in that order
+# Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
+# (T_<step> seconds, dashes as underscores: T_tests_offload, T_cli_fp16), so a hang in one still leaves the
+# others' results. Logs, JSON and train runs go to $LOG; $OUT (the folder the device tool brings back,
+# at most 8 files) gets summary.txt and gpu-check.tar.gz (all of $LOG but checkpoints), both rewritten after
+# every part. Sizes come from the environment (defaults below: the GPU's, or tiny ones with DEVICE=cpu).
 set -u
-LOG=${1:-runs/gpu-check}
+DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
-PARTS=${PARTS:-tests cli bench}
-mkdir -p "$LOG"
+LOG=${LOG:-runs/gpu-check}
+OUT=${OUT:-runs/gpu-check-out}
+if [ "$DEVICE" = cpu ]; then  # the dry run: every command line end to end, in seconds
+  : "${PRESET:=mini}" "${SEQ:=64}" "${TOKENS:=512}" "${STEPS:=2}" "${WARMUP:=1}" "${MAX_MICRO:=4}"
+  : "${CLI_PRESET:=mini}" "${CLI_STEPS:=3}" "${CLI_MICRO:=2}" "${CLI_SEQ:=64}"
+  : "${PLAN_PRESET:=mini}" "${PLAN_MICRO:=2}" "${PLAN_SEQ:=64}"
+  : "${CAP_OFFLOAD:=tiny}" "${CAP_PLAIN:=tiny}" "${CAP_SEQ:=64}" "${CAP_MICRO:=2}" "${CAP_TOKENS:=256}"
+  : "${CAP_STEPS:=2}" "${DEVICE_BUDGET:=64MB}" "${PYTEST_ARGS:=--collect-only}" "${DISK_DIR:=$LOG/disk}"
+  : "${PRECISION:=fp32}"  # a CPU's bf16 matrix products are slow to measure; the GPU runs bf16
+else
+  : "${PRESET:=gpt2-774m}" "${SEQ:=1024}" "${TOKENS:=262144}" "${STEPS:=5}" "${WARMUP:=2}" "${MAX_MICRO:=64}"
+  : "${CLI_PRESET:=small}" "${CLI_STEPS:=30}" "${CLI_MICRO:=8}" "${CLI_SEQ:=256}"
+  : "${PLAN_PRESET:=gpt2-774m}" "${PLAN_MICRO:=4}" "${PLAN_SEQ:=1024}"
+  : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
+  : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 8}"
+fi
+MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
+HOST_BUDGET=${HOST_BUDGET:-auto}                    # auto: 90 % of the machine's RAM
+DISK_DIR=${DISK_DIR:-/var/tmp/stratum-offload}      # the disk tier's files (check prints df of it)
+PRECISION=${PRECISION:-bf16}
+mkdir -p "$LOG" "$OUT" "$DISK_DIR"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
-part() {  # name, seconds, command...
-  local name=$1 secs=$2; shift 2
-  echo "== $name" | tee -a "$LOG/summary.txt"
-  timeout "$secs" "$@" >"$LOG/$name.log" 2>&1
-  local rc=$?
-  tail -n 4 "$LOG/$name.log" | sed 's/^/   /' | tee -a "$LOG/summary.txt"
-  echo "   rc=$rc" | tee -a "$LOG/summary.txt"
-  [ $rc -eq 0 ] || status=1
+
+bundle() {  # summary and logs to $OUT, after every part: whatever a killed command leaves is current
+  cp "$LOG/summary.txt" "$OUT/summary.txt"
+  tar czf "$OUT/gpu-check.tar.gz.part" --exclude=checkpoints -C "$(dirname "$LOG")" "$(basename "$LOG")" \
+    && mv "$OUT/gpu-check.tar.gz.part" "$OUT/gpu-check.tar.gz"
 }
 
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$LOG/summary.txt"
+step() {  # name, seconds, command...: one command of a part, its log's tail and exit status in the summary
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name (limit ${secs}s)" >>"$LOG/summary.txt"
+  timeout --kill-after=10 "$secs" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-6}" "$LOG/$name.log" | cut -c1-300 | sed 's/^/   /' >>"$LOG/summary.txt"
+  echo "   rc=$rc wall=$((SECONDS - t0))s" >>"$LOG/summary.txt"
+  tail -n "${TAIL:-6}" "$LOG/$name.log" | cut -c1-300
+  echo "== $name rc=$rc wall=$((SECONDS - t0))s"
+  [ $rc -eq 0 ] || status=1
+  bundle
+}
 
-for p in $PARTS; do case $p in
-  tests)
-    part tests-offload 300 env STRATUM_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider --timeout 300 \
-      tests/test_offload_engine.py -rf ;;
-  cli)
-    part cli-plain 60 $PY -m stratum train --set "train.device='cuda'" --set train.steps=30 \
-      --set "train.out_dir='$LOG/plain'"
-    part cli-offload 90 $PY -m stratum train --set "train.device='cuda'" --set train.steps=30 \
-      --set "train.engine='offload'" --set "offload.device_budget='25MB'" --set "train.out_dir='$LOG/offload'"
-    part cli-plan 60 $PY -m stratum plan --set "train.device='cuda'" --set "model.preset='gpt2-774m'" \
-      --set "offload.device_budget='3GB'" ;;
-  bench)
-    for mode in overhead offload; do
-      part "bench-$mode" 240 $PY benchmarks/offload_bench.py "$mode" --device cuda --preset gpt2-124m \
-        --micro-batch 8 --seq-len 1024 --steps 12 --warmup 3 --set "train.precision='bf16'" \
-        --out "$LOG/offload_${mode}_gpu.json"
-    done ;;
-esac; done
+limit() {  # the time limit of a part: T_<part>, else the default given
+  local var="T_${1//-/_}"
+  echo "${!var:-$2}"
+}
+
+bench() {  # mode, name, extra args...: offload_bench.py at the seeds' batch on $PRESET
+  local mode=$1 name=$2; shift 2
+  step "$name" "$(limit "$name" 560)" "$PY" benchmarks/offload_bench.py "$mode" --device "$DEVICE" \
+    --preset "$PRESET" --micro-batch "$MICRO" --max-micro-batch "$MAX_MICRO" --tokens-per-step "$TOKENS" \
+    --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --set "train.precision='$PRECISION'" \
+    --out "$LOG/offload_${name}_${DEVICE}.json" "$@"
+}
+
+capacity() {  # engines, presets, micro-batch, tokens per step, name
+  local secs
+  secs=$(limit "$5" 560)
+  # each run's own limit ends it (and the part writes its JSON) before the part's limit ends the part
+  step "$5" "$secs" "$PY" benchmarks/offload_bench.py capacity --device "$DEVICE" --engines "$1" \
+    --presets "$2" --micro-batch "$3" --tokens-per-step "$4" --seq-len "$CAP_SEQ" --steps "$CAP_STEPS" \
+    --warmup 1 --device-budget "$DEVICE_BUDGET" --host-budget "$HOST_BUDGET" --disk-dir "$DISK_DIR" \
+    --set "train.precision='$PRECISION'" --timeout "$((secs - 30))" --out "$LOG/offload_$5_${DEVICE}.json"
+}
+
+train() {  # name, overrides...: a short `stratum train` on the device
+  local name=$1; shift
+  local args=()
+  for kv in "train.device='$DEVICE'" "train.steps=$CLI_STEPS" "model.preset='$CLI_PRESET'" \
+            "train.micro_batch_size=$CLI_MICRO" "data.seq_len=$CLI_SEQ" "train.eval_interval=0" \
+            "train.out_dir='$LOG/train-$name'" "train.resume=false" "$@"; do
+    args+=(--set "$kv")
+  done
+  step "cli-$name" "$(limit "cli-$name" 100)" "$PY" -m stratum train "${args[@]}"
+}
+
+part_check() {
+  TAIL=40 step facts 60 bash -c "$PY benchmarks/gpu_facts.py '$DISK_DIR' /tmp .; uptime
+    grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h '$DISK_DIR' /tmp . 2>/dev/null
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv; fi"
+  # Every test file that honours STRATUM_TEST_DEVICE (through tests/offload_helpers.py's DEV or itself), fp16 and
+  # bf16 included: test_offload_engine, _mixed, _reductions, _stage, _planner, _launches as of this writing.
+  local files args=$PYTEST_ARGS
+  files=$(grep -l -E 'offload_helpers|STRATUM_TEST_DEVICE' tests/test_*.py | tr '\n' ' ')
+  # without pytest-xdist or pytest-timeout the tests still run: in one process, or with no per-test limit
+  "$PY" -c "import xdist" 2>/dev/null || args=$(echo "$args" | sed -E 's/-n *[0-9]+//')
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then args="$args --timeout 300"; fi
+  echo "   test files: $files; pytest arguments: $args" >>"$LOG/summary.txt"
+  # shellcheck disable=SC2086  # args and files are lists of words
+  TAIL=25 step tests-offload "$(limit tests-offload 420)" env STRATUM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q \
+    -p no:cacheprovider -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $args $files
+}
+
+part_cli() {
+  train plain
+  train offload25 "train.engine='offload'" "offload.device_budget='25%'"
+  train bf16-chunks "train.engine='offload'" "offload.device_budget='25%'" "offload.optimizer_tier='host'" \
+    "train.precision='bf16'"
+  train fp16 "train.engine='offload'" "offload.device_budget='25%'" "offload.optimizer_tier='host'" \
+    "train.precision='fp16'"
+  step cli-plan "$(limit cli-plan 100)" "$PY" -m stratum plan --set "train.device='$DEVICE'" \
+    --set "model.preset='$PLAN_PRESET'" --set "train.micro_batch_size=$PLAN_MICRO" --set "data.seq_len=$PLAN_SEQ" \
+    --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
+}
+
+run_part() {
+  case $1 in
+    check) part_check ;;
+    cli) part_cli ;;
+    overhead) bench overhead overhead --plain-twice ;;
+    offload25) bench offload offload25 ;;
+    capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
+    capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;
+    all) for p in check overhead offload25 capacity-offload capacity-plain cli; do run_part "$p"; done ;;
+    *) echo "gpu_check.sh: unknown part '$1' (check overhead offload25 capacity-offload capacity-plain cli all)" >&2
+       exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_check.sh PART... (see the header)" >&2; exit 2; }
+echo "== gpu_check $* on $DEVICE, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)" \
+  >>"$LOG/summary.txt"
+for p in "$@"; do run_part "$p"; done
 exit $status
