@@ -354,7 +354,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
             before = here
     if not search.fits:
         err = _no_fit(search, device_budget, host_budget)
-        if precision == "fp16":  # (its candidates keep parameters and moments off the disk: half_chunks)
-            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW in host RAM")
+        if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
+            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
         raise err
     return _pick(job, search)
