@@ -196,6 +196,11 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_off_the_device(
     assert full.predicted_peak[DEVICE] - full.act_bytes == 4 * R * C + 8 * pinned + 4 * pinned
     assert half.predicted_peak[DEVICE] - half.act_bytes == HALF * (R * C + pinned)
     assert not plan(m, prof, precision="bf16", optimizer_tier=DEVICE).half_params
+    # a host too small for the 16-bit copies of disk masters and the fp32 gradient accumulators: fp32 chunks on disk
+    S = state_bytes(m)
+    tight = plan(m, prof, precision="bf16", device_budget=S // 10, host_budget=S // 8, optimizer_tier=DISK,
+                 activations="recompute")
+    assert not tight.half_params and tight.param_tier == DISK
     assert not half_chunks("fp32", DISK, DISK) and not half_chunks("bf16", DEVICE, DISK)
     assert half_chunks("bf16", HOST, HOST) and half_chunks("bf16", HOST, DEVICE)
     with pytest.raises(StratumError, match="plan it with the run's precision"):

@@ -9,8 +9,9 @@ its optimizer pool (``opt_pool``: inline on a CPU, a thread otherwise), transfer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
