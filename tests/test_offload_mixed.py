@@ -310,13 +310,13 @@ def test_fp16_chunks_skip_the_plain_engines_overflows_and_resume_exactly(shared_
     assert [r.loss_scale for r in res] == scales[5:] and _rel(res, got[5:]) <= FP16_LOSS_REL
 
 
-DISK_CASES = [  # (source, precision, host budget as a share of the training state (None: no budgets), clip)
-    ("sequential", "bf16", 0.45, 1.0),  # masters and moments on disk (the host cannot hold 8 bytes a parameter)
-    ("sequential", "bf16", 0.45, 0.0),  # the same, each chunk updated as its gradient completes in the backward
-    ("sequential", "bf16", 0.6, 1.0),  # moments on disk, masters in host RAM
-    ("sequential", "bf16", None, 1.0),  # every chunk pinned on the device, masters on the host, moments on disk
-    ("gpt", "bf16", 0.45, 1.0),  # a tied embedding: pinned, its master on the host, its moments on disk
-    ("gpt", "fp16", 0.45, 1.0),  # loss scaling: overflowing steps skipped on disk as in RAM
+DISK_CASES = [  # (source, precision, host budget as a share of the training state (None: no budgets), clip, acts)
+    ("sequential", "bf16", 0.45, 1.0, "recompute"),  # masters and moments on disk (the host cannot hold 8 B/param)
+    ("sequential", "bf16", 0.45, 0.0, "recompute"),  # each chunk updated as its gradient completes in the backward
+    ("sequential", "bf16", 0.6, 1.0, "recompute"),  # moments on disk, masters in host RAM
+    ("sequential", "bf16", None, 1.0, "recompute"),  # every chunk pinned on the device, moments on disk
+    ("gpt", "bf16", 0.45, 1.0, "offload"),  # a tied (pinned) chunk; activations spilled to the host and to disk
+    ("gpt", "fp16", 0.45, 1.0, "recompute"),  # loss scaling: overflowing steps skipped on disk as in RAM
 ]
 _refs: dict = {}
 
@@ -345,8 +345,8 @@ def _disk_reference(source, precision, clip, shared_tmp, steps):
 
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="bit-exact against references run on a CPU")
-@pytest.mark.parametrize("source,precision,host_share,clip", DISK_CASES)
-def test_16_bit_chunks_with_masters_and_moments_on_disk(source, precision, host_share, clip, shared_tmp):
+@pytest.mark.parametrize("source,precision,host_share,clip,acts", DISK_CASES)
+def test_16_bit_chunks_with_masters_and_moments_on_disk(source, precision, host_share, clip, acts, shared_tmp):
     """A host budget below the fp32 masters + moments puts them on disk while the device streams 16-bit chunks (a
     disk master's 16-bit copy in host RAM): the device holds 2 bytes per parameter of its slots and pinned chunks,
     under its budget; every link (disk included) moves per step what the step model predicts and each tier peaks
@@ -356,8 +356,9 @@ def test_16_bit_chunks_with_masters_and_moments_on_disk(source, precision, host_
     S = state_bytes(m)
     budgets = (dict(optimizer_tier=DISK) if host_share is None
                else dict(device_budget=S // 10, host_budget=int(S * host_share)))
-    p = plan(m, prof, precision=precision, clip=clip, activations="recompute", **budgets)
+    p = plan(m, prof, precision=precision, clip=clip, activations=acts, **budgets)
     assert p.half_params and p.optimizer_tier == DISK
+    assert acts == "recompute" or (p.disk_spill_blocks and len(p.spill_blocks or ()) > len(p.disk_spill_blocks))
     assert p.param_tier == (DEVICE if host_share is None else DISK if host_share < 0.5 else HOST)
     assert p.param_tier == DEVICE or p.resident_chunks < p.n_chunks  # (streaming)
     assert f"fp32 masters on the {DISK if p.param_tier == DISK else HOST}" in p.describe()

@@ -56,18 +56,22 @@ def _spill_choice(costs: Costs, room: float) -> frozenset[int]:
 
 
 def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str, ptier: str, costs: Costs,
-                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None, staged: bool):
+                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None, staged: bool,
+                        half: bool):
     """(activations, spilled blocks or None = all, of those the ones on disk) to try. Offload is tried three
     ways when the host budget is bounded: all blocks on the host; what the host holds there and the rest
     recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk. A pipeline
     rank (``staged``) spills every block's checkpoint to the host or none (Placement.inflight)."""
+    if half:  # (the bytes of 16-bit chunks' blocks, and the host bytes of their placement)
+        costs = costs.on_half_params()
     L = len(costs.spill_bytes)
     for rc in recs:
         if rc != SPILL or host_budget is None or staged:
             yield rc, None, frozenset()
             continue
         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=bw,
-                                   n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset())
+                                   n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset(),
+                                   half=half)
         room = host_budget - base[HOST]
         yield rc, None, frozenset()  # refused later if the host cannot hold it all
         host_set = _spill_choice(costs, room)
@@ -277,12 +281,12 @@ def _tier_options(job: _Job, layout: Layout, opts: list[str], recs: list[str]) -
         for ptier in (DEVICE, HOST, DISK):
             if ptier == DEVICE and job.resident_chunks is not None and job.resident_chunks < n_stream:
                 continue
-            for half, (rc, spill_set, disk_set) in itertools.product(
-                    job.halves(opt, ptier), _activation_options(recs, job.host_budget, layout, opt, ptier, job.costs,
-                                                                job.n_micro, job.deferred, job.n_params, job.bw,
-                                                                bool(job.inflight))):
-                for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks, bool(job.inflight))):
-                    yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept, half), i == 0
+            for half in job.halves(opt, ptier):
+                for rc, spill_set, disk_set in _activation_options(recs, job.host_budget, layout, opt, ptier,
+                                                                   job.costs, job.n_micro, job.deferred, job.n_params,
+                                                                   job.bw, bool(job.inflight), half):
+                    for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks, bool(job.inflight))):
+                        yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept, half), i == 0
 
 
 def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None) -> StratumError:
