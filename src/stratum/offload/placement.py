@@ -120,7 +120,9 @@ class Placement:
         if self.activations != SPILL or self.spill_blocks is None:
             return self.activations + (keep if self.activations == SPILL else "")
         disk = len(self.disk_spill_blocks)
-        text = f"offload for {len(self.spill_blocks) - disk - len(self.kept_blocks)} blocks"
+        # (the kept blocks need not be among spill_blocks: a spill set chosen by the host's room may leave them out)
+        to_host = len(frozenset(self.spill_blocks) - frozenset(self.kept_blocks)) - disk
+        text = f"offload for {to_host} blocks"
         if disk:
             text += f", to disk for {disk}"
         return text + keep + (", recompute for the rest" if self.recomputes_some else "")
