@@ -59,6 +59,22 @@ def test_fp16_skips_overflowing_steps_logs_the_scale_and_resumes_exactly(make_cf
     assert a[-1]["loss"] < a[0]["loss"] - 0.3
 
 
+def test_bf16_offload_with_masters_and_moments_on_disk_resumes_exactly(make_cfg, tmp_path, capsys):
+    """The offload engine on bf16 chunks with its fp32 masters and AdamW moments on disk (host budget too small for
+    them), through ``train``: stopped and resumed, the losses and weights of one run straight through."""
+    args = ("train.precision='bf16'", "train.engine='offload'", "offload.device_budget='1MB'",
+            "offload.host_budget='1.2MB'", "offload.activations='recompute'", "train.steps=6")
+    train(make_cfg(*args, out=tmp_path / "a"))
+    out = capsys.readouterr().out
+    assert "parameters' home disk; optimizer state on disk" in out and "fp32 masters on the disk" in out
+    train(make_cfg(*args, out=tmp_path / "b"), stop_at=3)
+    train(make_cfg(*args, out=tmp_path / "b"))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 6
+    pa, pb = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_path):
     out = tmp_path / "r"
     train(make_cfg("train.steps=6", "train.ckpt_interval=3", "train.keep_checkpoints=5", out=out))

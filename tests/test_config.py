@@ -67,7 +67,7 @@ def test_toml_round_trip():
     (["train.engine=pipeline", "train.precision=fp16"], "runs on the plain and offload engines only"),
     (["parallel.plan=auto", "train.precision=fp16"], "searches multi-process plans"),
     (["train.engine=offload", "offload.optimizer_tier=device", "train.precision=fp16"],
-     "fp16' on the offload engine keeps AdamW in host RAM"),
+     "fp16' on the offload engine keeps AdamW off the device"),
     (["train.engine=offload", "offload.delayed_update=true", "train.precision=fp16"],
      "offload.delayed_update runs with bf16 chunks"),
     (["train.device=tpu"], "train.device = 'tpu' is not"),

@@ -1,6 +1,6 @@
-"""Mixed-precision placement (Placement.half_params): under train.precision = bf16 with the optimizer state in
-host RAM, the offload engine's device chunks are bf16 working copies of fp32 masters kept on the host beside the
-AdamW moments; gradients go to the host in 16 bits and are accumulated there in fp32 (docs/offload.md).
+"""Mixed-precision placement (Placement.half_params): under train.precision = bf16 with the optimizer state off
+the device, the offload engine's device chunks are bf16 working copies of fp32 masters kept on the host or the disk
+beside the AdamW moments; gradients go to the host in 16 bits and are accumulated there in fp32 (docs/offload.md).
 
 Tolerances, from runs of these tests' models on this machine's CPU (10 steps of 2 micro-batches, dropout 0.1,
 clipping at 1.0; losses: the largest relative difference of a step's loss; weights: relative L2 distance of all
@@ -179,10 +179,9 @@ def test_bf16_checkpoint_is_the_fp32_masters_and_resumes_under_another_placement
     b.close()
 
 
-def test_planner_counts_16_bit_chunks_only_where_the_masters_are_on_the_host(shared_tmp):
+def test_planner_counts_16_bit_chunks_only_where_the_masters_are_off_the_device(shared_tmp):
     """Same chunks and slots planned for bf16 and fp32: the device holds half the parameter bytes and fetches move
-    half; fp32, a device optimizer or parameters on disk keep fp32 chunks; an engine refuses a bf16 placement
-    under fp32 precision."""
+    half; fp32 or a device optimizer keep fp32 chunks; an engine refuses a bf16 placement under fp32 precision."""
     m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp)
     fixed = dict(optimizer_tier=HOST, activations="recompute")
     half = plan(m, prof, precision="bf16", device_budget=state_bytes(m) // 10, **fixed)
@@ -197,7 +196,12 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_on_the_host(sha
     assert full.predicted_peak[DEVICE] - full.act_bytes == 4 * R * C + 8 * pinned + 4 * pinned
     assert half.predicted_peak[DEVICE] - half.act_bytes == HALF * (R * C + pinned)
     assert not plan(m, prof, precision="bf16", optimizer_tier=DEVICE).half_params
-    assert not half_chunks("bf16", HOST, DISK) and not half_chunks("bf16", DISK, HOST)
+    # a host too small for the 16-bit copies of disk masters and the fp32 gradient accumulators: fp32 chunks on disk
+    S = state_bytes(m)
+    tight = plan(m, prof, precision="bf16", device_budget=S // 10, host_budget=S // 8, optimizer_tier=DISK,
+                 activations="recompute")
+    assert not tight.half_params and tight.param_tier == DISK
+    assert not half_chunks("fp32", DISK, DISK) and not half_chunks("bf16", DEVICE, DISK)
     assert half_chunks("bf16", HOST, HOST) and half_chunks("bf16", HOST, DEVICE)
     with pytest.raises(StratumError, match="plan it with the run's precision"):
         OffloadEngine(build("gpt", shared_tmp), optim=spec(), device=DEV, placement=half, precision="fp32")
@@ -304,3 +308,88 @@ def test_fp16_chunks_skip_the_plain_engines_overflows_and_resume_exactly(shared_
     cross.load_state(st)  # the offload engine's checkpoint, scaler included, under the plain engine
     res = run(cross, 2, start=5)
     assert [r.loss_scale for r in res] == scales[5:] and _rel(res, got[5:]) <= FP16_LOSS_REL
+
+
+DISK_CASES = [  # (source, precision, host budget as a share of the training state (None: no budgets), clip, acts)
+    ("sequential", "bf16", 0.45, 1.0, "recompute"),  # masters and moments on disk (the host cannot hold 8 B/param)
+    ("sequential", "bf16", 0.45, 0.0, "recompute"),  # each chunk updated as its gradient completes in the backward
+    ("sequential", "bf16", 0.6, 1.0, "recompute"),  # moments on disk, masters in host RAM
+    ("sequential", "bf16", None, 1.0, "recompute"),  # every chunk pinned on the device, moments on disk
+    ("gpt", "bf16", 0.45, 1.0, "offload"),  # a tied (pinned) chunk; activations spilled to the host and to disk
+    ("gpt", "fp16", 0.45, 1.0, "recompute"),  # loss scaling: overflowing steps skipped on disk as in RAM
+]
+_refs: dict = {}
+
+
+def _disk_reference(source, precision, clip, shared_tmp, steps):
+    """What a disk placement's run must equal: bit for bit, the hand-written recipe (nothing tied) or the same
+    engine with the state in host RAM (fp16, its skips and scales included); and plain bf16 within LOSS_REL /
+    WEIGHT_REL (GPT)."""
+    key = (source, precision, clip)
+    if key not in _refs:
+        m = build(source, shared_tmp)
+        if precision == "fp16":
+            ram = plan(m, _profile(source, shared_tmp, precision), precision=precision, optimizer_tier=HOST,
+                       activations="recompute", device_budget=state_bytes(m) // 10)
+            ref = OffloadEngine(m, optim=spec(clip), device=DEV, placement=ram, precision=precision,
+                                loss_scale=FORCED)
+        elif source == "sequential":
+            ref = HalfReference(m, optim=spec(clip), device=DEV, precision=precision)
+        else:
+            ref = PlainEngine(m, optim=spec(clip), device=DEV, precision=precision)
+        got = run(ref, steps)
+        _refs[key] = (got, ref.state())
+        if isinstance(ref, OffloadEngine):
+            ref.close()
+    return _refs[key]
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="bit-exact against references run on a CPU")
+@pytest.mark.parametrize("source,precision,host_share,clip,acts", DISK_CASES)
+def test_16_bit_chunks_with_masters_and_moments_on_disk(source, precision, host_share, clip, acts, shared_tmp):
+    """A host budget below the fp32 masters + moments puts them on disk while the device streams 16-bit chunks (a
+    disk master's 16-bit copy in host RAM): the device holds 2 bytes per parameter of its slots and pinned chunks,
+    under its budget; every link (disk included) moves per step what the step model predicts and each tier peaks
+    within 10 % of its prediction; the run is its reference's (``_disk_reference``), and a checkpoint resumes it
+    exactly."""
+    m, prof = build(source, shared_tmp), _profile(source, shared_tmp, precision)
+    S = state_bytes(m)
+    budgets = (dict(optimizer_tier=DISK) if host_share is None
+               else dict(device_budget=S // 10, host_budget=int(S * host_share)))
+    p = plan(m, prof, precision=precision, clip=clip, activations=acts, **budgets)
+    assert p.half_params and p.optimizer_tier == DISK
+    assert acts == "recompute" or (p.disk_spill_blocks and len(p.spill_blocks or ()) > len(p.disk_spill_blocks))
+    assert p.param_tier == (DEVICE if host_share is None else DISK if host_share < 0.5 else HOST)
+    assert p.param_tier == DEVICE or p.resident_chunks < p.n_chunks  # (streaming)
+    assert f"fp32 masters on the {DISK if p.param_tier == DISK else HOST}" in p.describe()
+    scale = FORCED if precision == "fp16" else None
+    eng = OffloadEngine(m, optim=spec(clip), device=DEV, placement=p, precision=precision, loss_scale=scale)
+    try:
+        params = len(eng.slots) * p.chunk_elems + sum(c.cap for c in eng.chunks if c.pinned)
+        assert eng.tiers[DEVICE].used == HALF * params == p.predicted_peak[DEVICE] - p.act_bytes
+        assert all(s.dtype == eng._half_dtype for s in eng.slots)
+        got = _run_checking_traffic(eng, 4)
+        assert p.device_budget is None or eng.tiers[DEVICE].peak <= p.device_budget
+        for tier, peak in eng.measured_peaks().items():
+            assert abs(peak - p.predicted_peak[tier]) <= 0.1 * p.predicted_peak[tier], (tier, peak)
+        st = eng.state()
+        got += run(eng, 2, start=4)
+    finally:
+        eng.close()
+    want, want_st = _disk_reference(source, precision, clip, shared_tmp, 6)
+    if source == "sequential" or precision == "fp16":
+        assert [(r.loss, r.loss_scale) for r in got] == [(r.loss, r.loss_scale) for r in want]
+    else:
+        assert _rel(got, want) <= LOSS_REL
+    b = OffloadEngine(build(source, shared_tmp), optim=spec(clip), device=DEV, placement=p, precision=precision,
+                      loss_scale=scale)
+    try:
+        b.load_state(st)
+        assert [r.loss for r in run(b, 2, start=4)] == [r.loss for r in got[4:]]
+        end = b.state()
+    finally:
+        b.close()
+    if source == "sequential" or precision == "fp16":
+        assert all(torch.equal(end.params[n], w) for n, w in want_st.params.items())
+    else:
+        assert _weight_dist(end, want_st) <= WEIGHT_REL

@@ -3,6 +3,7 @@ config and CLI errors are one line; `stratum plan` and the dry run print the pla
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -141,7 +142,6 @@ def test_ties_are_narrowed_to_the_plans_that_stay_fast_on_a_slower_disk(gpt, mon
     """Of tied plans, those also fastest at SLOW_DISK of the probed disk bandwidths stay (then traffic decides);
     a plan outside the tie is not brought back by its slow-disk time (beyond RAM a fast probe tied a plan without
     deferred updates to one with; the first moved less, and on the disk's usual rate its backward was disk-bound)."""
-    import dataclasses
 
     from stratum.ir.costs import Costs
     from stratum.offload.chunks import pack
@@ -387,6 +387,10 @@ def test_the_last_blocks_can_keep_their_activations_on_the_device(gpt):
     p = plan(m, prof, device_budget=S // 4, activations=SPILL, bandwidths=bw)
     assert p.kept_blocks and p.kept_blocks[-1] == L - 1 and len(p.kept_blocks) < L
     assert f"kept on the device for the last {len(p.kept_blocks)}" in p.describe()
+    # a spill set the host's room chose need not hold the kept blocks: only those spilled and not kept are counted
+    some = dataclasses.replace(p, spill_blocks=(0, L - 1), disk_spill_blocks=(), kept_blocks=(L - 2, L - 1),
+                               recomputes_some=True)
+    assert "offload for 1 blocks, kept on the device for the last 2, recompute for the rest" in some.describe()
 
 
 def test_a_pipeline_rank_prices_its_in_flight_micro_batches(gpt):

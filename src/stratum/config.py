@@ -395,7 +395,7 @@ class Config:
     def _validate_fp16(self) -> None:
         """fp16's dynamic loss scaling is built into the plain and the offload engine alone (one process): every
         other plan is refused here rather than run unscaled. The offload engine runs it on 16-bit chunks with the
-        fp32 masters and AdamW moments in host RAM (Placement.half_params)."""
+        fp32 masters and AdamW moments in host RAM or on disk (Placement.half_params)."""
         if self.train.precision != "fp16":
             return
         what = "train.precision = 'fp16' (loss scaling) runs on the plain and offload engines only"
@@ -404,9 +404,9 @@ class Config:
                                "use bf16 or fp32")
         if not isinstance(self.plan.root, (Local, Offload)):
             raise StratumError(f"{what}, not under plan {str(self.plan)!r}: use bf16 or fp32 there")
-        if isinstance(self.plan.root, Offload) and self.offload.optimizer_tier in ("device", "disk"):
-            raise StratumError("train.precision = 'fp16' on the offload engine keeps AdamW in host RAM: set "
-                               "offload.optimizer_tier = 'auto' or 'host'")
+        if isinstance(self.plan.root, Offload) and self.offload.optimizer_tier == "device":
+            raise StratumError("train.precision = 'fp16' on the offload engine keeps AdamW off the device: set "
+                               "offload.optimizer_tier = 'auto', 'host' or 'disk'")
         if isinstance(self.plan.root, Offload) and self.offload.delayed_update:
             raise StratumError("offload.delayed_update runs with bf16 chunks, not train.precision = 'fp16': set it "
                                "to false")

@@ -186,8 +186,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         fp16 = self.precision == "fp16"
         if fp16 and (not self.placement.half_params or self.sharded):
             raise StratumError("train.precision = 'fp16' on the offload engine needs 16-bit chunks with the fp32 "
-                               "masters and AdamW in host RAM (a placement planned for fp16, "
-                               "offload.optimizer_tier = 'host') and no sharded replicas; use bf16 or fp32 otherwise")
+                               "masters and AdamW off the device (a placement planned for fp16, "
+                               "offload.optimizer_tier = 'host' or 'disk') and no sharded replicas; use bf16 or fp32 "
+                               "otherwise")
         self.scaler = LossScaler(loss_scale or LossScaleSpec(), self.device) if fp16 else None
         """fp16: the dynamic loss scale (runtime/loss_scale.py); every update then waits for the end of the
         backward, where one inf/NaN check over all chunks decides whether any runs (``_scaled_update``)."""
@@ -195,17 +196,18 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         """The last step's gradients overflowed: nothing was updated."""
         self._half = self.placement.half_params
         """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
-        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
-        makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
-        (``Updates._publish``)."""
+        fp32 masters (``hp``, or files on disk beside a 16-bit host copy ``hp16``) and the moments live on the
+        host or the disk, every gradient goes to the host in 16 bits as autograd makes it (``_take_grad``) and is
+        accumulated there in fp32, and each update's new masters go back up in 16 bits (``Updates._publish``)."""
         self._half_dtype = HALF_DTYPES.get(self.precision, torch.bfloat16)
         """The dtype of the device's 16-bit working copies (``_half``): the run's autocast dtype."""
         self._param_bytes = HALF if self._half else F32
         """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
-        if delayed_update and (not self._half or self.sharded or fp16):
-            raise StratumError("offload.delayed_update needs bf16 chunks with the optimizer state on the host "
-                               "(train.precision = 'bf16', offload.optimizer_tier = 'host') and no sharded replicas; "
-                               "set offload.delayed_update = false")
+        in_ram = self.placement.optimizer_tier == HOST and self.placement.param_tier != DISK
+        if delayed_update and (not self._half or not in_ram or self.sharded or fp16):
+            raise StratumError("offload.delayed_update needs bf16 chunks with the fp32 masters and optimizer state "
+                               "in host RAM (train.precision = 'bf16', offload.optimizer_tier = 'host', parameters "
+                               "not on disk) and no sharded replicas; set offload.delayed_update = false")
         self._init_delayed(delayed_update)
 
     def _init_counters(self) -> None:
@@ -272,14 +274,18 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         else:
             flat = fill(aligned_empty(spec.capacity).zero_())
             self._disk.create(f"p{spec.index}", flat)
-            flat.zero_()
-            self._disk.create(f"g{spec.index}", flat)
+            if self._half:  # the disk holds the fp32 master only: fetches read its 16-bit copy in host RAM
+                c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", self._half_dtype)
+                c.hp16.copy_(flat)
+            else:
+                flat.zero_()
+                self._disk.create(f"g{spec.index}", flat)
             del flat
         if not pinned:
             for e in spec.entries:
                 e.param.data = self._placeholder(e.shape)
                 e.param.grad = None
-        if self._half and (self.device.type == "cuda" or self._dpu):  # (DelayedUpdates: the published copy)
+        if self._half and c.hp16 is None and (self.device.type == "cuda" or self._dpu):  # (delayed: published)
             c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", self._half_dtype)
             c.hp16.copy_(c.home_copy("p"))
         self._alloc_moments(c)
@@ -290,15 +296,18 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         placement = self.placement
         self.staging: list[Tensor | None] = [None] * 4
         if placement.param_tier == DISK and placement.optimizer_tier != DEVICE and n_stream and (
-                self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
+                self._half or self.device.type != "cpu" or self.spec.grad_clip > 0 or placement.deferred_chunks):
             self.staging[0] = self._alloc(HOST, self.layout.chunk_elems, "staging: params")
-            self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
+            if not self._half:  # (16-bit chunks: the update's gradients are held on the host, never on disk)
+                self.staging[1] = self._alloc(HOST, self.layout.chunk_elems, "staging: grads")
         if placement.optimizer_tier == DISK:  # moments stream through in pieces of at most one chunk
             self.staging[2] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg")
             self.staging[3] = self._alloc(HOST, self.layout.chunk_elems, "staging: exp_avg_sq")
-        # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time
+        # GPU ↔ disk copies pass through one pinned buffer; the transfer thread runs them one at a time (16-bit
+        # chunks are fetched from their host copies)
         self.xfer_staging = (self._alloc(HOST, self.layout.chunk_elems, "staging: GPU transfers")
-                             if placement.param_tier == DISK and n_stream and self.device.type == "cuda" else None)
+                             if placement.param_tier == DISK and n_stream and self.device.type == "cuda"
+                             and not self._half else None)
 
     def _build(self) -> None:
         placement = self.placement

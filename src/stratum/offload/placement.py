@@ -53,10 +53,10 @@ class Placement:
     also spills the checkpoints to the host tier until their micro-batch's backward fetches them
     (stage_blocks.py)."""
     half_params: bool = False
-    """Mixed-precision placement (train.precision = bf16, optimizer state in host RAM, parameters not on disk;
+    """Mixed-precision placement (train.precision = bf16 or fp16, optimizer state off the device;
     ``step_model.half_chunks``): the device's chunks (slots and pinned chunks) hold 16-bit working copies of the
-    parameters, the fp32 masters and AdamW moments stay on the host, gradients go down in 16 bits and are
-    accumulated in fp32 where the update runs."""
+    parameters, the fp32 masters and AdamW moments stay on the host or the disk (a disk master's 16-bit copy in
+    host RAM), gradients go down in 16 bits and are accumulated in fp32 on the host, where the update runs."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -120,13 +120,16 @@ class Placement:
         if self.activations != SPILL or self.spill_blocks is None:
             return self.activations + (keep if self.activations == SPILL else "")
         disk = len(self.disk_spill_blocks)
-        text = f"offload for {len(self.spill_blocks) - disk - len(self.kept_blocks)} blocks"
+        # (the kept blocks need not be among spill_blocks: a spill set chosen by the host's room may leave them out)
+        to_host = len(frozenset(self.spill_blocks) - frozenset(self.kept_blocks)) - disk
+        text = f"offload for {to_host} blocks"
         if disk:
             text += f", to disk for {disk}"
         return text + keep + (", recompute for the rest" if self.recomputes_some else "")
 
     def _updates_text(self) -> str:
-        half = "; 16-bit working copies on the device, fp32 masters on the host" if self.half_params else ""
+        masters = DISK if self.param_tier == DISK else HOST  # (a pinned chunk's master is on the host)
+        half = f"; 16-bit working copies on the device, fp32 masters on the {masters}" if self.half_params else ""
         if not self.deferred_chunks:
             return half
         return f"{half}; updates of {len(self.deferred_chunks)} chunks beside the next forward"

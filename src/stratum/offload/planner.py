@@ -56,18 +56,22 @@ def _spill_choice(costs: Costs, room: float) -> frozenset[int]:
 
 
 def _activation_options(recs, host_budget: int | None, layout: Layout, opt: str, ptier: str, costs: Costs,
-                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None, staged: bool):
+                        n_micro: int, deferred: bool, n_params: int, bw: Bandwidths | None, staged: bool,
+                        half: bool):
     """(activations, spilled blocks or None = all, of those the ones on disk) to try. Offload is tried three
     ways when the host budget is bounded: all blocks on the host; what the host holds there and the rest
     recomputed; what the host holds there (beside the disk ring's buffers) and the rest on disk. A pipeline
     rank (``staged``) spills every block's checkpoint to the host or none (Placement.inflight)."""
+    if half:  # (the bytes of 16-bit chunks' blocks, and the host bytes of their placement)
+        costs = costs.on_half_params()
     L = len(costs.spill_bytes)
     for rc in recs:
         if rc != SPILL or host_budget is None or staged:
             yield rc, None, frozenset()
             continue
         base, _, _, _, _ = predict(layout, R=0, opt=opt, ptier=ptier, k=0, acts=rc, costs=costs, bw=bw,
-                                   n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset())
+                                   n_micro=n_micro, deferred=deferred, n_params=n_params, spilled=frozenset(),
+                                   half=half)
         room = host_budget - base[HOST]
         yield rc, None, frozenset()  # refused later if the host cannot hold it all
         host_set = _spill_choice(costs, room)
@@ -157,9 +161,15 @@ class _Job:
     pipeline rank, whose stage runner keeps fp32 chunks); fp16 only places 16-bit chunks (its loss scaling is
     built on them), its updates all after the backward (``deferred``: they wait for the overflow check)."""
 
-    def half(self, opt: str, ptier: str) -> bool:
-        """Placement.half_params of a candidate with these tiers."""
-        return not self.inflight and half_chunks(self.precision, opt, ptier)
+    def halves(self, opt: str, ptier: str) -> tuple[bool, ...]:
+        """Placement.half_params to try with these tiers: 16-bit chunks where the tiers allow them (``half_chunks``;
+        fp16: nothing else). Under bf16 with the parameters' home on disk fp32 chunks are tried too: their
+        gradients go to disk, so the host holds no 16-bit copies of the masters and no fp32 gradient accumulators
+        (6 bytes per parameter) — a host budget too small for those still trains."""
+        half = not self.inflight and half_chunks(self.precision, opt, ptier)
+        if self.precision == "fp16":
+            return (True,) if half else ()
+        return (True, False) if half and ptier == DISK else (half,)
 
 
 @dataclass
@@ -194,6 +204,8 @@ class _Tiers:
     spill_set: frozenset[int] | None
     disk_set: frozenset[int]
     kept: frozenset[int]
+    half: bool
+    """Placement.half_params (:meth:`_Job.halves`)."""
 
 
 def _slot_options(job: _Job, t: _Tiers) -> list[int]:
@@ -207,8 +219,8 @@ def _slot_options(job: _Job, t: _Tiers) -> list[int]:
     base, _, _, _, _ = predict(t.layout, R=0, opt=t.opt, ptier=t.ptier, k=0, acts=t.acts, costs=job.costs,
                                bw=job.bw, n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
                                spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept, inflight=job.inflight,
-                               half=job.half(t.opt, t.ptier))
-    per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw, job.half(t.opt, t.ptier))
+                               half=t.half)
+    per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw, t.half)
     rmax = n_stream if job.device_budget is None else (job.device_budget - base[DEVICE]) // per
     return sorted({need, max(need, min(rmax, n_stream))})
 
@@ -224,7 +236,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
-        inflight=job.inflight, half_params=job.half(t.opt, t.ptier),
+        inflight=job.inflight, half_params=t.half,
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 
 
@@ -244,7 +256,7 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
         predicted = predict(t.layout, R=R, opt=t.opt, ptier=t.ptier, k=k, acts=t.acts, costs=job.costs, bw=job.bw,
                             n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
                             spilled=t.spill_set, disk_spilled=t.disk_set, deferred_chunks=late, kept=t.kept,
-                            inflight=job.inflight, half=job.half(t.opt, t.ptier))
+                            inflight=job.inflight, half=t.half)
         peak, tr, step = predicted[0], predicted[1], predicted[2]
         ok = {DEVICE: job.device_budget is None or peak[DEVICE] <= job.device_budget,
               HOST: job.host_budget is None or peak[HOST] <= job.host_budget,
@@ -269,13 +281,12 @@ def _tier_options(job: _Job, layout: Layout, opts: list[str], recs: list[str]) -
         for ptier in (DEVICE, HOST, DISK):
             if ptier == DEVICE and job.resident_chunks is not None and job.resident_chunks < n_stream:
                 continue
-            if job.precision == "fp16" and not job.half(opt, ptier):
-                continue
-            for rc, spill_set, disk_set in _activation_options(recs, job.host_budget, layout, opt, ptier, job.costs,
-                                                               job.n_micro, job.deferred, job.n_params, job.bw,
-                                                               bool(job.inflight)):
-                for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks, bool(job.inflight))):
-                    yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept), i == 0
+            for half in job.halves(opt, ptier):
+                for rc, spill_set, disk_set in _activation_options(recs, job.host_budget, layout, opt, ptier,
+                                                                   job.costs, job.n_micro, job.deferred, job.n_params,
+                                                                   job.bw, bool(job.inflight), half):
+                    for i, kept in enumerate(_kept_options(rc, len(job.seq), job.kept_blocks, bool(job.inflight))):
+                        yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept, half), i == 0
 
 
 def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None) -> StratumError:
@@ -345,7 +356,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                 before, stop_run = None, False
             if stop_run:
                 continue
-            defer = _deferral_options(layout, t.opt, t.ptier, job.deferred, bandwidths, job.half(t.opt, t.ptier))
+            defer = _deferral_options(layout, t.opt, t.ptier, job.deferred, bandwidths, t.half)
             here = _try_tiers(job, t, defer, search)
             # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps the search
             # short; GPT-2 774M has 36 candidate suffixes' worth of blocks)
@@ -354,7 +365,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
             before = here
     if not search.fits:
         err = _no_fit(search, device_budget, host_budget)
-        if precision == "fp16":  # (its candidates keep parameters and moments off the disk: half_chunks)
-            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW in host RAM")
+        if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
+            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
         raise err
     return _pick(job, search)

@@ -53,9 +53,10 @@ class Residency(EngineState):
     # ---- moving chunks ------------------------------------------------------------------------------------------
     def _read_home(self, c: ChunkState, what: str, into: Tensor) -> None:
         """Fill ``into`` (a device or host tensor) with the chunk's home copy of params ('p') or grads ('g')."""
-        if c.home == HOST:  # (a GPU under mixed precision sends the masters' 16-bit copy: half the bytes)
-            src = c.hp16 if what == "p" and c.hp16 is not None else c.home_copy(what)
-            into.copy_(src, non_blocking=True)
+        if what == "p" and c.hp16 is not None:  # mixed precision: the masters' 16-bit copy, in host RAM
+            into.copy_(c.hp16, non_blocking=True)
+        elif c.home == HOST:
+            into.copy_(c.home_copy(what), non_blocking=True)
         elif self.device.type == "cpu":
             self._disk.read(f"{what}{c.i}", into)
         else:  # GPU ← disk: through the pinned transfer buffer (the disk reads into aligned host memory only)

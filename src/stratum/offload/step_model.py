@@ -54,12 +54,13 @@ def access_sequence(layout: Layout, n_micro: int, deferred: bool, optimizer_tier
 
 def half_chunks(precision: str, opt: str, ptier: str) -> bool:
     """Mixed-precision placement (Placement.half_params): under 16-bit autocast (bf16, or fp16 with loss scaling; the
-    chunks in that dtype) with the fp32 master weights and AdamW moments in host RAM, the device holds 16-bit working
-    copies of the chunks (slots and pinned chunks), every gradient goes to the host in 16 bits as autograd makes it and
-    is accumulated there in fp32, where the update runs; the updated masters come back up as 16-bit copies
-    (ZeRO-Offload's recipe). With the moments on the device nothing crosses a link to save; parameters or moments on
-    disk keep fp32 chunks (their update reads its gradients from a file: not built for 16-bit ones)."""
-    return precision in HALF_DTYPES and opt == HOST and ptier != DISK
+    chunks in that dtype) with the fp32 master weights and AdamW moments off the device, the device holds 16-bit
+    working copies of the chunks (slots and pinned chunks), every gradient goes to the host in 16 bits as autograd
+    makes it and is accumulated there in fp32, where the update runs; the updated masters come back up as 16-bit
+    copies (ZeRO-Offload's recipe). Masters and moments live in host RAM or on disk (``opt``, ``ptier``); a chunk
+    whose master is on disk keeps its 16-bit copy in host RAM, which fetches read, so the disk moves only what the
+    update reads and writes. With the moments on the device nothing crosses a link to save."""
+    return precision in HALF_DTYPES and opt != DEVICE
 
 
 def grads_to_host(opt: str, ptier: str, async_copies: bool, half: bool = False) -> bool:
@@ -198,8 +199,13 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
         host += sum(8 * ch.capacity for ch in pinned)
     if c.half and c.async_copies:  # a GPU's pinned 16-bit copies of the masters, sent up after each update
         host += sum(HALF * ch.capacity for ch in chunks)
+    elif c.half and c.ptier == DISK:  # a disk master's 16-bit copy, which fetches read
+        host += sum(HALF * ch.capacity for ch in stream)
     if c.ptier == HOST:
         host += sum(8 * ch.capacity for ch in stream)
+    elif c.ptier == DISK and c.half:  # fp32 masters on disk, their gradients accumulated in fp32 on the host
+        host += sum(F32 * ch.capacity for ch in stream)
+        disk += sum(F32 * ch.capacity for ch in stream)
     elif c.ptier == DISK:
         disk += sum(8 * ch.capacity for ch in stream)
     moments = sum(8 * ch.capacity for ch in chunks)
@@ -218,9 +224,9 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
             disk += sum(round_up(costs.spill_bytes[i]) for i in c.disk_spilled)
     if c.opt == DISK:  # staging for the moments of the chunk being updated, in pieces of one chunk
         host += 2 * C * F32
-    if c.ptier == DISK and c.opt != DEVICE and stream and (not c.in_slot or c.late):  # staging: params and grads
-        host += 2 * C * F32
-    if c.ptier == DISK and stream and c.async_copies:  # a GPU's pinned buffer for its disk ↔ device copies
+    if c.ptier == DISK and c.opt != DEVICE and stream and (not c.in_slot or c.late):  # staging: params, grads
+        host += (1 if c.half else 2) * C * F32  # (16-bit chunks: the gradients are held on the host)
+    if c.ptier == DISK and stream and c.async_copies and not c.half:  # a GPU's pinned buffer for disk ↔ device
         host += C * F32
     return {DEVICE: dev, HOST: host, DISK: disk}
 
@@ -251,7 +257,9 @@ class _Traffic:
 def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
     """Streamed chunks' fetches and gradient round trips, simulated on the step's access sequence."""
     C, stream = c.layout.chunk_elems, c.stream
-    direct = c.ptier != DISK  # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O)
+    # chunk parameters/gradients move by memcpy on a CPU (disk plans: by the disk's I/O; 16-bit chunks are fetched
+    # from their host copies)
+    direct = c.ptier != DISK or c.half
     slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies, c.half)  # else autograd's go to the host
     P = HALF if c.half else F32  # bytes of a fetched parameter
     acc = access_sequence(c.layout, c.n_micro, c.deferred, c.opt)
@@ -271,7 +279,7 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
     t.add("d2h", sim.grad_writes_fwd * C * F32, False, direct)
     if c.opt == DEVICE:  # each updated chunk is written back once
         t.add("d2h", len(stream) * C * F32, not c.deferred, direct)
-    if c.ptier == DISK:
+    if c.ptier == DISK and not c.half:
         t.add("disk_read", half * C * F32, False)
         t.add("disk_read", (fetches - half + sim.grad_reads) * C * F32, True)
         t.add("disk_write", (sim.grad_writes - sim.grad_writes_fwd) * C * F32, True)
@@ -286,6 +294,9 @@ def _update_traffic(c: _Candidate, t: _Traffic) -> None:
     if c.half:  # every gradient down in 16 bits as autograd makes it; pinned chunks' new 16-bit copies up
         t.add("d2h", c.n_micro * c.layout.grad_elems * HALF, True)
         t.add("h2d", sum(ch.capacity for ch in pinned) * HALF, not c.deferred)
+        if c.ptier == DISK:  # each disk master read for its update and written back
+            for link in ("disk_read", "disk_write"):
+                t.add(link, n_stream * C * F32, not c.deferred)
     elif c.opt != DEVICE:
         direct = c.ptier != DISK
         slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies)

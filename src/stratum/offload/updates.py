@@ -9,6 +9,7 @@ its optimizer pool (``opt_pool``: inline on a CPU, a thread otherwise), transfer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -216,35 +217,55 @@ class Updates(EngineState):
             if prev is not None:
                 prev.result()
             if held is not None:
-                self._host_update_held(c, held, coef, lr, src)
-                self._publish(c)
+                self._publish(c, self._host_update_held(c, held, coef, lr, src))
             else:
                 self._host_update(c, coef, lr, src)
         c.opt_fut = self.opt_pool.submit(task)
         self._opt_futs.append(c.opt_fut)
 
     def _host_update_held(self, c: ChunkState, held: list, coef: Tensor | None, lr: float,
-                          src: Tensor | None) -> None:
+                          src: Tensor | None) -> Tensor:
         """AdamW of a ``_home_grads`` chunk with autograd's gradient tensors, on its slot (``src``, in place,
-        then home) or on its host copy; the gradients' host charge is released."""
-        p = c.hp if src is None else src[:c.cap]
-        assert p is not None and c.hp is not None  # a ``_home_grads`` chunk lives on the host
+        then home), on its host copy, or (a mixed-precision master on disk) on its master read into the staging
+        and written back; the gradients' host charge is released. Returns the updated fp32 parameters."""
+        if c.hp is None:  # (only 16-bit chunks hand a disk-home chunk's gradients to the host)
+            p = self._staged(0)[:c.cap]
+            read: Future | None = self._disk.read_async(f"p{c.i}", p)
+        else:
+            p, read = (c.hp if src is None else src[:c.cap]), None
         count_steps([c])
-        self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
-        if src is not None:
+        if self.placement.optimizer_tier == DISK:
+            if coef is not None:  # (elementwise: the same product as clipping the items' views)
+                torch._foreach_mul_([g for g in held if g is not None], coef.to(p.device))
+
+            def arrived() -> None:
+                if read is not None:
+                    read.result()
+            self._adamw_disk_moments(c, lambda m, v, lo, hi: c.param_items(p, held, m, v, lo, hi), lr, arrived,
+                                     p if c.hp is None else None)
+        else:
+            if read is not None:
+                read.result()
+            self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
+            if c.hp is None:
+                self._disk.write(f"p{c.i}", p)
+        if src is not None and c.hp is not None:
             c.hp.copy_(p)
         self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+        return p
 
-    def _publish(self, c: ChunkState) -> None:
-        """Under mixed precision, after ``c``'s update: the new fp32 master cast to 16 bits on the host (a GPU's
-        pinned copy, which fetches send up) and, for a pinned chunk, into its device slot."""
+    def _publish(self, c: ChunkState, master: Tensor | None = None) -> None:
+        """Under mixed precision, after ``c``'s update: the new fp32 master (``master``, by default the host copy)
+        cast to 16 bits on the host (the copy fetches send up: a GPU's pinned one, or a disk-home chunk's) and,
+        for a pinned chunk, into its device slot."""
         if not self._half:
             return
-        assert c.hp is not None  # (every chunk's master is on the host under mixed precision)
+        master = c.hp if master is None else master
+        assert master is not None  # (a pinned or host-home chunk's master is on the host under mixed precision)
         if c.hp16 is not None:
-            c.hp16.copy_(c.hp)
+            c.hp16.copy_(master)
         if c.pinned:
-            c.p().copy_(c.hp if c.hp16 is None else c.hp16)
+            c.p().copy_(master if c.hp16 is None else c.hp16)
 
     def _host_update_held_together(self, chunks: list[ChunkState], coef: Tensor | None) -> None:
         """The clipped update of ``_home_grads`` chunks on the training thread, all in one AdamW call per
@@ -292,34 +313,14 @@ class Updates(EngineState):
             if coef is not None:
                 g.mul_(coef.to(g.device))
                 coef = None
-        kw: dict[str, Any] = dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
         p_written = False
         count_steps([c])
         if self.placement.optimizer_tier != DISK:
             arrived()
-            adamw_chunks(c.flat_items(p, g, *c.moments()), count_step=False, **kw)
+            adamw_chunks(c.flat_items(p, g, *c.moments()), count_step=False, **self._adamw_kw(lr))
         else:
-            # moments from disk in pieces of at most one chunk (a large tied chunk needs no large staging), cut
-            # at aligned offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole. A
-            # chunk's reads go out together, and so do its writes (the disk is the bottleneck here, and serves
-            # several requests faster than one at a time)
-            piece = self.layout.chunk_elems
-            for lo in range(0, c.spec.used, piece):
-                hi = min(c.cap, lo + piece)
-                m, v = self._staged(2)[:hi - lo], self._staged(3)[:hi - lo]
-                fm = self._disk.pool.submit(self._disk.read_range, f"m{c.i}", lo, m)
-                self._disk.read_range(f"v{c.i}", lo, v)
-                fm.result()
-                arrived()
-                adamw_chunks(c.flat_items(p, g, m, v, lo, hi), count_step=False, **kw)
-                outs = [self._disk.pool.submit(self._disk.write_range, f"m{c.i}", lo, m)]
-                if on_disk and lo + piece >= c.spec.used:
-                    outs.append(self._disk.pool.submit(self._disk.write, f"p{c.i}", p))
-                    p_written = True
-                self._disk.write_range(f"v{c.i}", lo, v)
-                for f in outs:
-                    f.result()
-            arrived()  # (a chunk with nothing in use has no piece)
+            p_written = self._adamw_disk_moments(c, lambda m, v, lo, hi: c.flat_items(p, g, m, v, lo, hi), lr,
+                                                 arrived, p if on_disk else None)
         if on_disk:
             if not p_written:
                 self._disk.write(f"p{c.i}", p)
@@ -330,6 +331,42 @@ class Updates(EngineState):
             c.hp.copy_(p)
         if c.pinned and src is None:
             c.p().copy_(p)
+
+    def _adamw_kw(self, lr: float) -> dict[str, Any]:
+        return dict(lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
+
+    def _adamw_disk_moments(self, c: ChunkState, items: Callable[[Tensor, Tensor, int, int], list], lr: float,
+                            arrived: Callable[[], None], master: Tensor | None) -> bool:
+        """AdamW of ``c`` with its moments streamed from disk: ``items(m, v, lo, hi)`` are the work items of
+        elements ``[lo, hi)`` with those moments; ``arrived()`` runs once the first piece's moments are in (reads
+        of the parameters and gradients go on beside them); ``master``: the chunk's fp32 parameters, written to
+        its file beside the last piece's moments. Returns whether that write was issued (not for a chunk with
+        nothing in use: it has no piece).
+
+        Moments come in pieces of at most one chunk (a large tied chunk needs no large staging), cut at aligned
+        offsets so they move by direct I/O; AdamW is elementwise, so piecewise equals whole. A piece's reads go
+        out together, and so do its writes: the disk is the bottleneck here, and serves several requests faster
+        than one at a time."""
+        kw = self._adamw_kw(lr)
+        piece = self.layout.chunk_elems
+        written = False
+        for lo in range(0, c.spec.used, piece):
+            hi = min(c.cap, lo + piece)
+            m, v = self._staged(2)[:hi - lo], self._staged(3)[:hi - lo]
+            fm = self._disk.pool.submit(self._disk.read_range, f"m{c.i}", lo, m)
+            self._disk.read_range(f"v{c.i}", lo, v)
+            fm.result()
+            arrived()
+            adamw_chunks(items(m, v, lo, hi), count_step=False, **kw)
+            outs = [self._disk.pool.submit(self._disk.write_range, f"m{c.i}", lo, m)]
+            if master is not None and lo + piece >= c.spec.used:
+                outs.append(self._disk.pool.submit(self._disk.write, f"p{c.i}", master))
+                written = True
+            self._disk.write_range(f"v{c.i}", lo, v)
+            for f in outs:
+                f.result()
+        arrived()
+        return written
 
     # ---- updates run by the next fetch -----------------------------------------------------------------------------
     def _update_at_fetch(self, c: ChunkState) -> bool:
