@@ -88,5 +88,5 @@ class DelayedUpdates(EngineState):
         self._wait_delayed()
         self._dpu_updated = []
         for _, held, _, _ in self._delayed:
-            self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+            self.tiers[HOST].release(self._held_bytes(held))
         self._delayed = []

@@ -76,6 +76,14 @@ class Updates(EngineState):
             for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
                 self._grad_norms[name] = nrm
 
+    def _held_norms(self, c: ChunkState, held: list | None) -> None:
+        """The norms of gradients ``held`` for ``c``'s update (taken where they are, before the update)."""
+        assert held is not None
+        got = [(e.name, g) for e, g in zip(c.spec.entries, held) if g is not None]
+        if got:
+            for (name, _), nrm in zip(got, torch._foreach_norm([g for _, g in got], 2.0)):
+                self._grad_norms[name] = nrm
+
     def _complete_grads(self, c: ChunkState) -> list[tuple[str, Tensor]]:
         """All of this step's gradient of ``c`` is in place: (name, gradient) of its parameters that got one,
         for the parent's reduction (``Reductions._grad_complete``)."""
@@ -83,7 +91,10 @@ class Updates(EngineState):
             return [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None]
         if self._home_grads(c):
             self._wait_delayed(c)
-            c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
+            if self.handoff is None:
+                c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
+            else:  # views of the chunk's accumulator, which the host's adds queued so far complete
+                c.held = self.handoff.held(c)
             c.live = [g is not None for g in c.held]
             return [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
         c.live = [id(e.param) in self._fresh for e in c.spec.entries]
@@ -101,7 +112,9 @@ class Updates(EngineState):
         if not self.owns(c.i):
             self._drop_grads(c)
             return
-        if not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
+        if self.handoff is not None and not self._update_later(c):  # after the host's add, on its thread
+            self._opt_futs.append(self.opt_pool.submit(self._held_norms, c, c.held))
+        elif not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
             self._norms([c])
         if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -141,8 +154,13 @@ class Updates(EngineState):
         """``c`` is updated by another replica, where its reduced gradient went: nothing of it stays here."""
         held, c.held = c.held, None
         if held is not None:
-            self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+            self.tiers[HOST].release(self._held_bytes(held))
         c.grad = None
+
+    def _held_bytes(self, held: list) -> int:
+        """Host bytes charged while gradients are held: autograd's tensors (the per-chunk hand-off's are views of
+        the chunks' accumulators, charged for good when they were allocated)."""
+        return 0 if self.handoff is not None else sum(g.numel() for g in held if g is not None) * F32
 
     def _in_slot(self, c: ChunkState) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
@@ -233,7 +251,7 @@ class Updates(EngineState):
         self._adamw_params(c.param_items(p, held, *c.moments()), coef, lr)
         if src is not None:
             c.hp.copy_(p)
-        self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+        self.tiers[HOST].release(self._held_bytes(held))
 
     def _publish(self, c: ChunkState) -> None:
         """Under mixed precision, after ``c``'s update: the new fp32 master cast to 16 bits on the host (a GPU's
@@ -258,7 +276,7 @@ class Updates(EngineState):
         count_steps(chunks)
         for c, held in zip(chunks, helds):
             items += c.param_items(c.home_copy("p"), held, *c.moments())
-        held_bytes = sum(g.numel() for held in helds for g in held if g is not None) * F32
+        held_bytes = sum(self._held_bytes(held) for held in helds)
         self._adamw_params(items, coef, self._lr)
         for c in chunks:
             self._publish(c)
@@ -364,11 +382,15 @@ class Updates(EngineState):
                 self._submit_host_update(c, coef, lr=lr, spill=spill)
         self.drain()
 
-    def drain(self) -> None:
-        """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
+    def drain_optimizer(self) -> None:
+        """Wait for the optimizer thread's work queued so far (updates, the hand-off's adds)."""
         for f in getattr(self, "_opt_futs", []):
             f.result()
         self._opt_futs = []
+
+    def drain(self) -> None:
+        """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
+        self.drain_optimizer()
         self._wait_delayed()
         for c in self.chunks:
             c.opt_fut = None
@@ -416,6 +438,8 @@ class Updates(EngineState):
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
         backward; the norms of streamed chunks were taken as each completed, except those of gradients held on
         the host for an update after the backward: taken here, all in one call)."""
+        if self.handoff is not None:  # the host's adds, and the norms queued behind them
+            self.drain_optimizer()
         held = [c for c in self.owned() if self._home_grads(c) and c.held is not None]
         if held:
             self._norms(held)
