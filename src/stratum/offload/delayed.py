@@ -22,7 +22,7 @@ from torch import Tensor
 
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.engine_state import EngineState
-from stratum.offload.tiers import F32, HALF, HOST
+from stratum.offload.tiers import HALF, HOST
 
 
 class DelayedUpdates(EngineState):

@@ -635,9 +635,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         chunks fetched + activations restored, d2h = chunks, gradients and updated parameters written home +
         activations spilled, disk_read / disk_write = all the disk store's reads and writes (set-up included).
         Work that runs beside the next step (a clipped update pass on a thread) counts when it runs."""
-        spill = self.spill
+        spill, handoff = self.spill, self.handoff
         return {"h2d": self.bytes_h2d + (spill.bytes_h2d if spill else 0),
-                "d2h": self.bytes_d2h + (spill.bytes_d2h if spill else 0) + (self.handoff.bytes_d2h if self.handoff else 0),
+                "d2h": self.bytes_d2h + (spill.bytes_d2h if spill else 0) + (handoff.bytes_d2h if handoff else 0),
                 "disk_read": self.disk.bytes_read if self.disk else 0,
                 "disk_write": self.disk.bytes_written if self.disk else 0}
 

@@ -22,8 +22,8 @@ from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import RING
 from stratum.offload.chunks import Layout, pack, param_order
-from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
 from stratum.offload.grad_handoff import per_chunk
+from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
 from stratum.offload.step_model import half_chunks, predict, predict_placement, slot_bytes
 from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths, round_up
 from stratum.units import fmt_at_least, fmt_bytes
