@@ -28,6 +28,7 @@ asynchronous (a GPU); ``chunk`` forces it (the CPU tests run it that way).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
@@ -101,7 +102,7 @@ class ChunkHandoff:
 
     def __init__(self, layout: Layout, chunks: list[ChunkState], dtype: torch.dtype, alloc: Alloc, xfer: Transfers,
                  opt_pool: Executor):
-        self.chunks, self.xfer, self.opt_pool = chunks, xfer, opt_pool
+        self.xfer, self.opt_pool = xfer, opt_pool
         dev, staging = buffer_elems(layout)
         n_tied = sum(c.spec.tied for c in chunks)
         bufs = [alloc(DEVICE, n, "gradient hand-off buffer", dtype) for n in dev]
@@ -132,6 +133,9 @@ class ChunkHandoff:
         self._views: dict[tuple[int, int], list[tuple[int, Tensor]]] = {}
         self._held: dict[int, list[Tensor]] = {}
         self.bytes_d2h = 0
+        self.wait_s = 0.0
+        """Seconds the training thread waited for a pooled buffer's copy to be issued (its staging still being
+        read by the host's add): on a GPU the sign that the adds lag behind the backward."""
 
     def begin_step(self) -> None:
         for s in self.step_got.values():
@@ -156,7 +160,9 @@ class ChunkHandoff:
         """Before block ``i``'s backward: the chunks whose gradients start with it take a device buffer."""
         for c in self.opens[i]:
             buf, copied = self.pool[self._key(c)].pop(0)
+            t0 = time.perf_counter()
             self.xfer.wait(copied)  # (the compute stream waits for the buffer's last copy to the host)
+            self.wait_s += time.perf_counter() - t0
             self.open[c.i] = buf
             key = (buf.data_ptr(), c.i)
             if key not in self._views:
