@@ -13,6 +13,7 @@ plain fp32                                              1.2e-4 / 4.9e-3  (not me
 plain bf16 from bf16-rounded initial weights            1.1e-4 / 5.4e-3  (not measured)
 the recipe written out by hand (``HalfReference``)      4.9e-4 / 8.7e-3  4.2e-4 / 1.2e-3
 offload engine, bf16 chunks                             3.8e-4 / 8.7e-3  4.2e-4 / 1.2e-3
+the same, gradients handed over per chunk               4.9e-4 / 8.7e-3  4.2e-4 / 1.2e-3
 =====================================================  ===============  ===============
 
 The offload engine's gap to plain bf16 is the recipe's own (the hand-written recipe is as far): every op that
@@ -21,7 +22,8 @@ reads those in fp32, and GPT's residual stream starts from a bf16 embedding. LOS
 twice the largest gap measured. Against the hand-written recipe the engine is exact where no tensor is tied; GPT's
 tied embedding gets two gradient contributions per micro-batch (its two blocks run their backward apart), summed in
 fp32 on the host where autograd sums them in bf16 first: 1.5e-4 / 3.0e-3 measured, TIED_* allow about three times
-that.
+that. Handed over per chunk (offload.grad_handoff = chunk) they are summed in bf16 on the device, as autograd sums
+them, and GPT too is the hand-written recipe bit for bit.
 """
 
 from __future__ import annotations
