@@ -22,6 +22,11 @@ from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST
 from stratum.runtime.engine import clip_coef
 
 
+def _named(c: ChunkState, held: list) -> list[tuple[str, Tensor]]:
+    """(name, gradient) of ``c``'s entries with a gradient in ``held`` (one per entry, None: none)."""
+    return [(e.name, g) for e, g in zip(c.spec.entries, held) if g is not None]
+
+
 class Updates(EngineState):
     """Mixin: gradients and AdamW of the chunks (see the module docstring)."""
 
@@ -60,28 +65,25 @@ class Updates(EngineState):
 
     # ---- optimizer ------------------------------------------------------------------------------------------
     def _norms(self, chunks: list[ChunkState]) -> None:
-        views, names = [], []
+        named: list[tuple[str, Tensor]] = []
         for c in chunks:
             if self._home_grads(c):
                 assert c.held is not None
-                got = [(e, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
-                views += [g for _, g in got]
-                names += [e.name for e, _ in got]
+                named += _named(c, c.held)
                 continue
             g = c.g()  # a parameter without a gradient has no norm, as in the plain engine's clipping
-            live = [e for e, ok in zip(c.spec.entries, c.live_entries()) if ok]
-            views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in live]
-            names += [e.name for e in live]
-        if views:  # (none where no parameter of these chunks got a gradient)
-            for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
-                self._grad_norms[name] = nrm
+            named += [(e.name, g[e.offset:e.offset + e.numel].view(e.shape))
+                      for e, ok in zip(c.spec.entries, c.live_entries()) if ok]
+        self._take_norms(named)
 
     def _held_norms(self, c: ChunkState, held: list | None) -> None:
-        """The norms of gradients ``held`` for ``c``'s update (taken where they are, before the update)."""
+        """The norms of ``c``'s gradients ``held`` for its update (taken beside it, on the optimizer thread)."""
         assert held is not None
-        got = [(e.name, g) for e, g in zip(c.spec.entries, held) if g is not None]
-        if got:
-            for (name, _), nrm in zip(got, torch._foreach_norm([g for _, g in got], 2.0)):
+        self._take_norms(_named(c, held))
+
+    def _take_norms(self, named: list[tuple[str, Tensor]]) -> None:
+        if named:  # (none where no parameter of these chunks got a gradient)
+            for (name, _), nrm in zip(named, torch._foreach_norm([g for _, g in named], 2.0)):
                 self._grad_norms[name] = nrm
 
     def _complete_grads(self, c: ChunkState) -> list[tuple[str, Tensor]]:
@@ -96,7 +98,7 @@ class Updates(EngineState):
             else:  # views of the chunk's accumulator, which the host's adds queued so far complete
                 c.held = self.handoff.held(c)
             c.live = [g is not None for g in c.held]
-            return [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
+            return _named(c, c.held)
         c.live = [id(e.param) in self._fresh for e in c.spec.entries]
         g = c.g()
         return [(e.name, g[e.offset:e.offset + e.numel]) for e, ok in zip(c.spec.entries, c.live) if ok]
