@@ -392,7 +392,8 @@ def test_chunk_handoff_against_the_per_tensor_path_on_the_device(shared_tmp):
     """What a GPU session checks (STRATUM_TEST_DEVICE=cuda; docs/offload.md, "Kernel launches per step"): streamed
     at 10 % of the training state, 2 micro-batches, clipping, nothing tied — the per-chunk hand-off gives the
     per-tensor path's losses and gradient norms (exactly on a CPU, within GPU_REL on a GPU), moves the plan's
-    link bytes, keeps the device tier (and on a GPU the CUDA allocator) under the budget; on a GPU its
+    link bytes, keeps the device tier under the budget (and on a GPU the CUDA allocator's peak within the engine's
+    own slack over it); on a GPU its
     staging is pinned and its backward makes at least one synchronising call fewer per gradient tensor and
     micro-batch than the per-tensor path's ``grad.to("cpu")``."""
     m, prof = build("sequential", shared_tmp), _profile("sequential", shared_tmp)
@@ -409,7 +410,8 @@ def test_chunk_handoff_against_the_per_tensor_path_on_the_device(shared_tmp):
             runs[handoff] = _run_checking_traffic(eng, 4)
             assert eng.tiers[DEVICE].peak <= budget
             if DEV.type == "cuda":
-                assert torch.cuda.max_memory_allocated(DEV) - base <= budget
+                # (the engine's own check allows the allocator 5 % and 64 MiB over the plan: kernels' workspaces)
+                assert torch.cuda.max_memory_allocated(DEV) - base <= budget * 1.05 + (64 << 20)
                 syncs[handoff] = _sync_warnings(eng, 4)
             if eng.handoff is not None:
                 assert all(s.is_pinned() == (DEV.type == "cuda") for r in eng.handoff.ring.values() for s, _ in r)
