@@ -201,9 +201,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         """The last step's gradients overflowed: nothing was updated."""
         self._half = self.placement.half_params
         """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
-        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits as autograd
-        makes it (``_take_grad``) and is accumulated in fp32, and each update's new masters go back up in 16 bits
-        (``Updates._publish``)."""
+        fp32 masters ``hp`` and the moments live on the host, every gradient goes there in 16 bits — as autograd
+        makes it (``_take_grad``) or a chunk at a time (``handoff``) — and is accumulated in fp32, and each update's
+        new masters go back up in 16 bits (``Updates._publish``)."""
         self._half_dtype = HALF_DTYPES.get(self.precision, torch.bfloat16)
         """The dtype of the device's 16-bit working copies (``_half``): the run's autocast dtype."""
         self._param_bytes = HALF if self._half else F32
