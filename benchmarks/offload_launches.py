@@ -5,7 +5,8 @@ plain engine beside the offload engine in three placements, on a CPU.
         --out benchmarks/results/offload_launches.json
 
 Placements: no budget (everything on the device, fp32 and bf16 autocast), and a device budget of 25 % of the
-training state with the optimizer state on the host, fp32 and bf16 (bf16: 16-bit chunks, fp32 masters on the host).
+training state with the optimizer state on the host, fp32 and bf16 (bf16: 16-bit chunks, fp32 masters on the host;
+their gradients handed to the host per tensor, a CPU's default, and per chunk, a GPU's: offload.grad_handoff).
 Each count is one step's after one step of warm-up, each engine on a fresh copy of the model. These are the CPU's
 dispatches: a GPU launches a kernel per dispatch (a ``_foreach_*`` or fused operator: one per ~100 tensors), but
 the engine's work on its background threads (a GPU's side-stream copies) is not counted here, and no GPU ran.
@@ -63,9 +64,12 @@ def count(args) -> dict:
                              batches, 1e-4)
         results[f"plain {prec}"] = _summary(plain, None)
         budget = str(16 * model.num_params() // 4)
-        for name, extra in [("no budget", []),
-                            ("25 % budget, host optimizer", [f"offload.device_budget={budget!r}",
-                                                             "offload.optimizer_tier='host'"])]:
+        streamed = [f"offload.device_budget={budget!r}", "offload.optimizer_tier='host'"]
+        placements = [("no budget", []), ("25 % budget, host optimizer", streamed)]
+        if prec == "bf16":
+            placements.append(("25 % budget, host optimizer, gradients per chunk",
+                               [*streamed, "offload.grad_handoff='chunk'"]))
+        for name, extra in placements:
             ocfg = load_config(None, [*base, f"train.precision={prec!r}", *extra])
             m = copy.deepcopy(model)
             plan = placement_for(ocfg, m, dev)
@@ -76,7 +80,7 @@ def count(args) -> dict:
                 eng.close()
             res = _summary(ops, plain)
             res.update(chunks=plan.n_chunks, resident_chunks=plan.resident_chunks, half_params=plan.half_params,
-                       activations=plan.activations)
+                       chunk_grads=plan.chunk_grads, activations=plan.activations)
             results[f"offload {name} {prec}"] = res
             print(f"{name} {prec}: {res['ops']} ops against plain's {sum(plain.values())}", flush=True)
     return {"preset": args.preset, "params": model.num_params(), "micro_batch": args.micro_batch,

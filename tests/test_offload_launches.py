@@ -14,7 +14,7 @@ from stratum.model.sequential import from_sequential
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.planner import make_placement
 from stratum.offload.tiers import DEVICE, HOST
-from stratum.profile.launches import ops_per_step
+from stratum.profile.launches import CopiesInto, ops_per_step
 from stratum.runtime.plain import PlainEngine
 
 from offload_helpers import DEV, batches, build, spec
@@ -79,18 +79,24 @@ def _batches() -> list[Batch]:
     return [Batch(x=d[:, :-1].contiguous(), y=d[:, 1:].contiguous()) for d in data]
 
 
-def _streamed(split: bool, precision: str):
-    """(plain's ops, the offload engine's ops, its chunk fetches) of one step, 3 of its 8 chunks on the device,
-    parameters and moments on the host (bf16: 16-bit chunks, fp32 masters)."""
-    plain = ops_per_step(PlainEngine(_lm(split), optim=spec(), device=DEV, precision=precision), _batches(), 1e-3)
+def _streamed_engine(split: bool, precision: str, handoff: str = "auto") -> OffloadEngine:
+    """3 of the 8 chunks of ``_lm(split)`` on the device, parameters and moments on the host (bf16: 16-bit chunks,
+    fp32 masters; ``handoff``: offload.grad_handoff), its first step (which records the access sequence) taken."""
     m = _lm(split)
     p = make_placement(m, device_budget=None, host_budget=None, disk_free=None, bandwidths=None, n_micro=2,
                        grad_clip=1.0, chunk_elems=2 * D * D + 2 * D, resident_chunks=3, optimizer_tier=HOST,
-                       activations="keep", prefetch_depth=1, precision=precision)
+                       activations="keep", prefetch_depth=1, precision=precision, grad_handoff=handoff)
     assert p.n_chunks == 8 and p.param_tier == HOST and p.half_params == (precision == "bf16")
     eng = OffloadEngine(m, optim=spec(), device=DEV, placement=p, precision=precision)
+    eng.train_step(_batches(), 1e-3)
+    return eng
+
+
+def _streamed(split: bool, precision: str):
+    """(plain's ops, the offload engine's ops, its chunk fetches) of one step of ``_streamed_engine``."""
+    plain = ops_per_step(PlainEngine(_lm(split), optim=spec(), device=DEV, precision=precision), _batches(), 1e-3)
+    eng = _streamed_engine(split, precision)
     try:
-        eng.train_step(_batches(), 1e-3)  # (records the access sequence)
         before = eng.n_fetches
         off = ops_per_step(eng, _batches(), 1e-3, warmup=0)
         return plain, off, eng.n_fetches - before
@@ -113,3 +119,26 @@ def test_streamed_chunks_cost_ops_per_chunk_not_per_parameter(precision):
     assert 0 < grown_off <= grown_plain
     if precision == "fp32":  # the engine's ops beyond plain's are the same: all per chunk
         assert sum(off_b.values()) - sum(plain_b.values()) == sum(off_a.values()) - sum(plain_a.values())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_chunk_handoff_copies_each_chunk_down_once_per_micro_batch(split):
+    """offload.grad_handoff = chunk on bf16 chunks: the copies into the host staging are one per chunk and
+    micro-batch (8 chunks × 2) with twice the parameter tensors as with one set, and the step dispatches exactly
+    two operators per chunk and micro-batch more than the per-tensor hand-off's (that copy and the host's add:
+    per parameter both paths copy or add each gradient once)."""
+    n_micro, n_chunks = 2, 8
+    tensor = _streamed_engine(split, "bf16", "tensor")
+    chunk = _streamed_engine(split, "bf16", "chunk")
+    try:
+        assert chunk.handoff is not None and tensor.handoff is None
+        per_tensor = ops_per_step(tensor, _batches(), 1e-3, warmup=0)
+        staging = [s for ring in chunk.handoff.ring.values() for s, _ in ring]
+        data = _batches()
+        with CopiesInto(staging) as counter:
+            chunk.train_step(data, 1e-3)
+    finally:
+        tensor.close()
+        chunk.close()
+    assert counter.into == n_chunks * n_micro
+    assert counter.kernels - sum(per_tensor.values()) == 2 * n_chunks * n_micro, counter.ops - per_tensor

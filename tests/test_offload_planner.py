@@ -82,6 +82,7 @@ def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
     ("offload.host_budget='-3GB'", "offload.host_budget"),
     ("offload.optimizer_tier='gpu'", "offload.optimizer_tier"),
     ("offload.activations='swap'", "offload.activations"),
+    ("offload.grad_handoff='bucket'", "offload.grad_handoff = 'bucket' is not one of: auto, chunk, tensor"),
     ("offload.chunk_size='1'", "offload.chunk_size"),
     ("offload.prefetch_depth=-2", "offload.prefetch_depth"),
     ("offload.resident_chunks=-1", "offload.resident_chunks"),

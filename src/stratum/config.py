@@ -33,6 +33,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("plain", "pipeline", "offload")
 OFFLOAD_OPTIMIZER_TIERS = ("auto", "device", "host", "disk")
 OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
+OFFLOAD_GRAD_HANDOFFS = ("auto", "chunk", "tensor")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
 PRIORITIES = ("normal", "background")
@@ -196,6 +197,11 @@ class OffloadConfig:
     """Expert override: a block's saved activations between its forward and backward: auto (planner), keep (on
     the device), offload (copied to the host tier and back; what the host budget cannot hold goes to disk or is
     recomputed, whichever the planner predicts faster) or recompute (the block's forward is re-run)."""
+    grad_handoff: str = "auto"
+    """With 16-bit chunks (train.precision = bf16 or fp16, optimizer state on the host): how gradients reach the
+    host — chunk (summed on the device in a flat 16-bit buffer per chunk, one asynchronous copy per chunk and
+    micro-batch), tensor (one copy per gradient as autograd makes it) or auto (chunk on a GPU, tensor on a CPU,
+    where the chunk path only adds copies)."""
     delayed_update: bool = False
     """With bf16 chunks (train.precision = "bf16", optimizer state on the host): run the host's AdamW over each
     step's gradients beside the next step, whose forward and backward then use parameters one update behind
@@ -442,6 +448,7 @@ class Config:
         _check("offload.resident_chunks", o.resident_chunks >= 0, "must be ≥ 0 (0 = the planner's choice)")
         _choice("offload.optimizer_tier", o.optimizer_tier, OFFLOAD_OPTIMIZER_TIERS)
         _choice("offload.activations", o.activations, OFFLOAD_ACTIVATIONS)
+        _choice("offload.grad_handoff", o.grad_handoff, OFFLOAD_GRAD_HANDOFFS)
         _check("offload.prefetch_depth", -1 <= o.prefetch_depth <= MAX_PREFETCH_DEPTH,
                f"must be in [0, {MAX_PREFETCH_DEPTH}] (the planner tries up to 4), or -1 for the planner's choice")
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.engine_state import EngineState
-from stratum.offload.tiers import F32, HALF, HOST
+from stratum.offload.tiers import HALF, HOST
 
 
 class DelayedUpdates(EngineState):
@@ -88,5 +88,5 @@ class DelayedUpdates(EngineState):
         self._wait_delayed()
         self._dpu_updated = []
         for _, held, _, _ in self._delayed:
-            self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+            self.tiers[HOST].release(self._held_bytes(held))
         self._delayed = []

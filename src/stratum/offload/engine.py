@@ -42,6 +42,7 @@ from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.delayed import DelayedUpdates
+from stratum.offload.grad_handoff import ChunkHandoff
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
 from stratum.offload.placement import KEEP, SPILL, Placement
 from stratum.offload.prefetch import Inline, Transfers, background_pool
@@ -171,8 +172,13 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self.reduce_log = []
         self._build()
         self._home_params = {id(e.param) for c in self.chunks if self._home_grads(c) for e in c.spec.entries}
+        self.handoff = (ChunkHandoff(self.layout, self.chunks, self._half_dtype, self._alloc, self.xfer, self.opt_pool)
+                        if self._chunk_grads else None)
+        """The per-chunk hand-off of 16-bit gradients (grad_handoff.py, Placement.chunk_grads); None: each
+        gradient goes to the host as autograd makes it (``_take_grad``)."""
+        take = self._take_grad if self.handoff is None else self.handoff.take
         self._grad_hooks = [] if self._all_on_device else [
-            e.param.register_post_accumulate_grad_hook(self._take_grad) for c in self.chunks for e in c.spec.entries]
+            e.param.register_post_accumulate_grad_hook(take) for c in self.chunks for e in c.spec.entries]
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _init_precision(self, delayed_update: bool, loss_scale: LossScaleSpec | None) -> None:
@@ -197,11 +203,14 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self._half = self.placement.half_params
         """Mixed-precision placement (Placement.half_params): the device's chunks are 16-bit working copies, the
         fp32 masters (``hp``, or files on disk beside a 16-bit host copy ``hp16``) and the moments live on the
-        host or the disk, every gradient goes to the host in 16 bits as autograd makes it (``_take_grad``) and is
-        accumulated there in fp32, and each update's new masters go back up in 16 bits (``Updates._publish``)."""
+        host or the disk, every gradient goes to the host in 16 bits — as autograd makes it (``_take_grad``) or a
+        chunk at a time (``handoff``) — and is accumulated there in fp32, and each update's new masters go back up
+        in 16 bits (``Updates._publish``)."""
         self._half_dtype = HALF_DTYPES.get(self.precision, torch.bfloat16)
         """The dtype of the device's 16-bit working copies (``_half``): the run's autocast dtype."""
         self._param_bytes = HALF if self._half else F32
+        self._chunk_grads = self._half and self.placement.chunk_grads
+        """16-bit gradients go to the host a chunk at a time (``handoff``), each chunk's fp32 accumulator ``hg``."""
         """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
         in_ram = self.placement.optimizer_tier == HOST and self.placement.param_tier != DISK
         if delayed_update and (not self._half or not in_ram or self.sharded or fp16):
@@ -285,6 +294,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             for e in spec.entries:
                 e.param.data = self._placeholder(e.shape)
                 e.param.grad = None
+        if self._chunk_grads:  # the fp32 accumulator the per-chunk hand-off adds each micro-batch's gradient to
+            c.hg = self._alloc(HOST, spec.capacity, "gradient accumulator")
         if self._half and c.hp16 is None and (self.device.type == "cuda" or self._dpu):  # (delayed: published)
             c.hp16 = self._alloc(HOST, spec.capacity, "16-bit copy of the masters", self._half_dtype)
             c.hp16.copy_(c.home_copy("p"))
@@ -488,6 +499,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                 if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
                     c.grad = "home" if self._home_grads(c) else "dev"
             out = self._block_output(mb, i)
+            if self.handoff is not None:
+                self.handoff.open_block(i)
             if i == L - 1:
                 part = out / divisor
                 (part if self.scaler is None else self.scaler.scaled(part)).backward()
@@ -505,6 +518,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                 mb.kept[i] = 0
                 mb.held.pop(i, None)
                 self._act, self._act_seen = sum(mb.kept[:i]) + sum(mb.held.values()), set()
+            if self.handoff is not None:
+                self._opt_futs += self.handoff.close_block(i, mb.first)
             if mb.last:
                 for ci in self._block_chunks(i):
                     if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
@@ -567,6 +582,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         for c in self.chunks:
             c.grad = None
         self._fresh.clear()
+        if self.handoff is not None:
+            self.handoff.begin_step()
         self._begin_reductions()
         self._first_step = self.trace.recorded is None
         self.trace.begin_step()
@@ -628,9 +645,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         chunks fetched + activations restored, d2h = chunks, gradients and updated parameters written home +
         activations spilled, disk_read / disk_write = all the disk store's reads and writes (set-up included).
         Work that runs beside the next step (a clipped update pass on a thread) counts when it runs."""
-        spill = self.spill
+        spill, handoff = self.spill, self.handoff
         return {"h2d": self.bytes_h2d + (spill.bytes_h2d if spill else 0),
-                "d2h": self.bytes_d2h + (spill.bytes_d2h if spill else 0),
+                "d2h": self.bytes_d2h + (spill.bytes_d2h if spill else 0) + (handoff.bytes_d2h if handoff else 0),
                 "disk_read": self.disk.bytes_read if self.disk else 0,
                 "disk_write": self.disk.bytes_written if self.disk else 0}
 

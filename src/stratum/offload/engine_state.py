@@ -20,6 +20,7 @@ from stratum.offload.activations import ActivationSpill
 from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import Layout
+from stratum.offload.grad_handoff import ChunkHandoff
 from stratum.offload.placement import Placement
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DiskStore, Tier
@@ -84,6 +85,7 @@ class EngineState:
     _opt_futs: list[Future]
     _pending_after: Future | None
     combine_norm: Callable[[Tensor], Tensor] | None
+    handoff: ChunkHandoff | None
 
     def _staged(self, k: int) -> Tensor:
         """Staging buffer ``k`` (0/1: a disk chunk's parameters/gradients, 2/3: its moments), which ``_build``
@@ -115,6 +117,7 @@ class EngineState:
         def _reducing(self, i: int) -> bool: ...
         def owned(self) -> list[ChunkState]: ...
         def _publish(self, c: ChunkState, master: Tensor | None = None) -> None: ...
+        def _held_bytes(self, held: list) -> int: ...
         def _host_update_held(self, c: ChunkState, held: list, coef: Tensor | None, lr: float,
                               src: Tensor | None) -> Tensor: ...
         def _wait_delayed(self, c: ChunkState | None = None) -> None: ...

@@ -57,6 +57,10 @@ class Placement:
     ``step_model.half_chunks``): the device's chunks (slots and pinned chunks) hold 16-bit working copies of the
     parameters, the fp32 masters and AdamW moments stay on the host or the disk (a disk master's 16-bit copy in
     host RAM), gradients go down in 16 bits and are accumulated in fp32 on the host, where the update runs."""
+    chunk_grads: bool = False
+    """With half_params: the 16-bit gradients go to the host a chunk at a time — summed on the device in a flat
+    buffer per chunk, one copy per chunk and micro-batch to pinned staging, added to the chunk's fp32 accumulator
+    on the host (grad_handoff.py) — not one copy per tensor as autograd makes it (``offload.grad_handoff``)."""
     device_budget: int | None = None
     host_budget: int | None = None
     n_chunks: int = 0
@@ -130,6 +134,8 @@ class Placement:
     def _updates_text(self) -> str:
         masters = DISK if self.param_tier == DISK else HOST  # (a pinned chunk's master is on the host)
         half = f"; 16-bit working copies on the device, fp32 masters on the {masters}" if self.half_params else ""
+        if self.chunk_grads:
+            half += ", gradients down a chunk at a time"
         if not self.deferred_chunks:
             return half
         return f"{half}; updates of {len(self.deferred_chunks)} chunks beside the next forward"

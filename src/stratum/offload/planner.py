@@ -22,6 +22,7 @@ from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import RING
 from stratum.offload.chunks import Layout, pack, param_order
+from stratum.offload.grad_handoff import per_chunk
 from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
 from stratum.offload.step_model import half_chunks, predict, predict_placement, slot_bytes
 from stratum.offload.tiers import DEVICE, DISK, HOST, TIERS, Bandwidths, round_up
@@ -161,6 +162,10 @@ class _Job:
     pipeline rank, whose stage runner keeps fp32 chunks); fp16 only places 16-bit chunks (its loss scaling is
     built on them), its updates all after the backward (``deferred``: they wait for the overflow check)."""
 
+    chunk_grads: bool
+    """offload.grad_handoff resolved for this machine (``grad_handoff.per_chunk``): 16-bit placements hand their
+    gradients to the host a chunk at a time (Placement.chunk_grads)."""
+
     def halves(self, opt: str, ptier: str) -> tuple[bool, ...]:
         """Placement.half_params to try with these tiers: 16-bit chunks where the tiers allow them (``half_chunks``;
         fp16: nothing else). Under bf16 with the parameters' home on disk fp32 chunks are tried too: their
@@ -170,6 +175,10 @@ class _Job:
         if self.precision == "fp16":
             return (True,) if half else ()
         return (True, False) if half and ptier == DISK else (half,)
+
+    def chunks_down(self, half: bool) -> bool:
+        """Placement.chunk_grads of a candidate with 16-bit chunks (``half``) or not."""
+        return self.chunk_grads and half
 
 
 @dataclass
@@ -219,7 +228,7 @@ def _slot_options(job: _Job, t: _Tiers) -> list[int]:
     base, _, _, _, _ = predict(t.layout, R=0, opt=t.opt, ptier=t.ptier, k=0, acts=t.acts, costs=job.costs,
                                bw=job.bw, n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
                                spilled=t.spill_set, disk_spilled=t.disk_set, kept=t.kept, inflight=job.inflight,
-                               half=t.half)
+                               half=t.half, chunk_grads=job.chunks_down(t.half))
     per = slot_bytes(t.layout.chunk_elems, t.opt, t.ptier, job.bw, t.half)
     rmax = n_stream if job.device_budget is None else (job.device_budget - base[DEVICE]) // per
     return sorted({need, max(need, min(rmax, n_stream))})
@@ -236,7 +245,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
-        inflight=job.inflight, half_params=t.half,
+        inflight=job.inflight, half_params=t.half, chunk_grads=job.chunks_down(t.half),
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 
 
@@ -256,7 +265,7 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
         predicted = predict(t.layout, R=R, opt=t.opt, ptier=t.ptier, k=k, acts=t.acts, costs=job.costs, bw=job.bw,
                             n_micro=job.n_micro, deferred=job.deferred, n_params=job.n_params,
                             spilled=t.spill_set, disk_spilled=t.disk_set, deferred_chunks=late, kept=t.kept,
-                            inflight=job.inflight, half=t.half)
+                            inflight=job.inflight, half=t.half, chunk_grads=job.chunks_down(t.half))
         peak, tr, step = predicted[0], predicted[1], predicted[2]
         ok = {DEVICE: job.device_budget is None or peak[DEVICE] <= job.device_budget,
               HOST: job.host_budget is None or peak[HOST] <= job.host_budget,
@@ -331,19 +340,21 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                    chunk_elems: int | None = None, resident_chunks: int | None = None,
                    optimizer_tier: str | None = None, prefetch_depth: int | None = None,
                    activations: str | None = None, kept_blocks: int | None = None,
-                   inflight: tuple[int, ...] = (), precision: str = "fp32") -> Placement:
+                   inflight: tuple[int, ...] = (), precision: str = "fp32", grad_handoff: str = "auto") -> Placement:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
     ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
     ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params;
-    fp16: only such placements, every update after the backward)."""
+    fp16: only such placements, every update after the backward). ``grad_handoff``: offload.grad_handoff (16-bit
+    placements' gradients a chunk at a time — auto: where copies are asynchronous — or a tensor at a time)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
                bw=bandwidths, device_budget=device_budget, host_budget=host_budget, disk_free=disk_free,
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
-               kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision)
+               kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision,
+               chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies))
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     search = _Search()

@@ -94,6 +94,8 @@ class Reductions(EngineState):
             return
         if len(self._in_flight) >= MAX_IN_FLIGHT:
             self._settle(self._in_flight[0][0])
+        if self.handoff is not None:  # the reduction reads the gradients the host's adds complete
+            self.handoff.wait(c)
         self._in_flight.append((c, self.reducer([n for n, _ in named], [g for _, g in named], f"chunk {c.i}")))
         self.reduce_log.append(("launch", c.i))
 

@@ -100,7 +100,7 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)
     return dict(device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk), bandwidths=bw,
                 profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip,
-                precision=cfg.train.precision, **kw)
+                precision=cfg.train.precision, grad_handoff=cfg.offload.grad_handoff, **kw)
 
 
 def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):

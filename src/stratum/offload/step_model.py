@@ -16,6 +16,7 @@ from stratum.ir.costs import Costs
 from stratum.offload.act_ring import RING
 from stratum.offload.belady import simulate_step
 from stratum.offload.chunks import ChunkSpec, Layout
+from stratum.offload.grad_handoff import handoff_bytes, link_bytes
 from stratum.offload.placement import KEEP, RECOMPUTE, SPILL, Placement
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, Bandwidths, round_up
 from stratum.runtime.device import HALF_DTYPES
@@ -108,6 +109,8 @@ class _Candidate:
     """Placement.inflight: per block, the micro-batches a pipeline rank's stage holds at once (empty: one)."""
     half: bool = False
     """Placement.half_params: 16-bit chunks on the device, gradients to the host (``half_chunks``)."""
+    chunk_grads: bool = False
+    """Placement.chunk_grads: with ``half``, the gradients go to the host a chunk at a time (grad_handoff.py)."""
 
     @property
     def async_copies(self) -> bool:
@@ -201,6 +204,10 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
         host += sum(HALF * ch.capacity for ch in chunks)
     elif c.half and c.ptier == DISK:  # a disk master's 16-bit copy, which fetches read
         host += sum(HALF * ch.capacity for ch in stream)
+    if c.chunk_grads:  # the hand-off's 16-bit device buffers and pinned staging (its fp32 accumulators: above)
+        extra = handoff_bytes(c.layout)
+        dev += extra[DEVICE]
+        host += extra[HOST]
     if c.ptier == HOST:
         host += sum(8 * ch.capacity for ch in stream)
     elif c.ptier == DISK and c.half:  # fp32 masters on disk, their gradients accumulated in fp32 on the host
@@ -291,8 +298,9 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
 def _update_traffic(c: _Candidate, t: _Traffic) -> None:
     """What a host/disk optimizer moves: gradients home, updated parameters back, moments in and out."""
     C, chunks, pinned, n_stream = c.layout.chunk_elems, c.layout.chunks, c.pinned, len(c.stream)
-    if c.half:  # every gradient down in 16 bits as autograd makes it; pinned chunks' new 16-bit copies up
-        t.add("d2h", c.n_micro * c.layout.grad_elems * HALF, True)
+    if c.half:  # every gradient down in 16 bits (a chunk or a tensor at a time); pinned chunks' new copies up
+        t.add("d2h", link_bytes(c.layout, c.n_micro) if c.chunk_grads else c.n_micro * c.layout.grad_elems * HALF,
+              True)
         t.add("h2d", sum(ch.capacity for ch in pinned) * HALF, not c.deferred)
         if c.ptier == DISK:  # each disk master read for its update and written back
             for link in ("disk_read", "disk_write"):
@@ -390,7 +398,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
             bw: Bandwidths | None, n_micro: int, deferred: bool, n_params: int,
             spilled: frozenset[int] | None = None, disk_spilled: frozenset[int] = frozenset(),
             deferred_chunks: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset(),
-            inflight: tuple[int, ...] = (), half: bool = False) -> tuple[dict, dict, float, float, float]:
+            inflight: tuple[int, ...] = (), half: bool = False,
+            chunk_grads: bool = False) -> tuple[dict, dict, float, float, float]:
     """(peak bytes per tier, traffic per step, predicted step seconds, compute seconds, activation bytes).
     ``R`` device chunk slots, ``opt`` the optimizer's tier, ``ptier`` the parameters' home, ``k`` prefetch depth,
     ``acts`` keep | offload | recompute; ``deferred``: clipped updates (after the whole backward).
@@ -400,7 +409,8 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     ``deferred_chunks``: see Placement.deferred_chunks (only used where updates otherwise run in the slot).
     ``inflight``: Placement.inflight (a pipeline rank's micro-batches in flight per block; empty: one).
     ``half``: Placement.half_params (16-bit chunks on the device, gradients to the host: ``half_chunks``); the
-    activation bytes are then the ones the profile measured on 16-bit parameters, where it did."""
+    activation bytes are then the ones the profile measured on 16-bit parameters, where it did.
+    ``chunk_grads``: Placement.chunk_grads (with ``half``: the per-chunk gradient hand-off, grad_handoff.py)."""
     if half:
         costs = costs.on_half_params()
     L = len(costs.act_bytes)
@@ -408,7 +418,7 @@ def predict(layout: Layout, *, R: int, opt: str, ptier: str, k: int, acts: str, 
     c = _Candidate(layout=layout, R=R, opt=opt, ptier=ptier, k=k, acts=acts, costs=costs, bw=bw, n_micro=n_micro,
                    deferred=deferred, spilled=(frozenset(range(L)) if spilled is None else spilled) - kept,
                    disk_spilled=disk_spilled - kept, deferred_chunks=deferred_chunks, kept=kept, inflight=inflight,
-                   half=half)
+                   half=half, chunk_grads=half and chunk_grads)
     act = _activation_bytes(c)
     peaks = _peaks(c, act)
     t = _Traffic()
@@ -431,4 +441,5 @@ def predict_placement(layout: Layout, plan: Placement, *, costs: Costs, bw: Band
                    deferred=deferred, n_params=n_params,
                    spilled=None if plan.spill_blocks is None else frozenset(plan.spill_blocks),
                    disk_spilled=frozenset(plan.disk_spill_blocks), deferred_chunks=frozenset(plan.deferred_chunks),
-                   kept=frozenset(plan.kept_blocks), inflight=plan.inflight, half=plan.half_params)
+                   kept=frozenset(plan.kept_blocks), inflight=plan.inflight, half=plan.half_params,
+                   chunk_grads=plan.chunk_grads)

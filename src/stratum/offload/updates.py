@@ -23,6 +23,11 @@ from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST
 from stratum.runtime.engine import clip_coef
 
 
+def _named(c: ChunkState, held: list) -> list[tuple[str, Tensor]]:
+    """(name, gradient) of ``c``'s entries with a gradient in ``held`` (one per entry, None: none)."""
+    return [(e.name, g) for e, g in zip(c.spec.entries, held) if g is not None]
+
+
 class Updates(EngineState):
     """Mixin: gradients and AdamW of the chunks (see the module docstring)."""
 
@@ -61,20 +66,25 @@ class Updates(EngineState):
 
     # ---- optimizer ------------------------------------------------------------------------------------------
     def _norms(self, chunks: list[ChunkState]) -> None:
-        views, names = [], []
+        named: list[tuple[str, Tensor]] = []
         for c in chunks:
             if self._home_grads(c):
                 assert c.held is not None
-                got = [(e, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
-                views += [g for _, g in got]
-                names += [e.name for e, _ in got]
+                named += _named(c, c.held)
                 continue
             g = c.g()  # a parameter without a gradient has no norm, as in the plain engine's clipping
-            live = [e for e, ok in zip(c.spec.entries, c.live_entries()) if ok]
-            views += [g[e.offset:e.offset + e.numel].view(e.shape) for e in live]
-            names += [e.name for e in live]
-        if views:  # (none where no parameter of these chunks got a gradient)
-            for name, nrm in zip(names, torch._foreach_norm(views, 2.0)):
+            named += [(e.name, g[e.offset:e.offset + e.numel].view(e.shape))
+                      for e, ok in zip(c.spec.entries, c.live_entries()) if ok]
+        self._take_norms(named)
+
+    def _held_norms(self, c: ChunkState, held: list | None) -> None:
+        """The norms of ``c``'s gradients ``held`` for its update (taken beside it, on the optimizer thread)."""
+        assert held is not None
+        self._take_norms(_named(c, held))
+
+    def _take_norms(self, named: list[tuple[str, Tensor]]) -> None:
+        if named:  # (none where no parameter of these chunks got a gradient)
+            for (name, _), nrm in zip(named, torch._foreach_norm([g for _, g in named], 2.0)):
                 self._grad_norms[name] = nrm
 
     def _complete_grads(self, c: ChunkState) -> list[tuple[str, Tensor]]:
@@ -84,9 +94,12 @@ class Updates(EngineState):
             return [(e.name, e.param.grad) for e in c.spec.entries if e.param.grad is not None]
         if self._home_grads(c):
             self._wait_delayed(c)
-            c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
+            if self.handoff is None:
+                c.held = [self._held.pop(id(e.param), None) for e in c.spec.entries]
+            else:  # views of the chunk's accumulator, which the host's adds queued so far complete
+                c.held = self.handoff.held(c)
             c.live = [g is not None for g in c.held]
-            return [(e.name, g) for e, g in zip(c.spec.entries, c.held) if g is not None]
+            return _named(c, c.held)
         c.live = [id(e.param) in self._fresh for e in c.spec.entries]
         g = c.g()
         return [(e.name, g[e.offset:e.offset + e.numel]) for e, ok in zip(c.spec.entries, c.live) if ok]
@@ -102,7 +115,9 @@ class Updates(EngineState):
         if not self.owns(c.i):
             self._drop_grads(c)
             return
-        if not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
+        if self.handoff is not None and not self._update_later(c):  # after the host's add, on its thread
+            self._opt_futs.append(self.opt_pool.submit(self._held_norms, c, c.held))
+        elif not (self._home_grads(c) and self._update_later(c)):  # (those: all together, grad_norms_now)
             self._norms([c])
         if self.placement.optimizer_tier == DEVICE:
             if not self._deferred:
@@ -142,8 +157,13 @@ class Updates(EngineState):
         """``c`` is updated by another replica, where its reduced gradient went: nothing of it stays here."""
         held, c.held = c.held, None
         if held is not None:
-            self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+            self.tiers[HOST].release(self._held_bytes(held))
         c.grad = None
+
+    def _held_bytes(self, held: list) -> int:
+        """Host bytes charged while gradients are held: autograd's tensors (the per-chunk hand-off's are views of
+        the chunks' accumulators, charged for good when they were allocated)."""
+        return 0 if self.handoff is not None else sum(g.numel() for g in held if g is not None) * F32
 
     def _in_slot(self, c: ChunkState) -> bool:
         """``c``'s host/disk update runs on its CPU slot: a streamed chunk's without clipping unless the plan
@@ -251,7 +271,7 @@ class Updates(EngineState):
                 self._disk.write(f"p{c.i}", p)
         if src is not None and c.hp is not None:
             c.hp.copy_(p)
-        self.tiers[HOST].release(sum(g.numel() for g in held if g is not None) * F32)
+        self.tiers[HOST].release(self._held_bytes(held))
         return p
 
     def _publish(self, c: ChunkState, master: Tensor | None = None) -> None:
@@ -279,7 +299,7 @@ class Updates(EngineState):
         count_steps(chunks)
         for c, held in zip(chunks, helds):
             items += c.param_items(c.home_copy("p"), held, *c.moments())
-        held_bytes = sum(g.numel() for held in helds for g in held if g is not None) * F32
+        held_bytes = sum(self._held_bytes(held) for held in helds)
         self._adamw_params(items, coef, self._lr)
         for c in chunks:
             self._publish(c)
@@ -401,11 +421,15 @@ class Updates(EngineState):
                 self._submit_host_update(c, coef, lr=lr, spill=spill)
         self.drain()
 
-    def drain(self) -> None:
-        """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
+    def drain_optimizer(self) -> None:
+        """Wait for the optimizer thread's work queued so far (updates, the hand-off's adds)."""
         for f in getattr(self, "_opt_futs", []):
             f.result()
         self._opt_futs = []
+
+    def drain(self) -> None:
+        """Wait for the background updates and transfers in flight (checkpoints, evaluation, benchmarks)."""
+        self.drain_optimizer()
         self._wait_delayed()
         for c in self.chunks:
             c.opt_fut = None
@@ -453,6 +477,8 @@ class Updates(EngineState):
         """(name, norm) of every parameter with a gradient this step, in the plain engine's order (after the
         backward; the norms of streamed chunks were taken as each completed, except those of gradients held on
         the host for an update after the backward: taken here, all in one call)."""
+        if self.handoff is not None:  # the host's adds, and the norms queued behind them
+            self.drain_optimizer()
         held = [c for c in self.owned() if self._home_grads(c) and c.held is not None]
         if held:
             self._norms(held)

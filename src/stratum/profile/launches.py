@@ -66,3 +66,20 @@ def ops_per_step(engine: Engine, micro_batches: list[Batch], lr: float, *, warmu
 def copy_ops(ops: Counter[str]) -> int:
     """How many of ``ops`` move data (:data:`COPIES`)."""
     return sum(n for name, n in ops.items() if name.startswith(COPIES))
+
+
+class CopiesInto(KernelCounter):
+    """A :class:`KernelCounter` that also counts the ``copy_`` operators writing into given buffers — the storages
+    of ``targets`` — e.g. an engine's host staging: on a CPU every copy is a memcpy, told apart only by where it
+    writes."""
+
+    def __init__(self, targets: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.targets = {t.untyped_storage().data_ptr() for t in targets}
+        self.into = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func).startswith("aten.copy_") and args and isinstance(args[0], torch.Tensor) and (
+                args[0].untyped_storage().data_ptr() in self.targets):
+            self.into += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
