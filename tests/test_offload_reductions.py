@@ -96,7 +96,7 @@ def test_chunk_reductions_read_the_per_chunk_hand_offs_accumulators(clip, tmp_pa
         eng = OffloadEngine(model, optim=spec(clip), device=DEV, placement=p, precision="bf16")
         finished: list[int] = []
         if reduce:
-            eng.reducer = lambda names, grads, what: _Doubling(grads, finished)
+            eng.reducer = lambda names, grads, what, log=finished: _Doubling(grads, log)
         try:
             got[reduce] = run(eng, 1)[0]
         finally:
