@@ -72,3 +72,34 @@ def test_chunk_reductions_are_waited_for_after_later_blocks_backward_and_match_p
         assert not eng._in_flight and len(finished) == 2 * len(launched)
     finally:
         eng.close()
+
+
+class _Doubling(_Collective):
+    """A stand-in whose result is twice what it was given (two replicas with the same gradient, summed)."""
+
+    def finish(self) -> None:
+        for c in self.copy:
+            c.mul_(2)
+        super().finish()
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_chunk_reductions_read_the_per_chunk_hand_offs_accumulators(clip, tmp_path):
+    """bf16 chunks with the per-chunk gradient hand-off: each chunk's reduction gets its gradient from the fp32
+    accumulator once the host's adds are done, and its result is what the norm reads — twice the gradient gives
+    the first step's loss and twice its gradient norm."""
+    got = {}
+    for reduce in (False, True):
+        model = build("gpt", tmp_path)
+        p = Placement(chunk_elems=CHUNK, resident_chunks=pack(model, CHUNK).max_chunks_per_block() + 1,
+                      optimizer_tier=HOST, param_tier=HOST, prefetch_depth=2, half_params=True, chunk_grads=True)
+        eng = OffloadEngine(model, optim=spec(clip), device=DEV, placement=p, precision="bf16")
+        finished: list[int] = []
+        if reduce:
+            eng.reducer = lambda names, grads, what, log=finished: _Doubling(grads, log)
+        try:
+            got[reduce] = run(eng, 1)[0]
+        finally:
+            eng.close()
+        assert bool(finished) == reduce
+    assert got[True].loss == got[False].loss and got[True].grad_norm == 2 * got[False].grad_norm
