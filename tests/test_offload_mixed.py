@@ -228,6 +228,11 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_off_the_device(
     assert by_chunk.predicted_traffic["d2h"] == 2 * HALF * sum(c.used for c in layout.chunks)
     assert half.predicted_traffic["d2h"] == 2 * HALF * layout.grad_elems  # (the tied tensor twice)
     assert not plan(m, prof, grad_handoff="chunk", **fixed).chunk_grads  # fp32: no 16-bit gradients
+    # a device budget the chunks' buffers do not fit: auto hands over per tensor there, chunk is refused
+    tight = dict(precision="bf16", chunk_elems=C, resident_chunks=R, device_budget=half.predicted_peak[DEVICE])
+    assert not plan(m, prof, bandwidths=gpu, **tight, **fixed).chunk_grads
+    with pytest.raises(StratumError):
+        plan(m, prof, bandwidths=gpu, grad_handoff="chunk", **tight, **fixed)
     with pytest.raises(StratumError, match="offload.grad_handoff = 'bucket' is not one of: auto, chunk, tensor"):
         plan(m, prof, precision="bf16", grad_handoff="bucket", **fixed)
     assert not plan(m, prof, precision="bf16", optimizer_tier=DEVICE).half_params

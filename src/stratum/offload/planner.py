@@ -346,7 +346,8 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
     ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params;
     fp16: only such placements, every update after the backward). ``grad_handoff``: offload.grad_handoff (16-bit
-    placements' gradients a chunk at a time — auto: where copies are asynchronous — or a tensor at a time)."""
+    placements' gradients a chunk at a time — auto: where copies are asynchronous, unless the chunks' buffers
+    leave no placement that fits — or a tensor at a time)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
@@ -357,9 +358,24 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies))
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
+    search = _search(job, opts, recs, chunk_elems)
+    if not search.fits and job.chunk_grads and grad_handoff == "auto":
+        # the per-chunk hand-off's device buffers may be what does not fit: a tensor at a time needs none
+        job = replace(job, chunk_grads=False)
+        search = _search(job, opts, recs, chunk_elems)
+    if not search.fits:
+        err = _no_fit(search, device_budget, host_budget)
+        if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
+            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
+        raise err
+    return _pick(job, search)
+
+
+def _search(job: _Job, opts: list[str], recs: list[str], chunk_elems: int | None) -> _Search:
+    """Every candidate placement of ``job`` over chunk sizes, tiers, activation policies and deferrals."""
     search = _Search()
-    for C in [chunk_elems] if chunk_elems else _chunk_candidates(seq):
-        layout = pack(seq, C)
+    for C in [chunk_elems] if chunk_elems else _chunk_candidates(job.seq):
+        layout = pack(job.seq, C)
         search.layouts[layout.chunk_elems] = layout
         before = stop_run = None  # the best step with one kept block fewer; the run of suffixes being skipped
         for t, first in _tier_options(job, layout, opts, recs):
@@ -367,16 +383,11 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                 before, stop_run = None, False
             if stop_run:
                 continue
-            defer = _deferral_options(layout, t.opt, t.ptier, job.deferred, bandwidths, t.half)
+            defer = _deferral_options(layout, t.opt, t.ptier, job.deferred, job.bw, t.half)
             here = _try_tiers(job, t, defer, search)
             # more kept blocks take slots: stop once keeping one more stops shortening the step (keeps the search
             # short; GPT-2 774M has 36 candidate suffixes' worth of blocks)
             if before is not None and here >= before:
                 stop_run = True
             before = here
-    if not search.fits:
-        err = _no_fit(search, device_budget, host_budget)
-        if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
-            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
-        raise err
-    return _pick(job, search)
+    return search
