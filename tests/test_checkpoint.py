@@ -56,6 +56,10 @@ def test_fp16_skips_overflowing_steps_logs_the_scale_and_resumes_exactly(make_cf
                                                                        for r in b]
     skips, scales = [r["skipped"] for r in a], [r["loss_scale"] for r in a]
     assert skips[:3] == [1, 1, 1] and 0 in skips and max(scales[3:]) > scales[3]
+    # strict JSON: a skipped step's non-finite gradient norm is null, every other step's a number
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+    assert all((r["grad_norm"] is None) == bool(r["skipped"]) for r in strict)
     assert a[-1]["loss"] < a[0]["loss"] - 0.3
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -12,7 +13,9 @@ from stratum.atomic import atomic_write_text, write_error
 
 class MetricsLog:
     """Appends one JSON line per step. On resume, records past the checkpoint (from a killed run) are dropped,
-    so the file always describes one consistent run."""
+    so the file always describes one consistent run. Lines are strict JSON (what jq, JavaScript and other
+    parsers read): a number that is not finite — an fp16 step's gradient norm when its loss scaler skipped it — is
+    written as null."""
 
     def __init__(self, path: Path, *, resume_step: int):
         self.path = path
@@ -34,7 +37,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.records.append(record)
         try:
-            self._fh.write(json.dumps(record) + "\n")
+            self._fh.write(json.dumps(_strict(record), allow_nan=False) + "\n")
             self._fh.flush()
         except OSError as e:
             raise write_error(self.path, e, "metrics") from None
@@ -45,9 +48,15 @@ class MetricsLog:
             self._fh.close()
 
 
+def _strict(record: dict) -> dict:
+    """``record`` with its non-finite numbers as None (JSON has no NaN or infinity)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
 def median(records: list[dict], key: str, skip_first: int = 1) -> float | None:
-    """Median of ``key`` over records, leaving out the first ``skip_first`` (warm-up) when there are more."""
-    vals = [r[key] for r in records if key in r]
+    """Median of ``key`` over records, leaving out the first ``skip_first`` (warm-up) when there are more, and
+    the records where it is null."""
+    vals = [r[key] for r in records if r.get(key) is not None]
     if len(vals) > skip_first:
         vals = vals[skip_first:]
     return statistics.median(vals) if vals else None
