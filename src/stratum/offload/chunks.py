@@ -69,6 +69,16 @@ class Layout:
     (blocks run their backward one at a time, so a tied tensor gets a gradient from each of its blocks)."""
 
     @property
+    def last_block(self) -> dict[int, int]:
+        """Chunk → the last block that uses it: its gradients start arriving with that block's backward (the
+        mirror of ``ready_block``)."""
+        last: dict[int, int] = {}
+        for i, cs in enumerate(self.block_chunks):
+            for c in cs:
+                last[c] = i
+        return last
+
+    @property
     def streamable(self) -> list[int]:
         return [c.index for c in self.chunks if not c.tied]
 

@@ -209,9 +209,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self._half_dtype = HALF_DTYPES.get(self.precision, torch.bfloat16)
         """The dtype of the device's 16-bit working copies (``_half``): the run's autocast dtype."""
         self._param_bytes = HALF if self._half else F32
+        """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
         self._chunk_grads = self._half and self.placement.chunk_grads
         """16-bit gradients go to the host a chunk at a time (``handoff``), each chunk's fp32 accumulator ``hg``."""
-        """Bytes per element of a chunk's parameters on the device (and of a fetch)."""
         in_ram = self.placement.optimizer_tier == HOST and self.placement.param_tier != DISK
         if delayed_update and (not self._half or not in_ram or self.sharded or fp16):
             raise StratumError("offload.delayed_update needs bf16 chunks with the fp32 masters and optimizer state "

@@ -60,19 +60,10 @@ def per_chunk(mode: str, async_copies: bool) -> bool:
     return mode == "chunk" or (mode == "auto" and async_copies)
 
 
-def last_blocks(layout: Layout) -> dict[int, int]:
-    """Chunk → the last block using it: its gradients start arriving with that block's backward."""
-    last: dict[int, int] = {}
-    for i, cs in enumerate(layout.block_chunks):
-        for c in cs:
-            last[c] = i
-    return last
-
-
 def open_chunks(layout: Layout) -> int:
     """The most untied chunks receiving gradients at once in a backward: those whose blocks span block ``i``."""
     tied = {c.index for c in layout.chunks if c.tied}
-    last = last_blocks(layout)
+    last = layout.last_block
     spans = [(layout.ready_block[c], last[c]) for c in last if c not in tied]
     return max((sum(lo <= i <= hi for lo, hi in spans) for i in range(len(layout.block_chunks))), default=0)
 
@@ -116,8 +107,8 @@ class ChunkHandoff:
             None: [(s, None) for s in stage[n_tied:]], **{i: [(stage[k], None)] for k, i in enumerate(tied)}}
         """Staging buffers, keyed as ``pool``, next to use first, each with the host's add that read it last (or
         None)."""
-        self.last = last_blocks(layout)
-        self.opens = {i: [c for c in chunks if self.last.get(c.i) == i] for i in range(len(layout.block_chunks))}
+        last = layout.last_block
+        self.opens = {i: [c for c in chunks if last.get(c.i) == i] for i in range(len(layout.block_chunks))}
         self.closes = {i: [c for c in chunks if layout.ready_block.get(c.i) == i]
                        for i in range(len(layout.block_chunks))}
         self.target: dict[int, tuple[Tensor, int, int]] = {}

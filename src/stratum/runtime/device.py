@@ -80,12 +80,13 @@ def describe(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def compute_rate(device: torch.device, seconds: float = 0.3, n: int = 256) -> float:
-    """This process's matrix-multiply rate on ``device`` in GFLOP/s, measured now for about ``seconds`` (with
-    whatever else shares the machine running): how fast a rank is, for hardware-aware balance. Draws no random
-    numbers, so training's RNG streams stay as they are."""
-    a = torch.ones(n, n, device=device)
-    b = torch.full((n, n), 1.0 / n, device=device)
+def compute_rate(device: torch.device, seconds: float = 0.3, n: int = 256, dtype: torch.dtype = torch.float32) -> float:
+    """This process's rate of ``n``×``n`` matrix products in ``dtype`` on ``device`` in GFLOP/s, measured now for
+    about ``seconds`` (with whatever else shares the machine running): how fast a rank is, for hardware-aware
+    balance, and a device's peak where no datasheet gives it (runtime/peak.py). Draws no random numbers, so
+    training's RNG streams stay as they are."""
+    a = torch.ones(n, n, device=device, dtype=dtype)
+    b = torch.full((n, n), 1.0 / n, device=device, dtype=dtype)
     a @ b  # warm-up: the first call pays for kernel selection
     synchronize(device)
     done, t0 = 0, time.perf_counter()

@@ -4,13 +4,11 @@ for the precision trained in, else a matrix product's rate measured on the devic
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from stratum.runtime.device import HALF_DTYPES, synchronize
+from stratum.runtime.device import HALF_DTYPES, compute_rate
 
 # Dense (no 2:4 sparsity) tensor-core rates in TFLOP/s from the vendor's datasheets; where a datasheet gives only
 # the sparse figure, half of it. "fp32" is the plain CUDA-core rate (torch's default for float32 matrix products);
@@ -69,24 +67,12 @@ def published_peak(device_name: str, kind: str) -> Peak | None:
     return None
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10) -> Peak:
-    """The rate of ``n``×``n``×``n`` matrix products in ``dtype`` on ``device``, median of ``reps`` after two
-    warm-ups, on random operands (zeros run faster than data), drawn from a private generator so training's
-    random streams stay as they are."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    times = []
-    for i in range(reps + 2):
-        synchronize(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+def measured_peak(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 0.5) -> Peak:
+    """The rate of ``n``×``n``×``n`` matrix products in ``dtype`` on ``device`` (``compute_rate``, for about
+    ``seconds``)."""
     name = str(dtype).removeprefix("torch.")
-    return Peak(flops=2 * n**3 / statistics.median(times),
-                source=f"measured: {n}x{n}x{n} {name} matrix product on {device.type}, median of {reps}")
+    return Peak(flops=compute_rate(device, seconds=seconds, n=n, dtype=dtype) * 1e9,
+                source=f"measured: {n}x{n}x{n} {name} matrix products on {device.type} for {seconds:g} s")
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:
