@@ -12,6 +12,7 @@
 #   capacity-offload  the offload engine on $CAP_OFFLOAD with the GPU, host RAM and disk as tiers (goal: >= 30 % MFU)
 #   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
 #   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
+#   sweep             a sharded-lrtf sweep of 3 jobs on 2 slots of the one device (issue 18)
 #   all               every part above, in that order
 # Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
 # (T_<step> seconds, dashes as underscores: T_tests_offload, T_cli_fp16), so a hang in one still leaves the
@@ -29,6 +30,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every command line end to end, in s
   : "${PLAN_PRESET:=mini}" "${PLAN_MICRO:=2}" "${PLAN_SEQ:=64}"
   : "${CAP_OFFLOAD:=tiny}" "${CAP_PLAIN:=tiny}" "${CAP_SEQ:=64}" "${CAP_MICRO:=2}" "${CAP_TOKENS:=256}"
   : "${CAP_STEPS:=2}" "${DEVICE_BUDGET:=64MB}" "${PYTEST_ARGS:=--collect-only}" "${DISK_DIR:=$LOG/disk}"
+  : "${SWEEP_BUDGET:=8MB}" "${SWEEP_STEPS:=3}"
   : "${PRECISION:=fp32}"  # a CPU's bf16 matrix products are slow to measure; the GPU runs bf16
 else
   : "${PRESET:=gpt2-774m}" "${SEQ:=1024}" "${TOKENS:=262144}" "${STEPS:=5}" "${WARMUP:=2}" "${MAX_MICRO:=64}"
@@ -36,6 +38,7 @@ else
   : "${PLAN_PRESET:=gpt2-774m}" "${PLAN_MICRO:=4}" "${PLAN_SEQ:=1024}"
   : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
   : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 8}"
+  : "${SWEEP_BUDGET:=160MB}" "${SWEEP_STEPS:=20}"
 fi
 MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
 HOST_BUDGET=${HOST_BUDGET:-auto}                    # auto: 90 % of the machine's RAM
@@ -129,15 +132,40 @@ part_cli() {
     --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
 }
 
+part_sweep() {  # sharded-lrtf on the device: 3 jobs' shard tasks on 2 slots of it, waiting jobs' slots given back
+  local dev=$DEVICE
+  [ "$dev" = cuda ] && dev=cuda:0
+  rm -rf "$LOG/sweep"
+  cat >"$LOG/sweep.toml" <<EOF
+[sweep]
+out_dir = "$LOG/sweep"
+scheduler = "sharded-lrtf"
+devices = ["$dev", "$dev"]
+device_budget = "$SWEEP_BUDGET"
+[sweep.grid]
+"optim.lr" = [1e-3, 2e-3, 3e-3]
+[model]
+preset = "$CLI_PRESET"
+[data]
+seq_len = $CLI_SEQ
+[train]
+steps = $SWEEP_STEPS
+micro_batch_size = $CLI_MICRO
+eval_interval = 0
+EOF
+  step sweep "$(limit sweep 240)" "$PY" -m stratum sweep --config "$LOG/sweep.toml"
+}
+
 run_part() {
   case $1 in
     check) part_check ;;
     cli) part_cli ;;
+    sweep) part_sweep ;;
     overhead) bench overhead overhead --plain-twice ;;
     offload25) bench offload offload25 ;;
     capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
     capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;
-    all) for p in check overhead offload25 capacity-offload capacity-plain cli; do run_part "$p"; done ;;
+    all) for p in check overhead offload25 capacity-offload capacity-plain cli sweep; do run_part "$p"; done ;;
     *) echo "gpu_check.sh: unknown part '$1' (check overhead offload25 capacity-offload capacity-plain cli all)" >&2
        exit 2 ;;
   esac

@@ -8,7 +8,7 @@ import pytest
 
 from stratum.model.gpt import build_gpt
 from stratum.offload.engine import OffloadEngine
-from stratum.offload.tasks import Stage, set_gate
+from stratum.offload.tasks import Turn, set_gate
 from stratum.offload.tiers import DISK, HOST
 
 from offload_helpers import DEV, assert_same, plain, plan, profile, run, spec, state_bytes
@@ -26,8 +26,8 @@ def test_staging_at_every_boundary_moves_chunks_and_stays_exact(optimizer_tier):
     eng = OffloadEngine(m, optim=spec(), device=DEV, placement=p)
     staged: list[tuple[str, int, int]] = []
 
-    def gate(kind: str, block: int, blocks: int, stage: Stage) -> None:
-        staged.append((kind, block, stage()))
+    def gate(kind: str, block: int, blocks: int, turn: Turn) -> None:
+        staged.append((kind, block, turn.stage_next()))
 
     set_gate(gate)
     try:

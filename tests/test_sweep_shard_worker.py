@@ -1,5 +1,6 @@
-"""The shard worker's slot scheduler on its own: grants by longest remaining time, ties to sweep order; and its
-job threads' dropout draws, each its own beside the others."""
+"""The shard worker's slot scheduler on its own: grants by longest remaining time, ties to sweep order, each job on
+its own device's slots; a device holds its running tasks' slots and one staged job's; and its job threads' dropout
+draws, each its own beside the others."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream, thread_draws_nothing
-from stratum.sweep.shard_worker import SlotScheduler
+from stratum.sweep.shard_lrtf import pick_longest
+from stratum.sweep.shard_run import bind_devices
+from stratum.sweep.shard_worker import ShardJob, SlotScheduler
 
 
 def test_times_equal_to_the_microsecond_tie_to_sweep_order(tmp_path):
@@ -71,3 +74,88 @@ def test_job_threads_draw_the_masks_they_draw_alone():
     for stream in alone:
         assert torch.equal(torch.stack(got[stream]), torch.stack(alone[stream])), stream
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_jobs_are_bound_to_devices_longest_first_by_slots():
+    jobs = [ShardJob(id=f"j{i}", config_path="", tasks_left=t, task_s=1.0, shard_blocks=1)
+            for i, t in enumerate([10, 8, 6, 4, 2])]
+    bound = bind_devices(jobs, ["cuda:0", "cuda:1", "cuda:1"])
+    # j0 → cuda:1 (10/2 < 10/1), j1 → cuda:0 (8 < 18/2), j2 → cuda:1 (16/2 < 14), j3 → cuda:1 (20/2 < 12),
+    # j4 → cuda:0 (10 < 22/2): 10 s of work per slot on each device
+    assert [j.device for j in bound] == ["cuda:1", "cuda:0", "cuda:1", "cuda:1", "cuda:0"]
+    assert bind_devices(jobs, []) == jobs
+
+
+class _Device:
+    """Which jobs hold slot memory on each device, checked on every change: at most its slots + 1 (one staged)."""
+
+    def __init__(self, slots: dict[str, int]):
+        self.slots, self.holding = slots, {d: set() for d in slots}
+        self.lock, self.worst = threading.Lock(), dict.fromkeys(slots, 0)
+
+    def hold(self, device: str, job: str, holds: bool) -> None:
+        with self.lock:
+            (self.holding[device].add if holds else self.holding[device].discard)(job)
+            self.worst[device] = max(self.worst[device], len(self.holding[device]))
+
+
+class _Turn:
+    """An engine's turn as the scheduler sees it: vacate gives its slots back, a stage or a task takes them."""
+
+    def __init__(self, job: str, device: str, ledger: _Device):
+        self.job, self.device, self.ledger = job, device, ledger
+        self.vacates = self.stages = 0
+
+    def stage_next(self) -> int:
+        self.stages += 1
+        self.ledger.hold(self.device, self.job, True)
+        time.sleep(0.001)
+        return 1
+
+    def vacate(self) -> int:
+        self.vacates += 1
+        self.ledger.hold(self.device, self.job, False)
+        time.sleep(0.001)
+        return 100
+
+    def device_bytes(self) -> int:
+        return 100 if self.job in self.ledger.holding[self.device] else 0
+
+
+def test_each_job_takes_its_device_s_slots_and_a_device_holds_its_tasks_and_one_staged_job(tmp_path):
+    devices = ["a", "b", "b"]
+    bound = {"j0": "a", "j1": "a", "j2": "a", "j3": "b", "j4": "b", "j5": "b", "j6": "b"}
+    tasks = {"j0": 6, "j1": 4, "j2": 3, "j3": 6, "j4": 5, "j5": 2, "j6": 4}
+    ledger = _Device({"a": 1, "b": 2})
+    sched = SlotScheduler(slots=3, order=list(bound), tasks_path=tmp_path / "tasks.jsonl", devices=devices,
+                          job_devices=bound)
+    turns = {j: _Turn(j, d, ledger) for j, d in bound.items()}
+
+    def job(j: str) -> None:
+        sched.acquire(j, float(tasks[j]))
+        for k in range(tasks[j] - 1, -1, -1):
+            ledger.hold(bound[j], j, True)  # its task runs: its slots in use
+            time.sleep(0.002)
+            if k:
+                sched.acquire(j, float(k), turns[j])
+        ledger.hold(bound[j], j, False)  # (its training ends: its engine is gone)
+        sched.finish(j)
+
+    threads = [threading.Thread(target=job, args=(j,)) for j in bound]
+    for t in threads:
+        t.start()
+    sched.open_when_waiting(len(bound))
+    for t in threads:
+        t.join(timeout=30)
+    sched.close()
+    records = [json.loads(ln) for ln in (tmp_path / "tasks.jsonl").read_text().splitlines()]
+    grants = [r for r in records if "remaining" in r]
+    assert len(grants) == sum(tasks.values())
+    for g in grants:
+        assert devices[g["slot"]] == bound[g["job"]] and set(g["remaining"]) <= {j for j in bound
+                                                                                 if bound[j] == bound[g["job"]]}
+        assert g["job"] == pick_longest(g["remaining"], list(bound))
+    assert ledger.worst["a"] <= 2 and ledger.worst["b"] <= 3  # its slots + one staged job
+    assert sum(t.vacates for t in turns.values()) > 0 and sum(t.stages for t in turns.values()) > 0
+    vacated = [r for r in records if "vacate" in r or "unstage" in r]
+    assert all(r["job"] in bound for r in vacated)

@@ -195,6 +195,41 @@ def test_the_job_next_in_line_stages_its_next_shard_while_others_compute(sharded
     assert all((r["job"], r["stage"]) in grants for r in last if "stage" in r)
 
 
+def test_a_job_gives_its_device_slots_back_before_another_takes_its_slot(sharded):
+    """A job that yields its slot to another gives its engine's device slots back first, and a staged job
+    overtaken by another gives them back before that one stages: read off the log, at most slots + 1 jobs (the
+    running ones and one staged) hold slot memory at any grant; each grant records the jobs' device bytes."""
+    _, tmp, _, _ = sharded
+    records = [json.loads(ln) for ln in (tmp / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if i == 0 or r["t"] < records[i - 1]["t"]]  # a new worker
+    for run in [records[a:b] for a, b in zip(starts, starts[1:] + [len(records)])]:
+        holding: set[str] = set()
+        for r in run:
+            if "remaining" in r:
+                holding.add(r["job"])
+                assert len(holding) <= 2 + 1, r
+            elif r.get("end") or "vacate" in r or "unstage" in r:
+                holding.discard(r["job"])
+            elif "stage" in r and r["chunks"]:
+                holding.add(r["job"])
+    assert any(r.get("vacate", 0) > 0 for r in records)
+    assert any(r.get("device_bytes") for r in records if "remaining" in r)
+
+
+def test_jobs_bound_to_devices_train_as_alone(tmp_path, corpus_file, cache_dir):
+    """sweep.devices under sharded-lrtf: each job bound to a device (here both slots on the CPU), trained there
+    with its `stratum train` run's losses."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED + '\ndevices = ["cpu", "cpu"]',
+                      grid='"optim.lr" = [1e-3, 3e-3]', steps=2, extra=PINNED_PLACEMENT)
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    assert {j: r["status"] for j, r in rows(tmp_path / "sw").items()} == {"j000": "done", "j001": "done"}, lines
+    assert "  cpu: j000, j001" in lines
+    for job_id in ("j000", "j001"):
+        assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id, [
+            "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
+
+
 @pytest.fixture(scope="module")
 def asha_sharded(tmp_path_factory, corpus_file, cache_dir):
     """An ASHA sweep under sharded-lrtf — two learning rates, with and without dropout; rung at step 3 of 6 —

@@ -231,6 +231,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self.last_step_traffic: dict[str, int] = {}
         """Link → bytes the last step moved (:meth:`traffic` before and after it)."""
         self.last_step_wait_s = 0.0
+        self.n_vacates = 0
+        """Times :meth:`vacate` gave the slots back (a multi-job scheduler's waits)."""
         self.peak_act = 0
         self.stall_s = 0.0
         """Seconds the training thread waited for chunks (fetches and the updates before them), all steps."""
@@ -350,6 +352,8 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self.slots = [self._alloc(DEVICE, (1 if self._grads_home else 2) * cap, f"slot {s}", slot_dtype)
                       for s in range(R)]
         self.free_slots = list(range(R))[::-1]
+        self._vacated = False
+        """The slots are given back (:meth:`vacate`); the next access allocates them again."""
         self.resident: set[int] = set()
         self._slot_busy: dict[int, Future] = {}
         """Slot → the in-place update still reading/writing it: the next fetch into the slot waits for it."""
@@ -478,7 +482,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                     mb.held[i] = self._act - sum(mb.kept[:i]) - sum(mb.held.values())
                 self._act = sum(mb.kept) + sum(mb.held.values())
             x = out
-            block_done("F", i, L, self.stage_next)
+            block_done("F", i, L, self)
         return x
 
     def _backward_pass(self, mb: _MicroBatch, divisor: int) -> None:
@@ -525,7 +529,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                     if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
                         self._grad_complete(self.chunks[ci])
             self._check()
-            block_done("B", i, L, self.stage_next)
+            block_done("B", i, L, self)
         self._tied_grads_end(tied_tmp)
         if mb.last:
             for c, *_ in tied_tmp:
@@ -564,9 +568,16 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         number of chunk fetches started (0 before the sequence is recorded)."""
         if not self.trace.active or self.placement.prefetch_depth == 0 or self.trace.pos == 0:
             return 0
+        if self._vacated:
+            self._reoccupy()
         before = self.n_fetches
         self._prefetch(self.trace.pos - 1, set())
         return self.n_fetches - before
+
+    def device_bytes(self) -> int:
+        """Device bytes held now: the charged buffers (slots unless vacated, pinned chunks, hand-off and spill
+        buffers) and the step's live activations."""
+        return self.tiers[DEVICE].used + self._act
 
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""

@@ -4,20 +4,36 @@ The offload engine reports the end of every block's forward and backward to the 
 (none by default: one call to a thread-local lookup per block). A multi-job scheduler (the sweep's
 ``sharded-lrtf``) runs each job's training in its own thread and sets a gate there that, at a shard's last block,
 hands the device to another job's shard task and waits for its own next turn — the job's step itself is computed
-exactly as without a gate.
+exactly as without a gate. While it waits, the gate may ask the engine (its :class:`Turn`) to give its device
+memory back, so that the jobs sharing a device hold only the running tasks' memory, and to stage its next task.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-Stage = Callable[[], int]
-"""Starts moving the engine's next accesses' chunks to the device now (its prefetch with nothing in use); the
-number of chunk fetches it started."""
-Gate = Callable[[str, int, int, Stage], None]
-"""(kind, block, blocks, stage): kind "F" after block ``block``'s forward, "B" after its backward; ``blocks`` in
-all; ``stage`` may be called (on the same thread) while the gate waits, before the job's next task."""
+
+class Turn(Protocol):
+    """What a gate may ask of the engine between two blocks (on the engine's own thread)."""
+
+    def stage_next(self) -> int:
+        """Start moving the next accesses' chunks to the device now (the engine's prefetch with nothing in use);
+        the number of chunk fetches started."""
+
+    def vacate(self) -> int:
+        """Give back the device's chunk slots (resident chunks written home first); the next access takes them
+        again. The device bytes released."""
+
+    def device_bytes(self) -> int:
+        """Device bytes the engine holds now: its charged buffers (slots, pinned chunks, staging) and the step's
+        live activations."""
+
+
+Gate = Callable[[str, int, int, Turn], None]
+"""(kind, block, blocks, turn): kind "F" after block ``block``'s forward, "B" after its backward; ``blocks`` in
+all; ``turn`` may be called (on the same thread) while the gate waits, before the job's next task."""
 
 _local = threading.local()
 
@@ -27,8 +43,8 @@ def set_gate(gate: Gate | None) -> None:
     _local.gate = gate
 
 
-def block_done(kind: str, block: int, blocks: int, stage: Stage) -> None:
+def block_done(kind: str, block: int, blocks: int, turn: Turn) -> None:
     """Called by the engine after a block's forward ("F") or backward ("B")."""
     gate = getattr(_local, "gate", None)
     if gate is not None:
-        gate(kind, block, blocks, stage)
+        gate(kind, block, blocks, turn)

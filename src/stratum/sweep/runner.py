@@ -68,7 +68,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots,
                         threads=job_threads(s), shard_blocks=s.shard_blocks, retries=s.retries,
                         time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
-                        tick=(lambda: tick(sweep)) if tick is not None else None)
+                        tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices)
         else:
             options = None
             if s.scheduler == "planned" and predict is not None:

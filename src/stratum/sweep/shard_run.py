@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -60,6 +61,23 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
     return out
 
 
+def bind_devices(jobs: list[ShardJob], devices: list[str]) -> list[ShardJob]:
+    """Each job bound to one of ``devices`` (one per slot; a device named k times has k slots), longest predicted
+    remaining time first onto the device whose slots would end their work first (LPT). A job's engine keeps its
+    pinned chunks, buffers and in-flight activations on its device between its tasks, so it stays there; [] =
+    unbound (any slot)."""
+    if not devices:
+        return jobs
+    slots = {d: devices.count(d) for d in dict.fromkeys(devices)}
+    load = dict.fromkeys(slots, 0.0)
+    bound: dict[str, str] = {}
+    for j in sorted(jobs, key=lambda j: -j.tasks_left * j.task_s):  # (stable: ties in sweep order)
+        d = min(load, key=lambda d: (load[d] + j.tasks_left * j.task_s) / slots[d])
+        load[d] += j.tasks_left * j.task_s
+        bound[j.id] = d
+    return [replace(j, device=bound[j.id]) for j in jobs]
+
+
 def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> None:
     """A pending job whose checkpoint stands at a rung it has not reported at (its sweep, or worker, was killed
     between the two) is reported there now, from its metrics: it pauses there as it would have."""
@@ -75,7 +93,7 @@ def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> 
 def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
                 shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None,
-                say: Callable[[str], None], tick: Callable[[], None] | None) -> None:
+                say: Callable[[str], None], tick: Callable[[], None] | None, devices: list[str]) -> None:
     """Run shard workers until no job is pending (or the time budget is spent); then, under ASHA, stop the jobs
     left at their rungs."""
     t0 = time.monotonic()
@@ -84,9 +102,11 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
             report_missed(state, configs, asha)
         if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
             break
+        jobs = bind_devices(jobs, devices)
         deadline = t0 + time_budget_s if time_budget_s else None
         spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
-                            threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha)
+                            threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha,
+                            devices=devices)
         if spent:
             say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at a shard boundary; run the same "
                 "command to go on (each resumes from its last checkpoint)")
@@ -97,7 +117,8 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
 
 def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, configs: dict[str, Config],
                 sweep_dir: Path, slots: int, threads: int, retries: int, deadline: float | None,
-                say: Callable[[str], None], tick: Callable[[], None] | None, asha: Asha | None) -> bool:
+                say: Callable[[str], None], tick: Callable[[], None] | None, asha: Asha | None,
+                devices: list[str]) -> bool:
     """One worker over ``jobs``; records their outcomes (a job at a rung is the worker's to record). True when
     the time budget stopped it."""
     exit_path = sweep_dir / "shard_exit.json"
@@ -105,7 +126,7 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
     spec_path = sweep_dir / "shard_spec.json"
     rungs = {"min_steps": asha.min_steps, "eta": asha.eta} if asha is not None else None
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
-                                             "jobs": [vars(j) for j in jobs], "asha": rungs}))
+                                             "jobs": [vars(j) for j in jobs], "asha": rungs, "devices": devices}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
     for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
         if state.job(j.id).status != PAUSED:
@@ -114,7 +135,10 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
     began = time.monotonic()
     for j in jobs:
         state.update(j.id, pid=worker.pid)
-    say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s) (worker pid {worker.pid})")
+    on = f" on {', '.join(sorted(set(devices)))}" if devices else ""
+    say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s){on} (worker pid {worker.pid})")
+    for d in dict.fromkeys(j.device for j in jobs if j.device):
+        say(f"  {d}: {', '.join(j.id for j in jobs if j.device == d)}")
     stopped = False
     try:
         while worker.poll() is None:

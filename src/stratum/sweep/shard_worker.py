@@ -44,7 +44,7 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config, load_config
 from stratum.errors import StratumError
 from stratum.model.streams import GLOBAL_RNG, thread_draws_nothing
-from stratum.offload.tasks import Stage, set_gate
+from stratum.offload.tasks import Turn, set_gate
 from stratum.sweep.segment import checkpoint_step, segment_records
 from stratum.sweep.shard_asha import RungBoard
 from stratum.sweep.shard_lrtf import pick_longest
@@ -69,6 +69,8 @@ class ShardJob:
     """Predicted seconds of one shard task."""
     shard_blocks: int
     """Blocks per shard."""
+    device: str = ""
+    """The device its engine lives on, and whose slots it takes ("" = its own train.device, any slot)."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -77,21 +79,29 @@ class Stopped(KeyboardInterrupt):
 
 @dataclass
 class SlotScheduler:
-    """Grants ``slots`` slots to waiting jobs, longest remaining time first; records every grant."""
+    """Grants ``slots`` slots to waiting jobs, longest remaining time first (a job bound to a device among that
+    device's slots); records every grant, stage and vacate."""
 
     slots: int
     order: list[str]
     tasks_path: Path
+    devices: list[str] = field(default_factory=list)
+    """Each slot's device; [] = none named (any job takes any slot)."""
+    job_devices: dict[str, str] = field(default_factory=dict)
+    """Job → the device its engine lives on: it takes only that device's slots (with ``devices``)."""
     cond: threading.Condition = field(default_factory=threading.Condition)
     free: list[int] = field(default_factory=list)
     waiting: dict[str, float] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     done_tasks: dict[str, int] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
-    next_up: str | None = None
-    """The waiting job the next freed slot goes to as things stand (every slot busy): it stages its next shard."""
+    next_up: dict[str, str] = field(default_factory=dict)
+    """Device → the waiting job its next freed slot goes to as things stand (its slots all busy): it stages its
+    next shard."""
     staged: set[str] = field(default_factory=set)
-    """Waiting jobs that have staged their next shard since their last grant."""
+    """Waiting jobs that have staged their next shard since their last grant (their slots' memory taken again)."""
+    turns: dict[str, Turn] = field(default_factory=dict)
+    """Job → its engine's turn while its training runs: what it holds on its device is in every grant's record."""
     stopping: bool = False
     opened: bool = False
     """Grants start once every job waits (all are ready at the start: the first grants compare them all)."""
@@ -99,44 +109,88 @@ class SlotScheduler:
 
     def __post_init__(self) -> None:
         self.free = list(range(self.slots))
+        self.devices = self.devices or [""] * self.slots
         self._log = open(self.tasks_path, "a")
 
-    def acquire(self, job: str, remaining_s: float, stage: Stage | None = None) -> int:
+    def _device(self, job: str) -> str:
+        return self.job_devices.get(job, "") if any(self.devices) else ""
+
+    def acquire(self, job: str, remaining_s: float, turn: Turn | None = None) -> int:
         """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
-        ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number. While it
-        waits as the next in line, it runs ``stage`` once (its next shard's chunks move while others compute)."""
+        ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number. A job that
+        will not keep its slot first gives its device memory back (``turn.vacate``), so the next task there starts
+        with it free; while it waits as its device's next in line it stages its next shard (``turn.stage_next``:
+        its slots' memory taken again, its chunks moving while others compute), and gives it back once another
+        job overtakes it — so a device holds its running tasks' slots and one staged job's."""
+        remaining = round(remaining_s, 6)  # the rule compares what the log records: times equal to the
+        # microsecond tie to sweep order (jobs with one profile differ only in float rounding of their tasks)
+        if turn is not None:
+            with self.cond:
+                self.turns[job] = turn
+                yields = self._yields(job, remaining)
+            if yields:
+                self._vacate(job, turn, "vacate")
         with self.cond:
             self._free(job)
-            # the rule compares what the log records: times equal to the microsecond tie to sweep order (jobs
-            # with one profile differ only in float rounding of their step time's split into tasks)
-            self.waiting[job] = round(remaining_s, 6)
+            self.waiting[job] = remaining
             self._grant()
             self.cond.notify_all()  # open_when_waiting counts the waiting jobs
             # no time limit: under LRTF a short job may rightly wait for hours; every granted thread gives its
             # slot back in a finally, and a stop wakes every waiter
-            self.cond.wait_for(lambda: job in self.granted or self.stopping or self._stages(job, stage))
-            if job not in self.granted and not self.stopping:
-                assert stage is not None  # (woken to stage)
-                self._stage(job, stage)
-                self.cond.wait_for(lambda: job in self.granted or self.stopping)
+            while job not in self.granted and not self.stopping:
+                self.cond.wait_for(lambda: job in self.granted or self.stopping or self._stages(job)
+                                   or self._unstages(job))
+                if job in self.granted or self.stopping:
+                    break
+                if self._stages(job):
+                    self._stage(job, self.turns[job])
+                else:
+                    self._vacate_locked(job, self.turns[job])
             if job not in self.granted:
                 self.waiting.pop(job, None)
                 raise Stopped()
             return self.granted[job]
 
-    def _stages(self, job: str, stage: Stage | None) -> bool:
-        return stage is not None and self.next_up == job and job not in self.staged
+    def _yields(self, job: str, remaining: float) -> bool:
+        """``job`` holds a slot that another waiting job would take from it now."""
+        d = self._device(job)
+        rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d}
+        return job in self.granted and bool(rivals) and pick_longest({**rivals, job: remaining}, self.order) != job
 
-    def _stage(self, job: str, stage: Stage) -> None:
+    def _stages(self, job: str) -> bool:
+        d = self._device(job)
+        return (job in self.turns and self.next_up.get(d) == job and job not in self.staged
+                and not any(self._device(j) == d for j in self.staged))  # one staged job per device at a time
+
+    def _unstages(self, job: str) -> bool:
+        return job in self.staged and self.next_up.get(self._device(job)) != job
+
+    def _stage(self, job: str, turn: Turn) -> None:
         """Run ``job``'s stage outside the lock (called and returning with it held); record what it moved."""
         self.staged.add(job)
         task = self.done_tasks.get(job, 0)  # the task it stages for (it may be granted while staging)
         self.cond.release()
         try:
-            chunks = stage()
+            chunks = turn.stage_next()
         finally:
             self.cond.acquire()
         self._write({"job": job, "stage": task, "chunks": chunks})
+
+    def _vacate_locked(self, job: str, turn: Turn) -> None:
+        """A staged job overtaken by another: its slots' memory goes back (outside the lock, called and returning
+        with it held) before the other may stage."""
+        self.cond.release()
+        try:
+            self._vacate(job, turn, "unstage")
+        finally:
+            self.cond.acquire()
+        self.staged.discard(job)
+        self.cond.notify_all()
+
+    def _vacate(self, job: str, turn: Turn, why: str) -> None:
+        freed = turn.vacate()
+        with self.cond:
+            self._write({"job": job, why: freed})
 
     def finish(self, job: str) -> None:
         """``job``'s thread ends: its slot goes to the next waiting job (the end recorded, so the log tells each
@@ -149,8 +203,9 @@ class SlotScheduler:
         self.release(job)
 
     def release(self, job: str) -> None:
-        """``job`` ended a task: its slot goes to the next waiting job."""
+        """``job`` ended a task and its training (to its end or a rung): its slot goes to the next waiting job."""
         with self.cond:
+            self.turns.pop(job, None)  # (its engine is gone)
             self._free(job)
             self._grant()
 
@@ -174,17 +229,28 @@ class SlotScheduler:
             self.cond.notify_all()
 
     def _grant(self) -> None:
-        while self.opened and self.free and self.waiting and not self.stopping:
-            job = pick_longest(self.waiting, self.order)
-            slot = self.free.pop(0)
-            self._write({"slot": slot, "job": job, "task": self.done_tasks.get(job, 0),
-                         "remaining": dict(self.waiting)})
+        if not self.opened or self.stopping:
+            return
+        for slot in list(self.free):
+            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == self.devices[slot]}
+            if not rivals:
+                continue
+            job = pick_longest(rivals, self.order)
+            self.free.remove(slot)
+            record = {"slot": slot, "job": job, "task": self.done_tasks.get(job, 0), "remaining": rivals}
+            if self.turns:
+                record["device_bytes"] = {j: t.device_bytes() for j, t in self.turns.items()}
+            self._write(record)
             del self.waiting[job]
             self.staged.discard(job)
             self.granted[job] = slot
             self.done_tasks[job] = self.done_tasks.get(job, 0) + 1
             self.cond.notify_all()
-        up = pick_longest(self.waiting, self.order) if self.opened and self.waiting and not self.stopping else None
+        up: dict[str, str] = {}
+        for d in dict.fromkeys(self.devices):
+            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d}
+            if rivals:
+                up[d] = pick_longest(rivals, self.order)
         if up != self.next_up:
             self.next_up = up
             self.cond.notify_all()
@@ -234,14 +300,14 @@ class JobGate:
             self.holds_setup = False
             GLOBAL_RNG.release()
 
-    def __call__(self, kind: str, block: int, blocks: int, stage: Stage) -> None:
+    def __call__(self, kind: str, block: int, blocks: int, turn: Turn) -> None:
         g = self.job.shard_blocks
         boundary = (block + 1) % g == 0 or block == blocks - 1 if kind == "F" else block % g == 0
         if not boundary:
             return
         self.drop_setup()
         self.left -= 1
-        self.sched.acquire(self.job.id, self.remaining_s(), stage)
+        self.sched.acquire(self.job.id, self.remaining_s(), turn)
 
 
 def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threads: int,
@@ -251,7 +317,7 @@ def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threa
     log = Path(job.config_path).parent / "worker.log"
     code = 0
     try:
-        cfg = load_config(job.config_path)
+        cfg = load_config(job.config_path, [f"train.device={job.device!r}"] if job.device else [])
         if cfg.model.source == "gpt" and cfg.model.dropout == 0:
             thread_draws_nothing()  # (its blocks draw nothing; it initialises from its own generators)
         set_gate(gate)
@@ -300,11 +366,12 @@ def _append(path: Path, text: str) -> None:
 
 
 def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path,
-                   asha: dict[str, int] | None = None) -> dict[str, int]:
-    """Train ``jobs`` on ``slots`` slots by the shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA
-    at the rungs); each job's exit code. SIGTERM stops every job at its next shard boundary (it resumes from its
-    last checkpoint)."""
-    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl")
+                   asha: dict[str, int] | None = None, devices: list[str] | None = None) -> dict[str, int]:
+    """Train ``jobs`` on ``slots`` slots (on ``devices``, one per slot, each job on its own device's) by the
+    shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA at the rungs); each job's exit code. SIGTERM
+    stops every job at its next shard boundary (it resumes from its last checkpoint)."""
+    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []),
+                          job_devices={j.id: j.device for j in jobs if j.device})
     board = RungBoard.open(sweep_dir, [j.id for j in jobs], say=logger.info, **asha) if asha else None
     codes: dict[str, int] = {}
 
@@ -341,7 +408,7 @@ def run_shard_worker(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(threadName)s %(message)s", stream=sys.stderr)
     jobs = [ShardJob(**j) for j in spec["jobs"]]
     codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir,
-                           asha=spec.get("asha"))
+                           asha=spec.get("asha"), devices=spec.get("devices"))
     atomic_write_text(sweep_dir / "shard_exit.json", json.dumps(codes))
     sys.stdout.flush()
     sys.stderr.flush()

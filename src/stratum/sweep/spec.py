@@ -266,8 +266,6 @@ def _check_settings(s: SweepSettings) -> None:
         raise StratumError(f"sweep.scheduler = {s.scheduler!r} is not one of: {', '.join(SCHEDULERS)}")
     if s.backend not in BACKENDS:
         raise StratumError(f"sweep.backend = {s.backend!r} is not one of: {', '.join(BACKENDS)}")
-    if s.backend == "ray" and importlib.util.find_spec("ray") is None:
-        raise StratumError("sweep.backend = \"ray\" needs Ray: pip install 'stratum[ray]' (or use the local backend)")
     if s.early_stop not in EARLY_STOPS:
         raise StratumError(f"sweep.early_stop = {s.early_stop!r} is not \"\" (off) or \"asha\"")
     parse_budget(s.device_budget, "sweep.device_budget")
@@ -307,6 +305,9 @@ def _check_settings(s: SweepSettings) -> None:
     if s.devices:
         s.slots = len(s.devices)
     _check_plans(s)
+    # (what this machine lacks is said after what the file gets wrong)
+    if s.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise StratumError("sweep.backend = \"ray\" needs Ray: pip install 'stratum[ray]' (or use the local backend)")
 
 
 SLOT_PLAN = re.compile(r"(replicate|pipeline)\((\d+)\)")
@@ -349,10 +350,10 @@ def _check_multi_slot(s: SweepSettings) -> None:
 
 def _check_sharded(s: SweepSettings) -> None:
     """sharded-lrtf interleaves the jobs' shard tasks in one process (local, or one Ray actor), under the offload
-    engine."""
-    if s.devices:
-        raise StratumError("sweep.scheduler = \"sharded-lrtf\" runs the jobs' shard tasks in one process on CPU "
-                           "slots (a job's offload engine is bound to one device); remove sweep.devices")
+    engine (with sweep.devices each job on one of them: docs/sweep.md)."""
+    if s.devices and s.backend != "local":
+        raise StratumError("sweep.scheduler = \"sharded-lrtf\" over sweep.devices runs on the local backend (its one "
+                           "worker process holds every device); set backend = \"local\" or remove sweep.devices")
     if not s.device_budget.strip():
         raise StratumError("sweep.scheduler = \"sharded-lrtf\" keeps each job's state on the host tier between "
                            "its shard tasks: set sweep.device_budget (per job on its slot), e.g. \"64MB\"")
