@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -44,6 +43,7 @@ from stratum.offload.chunks import ChunkSpec, Layout, pack
 from stratum.offload.delayed import DelayedUpdates
 from stratum.offload.grad_handoff import ChunkHandoff
 from stratum.offload.host_alloc import HeapTrim, tune_allocator
+from stratum.offload.inflight import MicroBatch
 from stratum.offload.placement import KEEP, SPILL, Placement
 from stratum.offload.prefetch import Inline, Transfers, background_pool
 from stratum.offload.reductions import ChunkReducer, Reductions
@@ -79,28 +79,6 @@ def _materializer(model: BlockSeq, materialize):
     if any(b.is_meta for b in model.buffers()):
         raise StratumError("the offload engine cannot materialise a meta model with buffers")
     return materialize
-
-
-@dataclass
-class _MicroBatch:
-    """One micro-batch of :meth:`OffloadEngine.train_share`, from its forward to its backward."""
-
-    y: Tensor
-    stream: int | None
-    n: int
-    """Micro-batches of this engine's share of the step."""
-    first: bool
-    last: bool
-    ins: list[Tensor | None] = field(default_factory=list)
-    """Each block's input (None once its backward is done)."""
-    outs: list[Tensor | None] = field(default_factory=list)
-    """Each block's output (None: recomputed in the backward)."""
-    rng: list[tuple | None] = field(default_factory=list)
-    bufs: list[BufferSnapshot | None] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)
-    """Bytes of each kept block input (0 for token ids)."""
-    held: dict[int, int] = field(default_factory=dict)
-    """Block kept on the device (Placement.kept_blocks) → bytes of its saved activations."""
 
 
 class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Engine):
@@ -144,6 +122,10 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         self._nxt: NextUse | None = None
         self._clock = 0
         self._act = 0
+        self._mb: MicroBatch | None = None
+        """The micro-batch between its forward and backward (what a vacate may move off the device)."""
+        self._away = 0
+        """Bytes of block inputs moved off the device while vacated (``_act`` still counts them)."""
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
@@ -426,8 +408,9 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for j, b in enumerate(micro_batches):
-            mb = _MicroBatch(y=b.y.to(self.device, non_blocking=True), stream=b.stream, n=n, first=j == 0,
-                             last=j == n - 1)
+            mb = MicroBatch(y=b.y.to(self.device, non_blocking=True), stream=b.stream, n=n, first=j == 0,
+                            last=j == n - 1)
+            self._mb = mb
             self._act, self._act_seen = 0, set()
             self._boundary = set()
             if self.spill is not None:
@@ -441,94 +424,72 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                 self._backward_pass(mb, divisor)
             self.phase_s["backward"] += time.perf_counter() - t_bwd
             self._act, self._act_seen = 0, set()
+            self._mb = None
+            del mb
         total_norm = self._update_after_backward()
         self.end_step()
         return total, total_norm
 
-    def _forward_pass(self, mb: _MicroBatch, x: Tensor) -> Tensor:
+    def _forward_pass(self, mb: MicroBatch, x: Tensor) -> Tensor:
         """Every block's forward on ``x``, keeping, spilling or dropping (to recompute) what each one saves as
-        the placement says; the loss."""
-        L, spill = len(self.model), self.spill
+        the placement says; the loss. Between two blocks the running activation is ``mb.carry`` (no local holds
+        it, so a vacate may move it off the device)."""
+        L = len(self.model)
         thin = self.placement.activations != KEEP  # only block inputs stay on the device between forward and backward
         spilled = self.placement.spilled(L)  # the other blocks are recomputed when thin, except:
         on_device = self.placement.kept()  # the last blocks, whose activations stay on the device (Placement.kept_blocks)
+        mb.carry = x
+        del x
         for i in range(L):
             self._access(self._block_chunks(i))
-            xi = x.detach().requires_grad_(x.is_floating_point())
-            mb.ins.append(xi)
-            mb.kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
-            recompute = thin and i not in spilled and i not in on_device
-            if spill is not None:
-                if not recompute and i not in on_device:
-                    spill.begin_block(i)
-                self._boundary.add(xi.untyped_storage().data_ptr())
-                self._act_seen = set()
-            # with a stream the block seeds its own generator (block_stream): the global state is not its to keep
-            mb.rng.append(self._rng_state() if recompute and mb.stream is None else None)
-            mb.bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
-            if recompute:
-                # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a GPU's
-                # attention may pick another kernel and draw other dropout masks), keeping nothing.
-                with torch.autograd.graph.saved_tensors_hooks(discard, discarded):
-                    out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream).detach()
-                mb.outs.append(None)
-            else:
-                out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream)
-                mb.outs.append(out)
-            if spill is not None:  # this block's activations are still on the device here
-                self._check()
-                spill.end_block()
-                if i in on_device:
-                    mb.held[i] = self._act - sum(mb.kept[:i]) - sum(mb.held.values())
-                self._act = sum(mb.kept) + sum(mb.held.values())
-            x = out
+            self._forward_one(mb, i, thin and i not in spilled and i not in on_device, i in on_device)
             block_done("F", i, L, self)
-        return x
+        assert mb.carry is not None
+        return mb.carry.to(self.device)  # (a vacate at the last block's end may have moved the loss away)
 
-    def _backward_pass(self, mb: _MicroBatch, divisor: int) -> None:
+    def _forward_one(self, mb: MicroBatch, i: int, recompute: bool, on_device: bool) -> None:
+        """Block ``i``'s forward on ``mb.carry``; its output becomes ``mb.carry``."""
+        L, spill = len(self.model), self.spill
+        assert mb.carry is not None
+        xi = mb.carry.detach().requires_grad_(mb.carry.is_floating_point())
+        mb.ins.append(xi)
+        mb.kept.append(xi.untyped_storage().nbytes() if xi.is_floating_point() else 0)
+        if spill is not None:
+            if not recompute and not on_device:
+                spill.begin_block(i)
+            self._boundary.add(xi.untyped_storage().data_ptr())
+            self._act_seen = set()
+        # with a stream the block seeds its own generator (block_stream): the global state is not its to keep
+        mb.rng.append(self._rng_state() if recompute and mb.stream is None else None)
+        mb.bufs.append(BufferSnapshot([self.model.blocks[i]]) if recompute else None)
+        if recompute:
+            # Run as the recompute will (grad mode on, so kernels are chosen alike: under no_grad a GPU's
+            # attention may pick another kernel and draw other dropout masks), keeping nothing.
+            with torch.autograd.graph.saved_tensors_hooks(discard, discarded):
+                out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream).detach()
+            mb.outs.append(None)
+        else:
+            out = self._forward_block(i, xi, mb.y, i == L - 1, mb.n, mb.stream)
+            mb.outs.append(out)
+        if spill is not None:  # this block's activations are still on the device here
+            self._check()
+            spill.end_block()
+            if on_device:
+                mb.held[i] = self._act - sum(mb.kept[:i]) - sum(mb.held.values())
+            self._act = sum(mb.kept) + sum(mb.held.values())
+        mb.carry = out
+
+    def _backward_pass(self, mb: MicroBatch, divisor: int) -> None:
         """Every block's backward, last first (each block's output kept, restored or recomputed); on the last
         micro-batch each chunk whose gradient is complete goes on to its reduction, norm and update — the
         reductions in flight beside the next blocks, all settled before this returns."""
         L = len(self.model)
-        thin = self.placement.activations != KEEP
-        if thin:  # live: the kept block inputs, plus one block's saved tensors at a time
+        if self.placement.activations != KEEP:  # live: the kept block inputs, plus one block's saved tensors at a time
             self._act, self._act_seen = sum(mb.kept) + sum(mb.held.values()), set()
         tied_tmp = self._tied_grads_begin() if not mb.first else []
         for i in reversed(range(L)):
             self._access(self._block_chunks(i), grads=True)
-            if mb.last:
-                self._note_backward(i)
-            for ci in self._block_chunks(i):
-                c = self.chunks[ci]
-                if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
-                    c.grad = "home" if self._home_grads(c) else "dev"
-            out = self._block_output(mb, i)
-            if self.handoff is not None:
-                self.handoff.open_block(i)
-            if i == L - 1:
-                part = out / divisor
-                (part if self.scaler is None else self.scaler.scaled(part)).backward()
-            else:
-                x_next = mb.ins[i + 1]
-                assert x_next is not None
-                torch.autograd.backward(out, x_next.grad)
-            mb.outs[i] = None
-            if i + 1 < L:
-                mb.ins[i + 1] = None
-            if thin:
-                self._check()
-                if self.spill is not None:
-                    self.spill.release(i)
-                mb.kept[i] = 0
-                mb.held.pop(i, None)
-                self._act, self._act_seen = sum(mb.kept[:i]) + sum(mb.held.values()), set()
-            if self.handoff is not None:
-                self._opt_futs += self.handoff.close_block(i, mb.first)
-            if mb.last:
-                for ci in self._block_chunks(i):
-                    if self.layout.ready_block[ci] == i and not (tied_tmp and self.chunks[ci].spec.tied):
-                        self._grad_complete(self.chunks[ci])
-            self._check()
+            self._backward_one(mb, i, divisor, bool(tied_tmp))
             block_done("B", i, L, self)
         self._tied_grads_end(tied_tmp)
         if mb.last:
@@ -536,7 +497,47 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
                 self._grad_complete(c)
             self._settle_all()
 
-    def _block_output(self, mb: _MicroBatch, i: int) -> Tensor:
+    def _backward_one(self, mb: MicroBatch, i: int, divisor: int, tied_apart: bool) -> None:
+        """Block ``i``'s backward (its input's gradient left on ``mb.ins[i]`` for the block before); on the last
+        micro-batch its complete chunks go on to their reductions (the tied chunk's after every block, when its
+        gradient is summed apart: ``tied_apart``)."""
+        L = len(self.model)
+        if mb.last:
+            self._note_backward(i)
+        for ci in self._block_chunks(i):
+            c = self.chunks[ci]
+            if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
+                c.grad = "home" if self._home_grads(c) else "dev"
+        out = self._block_output(mb, i)
+        if self.handoff is not None:
+            self.handoff.open_block(i)
+        if i == L - 1:
+            part = out / divisor
+            (part if self.scaler is None else self.scaler.scaled(part)).backward()
+        else:
+            x_next = mb.ins[i + 1]
+            assert x_next is not None
+            torch.autograd.backward(out, x_next.grad)
+        mb.outs[i] = None
+        mb.done_from = i
+        if i + 1 < L:
+            mb.ins[i + 1] = None
+        if self.placement.activations != KEEP:
+            self._check()
+            if self.spill is not None:
+                self.spill.release(i)
+            mb.kept[i] = 0
+            mb.held.pop(i, None)
+            self._act, self._act_seen = sum(mb.kept[:i]) + sum(mb.held.values()), set()
+        if self.handoff is not None:
+            self._opt_futs += self.handoff.close_block(i, mb.first)
+        if mb.last:
+            for ci in self._block_chunks(i):
+                if self.layout.ready_block[ci] == i and not (tied_apart and self.chunks[ci].spec.tied):
+                    self._grad_complete(self.chunks[ci])
+        self._check()
+
+    def _block_output(self, mb: MicroBatch, i: int) -> Tensor:
         """Block i's output for its backward: kept from the forward, its spilled activations restored, or
         recomputed from its input with the first run's RNG state and buffer values."""
         spill = self.spill
@@ -577,7 +578,17 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
     def device_bytes(self) -> int:
         """Device bytes held now: the charged buffers (slots unless vacated, pinned chunks, hand-off and spill
         buffers) and the step's live activations."""
-        return self.tiers[DEVICE].used + self._act
+        return self.tiers[DEVICE].used + self._act - self._away
+
+    def _send_inflight_away(self) -> int:
+        """The in-flight micro-batch's tensors that only it holds, moved to host memory (vacate)."""
+        self._away = self._mb.send_away() if self._mb is not None else 0
+        return self._away
+
+    def _bring_inflight_back(self) -> None:
+        if self._mb is not None:
+            self._mb.bring_back(self.device)
+        self._away = 0
 
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""

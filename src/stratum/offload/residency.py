@@ -169,9 +169,11 @@ class Residency(EngineState):
 
     # ---- giving the slots back between shard tasks --------------------------------------------------------------
     def vacate(self) -> int:
-        """Evict every streamed chunk (its reduction settled, dirty parameters and device gradients written home)
-        and free the slots' memory, so that another job's task can use it; the next access allocates them again
-        (:meth:`_reoccupy`). The device bytes released (0 with no slots, or already vacated)."""
+        """Evict every streamed chunk (its reduction settled, dirty parameters and device gradients written home),
+        free the slots' memory and move the in-flight micro-batch's tensors that nothing else holds (block inputs
+        a recompute reads, gradients between two blocks' backwards) to host memory, so that another job's task
+        can use the device; the next access brings all back (:meth:`_reoccupy`). The device bytes released (0
+        with no slots, or already vacated)."""
         if self._vacated or not self.slots:
             return 0
         for i in sorted(self.resident):
@@ -188,14 +190,16 @@ class Residency(EngineState):
         self.tiers[DEVICE].release(freed)
         self._vacated = True
         self.n_vacates += 1
-        return freed
+        return freed + self._send_inflight_away()
 
     def _reoccupy(self) -> None:
-        """Allocate the slots :meth:`vacate` gave back (all free: no chunk is resident after it)."""
+        """Allocate the slots :meth:`vacate` gave back (all free: no chunk is resident after it), and bring the
+        in-flight tensors back."""
         n, elems, dtype = self._slot_shape
         self.slots = [self._alloc(DEVICE, elems, f"slot {s}", dtype) for s in range(n)]
         self.free_slots = list(range(n))[::-1]
         self._vacated = False
+        self._bring_inflight_back()
 
     def _load_grad(self, c: ChunkState) -> None:
         """Bring a resident chunk's gradient so far into its slot (it was fetched by a forward)."""
