@@ -175,7 +175,9 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
         sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
         sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
+    held = device_holding(root / name / "shard_tasks.jsonl") if scheduler == "sharded-lrtf" else None
     return {"measured_makespan_s": sweep.makespan_s, "launch_s": sweep.launch_s, "measured_busy_s": sum(r.run_s for r in rows),
+            "device_holding": held,
             "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
             "simulated_makespan_s_measured_steps": sim_meas.makespan,
             "simulated_utilisation_profile": sim_prof.utilisation,
@@ -185,6 +187,21 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
                             "strategy": pinned(sweep.state, r.id) or "local",
                             "strategy_time_over_local": {n: o.seconds for n, o in sweep.candidates.get(r.id, {}).items()}}
                      for r in rows}}
+
+
+def device_holding(tasks_path: Path) -> dict:
+    """What the jobs of a sharded-lrtf worker held on their device, read off its grants (each records every
+    running job's engine's device bytes): the most they held together at a grant, and the sum of each job's own
+    most — about what they would hold together if none gave its slots back while it waits; the give-backs."""
+    records = [json.loads(ln) for ln in tasks_path.read_text().splitlines() if ln.strip()]
+    grants = [r["device_bytes"] for r in records if r.get("device_bytes")]
+    peak: dict[str, int] = {}
+    for g in grants:
+        for job, b in g.items():
+            peak[job] = max(peak.get(job, 0), b)
+    gave = [r.get("vacate", r.get("unstage", 0)) for r in records if "vacate" in r or "unstage" in r]
+    return {"max_held_together_bytes": max((sum(g.values()) for g in grants), default=0),
+            "sum_of_each_jobs_max_bytes": sum(peak.values()), "give_backs": len(gave), "given_back_bytes": sum(gave)}
 
 
 def main() -> None:
@@ -237,6 +254,10 @@ def main() -> None:
             offered = sorted({n for v in r["jobs"].values() for n in v["strategy_time_over_local"]} - {"local"})
             print(f"{'':8} jobs over two slots: {', '.join(ran) or 'none'} (offered: {', '.join(offered) or 'none'})",
                   flush=True)
+            if (h := r["device_holding"]) is not None:
+                print(f"{'':8} device: at most {h['max_held_together_bytes'] / 2**20:.1f} MiB held by all jobs at a "
+                      f"grant (each job's own most, summed: {h['sum_of_each_jobs_max_bytes'] / 2**20:.1f} MiB); "
+                      f"{h['give_backs']} give-backs", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"]
