@@ -54,6 +54,7 @@ from stratum.offload.tasks import block_done
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
+from stratum.offload.vacate import Vacate
 from stratum.runtime.device import HALF_DTYPES, autocast, canonical
 from stratum.runtime.engine import Engine, OptimSpec, StepResult
 from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
@@ -81,7 +82,7 @@ def _materializer(model: BlockSeq, materialize):
     return materialize
 
 
-class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Engine):
+class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, StateIO, Engine):
     name = "offload"
 
     def __init__(self, model: BlockSeq, *, optim: OptimSpec, device: torch.device, placement: Placement,
@@ -491,6 +492,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
             self._access(self._block_chunks(i), grads=True)
             self._backward_one(mb, i, divisor, bool(tied_tmp))
             block_done("B", i, L, self)
+        self._ensure_occupied()  # (the tied chunk's gradients are summed next, the update reads them after)
         self._tied_grads_end(tied_tmp)
         if mb.last:
             for c, *_ in tied_tmp:
@@ -569,8 +571,7 @@ class OffloadEngine(Residency, Updates, DelayedUpdates, Reductions, StateIO, Eng
         number of chunk fetches started (0 before the sequence is recorded)."""
         if not self.trace.active or self.placement.prefetch_depth == 0 or self.trace.pos == 0:
             return 0
-        if self._vacated:
-            self._reoccupy()
+        self._ensure_occupied()
         before = self.n_fetches
         self._prefetch(self.trace.pos - 1, set())
         return self.n_fetches - before

@@ -21,10 +21,6 @@ from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DEVICE, F32, HOST
 
 
-def _nothing() -> None:
-    """A transfer that marks a point in the transfer queue."""
-
-
 class Residency(EngineState):
     """Mixin: moving chunks between their home tier and the device slots (see the module docstring)."""
 
@@ -167,40 +163,6 @@ class Residency(EngineState):
             sid = self.free_slots.pop() if self.free_slots else self._evict(v)
         self._fetch(c, sid, grads)
 
-    # ---- giving the slots back between shard tasks --------------------------------------------------------------
-    def vacate(self) -> int:
-        """Evict every streamed chunk (its reduction settled, dirty parameters and device gradients written home),
-        free the slots' memory and move the in-flight micro-batch's tensors that nothing else holds (block inputs
-        a recompute reads, gradients between two blocks' backwards) to host memory, so that another job's task
-        can use the device; the next access brings all back (:meth:`_reoccupy`). The device bytes released (0
-        with no slots, or already vacated)."""
-        if self._vacated or not self.slots:
-            return 0
-        for i in sorted(self.resident):
-            c = self.chunks[i]
-            self._settle(c)
-            self.free_slots.append(self._evict(c))
-        for fut in self._slot_busy.values():  # in-place updates still writing a slot end before it goes
-            fut.result()
-        self._slot_busy.clear()
-        self.xfer.wait(self.xfer.submit(_nothing))  # (transfers run in order: every write-back is done)
-        freed = sum(s.numel() * s.element_size() for s in self.slots)
-        self._slot_shape = (len(self.slots), self.slots[0].numel(), self.slots[0].dtype)
-        self.slots, self.free_slots = [], []
-        self.tiers[DEVICE].release(freed)
-        self._vacated = True
-        self.n_vacates += 1
-        return freed + self._send_inflight_away()
-
-    def _reoccupy(self) -> None:
-        """Allocate the slots :meth:`vacate` gave back (all free: no chunk is resident after it), and bring the
-        in-flight tensors back."""
-        n, elems, dtype = self._slot_shape
-        self.slots = [self._alloc(DEVICE, elems, f"slot {s}", dtype) for s in range(n)]
-        self.free_slots = list(range(n))[::-1]
-        self._vacated = False
-        self._bring_inflight_back()
-
     def _load_grad(self, c: ChunkState) -> None:
         """Bring a resident chunk's gradient so far into its slot (it was fetched by a forward)."""
         c.grad = "dev"
@@ -210,8 +172,7 @@ class Residency(EngineState):
     def _access(self, chunk_ids: tuple[int, ...], record: bool = True, grads: bool = False) -> None:
         """Make ``chunk_ids`` usable on the device now (with their gradients so far when ``grads``: a backward
         or an update will add to or read them); then prefetch ahead."""
-        if self._vacated:
-            self._reoccupy()
+        self._ensure_occupied()
         t = None
         if record:
             self.trace.access(chunk_ids, grads)
