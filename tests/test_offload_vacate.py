@@ -22,12 +22,15 @@ def _model():
     return build_gpt("tiny", vocab_size=256, seed=0)
 
 
-def _engine(optimizer_tier: str, clip: float, activations: str, precision: str) -> OffloadEngine:
+def _engine(optimizer_tier: str, clip: float, activations: str, precision: str, streams: bool) -> OffloadEngine:
+    """GPT tiny under ``optimizer_tier``; ``streams``: at half its state (3 slots), else every chunk on the device."""
     m = _model()
     S = state_bytes(m)
-    p = plan(m, profile(m, precision), clip=clip, device_budget=S // 2, chunk_elems=29_120, resident_chunks=3,
-             optimizer_tier=optimizer_tier, activations=activations, prefetch_depth=2, precision=precision,
-             host_budget=None if optimizer_tier != DISK else S // 3)
+    budget = dict(device_budget=S // 2, resident_chunks=3) if streams else {}
+    p = plan(m, profile(m, precision), clip=clip, chunk_elems=29_120, optimizer_tier=optimizer_tier,
+             activations=activations, prefetch_depth=2, precision=precision,
+             host_budget=None if optimizer_tier != DISK else S // 3, **budget)
+    assert (p.param_tier != DEVICE) == streams
     return OffloadEngine(m, optim=spec(clip), device=DEV, placement=p, precision=precision)
 
 
@@ -35,18 +38,20 @@ def _params(eng: OffloadEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in eng.state().params.items()}
 
 
-CASES = [(HOST, 1.0, "keep", "fp32"), (HOST, 0.0, "recompute", "fp32"), (DISK, 1.0, "recompute", "fp32"),
-         (HOST, 1.0, "recompute", "bf16"), (DISK, 0.0, "recompute", "bf16")]
+CASES = [(HOST, 1.0, "keep", "fp32", True), (HOST, 0.0, "recompute", "fp32", True),
+         (DISK, 1.0, "recompute", "fp32", True), (HOST, 1.0, "recompute", "bf16", True),
+         (DISK, 0.0, "recompute", "bf16", True), (HOST, 1.0, "keep", "fp32", False),
+         (HOST, 0.0, "recompute", "fp32", False)]
 
 
-@pytest.mark.parametrize("optimizer_tier,clip,activations,precision", CASES)
-def test_vacating_at_every_boundary_is_the_same_run(optimizer_tier, clip, activations, precision):
-    ref = _engine(optimizer_tier, clip, activations, precision)
+@pytest.mark.parametrize("optimizer_tier,clip,activations,precision,streams", CASES)
+def test_vacating_at_every_boundary_is_the_same_run(optimizer_tier, clip, activations, precision, streams):
+    ref = _engine(optimizer_tier, clip, activations, precision, streams)
     try:
         want, want_params = run(ref, 4), _params(ref)
     finally:
         ref.close()
-    eng = _engine(optimizer_tier, clip, activations, precision)
+    eng = _engine(optimizer_tier, clip, activations, precision, streams)
     slot_bytes = sum(s.numel() * s.element_size() for s in eng.slots)
     slot_bytes += sum(c.slot.numel() * c.slot.element_size() for c in eng.chunks if c.pinned and c.slot is not None)
     assert slot_bytes > 0 and any(c.pinned for c in eng.chunks)  # (GPT's tied embedding and head: pinned)
@@ -84,12 +89,14 @@ def test_vacating_at_every_boundary_is_the_same_run(optimizer_tier, clip, activa
         assert_same([r.loss for r in got], [r.loss for r in run(plain(_model(), clip), 4)])
 
 
-def test_vacate_without_slots_gives_nothing_back():
-    """Every chunk pinned on the device (no budget): nothing streams, so nothing is given back."""
+def test_vacate_with_the_optimizer_on_the_device_gives_nothing_back():
+    """No budget: every chunk and its AdamW state on the device, which a vacate leaves there (a sweep places the
+    optimizer on the host)."""
     m = _model()
     eng = OffloadEngine(m, optim=spec(), device=DEV, placement=plan(m, profile(m)))
     try:
-        assert not eng.slots and eng.vacate() == 0 and eng.n_vacates == 0
+        assert not eng.slots and eng.placement.optimizer_tier == DEVICE
+        assert eng.vacate() == 0 and eng.n_vacates == 0
         assert_same([r.loss for r in run(eng, 2)], [r.loss for r in run(plain(_model()), 2)])
     finally:
         eng.close()

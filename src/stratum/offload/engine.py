@@ -50,7 +50,7 @@ from stratum.offload.reductions import ChunkReducer, Reductions
 from stratum.offload.residency import Residency
 from stratum.offload.state_io import StateIO
 from stratum.offload.step_model import grads_to_host, runs_inline
-from stratum.offload.tasks import block_done
+from stratum.offload.tasks import block_done, gate_set
 from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, DiskStore, Tier, aligned_empty, resolve_disk_dir
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
@@ -127,6 +127,9 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         """The micro-batch between its forward and backward (what a vacate may move off the device)."""
         self._away = 0
         """Bytes of block inputs moved off the device while vacated (``_act`` still counts them)."""
+        self._yielding = False
+        """A scheduler's gate may vacate this step (tasks.gate_set): saved tensors refer to pinned chunks by
+        reference too, so that a vacate can move them."""
         self._act_seen: set[int] = set()
         self._ptr2chunk: dict[int, ChunkState] = {}
         self.spill = None
@@ -594,6 +597,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""
         self._moved0, self._wait0 = self.traffic(), self.stall_s
+        self._yielding = gate_set()
         if self._dpu:
             self._start_delayed()
         self.model.train()

@@ -53,6 +53,7 @@ class EngineState:
     resident: set[int]
     _slot_busy: dict[int, Future]
     _vacated: bool
+    _yielding: bool
     _away: int
     _slot_shape: tuple[int, int, torch.dtype]
     n_vacates: int

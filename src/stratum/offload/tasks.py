@@ -43,6 +43,11 @@ def set_gate(gate: Gate | None) -> None:
     _local.gate = gate
 
 
+def gate_set() -> bool:
+    """A gate is set for the calling thread (its engine may be asked to vacate between blocks)."""
+    return getattr(_local, "gate", None) is not None
+
+
 def block_done(kind: str, block: int, blocks: int, turn: Turn) -> None:
     """Called by the engine after a block's forward ("F") or backward ("B")."""
     gate = getattr(_local, "gate", None)

@@ -27,21 +27,22 @@ class Vacate(EngineState):
     """Mixin: the device given back while the job waits, and taken again (see the module docstring)."""
 
     def vacate(self) -> int:
-        """Give the device back (the module docstring says what goes); the device bytes released (0 with no
-        slots, or already vacated)."""
-        if self._vacated or not self.slots:
-            return 0
+        """Give the device back (the module docstring says what goes); the device bytes released (0 with nothing
+        to give, already vacated, or the optimizer's state on the device)."""
+        pinned = [c for c in self.chunks if c.pinned and c.slot is not None]
+        if self._vacated or self.placement.optimizer_tier == DEVICE or not (self.slots or pinned):
+            return 0  # (the optimizer's state on the device stays there: a sweep places it on the host)
         for i in sorted(self.resident):
             c = self.chunks[i]
             self._settle(c)
             self.free_slots.append(self._evict(c))
-        pinned = [c for c in self.chunks if c.pinned and c.slot is not None]
         for fut in [*self._slot_busy.values(), *(c.opt_fut for c in pinned if c.opt_fut is not None)]:
             fut.result()  # in-place updates still writing a slot end before it goes
         self._slot_busy.clear()
         self.xfer.wait(self.xfer.submit(_nothing))  # (transfers run in order: every write-back is done)
         freed = sum(s.numel() * s.element_size() for s in self.slots)
-        self._slot_shape = (len(self.slots), self.slots[0].numel(), self.slots[0].dtype)
+        self._slot_shape = (len(self.slots), self.slots[0].numel(), self.slots[0].dtype) if self.slots else (
+            0, 0, torch.float32)
         self.slots, self.free_slots = [], []
         for c in pinned:
             freed += self._move_pinned(c, torch.device("cpu"))

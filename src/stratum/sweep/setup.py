@@ -104,7 +104,9 @@ def fit_to_budget(sweep: Sweep) -> None:
     """Jobs that would not fit a slot's sweep.device_budget under the plain engine run under the offload engine
     with that budget (their state on the host and disk tiers between uses); jobs with their own engine or plan
     are left as they are (the trainer checks those against their own budgets). Under sharded-lrtf every job runs
-    under the offload engine (its shard tasks are the engine's blocks)."""
+    under the offload engine (its shard tasks are the engine's blocks), its AdamW state on the host unless its
+    config says where: a waiting job gives its device memory back, and the optimizer's state on the device would
+    stay there."""
     budget = parse_budget(sweep.spec.settings.device_budget, "sweep.device_budget")
     if budget is None:  # "auto": no budget to fit
         return
@@ -115,8 +117,10 @@ def fit_to_budget(sweep: Sweep) -> None:
         if (need <= budget and not every) or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
             continue
         text = sweep.spec.settings.device_budget.strip()
-        sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, [
-            "train.engine='offload'", f"offload.device_budget={text!r}"])
+        sets = ["train.engine='offload'", f"offload.device_budget={text!r}"]
+        if every and cfg.offload.optimizer_tier == "auto":
+            sets.append("offload.optimizer_tier='host'")  # (what a waiting job's engine cannot give back)
+        sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, sets)
         sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, "
                   + (f"over sweep.device_budget = {text}: it runs" if need > budget else "runs as shard tasks")
                   + " under the offload engine")
