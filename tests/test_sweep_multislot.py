@@ -18,6 +18,7 @@ from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.job_strategy import options_of
+from stratum.sweep.launched import rank_devices
 from stratum.sweep.makespan import plan_makespan
 from stratum.sweep.runner import run_sweep
 from stratum.sweep.schedulers import Planned, Start
@@ -90,7 +91,7 @@ def test_plan_overrides_keep_the_global_batch():
 
 
 @pytest.mark.parametrize("sweep, match", [
-    ('scheduler = "planned"\nplans = ["pipeline(2)"]\ndevices = ["cpu", "cpu"]', "CPU slots"),
+    ('scheduler = "planned"\nplans = ["pipeline(2)"]\ndevices = ["cpu", "cuda:0"]', "mixes cpu and cuda"),
     ('scheduler = "planned"\nplans = ["replicate(2)"]\nslice_by = "pause"\nsegment_steps = 2', "cannot be paused"),
     ('scheduler = "planned"\nplans = ["split(2)"]', "is not"),
     ('scheduler = "planned"\nplans = ["replicate(3)"]', "2 ≤ k ≤ sweep.slots"),
@@ -101,6 +102,16 @@ def test_bad_sweep_plans_are_one_line_errors(tmp_path, corpus_file, cache_dir, s
     with pytest.raises(StratumError, match=match) as e:
         load_sweep(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_job_over_device_slots_gets_them_in_rank_order():
+    assert rank_devices(("cpu", "cpu"), None) == (["train.device='cpu'"], {})
+    # rank r's cuda:LOCAL_RANK is its slot's GPU: the slots' GPUs made visible in rank order
+    assert rank_devices(("cuda:1", "cuda:0"), None) == (["train.device='cuda'"], {"CUDA_VISIBLE_DEVICES": "1,0"})
+    # through the sweep's own visible devices: its cuda:N is the N-th of them
+    assert rank_devices(("cuda:2", "cuda:3"), "4,5,6,7")[1] == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    with pytest.raises(StratumError, match="mixes device kinds"):
+        rank_devices(("cpu", "cuda:0"), None)
 
 
 # ---- real runs ------------------------------------------------------------------------------------------------
@@ -204,3 +215,18 @@ def test_kill_9_of_the_sweep_mid_replicate_job_then_rerun_resumes_it_as_it_start
     swept = job_losses(sweep_dir, "j000")  # every step once, resumed from its checkpoint as replicate(2)
     assert close(swept, standalone_losses(path, "j000", tmp_path / "plain"))
 
+
+
+@pytest.mark.slow
+def test_a_replicate_2_job_over_named_device_slots_equals_its_standalone_run(tmp_path, corpus_file, cache_dir):
+    """sweep.devices with a plan over several slots: the job's ranks run on its slots' devices (here both on the
+    CPU: `--set train.device='cpu'`), and equal `stratum train --config job.toml`."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir,
+                      sweep='scheduler = "planned"\nplans = ["replicate(2)"]\ndevices = ["cpu", "cpu"]',
+                      grid='"optim.lr" = [3e-3]', steps=2, extra="grad_accum = 2")
+    lines: list[str] = []
+    sweep = run_sweep(path, say=lines.append)
+    assert rows(sweep.dir)["j000"]["status"] == "done", lines
+    assert any("started on slots 0,1" in ln and "as replicate(2)" in ln for ln in lines), lines
+    job_toml = sweep.dir / "jobs" / "j000" / "job.toml"
+    assert job_losses(sweep.dir, "j000") == train_alone(job_toml, tmp_path / "alone")

@@ -13,7 +13,7 @@ from stratum.sweep.live import last_record
 from stratum.sweep.local import LocalWorker
 from stratum.sweep.schedulers import Policy, Start
 from stratum.sweep.segment import Segment, checkpoint_step
-from stratum.sweep.setup import Sweep, slot_device
+from stratum.sweep.setup import Sweep, slot_devices
 from stratum.sweep.spec import job_threads, plan_slots
 from stratum.sweep.state import PENDING, RUNNING
 
@@ -69,7 +69,7 @@ def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> Non
     stop_at = _stop_at(sweep, from_step, row.steps)
     assert sweep.backend is not None  # (run_sweep starts one before it schedules)
     seg = sweep.backend.start(job=start.job, slots=start.slots, config_path=out / "job.toml", start_step=from_step,
-                              stop_at=stop_at, device=slot_device(sweep, start.slots[0]),
+                              stop_at=stop_at, devices=slot_devices(sweep, start.slots),
                               threads=job_threads(sweep.spec.settings), log_path=out / "worker.log")
     _occupy(sweep, start, seg, expect, now)
     sweep.state.update(start.job, status=RUNNING, slot=start.slots[0], pid=seg.worker.pid)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stratum.errors import StratumError
 from stratum.sweep.parent_death import die_with_sweep
 
 LAUNCH_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -52,9 +53,25 @@ class LaunchedWorker:
             self.proc.wait(timeout=timeout_s)
 
 
-def train_command(config_path: Path | str, stop_at: int) -> list[str]:
-    """``stratum train --config config_path --stop-at stop_at`` as this interpreter runs it."""
-    return [sys.executable, "-m", "stratum", "train", "--config", str(config_path), "--stop-at", str(stop_at)]
+def train_command(config_path: Path | str, stop_at: int, sets: list[str] | None = None) -> list[str]:
+    """``stratum train --config config_path --stop-at stop_at [--set …]`` as this interpreter runs it."""
+    return [sys.executable, "-m", "stratum", "train", "--config", str(config_path), "--stop-at", str(stop_at),
+            *[a for kv in sets or [] for a in ("--set", kv)]]
+
+
+def rank_devices(devices: tuple[str, ...], visible: str | None) -> tuple[list[str], dict[str, str]]:
+    """A job over slots on ``devices`` (one per rank, in rank order): the ``--set`` that names their kind and
+    the environment that gives rank r the r-th — its CUDA devices made visible in rank order (through
+    ``visible``, the sweep's own CUDA_VISIBLE_DEVICES, where set), so that a rank's cuda:LOCAL_RANK is its
+    slot's GPU."""
+    if all(d == "cpu" for d in devices):
+        return ["train.device='cpu'"], {}
+    if not all(d.startswith("cuda") for d in devices):
+        raise StratumError(f"a job over slots on {', '.join(devices)} mixes device kinds; give sweep.devices of "
+                           "one kind (all cuda:N or all cpu)")
+    index = [int(d[5:]) if d.startswith("cuda:") else 0 for d in devices]
+    names = visible.split(",") if visible else [str(i) for i in range(max(index) + 1)]
+    return ["train.device='cuda'"], {"CUDA_VISIBLE_DEVICES": ",".join(names[i] for i in index)}
 
 
 def job_env(threads: int) -> dict[str, str]:
@@ -65,14 +82,17 @@ def job_env(threads: int) -> dict[str, str]:
     return env
 
 
-def launch_train(config_path: Path, stop_at: int, threads: int, log_path: Path) -> LaunchedWorker:
-    """Start ``stratum train --config config_path --stop-at stop_at`` with ``threads`` torch threads per rank,
-    its output appended to ``log_path``."""
+def launch_train(config_path: Path, stop_at: int, threads: int, log_path: Path,
+                 devices: tuple[str, ...] | None = None) -> LaunchedWorker:
+    """Start ``stratum train --config config_path --stop-at stop_at`` with ``threads`` torch threads per rank
+    (rank r on ``devices[r]`` where given), its output appended to ``log_path``."""
     sweep_pid = os.getpid()
+    sets, env = rank_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES")) if devices else ([], {})
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            train_command(config_path, stop_at), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=job_env(threads), start_new_session=True, preexec_fn=lambda: die_with_sweep(sweep_pid))
+            train_command(config_path, stop_at, sets), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, env=dict(job_env(threads), **env), start_new_session=True,
+            preexec_fn=lambda: die_with_sweep(sweep_pid))
     return LaunchedWorker(proc)
 
 

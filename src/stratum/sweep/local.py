@@ -76,17 +76,16 @@ class LocalBackend:
         forked.warm_up(PRELOAD)
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              device: str | None, threads: int, log_path: Path) -> Segment:
+              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
         """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``: a forked
         worker, or for a plan of several processes a ``stratum train`` launcher of them
         (:mod:`stratum.sweep.launched`)."""
         worker: Worker
         if len(slots) > 1:
-            assert device is None  # (spec.py: jobs over several slots run on CPU slots)
-            worker = launch_train(config_path, stop_at, threads, log_path)
+            worker = launch_train(config_path, stop_at, threads, log_path, devices)
         else:
-            worker = start_process(worker_main, (str(config_path), stop_at, device, threads, str(log_path)),
-                                   f"stratum-sweep-{job}")
+            worker = start_process(worker_main, (str(config_path), stop_at, devices[0] if devices else None, threads,
+                                                 str(log_path)), f"stratum-sweep-{job}")
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 

@@ -89,7 +89,7 @@ def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path
         job_cfg = with_items(cfg, ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
         segs.append((backend.start(job=f"cal{i}", slots=(i,), config_path=out / "job.toml", start_step=0,
-                                   stop_at=cfg.train.steps, device=None, threads=threads,
+                                   stop_at=cfg.train.steps, devices=None, threads=threads,
                                    log_path=out / "log.txt"), out))
     ended = _wait(segs)
     return [job_measured(out, ended[i] - seg.started, configs[i], prof) for i, (seg, out) in enumerate(segs)]

@@ -208,12 +208,13 @@ class RayBackend:
         self.actors.pop(slot, None)
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              device: str | None, threads: int, log_path: Path) -> Segment:
+              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
         worker: RayWorker | RayRanks
         if len(slots) > 1:
             worker = self._start_ranks(slots, config_path, stop_at, threads, log_path)
         else:
             actor, pid = self._actor(slots[0])
+            device = devices[0] if devices else None
             if device is not None and device.startswith("cuda"):
                 device = "cuda"  # Ray gives the actor its GPU as the only visible one
             ref = actor.run.remote(str(config_path), stop_at, device, threads, str(log_path))

@@ -146,9 +146,10 @@ class Backend(Protocol):
         """Get workers ready (imports, actors) before the first segment."""
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              device: str | None, threads: int, log_path: Path) -> Segment:
-        """Start a segment of ``job`` on ``slots``: one process, or for a plan over several slots one rank on
-        each (``threads`` threads each); the segment sits on the first."""
+              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
+        """Start a segment of ``job`` on ``slots`` (on ``devices``, one per slot; None: the job's own
+        train.device): one process, or for a plan over several slots one rank on each (``threads`` threads
+        each); the segment sits on the first."""
 
     def start_shard_worker(self, spec_path: Path, cpus: int) -> Worker:
         """Start sharded-lrtf's one worker (:func:`stratum.sweep.shard_worker.run_shard_worker` over

@@ -142,6 +142,12 @@ def slot_device(sweep: Sweep, slot: int) -> str | None:
     return devices[slot] if devices else None
 
 
+def slot_devices(sweep: Sweep, slots: tuple[int, ...]) -> tuple[str, ...] | None:
+    """The devices of a job's slots, in rank order; None = the job's own train.device."""
+    devices = sweep.spec.settings.devices
+    return tuple(devices[s] for s in slots) if devices else None
+
+
 def sweep_profiles(sweep: Sweep) -> dict[str, Profile]:
     """The sweep's job profiles, cached in <sweep dir>/profiles/."""
     return job_profiles(sweep.configs, threads=job_threads(sweep.spec.settings),

@@ -126,7 +126,8 @@ class SweepSettings:
     """planned: the strategies a job may run as — "local" (one slot: the job's own config) and Plan trees over k
     slots at once, "replicate(k)" or "pipeline(k)" (k processes of threads_per_job threads, the same global
     batch); [] = local, and on the local backend without sweep.devices also replicate(k) and pipeline(k) for
-    k = 2..slots."""
+    k = 2..slots. With sweep.devices (local backend, one kind) a job over k slots runs rank r on its r-th slot's
+    device."""
 
 
 @dataclass(kw_only=True)
@@ -339,10 +340,14 @@ def _check_plans(s: SweepSettings) -> None:
 
 def _check_multi_slot(s: SweepSettings) -> None:
     """A job over k slots is one `stratum train` run of k processes (local ones, or one on each slot's Ray actor):
-    CPU slots, and slices that end with a checkpoint."""
-    if s.devices:
-        raise StratumError("sweep.plans: jobs over several slots run on CPU slots; remove sweep.devices or use "
-                           "plans = [\"local\"]")
+    slots of one device kind, and slices that end with a checkpoint."""
+    if s.devices and s.backend != "local":
+        raise StratumError("sweep.plans: jobs over several slots on sweep.devices run on the local backend (Ray gives "
+                           "each slot's actor its own GPU); set backend = \"local\" or remove sweep.devices")
+    kinds = {"cpu" if d == "cpu" else "cuda" if d.startswith("cuda") else d for d in s.devices}
+    if len(kinds) > 1:
+        raise StratumError(f"sweep.plans: a job over several slots may get any of them, and sweep.devices mixes "
+                           f"{' and '.join(sorted(kinds))}; give devices of one kind, or plans = [\"local\"]")
     if s.slice_by == "pause":
         raise StratumError("sweep.plans: a job over several slots cannot be paused (its ranks wait on each other "
                            "with time limits); use slice_by = \"checkpoint\"")
