@@ -10,6 +10,8 @@ import os
 import shutil
 import signal
 import sqlite3
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,9 +21,12 @@ from stratum.config import config_from_dict
 from stratum.errors import StratumError
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.runner import Sweep, open_sweep, run_sweep
+from stratum.sweep.segment import checkpoint_step
+from stratum.sweep.setup import write_job_configs
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
 from stratum.sweep.shard_run import report_missed
+from stratum.sweep.shard_worker import ShardJob, run_shard_jobs
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
 from stratum.units import parse_budget
@@ -286,3 +291,31 @@ def test_a_job_killed_between_its_rung_checkpoint_and_its_report_is_reported_on_
     row = rows(tmp_path / "sw")[stopped]
     assert (row["status"], row["step"], row["eval_loss"]) == ("paused", 3, metric)
     assert (stopped, 3, metric) in sweep.state.rungs()
+
+
+
+def test_a_stop_lets_started_jobs_end_their_step_with_a_checkpoint(tmp_path, corpus_file, cache_dir):
+    """SIGTERM to the shard worker mid-run, with no periodic checkpoint: every job that started ends its step —
+    its shard tasks still granted — and saves it (its last checkpoint is its last step trained), then stops
+    (exit 130); none runs to its end."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"optim.lr" = [1e-3, 2e-3, 3e-3]',
+                      steps=400, extra="eval_interval = 0\nckpt_interval = 0\n" + PINNED_PLACEMENT)
+    sweep = open_sweep(path, say=lambda _: None)
+    write_job_configs(sweep)
+    outs = {j: sweep.dir / "jobs" / j for j in sweep.jobs}
+    jobs = [ShardJob(id=j, config_path=str(out / "job.toml"), tasks_left=100, task_s=1.0, shard_blocks=2)
+            for j, out in outs.items()]
+
+    def stop_when_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(len(read_metrics(o)) >= 2 for o in outs.values()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # (the worker's handler, in this main thread)
+
+    threading.Thread(target=stop_when_training, daemon=True).start()
+    codes = run_shard_jobs(jobs, slots=2, threads=1, sweep_dir=sweep.dir)
+    trained = {j: read_metrics(o) for j, o in outs.items()}
+    assert any(len(r) >= 2 for r in trained.values()) and all(len(r) < 400 for r in trained.values())
+    for job_id, records in trained.items():
+        assert codes[job_id] == 130, codes
+        assert checkpoint_step(outs[job_id]) == (records[-1]["step"] if records else 0), job_id

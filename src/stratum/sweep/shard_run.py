@@ -108,8 +108,8 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
                             threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha,
                             devices=devices)
         if spent:
-            say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at a shard boundary; run the same "
-                "command to go on (each resumes from its last checkpoint)")
+            say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at the end of their steps, with a "
+                "checkpoint; run the same command to go on")
             return
     if asha is not None:
         stop_paused(state, asha.eta, say)
@@ -143,7 +143,7 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
     try:
         while worker.poll() is None:
             if deadline is not None and time.monotonic() > deadline and not stopped:
-                worker.terminate()  # once: every job leaves at its next shard boundary
+                worker.terminate()  # once: every started job ends its step with a checkpoint and stops
                 stopped = True
             if tick is not None:
                 tick()

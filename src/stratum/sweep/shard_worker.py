@@ -48,6 +48,7 @@ from stratum.offload.tasks import Turn, set_gate
 from stratum.sweep.segment import checkpoint_step, segment_records
 from stratum.sweep.shard_asha import RungBoard
 from stratum.sweep.shard_lrtf import pick_longest
+from stratum.train.stopping import set_stop_check
 from stratum.train.trainer import train
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class ShardJob:
 
 
 class Stopped(KeyboardInterrupt):
-    """The worker was asked to stop: a job's thread leaves its training at the next shard boundary."""
+    """The worker was asked to stop before the job's training started."""
 
 
 @dataclass
@@ -137,10 +138,10 @@ class SlotScheduler:
             self.cond.notify_all()  # open_when_waiting counts the waiting jobs
             # no time limit: under LRTF a short job may rightly wait for hours; every granted thread gives its
             # slot back in a finally, and a stop wakes every waiter
-            while job not in self.granted and not self.stopping:
-                self.cond.wait_for(lambda: job in self.granted or self.stopping or self._stages(job)
+            while job not in self.granted and not self._stops(job):
+                self.cond.wait_for(lambda: job in self.granted or self._stops(job) or self._stages(job)
                                    or self._unstages(job))
-                if job in self.granted or self.stopping:
+                if job in self.granted or self._stops(job):
                     break
                 if self._stages(job):
                     self._stage(job, self.turns[job])
@@ -151,6 +152,11 @@ class SlotScheduler:
                 raise Stopped()
             return self.granted[job]
 
+    def _stops(self, job: str) -> bool:
+        """The worker is stopping and ``job`` has not started its training (a started one goes on to the end of
+        its step, which its trainer saves: :func:`stratum.train.stopping.set_stop_check`)."""
+        return self.stopping and job not in self.turns
+
     def _yields(self, job: str, remaining: float) -> bool:
         """``job`` holds a slot that another waiting job would take from it now."""
         d = self._device(job)
@@ -159,7 +165,7 @@ class SlotScheduler:
 
     def _stages(self, job: str) -> bool:
         d = self._device(job)
-        return (job in self.turns and self.next_up.get(d) == job and job not in self.staged
+        return (job in self.turns and self.next_up.get(d) == job and job not in self.staged and not self.stopping
                 and not any(self._device(j) == d for j in self.staged))  # one staged job per device at a time
 
     def _unstages(self, job: str) -> bool:
@@ -229,10 +235,11 @@ class SlotScheduler:
             self.cond.notify_all()
 
     def _grant(self) -> None:
-        if not self.opened or self.stopping:
+        if not self.opened:
             return
         for slot in list(self.free):
-            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == self.devices[slot]}
+            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == self.devices[slot]
+                      and not self._stops(j)}
             if not rivals:
                 continue
             job = pick_longest(rivals, self.order)
@@ -248,7 +255,7 @@ class SlotScheduler:
             self.cond.notify_all()
         up: dict[str, str] = {}
         for d in dict.fromkeys(self.devices):
-            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d}
+            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d and not self._stops(j)}
             if rivals:
                 up[d] = pick_longest(rivals, self.order)
         if up != self.next_up:
@@ -321,6 +328,7 @@ def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threa
         if cfg.model.source == "gpt" and cfg.model.dropout == 0:
             thread_draws_nothing()  # (its blocks draw nothing; it initialises from its own generators)
         set_gate(gate)
+        set_stop_check(lambda: "the sweep's stop" if sched.stopping else None)
         torch.set_num_threads(threads)
         _train_chain(job, cfg, gate, sched, board)
     except StratumError as e:
@@ -333,6 +341,7 @@ def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threa
         _append(log, traceback.format_exc())
     finally:
         set_gate(None)
+        set_stop_check(None)
         gate.drop_setup()
         codes[job.id] = code
         if board is not None:
@@ -369,7 +378,8 @@ def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir:
                    asha: dict[str, int] | None = None, devices: list[str] | None = None) -> dict[str, int]:
     """Train ``jobs`` on ``slots`` slots (on ``devices``, one per slot, each job on its own device's) by the
     shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA at the rungs); each job's exit code. SIGTERM
-    stops every job at its next shard boundary (it resumes from its last checkpoint)."""
+    lets every started job finish its step (its shard tasks still granted by the rule), which its trainer saves,
+    and stop; a job not started does not start."""
     sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []),
                           job_devices={j.id: j.device for j in jobs if j.device})
     board = RungBoard.open(sweep_dir, [j.id for j in jobs], say=logger.info, **asha) if asha else None

@@ -26,6 +26,14 @@ from stratum.dist.roles import is_worker
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+_local = threading.local()
+
+
+def set_stop_check(check: Callable[[], str | None] | None) -> None:
+    """What the training loop of the calling thread asks after every step beside the signals — the reason to stop
+    after it, or None: a multi-job worker's stop, since its jobs' threads get no signals (None: no check)."""
+    _local.check = check
+
 
 class Interrupted(KeyboardInterrupt):
     """The run stopped at a signal, after a checkpoint (``stratum`` exits with code 130, as after Ctrl-C)."""
@@ -42,6 +50,13 @@ class StopSignals:
         self.received: str | None = None
         self._escalate = not is_worker()
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+
+    def requested(self) -> str | None:
+        """Why the loop should stop after this step: a signal's name, or the calling thread's stop check's
+        reason (:func:`set_stop_check`); None to go on."""
+        if self.received is None and (check := getattr(_local, "check", None)) is not None:
+            self.received = check()
+        return self.received
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # Python handles signals there only

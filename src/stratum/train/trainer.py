@@ -244,7 +244,7 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
         log.write(rec)
         display.step(rec)
         # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
-        by_time, stop = agree([clock.due(), signals.received is not None], device)
+        by_time, stop = agree([clock.due(), signals.requested() is not None], device)
         if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
             state = engine.state()  # collective under a multi-process engine; full state on rank 0
             if run.world.is_main:
