@@ -1,7 +1,7 @@
 """One micro-batch of the offload engine's step, from its forward to its backward: what each block left for its
 backward (its input, its output where kept, its RNG state and buffers where recomputed), and the moves of the
 tensors only this record holds to host memory and back while the engine is vacated (a multi-job scheduler's
-waits: :meth:`stratum.offload.residency.Residency.vacate`)."""
+waits: :meth:`stratum.offload.vacate.Vacate.vacate`)."""
 
 from __future__ import annotations
 

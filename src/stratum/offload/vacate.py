@@ -68,8 +68,8 @@ class Vacate(EngineState):
     def _move_pinned(self, c: ChunkState, to: torch.device) -> int:
         """Copy pinned chunk ``c``'s slot (its parameters, and its gradients where they live in it) to ``to``
         and point its parameters and gradient targets there (a target elsewhere — a tied chunk's gradient of one
-        micro-batch — stays); its bytes. Kept blocks' graphs hold the old copy's views until their backward: the
-        values they read are the same."""
+        micro-batch — stays); its bytes. No autograd graph holds the old copy: while a gate is set, saved tensors
+        refer to pinned chunks by reference (``Residency._pack``)."""
         old = c.slot
         assert old is not None
         ptr = old.untyped_storage().data_ptr()
