@@ -64,8 +64,12 @@ CASES = [Recipe(HOST, 1.0, "keep"), Recipe(HOST, 0.0, "recompute"), Recipe(DISK,
          Recipe(HOST, 1.0, "recompute", "fp16")]
 
 
-@pytest.mark.parametrize("recipe", CASES, ids=lambda r: "-".join(
-    str(v) for k, v in vars(r).items() if v != Recipe.__dataclass_fields__[k].default))
+def _name(r: Recipe) -> str:
+    words = {"streams": "all-pinned", "delayed": "delayed"}
+    return "-".join(words.get(k, str(v)) for k, v in vars(r).items() if v != Recipe.__dataclass_fields__[k].default)
+
+
+@pytest.mark.parametrize("recipe", CASES, ids=_name)
 def test_vacating_at_every_boundary_is_the_same_run(recipe):
     ref = recipe.engine()
     try:
