@@ -5,10 +5,14 @@ time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
 Every job runs ``stratum train``'s own loop (metrics, evaluation, checkpoints, summary) under the offload engine,
 whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and at
 a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state stays
-in this process's memory, so a freed slot can take any job's next task (no checkpoint, no copy). While every slot is
-busy, the waiting job the next freed slot goes to (as things stand) stages its next shard: its engine starts moving
-that shard's chunks to its device slots (``stage``, the engine's prefetch with nothing in use), so its task starts
-with them in place. A job's step is computed exactly as alone: what it computes depends on its own state only. What
+in this process's memory, so a freed slot of its device can take its next task (no checkpoint); before its slot
+goes to another job its engine gives its device memory back (``turn.vacate``: its chunks home, its slots freed, its
+pinned chunks and in-flight tensors copied to host memory). While every slot of a device is busy, the waiting job
+its next freed slot goes to (as things stand) stages its next shard: its engine takes its memory back and starts
+moving that shard's chunks to its device slots (``turn.stage_next``, the engine's prefetch with nothing in use), so
+its task starts with them in place; overtaken by another job, it gives the memory back again. With
+``devices`` each job is bound to one device (:func:`stratum.sweep.shard_run.bind_devices`) and takes only its
+slots. A stop lets every started job finish its step, which its trainer saves. A job's step is computed exactly as alone: what it computes depends on its own state only. What
 the jobs share is torch's global generators: a job's set-up (which seeds them) holds
 :data:`~stratum.model.streams.GLOBAL_RNG` from its start to its first shard boundary, every block forward of a
 job with dropout holds it too (it forks, seeds from the block's stream, draws, puts back), and the thread of a
@@ -22,7 +26,7 @@ lines go to ``<sweep dir>/shards.log``; each job's errors also to ``jobs/<id>/wo
 its task index, the waiting jobs' remaining seconds), stage (job, the task it stages for, chunk fetches started) and
 job end (slot, job) to ``<sweep dir>/shard_tasks.jsonl`` (:func:`task_seconds` reads each task's seconds on its slot
 from it); each job's exit code (0, 2 bad input / NaN, 130 stopped, 1 crashed) to ``<sweep dir>/shard_exit.json`` at
-the end.
+the end, and on CUDA devices each one's allocator peak to ``<sweep dir>/shard_cuda_peaks.json``.
 """
 
 from __future__ import annotations
@@ -407,6 +411,13 @@ def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir:
     return codes
 
 
+def cuda_peaks(devices: list[str]) -> dict[str, int]:
+    """``torch.cuda.max_memory_allocated`` of each CUDA device among ``devices`` in this process: what the jobs
+    sharing it held at most, together (their budgets may add up to more)."""
+    named = sorted({d for d in devices if d.startswith("cuda")})
+    return {d: torch.cuda.max_memory_allocated(torch.device(d)) for d in named} if named else {}
+
+
 def run_shard_worker(spec_path: str) -> None:
     """Read the jobs from ``spec_path`` (JSON), train them with this process's output in ``shards.log``, write
     their exit codes to ``shard_exit.json``."""
@@ -419,6 +430,9 @@ def run_shard_worker(spec_path: str) -> None:
     jobs = [ShardJob(**j) for j in spec["jobs"]]
     codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir,
                            asha=spec.get("asha"), devices=spec.get("devices"))
+    if peaks := cuda_peaks(spec.get("devices") or []):
+        logger.info(f"CUDA memory peaks of this worker: {peaks}")
+        atomic_write_text(sweep_dir / "shard_cuda_peaks.json", json.dumps(peaks))
     atomic_write_text(sweep_dir / "shard_exit.json", json.dumps(codes))
     sys.stdout.flush()
     sys.stderr.flush()
