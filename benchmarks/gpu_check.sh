@@ -12,7 +12,7 @@
 #   capacity-offload  the offload engine on $CAP_OFFLOAD with the GPU, host RAM and disk as tiers (goal: >= 30 % MFU)
 #   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
 #   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
-#   sweep             a sharded-lrtf sweep of 3 jobs on 2 slots of the one device (issue 18)
+#   sweep             a sharded-lrtf sweep of 6 jobs on 2 slots of the one device (issue 18)
 #   all               every part above, in that order
 # Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
 # (T_<step> seconds, dashes as underscores: T_tests_offload, T_cli_fp16), so a hang in one still leaves the
@@ -132,7 +132,7 @@ part_cli() {
     --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
 }
 
-part_sweep() {  # sharded-lrtf on the device: 3 jobs' shard tasks on 2 slots of it, waiting jobs' slots given back
+part_sweep() {  # sharded-lrtf on the device: 6 jobs' shard tasks on 2 slots of it, waiting jobs' slots given back
   local dev=$DEVICE
   [ "$dev" = cuda ] && dev=cuda:0
   rm -rf "$LOG/sweep"
@@ -143,7 +143,7 @@ scheduler = "sharded-lrtf"
 devices = ["$dev", "$dev"]
 device_budget = "$SWEEP_BUDGET"
 [sweep.grid]
-"optim.lr" = [1e-3, 2e-3, 3e-3]
+"optim.lr" = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
 [model]
 preset = "$CLI_PRESET"
 [data]
