@@ -215,7 +215,8 @@ class ParallelConfig:
     """How the job runs over processes, as a plan expression (docs/parallel.md): local; replicate(n,
     reduce=mean|adasum, shard=false|true); pipeline(ranks, schedule=…, partition=…); split(n);
     offload(device_budget=…, host_budget=…); nested replicate → pipeline → split → offload/local, e.g.
-    "replicate(2, pipeline(2))"; or burst(n, widths=4:2:1…) alone (docs/burst.md). Settings a pipeline node omits come from [pipeline]. "" = the train.engine
+    "replicate(2, pipeline(2))"; or burst(n, widths=4:2:1…) alone (docs/burst.md). Settings a pipeline node omits
+    come from [pipeline]. "" = the train.engine
     shorthand: plain = local, pipeline = pipeline(pipeline.ranks), offload = offload(). "auto" = the tree the plan
     search (stratum plan --parallel) predicts fastest on parallel.devices, chosen when the run starts."""
     devices: int = 0

@@ -14,8 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hardware", metavar="FILE.toml", help="the hardware spec ([hardware] table)")
     p.add_argument("--jobs", metavar="FILE.csv | N", help="simulate: the trace; trace: how many jobs")
     p.add_argument("--policy", default="all", metavar="P[,P]",
-                   help="simulate: static-dp, burst, burst+multiplex, elastic, elastic-devices, a comma-separated list, or all "
-                        "(default)")
+                   help="simulate: static-dp, burst, burst+multiplex, elastic, elastic-devices, a comma-separated "
+                        "list, or all (default)")
     p.add_argument("--png", metavar="FILE.png", help="simulate: write utilisation over time")
     p.add_argument("--json", metavar="FILE.json", help="simulate: write the results")
     p.add_argument("--until", type=float, default=math.inf, metavar="SECONDS",

@@ -30,7 +30,8 @@ class PolicyConfig:
     """burst+multiplex: background work gets this fraction less of the idle time it fills, and a foreground job
     hosting it steps this fraction slower."""
     startup_s: float = 30.0
-    """elastic, elastic-devices: seconds a restarted job's processes take to start (launch, CUDA and communicator set-up, data
+    """elastic, elastic-devices: seconds a restarted job's processes take to start (launch, CUDA and communicator
+    set-up, data
     loader) before it trains again, on top of moving its state over the host link."""
 
     def __post_init__(self) -> None:

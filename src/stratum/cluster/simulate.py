@@ -3,7 +3,8 @@
 Nothing runs. Events are arrivals and completions; at each the policy allocates again and every running job
 then trains at its run's rate (sequences per second) until the next event — progress is continuous (a job may
 end mid-step), a job is done when it has trained on batch × steps sequences. A run the policy changed that
-carries a ``restart_s`` (a checkpoint-restart) holds its devices without training for that long first. Every figure is a prediction of
+carries a ``restart_s`` (a checkpoint-restart) holds its devices without training for that long first. Every figure
+is a prediction of
 the one cost model (:mod:`stratum.cluster.scaling`), never a measurement.
 """
 

@@ -441,7 +441,8 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         L = len(self.model)
         thin = self.placement.activations != KEEP  # only block inputs stay on the device between forward and backward
         spilled = self.placement.spilled(L)  # the other blocks are recomputed when thin, except:
-        on_device = self.placement.kept()  # the last blocks, whose activations stay on the device (Placement.kept_blocks)
+        # the last blocks, whose activations stay on the device (Placement.kept_blocks)
+        on_device = self.placement.kept()
         mb.carry = x
         del x
         for i in range(L):
@@ -648,7 +649,8 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
             # (the parent's packed copies of the gradients being reduced are its buffers, outside the plan)
             held = torch.cuda.memory_allocated(self.device) - self._cuda_base - self._in_flight_bytes()
             assert held <= self.placement.device_budget * 1.05 + (64 << 20), (
-                f"CUDA allocator holds {held} bytes for the offload engine, over its budget {self.placement.device_budget}")
+                f"CUDA allocator holds {held} bytes for the offload engine, "
+                f"over its budget {self.placement.device_budget}")
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:

@@ -113,6 +113,7 @@ def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement
     """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed); ``owns``: the chunks it
     updates, where replicas share them out (all by default)."""
     print(placement.describe())
-    return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement, precision=cfg.train.precision,
+    return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement,
+                         precision=cfg.train.precision,
                          disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update,
                          loss_scale=loss_scale_spec(cfg))

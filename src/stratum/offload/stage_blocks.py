@@ -16,7 +16,8 @@ rank's previous backward, as the schedule's order of backwards says, so on a GPU
 needed. A chunk's gradient is complete after the backward of its earliest block for the step's last
 micro-batch; then its reduction (:attr:`OffloadEngine.reducer`) is launched, and once it has completed — beside
 the stages' later work, at the latest when :meth:`finish` settles all — it is normed, and updated or handed home
-as the plan says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run (:meth:`finish`):
+as the plan says. Chunks holding a tensor tied to another pipeline rank complete after the schedule has run
+(:meth:`finish`):
 their reduction is a collective, and inside the schedule it could wait on a rank that waits on this one.
 """
 

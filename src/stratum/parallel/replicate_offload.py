@@ -8,7 +8,8 @@ before its norm and update. The reduction overlaps the rest of the backward: the
 chunk's collective and return a :class:`~stratum.parallel.reduce.Pending`; the engine goes on with the next
 blocks and settles the chunk — waits for the collective, then its norm and update — later, all before its
 backward returns (:mod:`stratum.offload.reductions`). Every replica then holds the same reduced gradients and
-applies the same update, so the replicas stay equal without broadcasting parameters. The replicas run one offload plan: replica 0's, shared
+applies the same update, so the replicas stay equal without broadcasting parameters. The replicas run one offload
+plan: replica 0's, shared
 at start-up, since each one's planner measures its own bandwidths and times and the chunk layout fixes the order
 of the collectives.
 

@@ -11,7 +11,8 @@ the chunk completes).
 The replica collectives cannot deadlock with the pipeline's point-to-point messages: every replica runs the same
 schedule over the same chunk layout, so the ranks of one stage meet at each chunk's reduction in the same order,
 and a rank waits there only for peers whose progress needs nothing from it. Settling a chunk after its launch
-moves a rank's wait behind work it used to do after the wait, never before it, so it adds no dependency. The chunk layout is replica 0's for
+moves a rank's wait behind work it used to do after the wait, never before it, so it adds no dependency. The chunk
+layout is replica 0's for
 each stage (shared at start-up), since each rank's planner measures its own bandwidths.
 
 With ``shard=true`` a stage's chunks are shared out over its replicas as under ``replicate(n, shard=true,

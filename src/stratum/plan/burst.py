@@ -129,7 +129,8 @@ class BurstPlan:
             rows.append(f"{i:>5}  {k:>5}  {self.compute_s[i]:>10.4g}  {self.allreduce_s[i]:>11.4g}  "
                         f"{self.move_s[i]:>9.4g}  {busy:>10.4g}")
         rows.append(f"step {self.step_s:.4g} s on {self.devices} devices; busy {self.device_s:.4g} device-s, "
-                    f"idle {self.idle_s:.4g} device-s ({100 * self.idle_s / max(self.devices * self.step_s, 1e-30):.0f} %)")
+                    f"idle {self.idle_s:.4g} device-s "
+                    f"({100 * self.idle_s / max(self.devices * self.step_s, 1e-30):.0f} %)")
         return "\n".join(rows)
 
 

@@ -17,7 +17,8 @@ it computes, moves or all-reduces (the union of those intervals, so an all-reduc
 counted twice); a device carrying a narrow block's idle ranks is free for multiplexing.
 
 :func:`plan_burst_overlapped` starts from the programme's plans with every all-reduce exposed and with every
-one hidden (the two extremes the overlap lies between) and from plain data parallelism, and moves one block's width at a time while the overlapped step gets shorter (fewer
+one hidden (the two extremes the overlap lies between) and from plain data parallelism, and moves one block's width
+at a time while the overlapped step gets shorter (fewer
 device-seconds among equals): a local search, not an exact optimum — the overlap makes a block's price depend on
 the blocks after it, which the programme's per-block sums cannot express. On small random cases (2–4 blocks,
 2 or 4 devices) it finds the brute-force optimum 96 % of the time, within 15 % otherwise

@@ -19,7 +19,8 @@ What ``probe`` measures, and how:
 - **disk**: the same probe's sustained write and read through the disk store's I/O path under ``--disk-dir``
   (the slower direction), a 4 KiB synced write as the latency, and the free bytes there.
 - **intra-node link**: a gloo all-reduce over those processes (at least two; with CUDA, two CPU processes): an
-  8 MiB and a 4-byte buffer, read through the ring all-reduce's price (:func:`ring_link`). The inter-node link cannot be measured from one machine: the
+  8 MiB and a 4-byte buffer, read through the ring all-reduce's price (:func:`ring_link`). The inter-node link
+  cannot be measured from one machine: the
   spec repeats the intra-node figures and its header says so — edit them for a cluster.
 
 The spec is written atomically; the header comments record the measured figures behind the relative speeds.

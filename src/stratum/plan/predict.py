@@ -274,7 +274,8 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         why = (f"rank {worst} needs {fmt_bytes(peaks[worst])} of its {fmt_bytes(limits[worst])} "
                f"({len(over)} of {world} ranks over)")
     return Prediction(plan=plan, step_s=compute + reduce + update + overhead, compute_s=compute, reduce_s=reduce,
-                      update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits, stages=cut, why=why)
+                      update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits,
+                      stages=cut, why=why)
 
 
 def _simulated(plan: Plan, hw: Hardware, sched: Schedule, costs: Costs) -> SimResult:

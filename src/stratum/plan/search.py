@@ -69,8 +69,8 @@ class SearchResult:
         plan (e.g. shortening a profile path)."""
         shown = [*self.ranked[:top], *self.too_big]
         w = max([len(label(p.plan)) for p in shown] + [len(label(x.plan)) for x in self.refused] + [4])
-        head = (f"{'#':>3}  {'plan':<{w}} {'step s':>9} {'compute':>9} {'reduce':>8} {'update':>8} {'overhead':>8} {'bubble':>6} "
-                f"{'peak/device':>12}")
+        head = (f"{'#':>3}  {'plan':<{w}} {'step s':>9} {'compute':>9} {'reduce':>8} {'update':>8} {'overhead':>8} "
+                f"{'bubble':>6} {'peak/device':>12}")
         lines = [f"plan search over {self.devices} devices: {self.examined} trees priced"
                  + ("" if self.complete else " (stopped at the time limit: not every tree was priced)")
                  + "  (SIMULATED: cost-model predictions)", head, "-" * len(head)]

@@ -36,7 +36,8 @@ def make_adamw(named: list[tuple[str, nn.Parameter]], spec: OptimSpec, device: t
     return torch.optim.AdamW(groups, lr=0.0, betas=spec.betas, eps=spec.eps, fused=fused)
 
 
-def export_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
+def export_state(opt: torch.optim.Optimizer,
+                 named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer state keyed by canonical parameter name, as CPU tensors."""
     out = {}
     for name, p in named:

@@ -10,7 +10,8 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
   simulation with unit costs (F=1, B=2, I=1, W=1 per stage) in which a rank that falls idle picks among the
   actions whose inputs are ready. The order in which the actions ran is the schedule, so it is deadlock-free by
   construction, whatever the real costs.
-- *Wave* (wave, zb-wave; see :func:`stratum.schedule.wave_order.capped_order`): Hanayo's zig-zag placement, ordered by the same
+- *Wave* (wave, zb-wave; see :func:`stratum.schedule.wave_order.capped_order`): Hanayo's zig-zag placement, ordered
+by the same
   kind of event simulation under a cap on the stage activations a rank holds (interleaved v=2W's peak). The
   rule for the full-backward wave is *paced*: every action has a target time on an ideal timeline where
   micro-batch k enters at ``pace * k`` and rides its waves down, through the local turns and back; a free rank
@@ -18,7 +19,8 @@ Every generator takes ``ranks`` (P >= 1) and ``microbatches`` (m >= 1, also m < 
   (docs/schedules.md; the same as interleaved's (P-1)/(vm+P-1) once m >= 2P) at every m <= 4P, P <= 8 for
   W=1, and for W=2 at m = P and every m >= 3P/2 there. A few pace / offset / tie
   parameters are tried (for W=2 also some with per-half-wave offsets, an admission rule and message delays
-  in the steady state only, which leave slack for messages) and the order with the least makespan with free messages, then with messages costing
+  in the steady state only, which leave slack for messages) and the order with the least makespan with free
+  messages, then with messages costing
   ``NOMINAL_MSG`` of a rank's forward, is kept.
   zb-wave runs I in B's place, defers W to fill bubbles and keeps the candidate with the least regret over
   the two link models, within 1F1B's P micro-batches too; for W=1 only among the candidates no longer with

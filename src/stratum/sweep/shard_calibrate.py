@@ -5,7 +5,8 @@ handed between slots, so its seconds on a slot are not a plain job's: the engine
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
 another job's set-up all add to its profiled compute, and by amounts that follow the job's shape (model, sequence
 length, micro-batches) more closely than any profile-based line. So the calibration runs the sweep's own
-distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all (shapes repeated), in one shard
+distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1``
+jobs in all (shapes repeated), in one shard
 worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed
 between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
 job's slot-holding seconds from the worker's grant log: a step's seconds are its tasks' (median over the steps),

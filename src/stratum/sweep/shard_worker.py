@@ -12,7 +12,8 @@ its next freed slot goes to (as things stand) stages its next shard: its engine 
 moving that shard's chunks to its device slots (``turn.stage_next``, the engine's prefetch with nothing in use), so
 its task starts with them in place; overtaken by another job, it gives the memory back again. With
 ``devices`` each job is bound to one device (:func:`stratum.sweep.shard_run.bind_devices`) and takes only its
-slots. A stop lets every started job finish its step, which its trainer saves. A job's step is computed exactly as alone: what it computes depends on its own state only. What
+slots. A stop lets every started job finish its step, which its trainer saves. A job's step is computed exactly as
+alone: what it computes depends on its own state only. What
 the jobs share is torch's global generators: a job's set-up (which seeds them) holds
 :data:`~stratum.model.streams.GLOBAL_RNG` from its start to its first shard boundary, every block forward of a
 job with dropout holds it too (it forks, seeds from the block's stream, draws, puts back), and the thread of a
