@@ -13,8 +13,7 @@ import torch
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream, thread_draws_nothing
 from stratum.sweep.shard_lrtf import pick_longest
-from stratum.sweep.shard_run import bind_devices
-from stratum.sweep.shard_worker import ShardJob, SlotScheduler
+from stratum.sweep.shard_worker import SlotScheduler
 
 
 def test_times_equal_to_the_microsecond_tie_to_sweep_order(tmp_path):
@@ -76,16 +75,6 @@ def test_job_threads_draw_the_masks_they_draw_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_jobs_are_bound_to_devices_longest_first_by_slots():
-    jobs = [ShardJob(id=f"j{i}", config_path="", tasks_left=t, task_s=1.0, shard_blocks=1)
-            for i, t in enumerate([10, 8, 6, 4, 2])]
-    bound = bind_devices(jobs, ["cuda:0", "cuda:1", "cuda:1"])
-    # j0 → cuda:1 (10/2 < 10/1), j1 → cuda:0 (8 < 18/2), j2 → cuda:1 (16/2 < 14), j3 → cuda:1 (20/2 < 12),
-    # j4 → cuda:0 (10 < 22/2): 10 s of work per slot on each device
-    assert [j.device for j in bound] == ["cuda:1", "cuda:0", "cuda:1", "cuda:1", "cuda:0"]
-    assert bind_devices(jobs, []) == jobs
-
-
 class _Device:
     """Which jobs hold slot memory on each device, checked on every change: at most its slots + 1 (one staged)."""
 
@@ -102,8 +91,9 @@ class _Device:
 class _Turn:
     """An engine's turn as the scheduler sees it: vacate gives its slots back, a stage or a task takes them."""
 
-    def __init__(self, job: str, device: str, ledger: _Device):
-        self.job, self.device, self.ledger = job, device, ledger
+    def __init__(self, job: str, ledger: _Device):
+        self.job, self.ledger = job, ledger
+        self.device = ""
         self.vacates = self.stages = 0
 
     def stage_next(self) -> int:
@@ -122,40 +112,49 @@ class _Turn:
         return 100 if self.job in self.ledger.holding[self.device] else 0
 
 
-def test_each_job_takes_its_device_s_slots_and_a_device_holds_its_tasks_and_one_staged_job(tmp_path):
+def test_a_training_job_keeps_to_its_device_and_a_device_holds_its_tasks_and_one_staged_job(tmp_path):
+    """Slots on devices a (1) and b (2): a job's training takes any device's slot first and that device's from then
+    on; each job trains twice (an ASHA rung's end between), and may start its second training on the other device;
+    every grant is the rule's among the jobs that may take that slot; at most a device's slots + 1 jobs hold
+    memory on it at any time."""
     devices = ["a", "b", "b"]
-    bound = {"j0": "a", "j1": "a", "j2": "a", "j3": "b", "j4": "b", "j5": "b", "j6": "b"}
     tasks = {"j0": 6, "j1": 4, "j2": 3, "j3": 6, "j4": 5, "j5": 2, "j6": 4}
+    order = list(tasks)
     ledger = _Device({"a": 1, "b": 2})
-    sched = SlotScheduler(slots=3, order=list(bound), tasks_path=tmp_path / "tasks.jsonl", devices=devices,
-                          job_devices=bound)
-    turns = {j: _Turn(j, d, ledger) for j, d in bound.items()}
+    sched = SlotScheduler(slots=3, order=order, tasks_path=tmp_path / "tasks.jsonl", devices=devices)
+    turns = {j: _Turn(j, ledger) for j in tasks}
+    ran: dict[str, list[list[str]]] = {j: [] for j in tasks}
 
-    def job(j: str) -> None:
-        sched.acquire(j, float(tasks[j]))
-        for k in range(tasks[j] - 1, -1, -1):
-            ledger.hold(bound[j], j, True)  # its task runs: its slots in use
+    def training(j: str, n: int) -> None:
+        turn = turns[j]
+        turn.device = devices[sched.acquire(j, float(n))]
+        ran[j].append([turn.device])
+        for k in range(n - 1, -1, -1):
+            ledger.hold(turn.device, j, True)  # its task runs: its slots in use
             time.sleep(0.002)
             if k:
-                sched.acquire(j, float(k), turns[j])
-        ledger.hold(bound[j], j, False)  # (its training ends: its engine is gone)
+                ran[j][-1].append(devices[sched.acquire(j, float(k), turn)])
+        ledger.hold(turn.device, j, False)  # (its training ends: its engine is gone)
+
+    def job(j: str) -> None:
+        training(j, tasks[j])
+        sched.release(j)  # (as at an ASHA rung)
+        training(j, 2)
         sched.finish(j)
 
-    threads = [threading.Thread(target=job, args=(j,)) for j in bound]
+    threads = [threading.Thread(target=job, args=(j,)) for j in tasks]
     for t in threads:
         t.start()
-    sched.open_when_waiting(len(bound))
+    sched.open_when_waiting(len(tasks))
     for t in threads:
         t.join(timeout=30)
     sched.close()
     records = [json.loads(ln) for ln in (tmp_path / "tasks.jsonl").read_text().splitlines()]
     grants = [r for r in records if "remaining" in r]
-    assert len(grants) == sum(tasks.values())
+    assert len(grants) == sum(tasks.values()) + 2 * len(tasks)
+    for j, trainings in ran.items():
+        assert [len(t) for t in trainings] == [tasks[j], 2] and all(len(set(t)) == 1 for t in trainings), j
     for g in grants:
-        assert devices[g["slot"]] == bound[g["job"]] and set(g["remaining"]) <= {j for j in bound
-                                                                                 if bound[j] == bound[g["job"]]}
-        assert g["job"] == pick_longest(g["remaining"], list(bound))
+        assert g["job"] == pick_longest(g["remaining"], order)
     assert ledger.worst["a"] <= 2 and ledger.worst["b"] <= 3  # its slots + one staged job
     assert sum(t.vacates for t in turns.values()) > 0 and sum(t.stages for t in turns.values()) > 0
-    vacated = [r for r in records if "vacate" in r or "unstage" in r]
-    assert all(r["job"] in bound for r in vacated)

@@ -222,14 +222,14 @@ def test_a_job_gives_its_device_slots_back_before_another_takes_its_slot(sharded
 
 
 def test_jobs_bound_to_devices_train_as_alone(tmp_path, corpus_file, cache_dir):
-    """sweep.devices under sharded-lrtf: each job bound to a device (here both slots on the CPU), trained there
-    with its `stratum train` run's losses."""
+    """sweep.devices under sharded-lrtf (here both slots on the CPU): each job trained on its slots' device, with
+    its `stratum train` run's losses."""
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED + '\ndevices = ["cpu", "cpu"]',
                       grid='"optim.lr" = [1e-3, 3e-3]', steps=2, extra=PINNED_PLACEMENT)
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     assert {j: r["status"] for j, r in rows(tmp_path / "sw").items()} == {"j000": "done", "j001": "done"}, lines
-    assert "  cpu: j000, j001" in lines
+    assert any("on 2 slot(s) on cpu" in ln for ln in lines), lines
     for job_id in ("j000", "j001"):
         assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id, [
             "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])

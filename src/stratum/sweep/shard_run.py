@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -61,23 +60,6 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
     return out
 
 
-def bind_devices(jobs: list[ShardJob], devices: list[str]) -> list[ShardJob]:
-    """Each job bound to one of ``devices`` (one per slot; a device named k times has k slots), longest predicted
-    remaining time first onto the device whose slots would end their work first (LPT). A job's engine keeps its
-    pinned chunks, buffers and in-flight activations on its device between its tasks, so it stays there; [] =
-    unbound (any slot)."""
-    if not devices:
-        return jobs
-    slots = {d: devices.count(d) for d in dict.fromkeys(devices)}
-    load = dict.fromkeys(slots, 0.0)
-    bound: dict[str, str] = {}
-    for j in sorted(jobs, key=lambda j: -j.tasks_left * j.task_s):  # (stable: ties in sweep order)
-        d = min(load, key=lambda d: (load[d] + j.tasks_left * j.task_s) / slots[d])
-        load[d] += j.tasks_left * j.task_s
-        bound[j.id] = d
-    return [replace(j, device=bound[j.id]) for j in jobs]
-
-
 def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> None:
     """A pending job whose checkpoint stands at a rung it has not reported at (its sweep, or worker, was killed
     between the two) is reported there now, from its metrics: it pauses there as it would have."""
@@ -102,7 +84,6 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
             report_missed(state, configs, asha)
         if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
             break
-        jobs = bind_devices(jobs, devices)
         deadline = t0 + time_budget_s if time_budget_s else None
         spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
                             threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha,
@@ -137,8 +118,6 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
         state.update(j.id, pid=worker.pid)
     on = f" on {', '.join(sorted(set(devices)))}" if devices else ""
     say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s){on} (worker pid {worker.pid})")
-    for d in dict.fromkeys(j.device for j in jobs if j.device):
-        say(f"  {d}: {', '.join(j.id for j in jobs if j.device == d)}")
     stopped = False
     try:
         while worker.poll() is None:

@@ -5,21 +5,21 @@ time (:mod:`stratum.sweep.shard_lrtf`'s rule, applied to the real tasks' ends).
 Every job runs ``stratum train``'s own loop (metrics, evaluation, checkpoints, summary) under the offload engine,
 whose state lives on the host/disk tiers; the engine reports each block's end (:mod:`stratum.offload.tasks`), and at
 a shard's last block the job's thread gives its slot back and waits for its next turn. A waiting job's state stays
-in this process's memory, so a freed slot of its device can take its next task (no checkpoint); before its slot
-goes to another job its engine gives its device memory back (``turn.vacate``: its chunks home, its slots freed, its
+in this process's memory, so a freed slot of its device can take its next task (no checkpoint); before its slot goes
+to another job its engine gives its device memory back (``turn.vacate``: its chunks home, its slots freed, its
 pinned chunks and in-flight tensors copied to host memory). While every slot of a device is busy, the waiting job
 its next freed slot goes to (as things stand) stages its next shard: its engine takes its memory back and starts
 moving that shard's chunks to its device slots (``turn.stage_next``, the engine's prefetch with nothing in use), so
-its task starts with them in place; overtaken by another job, it gives the memory back again. With
-``devices`` each job is bound to one device (:func:`stratum.sweep.shard_run.bind_devices`) and takes only its
-slots. A stop lets every started job finish its step, which its trainer saves. A job's step is computed exactly as
-alone: what it computes depends on its own state only. What
-the jobs share is torch's global generators: a job's set-up (which seeds them) holds
-:data:`~stratum.model.streams.GLOBAL_RNG` from its start to its first shard boundary, every block forward of a
-job with dropout holds it too (it forks, seeds from the block's stream, draws, puts back), and the thread of a
-job without dropout forks nothing (:func:`~stratum.model.streams.thread_draws_nothing`), so it never waits for it.
-Under ASHA (:mod:`stratum.sweep.shard_asha`) a job runs to each rung, reports there and waits without a slot
-until it is promoted or the worker ends.
+its task starts with them in place; overtaken by another job, it gives the memory back again. With ``devices`` a job
+takes any device's slot for its training's first task, and that device's slots from then on (its engine's pinned
+state, buffers and streams live there). A stop lets every started job finish its step, which its trainer saves. A
+job's step is computed exactly as alone: what it computes depends on its own state only. What the jobs share is
+torch's global generators: a job's set-up (which seeds them) holds :data:`~stratum.model.streams.GLOBAL_RNG` from
+its start to its first shard boundary, every block forward of a job with dropout holds it too (it forks, seeds from
+the block's stream, draws, puts back), and the thread of a job without dropout forks nothing
+(:func:`~stratum.model.streams.thread_draws_nothing`), so it never waits for it. Under ASHA
+(:mod:`stratum.sweep.shard_asha`) a job runs to each rung, reports there and waits without a slot until it is
+promoted or the worker ends.
 
 Runbook: the sweep runner starts this through its backend: :func:`shard_worker_main` in a forked process (local),
 :func:`run_shard_worker` in one Ray actor holding every slot's CPUs (ray). Its
@@ -75,8 +75,6 @@ class ShardJob:
     """Predicted seconds of one shard task."""
     shard_blocks: int
     """Blocks per shard."""
-    device: str = ""
-    """The device its engine lives on, and whose slots it takes ("" = its own train.device, any slot)."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -85,16 +83,18 @@ class Stopped(KeyboardInterrupt):
 
 @dataclass
 class SlotScheduler:
-    """Grants ``slots`` slots to waiting jobs, longest remaining time first (a job bound to a device among that
-    device's slots); records every grant, stage and vacate."""
+    """Grants ``slots`` slots to waiting jobs, longest remaining time first (a job whose engine lives on a device
+    among that device's slots); records every grant, stage and vacate."""
 
     slots: int
     order: list[str]
     tasks_path: Path
     devices: list[str] = field(default_factory=list)
     """Each slot's device; [] = none named (any job takes any slot)."""
-    job_devices: dict[str, str] = field(default_factory=dict)
-    """Job → the device its engine lives on: it takes only that device's slots (with ``devices``)."""
+    bound: dict[str, str] = field(default_factory=dict)
+    """Job → the device its engine lives on, from its training's first grant to its end (or a rung): its engine's
+    pinned state, buffers and streams stay there between its tasks, so it takes only that device's slots; a job
+    not training takes any slot."""
     cond: threading.Condition = field(default_factory=threading.Condition)
     free: list[int] = field(default_factory=list)
     waiting: dict[str, float] = field(default_factory=dict)
@@ -118,8 +118,13 @@ class SlotScheduler:
         self.devices = self.devices or [""] * self.slots
         self._log = open(self.tasks_path, "a")
 
-    def _device(self, job: str) -> str:
-        return self.job_devices.get(job, "") if any(self.devices) else ""
+    def _fits(self, job: str, device: str) -> bool:
+        """``job`` may take a slot of ``device``."""
+        return self.bound.get(job, device) == device
+
+    def _rivals(self, device: str) -> dict[str, float]:
+        """The waiting jobs that may take a slot of ``device`` now, and their remaining seconds."""
+        return {j: r for j, r in self.waiting.items() if self._fits(j, device) and not self._stops(j)}
 
     def acquire(self, job: str, remaining_s: float, turn: Turn | None = None) -> int:
         """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
@@ -164,17 +169,19 @@ class SlotScheduler:
 
     def _yields(self, job: str, remaining: float) -> bool:
         """``job`` holds a slot that another waiting job would take from it now."""
-        d = self._device(job)
-        rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d}
-        return job in self.granted and bool(rivals) and pick_longest({**rivals, job: remaining}, self.order) != job
+        if job not in self.granted:
+            return False
+        rivals = self._rivals(self.devices[self.granted[job]])
+        return bool(rivals) and pick_longest({**rivals, job: remaining}, self.order) != job
 
     def _stages(self, job: str) -> bool:
-        d = self._device(job)
-        return (job in self.turns and self.next_up.get(d) == job and job not in self.staged and not self.stopping
-                and not any(self._device(j) == d for j in self.staged))  # one staged job per device at a time
+        d = self.bound.get(job)
+        return (job in self.turns and d is not None and self.next_up.get(d) == job and job not in self.staged
+                and not self.stopping
+                and not any(self.bound.get(j) == d for j in self.staged))  # one staged job per device at a time
 
     def _unstages(self, job: str) -> bool:
-        return job in self.staged and self.next_up.get(self._device(job)) != job
+        return job in self.staged and self.next_up.get(self.bound.get(job, "")) != job
 
     def _stage(self, job: str, turn: Turn) -> None:
         """Run ``job``'s stage outside the lock (called and returning with it held); record what it moved."""
@@ -216,7 +223,8 @@ class SlotScheduler:
     def release(self, job: str) -> None:
         """``job`` ended a task and its training (to its end or a rung): its slot goes to the next waiting job."""
         with self.cond:
-            self.turns.pop(job, None)  # (its engine is gone)
+            self.turns.pop(job, None)  # (its engine is gone: it may start again on any device)
+            self.bound.pop(job, None)
             self._free(job)
             self._grant()
 
@@ -243,12 +251,11 @@ class SlotScheduler:
         if not self.opened:
             return
         for slot in list(self.free):
-            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == self.devices[slot]
-                      and not self._stops(j)}
-            if not rivals:
+            if not (rivals := self._rivals(self.devices[slot])):
                 continue
             job = pick_longest(rivals, self.order)
             self.free.remove(slot)
+            self.bound.setdefault(job, self.devices[slot])
             record = {"slot": slot, "job": job, "task": self.done_tasks.get(job, 0), "remaining": rivals}
             if self.turns:
                 record["device_bytes"] = {j: t.device_bytes() for j, t in self.turns.items()}
@@ -260,8 +267,7 @@ class SlotScheduler:
             self.cond.notify_all()
         up: dict[str, str] = {}
         for d in dict.fromkeys(self.devices):
-            rivals = {j: r for j, r in self.waiting.items() if self._device(j) == d and not self._stops(j)}
-            if rivals:
+            if rivals := self._rivals(d):
                 up[d] = pick_longest(rivals, self.order)
         if up != self.next_up:
             self.next_up = up
@@ -329,7 +335,7 @@ def _run_job(job: ShardJob, sched: SlotScheduler, board: RungBoard | None, threa
     log = Path(job.config_path).parent / "worker.log"
     code = 0
     try:
-        cfg = load_config(job.config_path, [f"train.device={job.device!r}"] if job.device else [])
+        cfg = load_config(job.config_path)
         if cfg.model.source == "gpt" and cfg.model.dropout == 0:
             thread_draws_nothing()  # (its blocks draw nothing; it initialises from its own generators)
         set_gate(gate)
@@ -362,9 +368,9 @@ def _train_chain(job: ShardJob, cfg: Config, gate: JobGate, sched: SlotScheduler
         return
     while True:
         stop = board.next_stop(step, steps) if board is not None else steps
-        sched.acquire(job.id, gate.remaining_s())
+        device = sched.devices[sched.acquire(job.id, gate.remaining_s())]
         gate.take_setup()
-        train(cfg, stop_at=stop)
+        train(load_config(job.config_path, [f"train.device={device!r}"]) if device else cfg, stop_at=stop)
         gate.drop_setup()
         if board is None or stop >= steps:
             return
@@ -381,12 +387,11 @@ def _append(path: Path, text: str) -> None:
 
 def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path,
                    asha: dict[str, int] | None = None, devices: list[str] | None = None) -> dict[str, int]:
-    """Train ``jobs`` on ``slots`` slots (on ``devices``, one per slot, each job on its own device's) by the
+    """Train ``jobs`` on ``slots`` slots (on ``devices``, one per slot; a training job on its device's) by the
     shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA at the rungs); each job's exit code. SIGTERM
     lets every started job finish its step (its shard tasks still granted by the rule), which its trainer saves,
     and stop; a job not started does not start."""
-    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []),
-                          job_devices={j.id: j.device for j in jobs if j.device})
+    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []))
     board = RungBoard.open(sweep_dir, [j.id for j in jobs], say=logger.info, **asha) if asha else None
     codes: dict[str, int] = {}
 
