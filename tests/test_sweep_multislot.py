@@ -24,7 +24,7 @@ from stratum.sweep.runner import run_sweep
 from stratum.sweep.schedulers import Planned, Start
 from stratum.sweep.spec import load_sweep
 from stratum.sweep.state import SweepState
-from stratum.sweep.strategies import plan_overrides, relative_options
+from stratum.sweep.strategies import plan_overrides, relative_options, sweep_plans
 from stratum.train.trainer import read_metrics
 
 from test_sweep_gang import _profile
@@ -102,6 +102,14 @@ def test_bad_sweep_plans_are_one_line_errors(tmp_path, corpus_file, cache_dir, s
     with pytest.raises(StratumError, match=match) as e:
         load_sweep(path)
     assert "\n" not in str(e.value)
+
+
+def test_default_plans_span_slots_on_cpu_devices_only(tmp_path, corpus_file, cache_dir):
+    for devices, multi in (("", True), ('devices = ["cpu", "cpu"]', True), ('devices = ["cuda:0", "cuda:1"]', False)):
+        path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=f'scheduler = "planned"\n{devices}',
+                          grid='"optim.lr" = [1e-3]', steps=2)
+        plans = sweep_plans(load_sweep(path).settings)
+        assert ("replicate(2)" in plans and "pipeline(2)" in plans) == multi and "local" in plans, (devices, plans)
 
 
 def test_a_job_over_device_slots_gets_them_in_rank_order():

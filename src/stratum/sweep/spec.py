@@ -125,7 +125,7 @@ class SweepSettings:
     plans: list[str] = field(default_factory=list)
     """planned: the strategies a job may run as — "local" (one slot: the job's own config) and Plan trees over k
     slots at once, "replicate(k)" or "pipeline(k)" (k processes of threads_per_job threads, the same global
-    batch); [] = local, and on the local backend without sweep.devices also replicate(k) and pipeline(k) for
+    batch); [] = local, and on the local backend with CPU slots also replicate(k) and pipeline(k) for
     k = 2..slots. With sweep.devices (local backend, one kind) a job over k slots runs rank r on its r-th slot's
     device."""
 

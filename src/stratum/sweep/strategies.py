@@ -95,10 +95,11 @@ def streamed_tasks_s(profile: Profile, hw: Hardware, shard_blocks: int) -> list[
 def sweep_plans(s: SweepSettings) -> list[str]:
     """The strategies the planned scheduler chooses between for each job: sweep.plans, or by default ``local``
     and, where a job may hold several slots (CPU slots, checkpoint slices), replicate(k) and pipeline(k) for
-    k = 2..slots."""
+    k = 2..slots. (GPU slots take them from sweep.plans only: their prices would come from this machine's probe
+    of its CPU processes.)"""
     if s.plans:
         return list(s.plans)
-    multi = not s.devices and s.slice_by == "checkpoint"
+    multi = all(d == "cpu" for d in s.devices) and s.slice_by == "checkpoint"
     return candidate_plans(s.slots) if multi else ["local"]
 
 
