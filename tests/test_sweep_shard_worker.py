@@ -4,7 +4,9 @@ draws, each its own beside the others."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 
@@ -13,7 +15,7 @@ import torch
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream, thread_draws_nothing
 from stratum.sweep.shard_lrtf import pick_longest
-from stratum.sweep.shard_worker import SlotScheduler
+from stratum.sweep.shard_worker import SlotScheduler, job_stream
 
 
 def test_times_equal_to_the_microsecond_tie_to_sweep_order(tmp_path):
@@ -158,3 +160,29 @@ def test_a_training_job_keeps_to_its_device_and_a_device_holds_its_tasks_and_one
         assert g["job"] == pick_longest(g["remaining"], order)
     assert ledger.worst["a"] <= 2 and ledger.worst["b"] <= 3  # its slots + one staged job
     assert sum(t.vacates for t in turns.values()) > 0 and sum(t.stages for t in turns.values()) > 0
+
+
+DEV = torch.device(os.environ.get("STRATUM_TEST_DEVICE", "cpu"))
+
+
+def test_each_job_thread_computes_on_a_stream_of_its_own():
+    """On a GPU (STRATUM_TEST_DEVICE=cuda) two job threads' kernels go to two streams of their own, neither the
+    default stream, and each thread's result is its own; on a CPU nothing changes."""
+    if DEV.type != "cuda":
+        assert isinstance(job_stream(DEV), contextlib.nullcontext)
+        return
+    seen: dict[int, tuple[int, float]] = {}
+
+    def job(i: int) -> None:
+        with job_stream(DEV):
+            x = torch.full((256, 256), float(i + 1), device=DEV)
+            seen[i] = (torch.cuda.current_stream(DEV).cuda_stream, float((x @ x).sum().item()))
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    default = torch.cuda.default_stream(DEV).cuda_stream
+    assert seen[0][0] != seen[1][0] and default not in (seen[0][0], seen[1][0])
+    assert [v for _, v in (seen[0], seen[1])] == [256.0 ** 3 * (i + 1) ** 2 for i in range(2)]

@@ -32,6 +32,7 @@ the end, and on CUDA devices each one's allocator peak to ``<sweep dir>/shard_cu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from stratum.config import Config, load_config
 from stratum.errors import StratumError
 from stratum.model.streams import GLOBAL_RNG, thread_draws_nothing
 from stratum.offload.tasks import Turn, set_gate
+from stratum.runtime.device import resolve_device
 from stratum.sweep.segment import checkpoint_step, segment_records
 from stratum.sweep.shard_asha import RungBoard
 from stratum.sweep.shard_lrtf import pick_longest
@@ -370,7 +372,9 @@ def _train_chain(job: ShardJob, cfg: Config, gate: JobGate, sched: SlotScheduler
         stop = board.next_stop(step, steps) if board is not None else steps
         device = sched.devices[sched.acquire(job.id, gate.remaining_s())]
         gate.take_setup()
-        train(load_config(job.config_path, [f"train.device={device!r}"]) if device else cfg, stop_at=stop)
+        run = load_config(job.config_path, [f"train.device={device!r}"]) if device else cfg
+        with job_stream(resolve_device(run.train.device)):
+            train(run, stop_at=stop)
         gate.drop_setup()
         if board is None or stop >= steps:
             return
@@ -378,6 +382,14 @@ def _train_chain(job: ShardJob, cfg: Config, gate: JobGate, sched: SlotScheduler
         if not board.at_rung(job.id, stop, segment_records(cfg), step):
             return
         step = stop
+
+
+def job_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """On a GPU, a CUDA stream of the job's own for its thread (a thread's current stream is its own), so that the
+    kernels of jobs on slots of one GPU can overlap rather than queue on its default stream; elsewhere nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
 
 
 def _append(path: Path, text: str) -> None:
