@@ -61,7 +61,7 @@ CASES = [Recipe(HOST, 1.0, "keep"), Recipe(HOST, 0.0, "recompute"), Recipe(DISK,
          Recipe(HOST, 1.0, "recompute", "bf16"), Recipe(DISK, 0.0, "recompute", "bf16"),
          Recipe(HOST, 1.0, "keep", streams=False), Recipe(HOST, 0.0, "recompute", streams=False),
          Recipe(HOST, 0.0, "recompute", "bf16", handoff="chunk"), Recipe(HOST, 1.0, "keep", "bf16", delayed=True),
-         Recipe(HOST, 1.0, "recompute", "fp16")]
+         Recipe(HOST, 1.0, "recompute", "fp16"), Recipe(HOST, 1.0, "offload"), Recipe(DISK, 0.0, "offload", "bf16")]
 
 
 def _name(r: Recipe) -> str:
@@ -77,6 +77,7 @@ def test_vacating_at_every_boundary_is_the_same_run(recipe):
     finally:
         ref.close()
     eng = recipe.engine()
+    assert (recipe.activations == "offload") == bool(eng.placement.spilled(len(eng.model)))
     slot_bytes = sum(s.numel() * s.element_size() for s in eng.slots)
     slot_bytes += sum(c.slot.numel() * c.slot.element_size() for c in eng.chunks if c.pinned and c.slot is not None)
     assert slot_bytes > 0 and any(c.pinned for c in eng.chunks)  # (GPT's tied embedding and head: pinned)
