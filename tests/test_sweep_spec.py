@@ -10,7 +10,7 @@ import pytest
 
 from stratum.cli import main
 from stratum.errors import StratumError
-from stratum.sweep.expand import check_jobs, expand, job_config
+from stratum.sweep.expand import check_jobs, check_shared_memory, expand, job_config
 from stratum.sweep.spec import load_sweep
 
 
@@ -194,3 +194,14 @@ def test_a_calibration_file_that_holds_none_is_a_one_line_error_before_anything_
     err = capsys.readouterr().err
     assert err.startswith(f"stratum: error: sweep.calibration: {tmp_path / 'cal.json'} is not a") and message in err
     assert err.count("\n") == 1 and not (tmp_path / "sw").exists()
+
+
+def test_a_gpu_must_hold_its_running_jobs_and_a_staged_one_under_sharded_lrtf():
+    """(k + 1) × sweep.device_budget on a GPU of k slots: one line naming the device and the budget that fits."""
+    gib = 2**30
+    check_shared_memory(["cuda:0", "cuda:0", "cuda:1"], 10 * gib, lambda d: 40 * gib)  # 30 and 20 GiB: fit
+    check_shared_memory(["cpu", "cpu"], 100 * gib, lambda d: 0)  # (CPU slots: RAM, not checked here)
+    with pytest.raises(StratumError) as e:
+        check_shared_memory(["cuda:0", "cuda:0", "cuda:1"], 16 * gib, lambda d: 40 * gib)
+    assert "on cuda:0 and one staged need 48.00 GiB, but cuda:0 has 40.00 GiB" in str(e.value), str(e.value)
+    assert "≤ 13.33 GiB" in str(e.value) and "\n" not in str(e.value)

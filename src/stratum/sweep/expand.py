@@ -12,7 +12,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from stratum.config import Config, load_config
 from stratum.errors import StratumError
 from stratum.sweep.spec import RandomKey, SweepSpec, toml_literal
+from stratum.units import fmt_bytes, parse_budget
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -124,6 +125,22 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
                 raise StratumError(f"sweep device {d!r} does not exist: this machine has {gpus} CUDA device(s)")
         elif d not in ("cpu", "auto"):
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
+    budget = parse_budget(s.device_budget, "sweep.device_budget") if s.device_budget.strip() else None
+    if s.scheduler == "sharded-lrtf" and budget is not None:
+        check_shared_memory(devices, budget, lambda d: torch.cuda.get_device_properties(torch.device(d)).total_memory)
+
+
+def check_shared_memory(devices: list[str], budget: int, total_of: Callable[[str], int]) -> None:
+    """sharded-lrtf: a GPU holds its k running jobs' budgets and one staged job's (the waiting ones give theirs
+    back), so (k + 1) × ``budget`` must fit its memory (``total_of``); one line saying what does not, else
+    nothing."""
+    for d in dict.fromkeys(x for x in devices if x.startswith("cuda")):
+        k, total = devices.count(d), total_of(d)
+        if (k + 1) * budget > total:
+            raise StratumError(
+                f"sweep.device_budget = {fmt_bytes(budget)} per job: {k} running job(s) on {d} and one staged need "
+                f"{fmt_bytes((k + 1) * budget)}, but {d} has {fmt_bytes(total)}; set sweep.device_budget ≤ "
+                f"{fmt_bytes(total // (k + 1))} or give {d} fewer slots")
 
 
 def distinct_data(configs) -> list[Config]:
