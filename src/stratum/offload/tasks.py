@@ -23,8 +23,9 @@ class Turn(Protocol):
         the number of chunk fetches started."""
 
     def vacate(self) -> int:
-        """Give back the device's chunk slots (resident chunks written home first); the next access takes them
-        again. The device bytes released."""
+        """Give the device back: streamed chunks written home and their slots freed, pinned chunks and the
+        in-flight tensors only the engine holds copied to host memory; the next access takes all back. The device
+        bytes released."""
 
     def device_bytes(self) -> int:
         """Device bytes the engine holds now: its charged buffers (slots, pinned chunks, staging) and the step's
