@@ -26,7 +26,8 @@ def test_sweeps_on_a_local_ray_instance(tmp_path, corpus_file, cache_dir):
                      sweep='backend = "ray"\nscheduler = "planned"\nplans = ["replicate(2)"]',
                      grid='"optim.lr" = [3e-3]', steps=2, extra="grad_accum = 2\neval_interval = 2")
     three = sweep_file(tmp_path / "three", corpus_file, cache_dir,
-                       sweep='backend = "ray"\nscheduler = "sharded-lrtf"\ndevice_budget = "1.4MB"\nshard_blocks = 2',
+                       sweep='backend = "ray"\nscheduler = "sharded-lrtf"\ndevice_budget = "1.4MB"\nshard_blocks = 2\n'
+                             'devices = ["cpu", "cpu"]',
                        grid='"optim.lr" = [1e-3, 3e-3]\n"model.dropout" = [0.1]', steps=2,
                        extra="eval_interval = 2")
     lines: list[str] = []

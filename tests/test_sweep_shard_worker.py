@@ -14,6 +14,7 @@ import torch
 
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream, thread_draws_nothing
+from stratum.sweep.ray_backend import actor_devices
 from stratum.sweep.shard_lrtf import pick_longest
 from stratum.sweep.shard_worker import SlotScheduler, job_stream
 
@@ -186,3 +187,8 @@ def test_each_job_thread_computes_on_a_stream_of_its_own():
     default = torch.cuda.default_stream(DEV).cuda_stream
     assert seen[0][0] != seen[1][0] and default not in (seen[0][0], seen[1][0])
     assert [v for _, v in (seen[0], seen[1])] == [256.0 ** 3 * (i + 1) ** 2 for i in range(2)]
+
+
+def test_a_ray_worker_knows_its_gpus_from_0_in_the_order_named():
+    assert actor_devices(["cuda:2", "cuda:2", "cuda:5", "cpu"]) == ["cuda:0", "cuda:0", "cuda:1", "cpu"]
+    assert actor_devices(["cpu", "cpu"]) == ["cpu", "cpu"]

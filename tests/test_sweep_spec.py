@@ -95,8 +95,6 @@ steps = 3
     ("[sweep.random]\n\"optim.lr\" = {normal = [0, 1]}", "must be a list or one of"),
     ("slots = 100000\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "CPU slots but this machine has"),
     ("devices = [\"cuda:7\"]\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "does not exist"),
-    ("scheduler = \"sharded-lrtf\"\ndevice_budget = \"8MB\"\nbackend = \"ray\"\ndevices = [\"cpu\"]\n[sweep.grid]\n"
-     "\"optim.lr\" = [1e-3]", "over sweep.devices runs on the local backend"),
     ("early_stop = \"asha\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "needs sweep.asha_min_steps ≥ 1"),
     ("[sweep.grid]\n\"train.seed\" = {start = 0, stop = 1e12, step = 1}", "gives 1,000,000,000,001 values"),
     ("samples = 200\n[sweep.grid]\n\"train.seed\" = {start = 0, stop = 99, step = 1}\n[sweep.random]\n"

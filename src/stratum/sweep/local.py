@@ -89,9 +89,13 @@ class LocalBackend:
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 
-    def start_shard_worker(self, spec_path: Path, cpus: int) -> Worker:
-        """sharded-lrtf's worker, forked (its jobs' threads share this machine's cores)."""
+    def start_shard_worker(self, spec_path: Path, cpus: int, gpus: int) -> Worker:
+        """sharded-lrtf's worker, forked (its jobs' threads share this machine's cores and GPUs)."""
         return start_process(shard_worker_main, (str(spec_path),), "stratum-sweep-shards")
+
+    def worker_devices(self, devices: list[str]) -> list[str]:
+        """This machine's names: the forked worker sees what the sweep sees."""
+        return devices
 
     def close(self) -> None:
         pass

@@ -40,6 +40,14 @@ PLACE_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 30.0
 
 
+def actor_devices(devices: list[str]) -> list[str]:
+    """``devices`` as a process sees them that was given only their distinct GPUs, in order of first naming: the
+    k-th distinct CUDA device becomes cuda:k (CPU slots stay)."""
+    gpus = list(dict.fromkeys(d for d in devices if d.startswith("cuda")))
+    return [f"cuda:{gpus.index(d)}" if d in gpus else d for d in devices]
+
+
+
 class SlotActor:
     """The process behind one slot (made a Ray actor class by :class:`RayBackend`)."""
 
@@ -235,15 +243,20 @@ class RayBackend:
                 for rank, (a, _) in enumerate(actors)]
         return RayRanks(self, slots, refs, [pid for _, pid in actors])
 
-    def start_shard_worker(self, spec_path: Path, cpus: int) -> RayWorker:
-        """sharded-lrtf's worker as one actor with ``cpus`` CPUs (the slots' actors are released first: the
-        worker takes their CPUs)."""
+    def start_shard_worker(self, spec_path: Path, cpus: int, gpus: int) -> RayWorker:
+        """sharded-lrtf's worker as one actor with ``cpus`` CPUs and ``gpus`` GPUs (the slots' actors are released
+        first: the worker takes their CPUs)."""
         self.close()
-        actor = self._actor_cls.options(num_cpus=cpus, max_restarts=0).remote()
+        actor = self._actor_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0).remote()
         self.shard = (actor, cpus)
-        pid = self._placed(actor, f"sharded-lrtf's worker ({cpus} CPUs on one node)", "it runs every slot in one "
-                           "process")
+        pid = self._placed(actor, f"sharded-lrtf's worker ({cpus} CPUs, {gpus} GPUs on one node)", "it runs every "
+                           "slot in one process")
         return RayWorker(self.ray, actor, actor.run_shards.remote(str(spec_path)), pid)
+
+    def worker_devices(self, devices: list[str]) -> list[str]:
+        """Ray gives the worker's actor its GPUs as the only visible ones, numbered from 0: the k-th CUDA device
+        named in ``devices`` is its cuda:k (:func:`actor_devices`)."""
+        return actor_devices(devices)
 
     def close(self) -> None:
         """Kill the actors and wait (bounded) until Ray has their CPUs back: a sweep started next in this

@@ -151,9 +151,12 @@ class Backend(Protocol):
         train.device): one process, or for a plan over several slots one rank on each (``threads`` threads
         each); the segment sits on the first."""
 
-    def start_shard_worker(self, spec_path: Path, cpus: int) -> Worker:
+    def start_shard_worker(self, spec_path: Path, cpus: int, gpus: int) -> Worker:
         """Start sharded-lrtf's one worker (:func:`stratum.sweep.shard_worker.run_shard_worker` over
-        ``spec_path``), with ``cpus`` CPUs for all its slots."""
+        ``spec_path``), with ``cpus`` CPUs and ``gpus`` GPUs for all its slots."""
+
+    def worker_devices(self, devices: list[str]) -> list[str]:
+        """The names sharded-lrtf's worker knows the slots' ``devices`` by where it runs."""
 
     def close(self) -> None:
         """Release the workers."""

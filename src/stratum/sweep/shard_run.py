@@ -107,12 +107,14 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
     spec_path = sweep_dir / "shard_spec.json"
     rungs = {"min_steps": asha.min_steps, "eta": asha.eta} if asha is not None else None
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
-                                             "jobs": [vars(j) for j in jobs], "asha": rungs, "devices": devices}))
+                                             "jobs": [vars(j) for j in jobs], "asha": rungs,
+                                             "devices": backend.worker_devices(devices)}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
     for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
         if state.job(j.id).status != PAUSED:
             state.update(j.id, status=RUNNING)
-    worker = backend.start_shard_worker(spec_path, cpus=slots * threads)
+    worker = backend.start_shard_worker(spec_path, cpus=slots * threads,
+                                        gpus=len({d for d in devices if d.startswith("cuda")}))
     began = time.monotonic()
     for j in jobs:
         state.update(j.id, pid=worker.pid)

@@ -356,9 +356,6 @@ def _check_multi_slot(s: SweepSettings) -> None:
 def _check_sharded(s: SweepSettings) -> None:
     """sharded-lrtf interleaves the jobs' shard tasks in one process (local, or one Ray actor), under the offload
     engine (with sweep.devices each job on one of them: docs/sweep.md)."""
-    if s.devices and s.backend != "local":
-        raise StratumError("sweep.scheduler = \"sharded-lrtf\" over sweep.devices runs on the local backend (its one "
-                           "worker process holds every device); set backend = \"local\" or remove sweep.devices")
     if not s.device_budget.strip():
         raise StratumError("sweep.scheduler = \"sharded-lrtf\" keeps each job's state on the host tier between "
                            "its shard tasks: set sweep.device_budget (per job on its slot), e.g. \"64MB\"")
