@@ -23,7 +23,7 @@ def test_sweeps_on_a_local_ray_instance(tmp_path, corpus_file, cache_dir):
     one = sweep_file(tmp_path / "one", corpus_file, cache_dir, sweep='backend = "ray"',
                      grid='"optim.lr" = [1e-3, 3e-3]', steps=4, extra="eval_interval = 2")
     two = sweep_file(tmp_path / "two", corpus_file, cache_dir,
-                     sweep='backend = "ray"\nscheduler = "planned"\nplans = ["replicate(2)"]',
+                     sweep='backend = "ray"\nscheduler = "planned"\nplans = ["replicate(2)"]\ndevices = ["cpu", "cpu"]',
                      grid='"optim.lr" = [3e-3]', steps=2, extra="grad_accum = 2\neval_interval = 2")
     three = sweep_file(tmp_path / "three", corpus_file, cache_dir,
                        sweep='backend = "ray"\nscheduler = "sharded-lrtf"\ndevice_budget = "1.4MB"\nshard_blocks = 2\n'

@@ -59,19 +59,27 @@ def train_command(config_path: Path | str, stop_at: int, sets: list[str] | None 
             *[a for kv in sets or [] for a in ("--set", kv)]]
 
 
-def rank_devices(devices: tuple[str, ...], visible: str | None) -> tuple[list[str], dict[str, str]]:
-    """A job over slots on ``devices`` (one per rank, in rank order): the ``--set`` that names their kind and
-    the environment that gives rank r the r-th — its CUDA devices made visible in rank order (through
-    ``visible``, the sweep's own CUDA_VISIBLE_DEVICES, where set), so that a rank's cuda:LOCAL_RANK is its
-    slot's GPU."""
+def device_kind(devices: tuple[str, ...]) -> list[str]:
+    """The ``--set`` that names the kind of a job's slots' ``devices`` (a job's ranks run on one kind)."""
     if all(d == "cpu" for d in devices):
-        return ["train.device='cpu'"], {}
+        return ["train.device='cpu'"]
     if not all(d.startswith("cuda") for d in devices):
         raise StratumError(f"a job over slots on {', '.join(devices)} mixes device kinds; give sweep.devices of "
                            "one kind (all cuda:N or all cpu)")
+    return ["train.device='cuda'"]
+
+
+def rank_devices(devices: tuple[str, ...], visible: str | None) -> tuple[list[str], dict[str, str]]:
+    """A job over slots on ``devices`` (one per rank, in rank order), its ranks started on this machine: the
+    ``--set`` that names their kind and the environment that gives rank r the r-th — its CUDA devices made
+    visible in rank order (through ``visible``, the sweep's own CUDA_VISIBLE_DEVICES, where set), so that a
+    rank's cuda:LOCAL_RANK is its slot's GPU."""
+    sets = device_kind(devices)
+    if devices[0] == "cpu":
+        return sets, {}
     index = [int(d[5:]) if d.startswith("cuda:") else 0 for d in devices]
     names = visible.split(",") if visible else [str(i) for i in range(max(index) + 1)]
-    return ["train.device='cuda'"], {"CUDA_VISIBLE_DEVICES": ",".join(names[i] for i in index)}
+    return sets, {"CUDA_VISIBLE_DEVICES": ",".join(names[i] for i in index)}
 
 
 def job_env(threads: int) -> dict[str, str]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from stratum.dist.launch import rank_env
 from stratum.errors import StratumError
-from stratum.sweep.launched import job_env, train_command
+from stratum.sweep.launched import device_kind, job_env, train_command
 from stratum.sweep.segment import Segment, run_segment
 from stratum.sweep.shard_worker import run_shard_worker
 
@@ -72,12 +72,13 @@ class SlotActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run_rank(self, config_path: str, stop_at: int, threads: int, log_path: str, rank: int, world: int,
-                 master: tuple[str, int]) -> int:
-        """Rank ``rank`` of ``world`` of the job's plan, as torchrun starts one; its exit code. SIGTERM to this
-        actor reaches the rank (it checkpoints after its step and exits)."""
+                 master: tuple[str, int], sets: list[str]) -> int:
+        """Rank ``rank`` of ``world`` of the job's plan, as torchrun starts one (with ``--set`` ``sets``); its exit
+        code. SIGTERM to this actor reaches the rank (it checkpoints after its step and exits). Its local rank is
+        0: on a GPU slot its GPU is the actor's only visible one, cuda:0."""
         env = dict(job_env(threads), **rank_env(rank, world, local_rank=0, local_world=1, master=master))
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(train_command(config_path, stop_at), stdin=subprocess.DEVNULL, stdout=log,
+            proc = subprocess.Popen(train_command(config_path, stop_at, sets), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
@@ -219,7 +220,7 @@ class RayBackend:
               devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
         worker: RayWorker | RayRanks
         if len(slots) > 1:
-            worker = self._start_ranks(slots, config_path, stop_at, threads, log_path)
+            worker = self._start_ranks(slots, config_path, stop_at, threads, log_path, devices)
         else:
             actor, pid = self._actor(slots[0])
             device = devices[0] if devices else None
@@ -231,15 +232,17 @@ class RayBackend:
                        log_path=log_path, started=time.monotonic())
 
     def _start_ranks(self, slots: tuple[int, ...], config_path: Path, stop_at: int, threads: int,
-                     log_path: Path) -> RayRanks:
-        """One rank of the job's plan on each slot's actor, joined at rank 0's actor's node."""
+                     log_path: Path, devices: tuple[str, ...] | None) -> RayRanks:
+        """One rank of the job's plan on each slot's actor (on its slot's device where ``devices`` name them),
+        joined at rank 0's actor's node."""
+        sets = device_kind(devices) if devices else []
         actors = [self._actor(slot) for slot in slots]
         try:
             master = self.ray.get(actors[0][0].rendezvous.remote(), timeout=PLACE_TIMEOUT_S)
         except self.ray.exceptions.RayError as e:
             raise StratumError(f"slot {slots[0]}'s Ray worker did not answer ({type(e).__name__}); the sweep "
                                "stops") from None
-        refs = [a.run_rank.remote(str(config_path), stop_at, threads, str(log_path), rank, len(slots), master)
+        refs = [a.run_rank.remote(str(config_path), stop_at, threads, str(log_path), rank, len(slots), master, sets)
                 for rank, (a, _) in enumerate(actors)]
         return RayRanks(self, slots, refs, [pid for _, pid in actors])
 

@@ -126,8 +126,7 @@ class SweepSettings:
     """planned: the strategies a job may run as — "local" (one slot: the job's own config) and Plan trees over k
     slots at once, "replicate(k)" or "pipeline(k)" (k processes of threads_per_job threads, the same global
     batch); [] = local, and on the local backend with CPU slots also replicate(k) and pipeline(k) for
-    k = 2..slots. With sweep.devices (local backend, one kind) a job over k slots runs rank r on its r-th slot's
-    device."""
+    k = 2..slots. With sweep.devices (of one kind) a job over k slots runs rank r on its r-th slot's device."""
 
 
 @dataclass(kw_only=True)
@@ -341,9 +340,6 @@ def _check_plans(s: SweepSettings) -> None:
 def _check_multi_slot(s: SweepSettings) -> None:
     """A job over k slots is one `stratum train` run of k processes (local ones, or one on each slot's Ray actor):
     slots of one device kind, and slices that end with a checkpoint."""
-    if s.devices and s.backend != "local":
-        raise StratumError("sweep.plans: jobs over several slots on sweep.devices run on the local backend (Ray gives "
-                           "each slot's actor its own GPU); set backend = \"local\" or remove sweep.devices")
     kinds = {"cpu" if d == "cpu" else "cuda" if d.startswith("cuda") else d for d in s.devices}
     if len(kinds) > 1:
         raise StratumError(f"sweep.plans: a job over several slots may get any of them, and sweep.devices mixes "
