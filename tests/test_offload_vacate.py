@@ -44,7 +44,8 @@ class Recipe:
         p = plan(m, profile(m, self.precision), clip=self.clip, chunk_elems=29_120, optimizer_tier=self.optimizer_tier,
                  activations=self.activations, prefetch_depth=2, precision=self.precision, grad_handoff=self.handoff,
                  host_budget=None if self.optimizer_tier != DISK else S // 3, **budget)
-        assert (p.param_tier != DEVICE) == self.streams and p.chunk_grads == (self.handoff == "chunk")
+        assert (p.param_tier != DEVICE) == self.streams
+        assert self.handoff == "auto" or p.chunk_grads == (self.handoff == "chunk")  # (auto: chunk on a GPU)
         return OffloadEngine(m, optim=spec(self.clip), device=DEV, placement=p, precision=self.precision,
                              delayed_update=self.delayed, loss_scale=FORCED if self.precision == "fp16" else None)
 
