@@ -127,7 +127,8 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
     budget = parse_budget(s.device_budget, "sweep.device_budget") if s.device_budget.strip() else None
     if s.scheduler == "sharded-lrtf" and budget is not None:
-        check_shared_memory(devices, budget, lambda d: torch.cuda.get_device_properties(torch.device(d)).total_memory)
+        named = ["cuda" if d == "auto" and gpus else d for d in devices]  # (auto is a GPU where there is one)
+        check_shared_memory(named, budget, lambda d: torch.cuda.get_device_properties(torch.device(d)).total_memory)
 
 
 def check_shared_memory(devices: list[str], budget: int, total_of: Callable[[str], int]) -> None:
