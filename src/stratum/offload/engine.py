@@ -125,8 +125,6 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         self._act = 0
         self._mb: MicroBatch | None = None
         """The micro-batch between its forward and backward (what a vacate may move off the device)."""
-        self._away = 0
-        """Bytes of block inputs moved off the device while vacated (``_act`` still counts them)."""
         self._yielding = False
         """A scheduler's gate may vacate this step (tasks.gate_set): saved tensors refer to pinned chunks by
         reference too, so that a vacate can move them."""
@@ -579,21 +577,6 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         before = self.n_fetches
         self._prefetch(self.trace.pos - 1, set())
         return self.n_fetches - before
-
-    def device_bytes(self) -> int:
-        """Device bytes held now: the charged buffers (slots unless vacated, pinned chunks, hand-off and spill
-        buffers) and the step's live activations."""
-        return self.tiers[DEVICE].used + self._act - self._away
-
-    def _send_inflight_away(self) -> int:
-        """The in-flight micro-batch's tensors that only it holds, moved to host memory (vacate)."""
-        self._away = self._mb.send_away() if self._mb is not None else 0
-        return self._away
-
-    def _bring_inflight_back(self) -> None:
-        if self._mb is not None:
-            self._mb.bring_back(self.device)
-        self._away = 0
 
     def begin_step(self, lr: float) -> None:
         """Before a step's first forward: gradients none yet, the access trace recording (or checking) anew."""

@@ -21,6 +21,7 @@ from stratum.offload.belady import NextUse
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.chunks import Layout
 from stratum.offload.grad_handoff import ChunkHandoff
+from stratum.offload.inflight import MicroBatch
 from stratum.offload.placement import Placement
 from stratum.offload.prefetch import Transfers
 from stratum.offload.tiers import DiskStore, Tier
@@ -54,7 +55,7 @@ class EngineState:
     _slot_busy: dict[int, Future]
     _vacated: bool
     _yielding: bool
-    _away: int
+    _mb: MicroBatch | None
     _slot_shape: tuple[int, int, torch.dtype]
     n_vacates: int
     _ptr2chunk: dict[int, ChunkState]
@@ -108,8 +109,6 @@ class EngineState:
     if TYPE_CHECKING:  # defined by the engine or by another mixin
         def owns(self, i: int) -> bool: ...
         def _ensure_occupied(self) -> None: ...
-        def _send_inflight_away(self) -> int: ...
-        def _bring_inflight_back(self) -> None: ...
         def _alloc(self, tier: str, n: int, what: str, dtype: torch.dtype = torch.float32) -> Tensor: ...
         def _access(self, chunk_ids: tuple[int, ...], record: bool = True, grads: bool = False) -> None: ...
         def _bind(self, c: ChunkState) -> None: ...

@@ -75,5 +75,9 @@ class MicroBatch:
             assert self.carry is not None
             self.carry, self.carry_away = self.carry.to(device), False
 
+    def away_bytes(self) -> int:
+        """Bytes of block inputs :meth:`send_away` moved (the engine's live activations still count them)."""
+        return sum(self.kept[k] for k in self.away)
+
     def _done(self, k: int) -> bool:
         return self.done_from is not None and k >= self.done_from

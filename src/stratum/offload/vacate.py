@@ -49,7 +49,12 @@ class Vacate(EngineState):
         self.tiers[DEVICE].release(freed)
         self._vacated = True
         self.n_vacates += 1
-        return freed + self._send_inflight_away()
+        return freed + (self._mb.send_away() if self._mb is not None else 0)
+
+    def device_bytes(self) -> int:
+        """Device bytes held now: the charged buffers (slots unless vacated, pinned chunks, hand-off and spill
+        buffers) and the step's live activations, less those a vacate moved away."""
+        return self.tiers[DEVICE].used + self._act - (self._mb.away_bytes() if self._mb is not None else 0)
 
     def _ensure_occupied(self) -> None:
         """Take the device back if :meth:`vacate` gave it away: the slots allocated again (all free), the pinned
@@ -63,7 +68,8 @@ class Vacate(EngineState):
             if c.pinned:
                 self.tiers[DEVICE].charge(self._move_pinned(c, self.device), f"pinned chunk {c.i}")
         self._vacated = False
-        self._bring_inflight_back()
+        if self._mb is not None:
+            self._mb.bring_back(self.device)
 
     def _move_pinned(self, c: ChunkState, to: torch.device) -> int:
         """Copy pinned chunk ``c``'s slot (its parameters, and its gradients where they live in it) to ``to``

@@ -31,7 +31,7 @@ from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
 from stratum.sweep.segment import Backend, await_stop, checkpoint_step
-from stratum.sweep.setup import Sweep, open_sweep, slot_device, sweep_profiles, write_job_configs
+from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
 from stratum.sweep.shard_run import run_sharded
 from stratum.sweep.spec import job_threads
 from stratum.sweep.state import PAUSED, PENDING, JobRow
@@ -110,7 +110,7 @@ def make_backend(sweep: Sweep) -> Backend:
     """The backend sweep.backend names: local worker processes, or Ray actors (GPU slots ask for a GPU)."""
     s = sweep.spec.settings
     if s.backend == "ray":
-        gpu_slots = {i for i in range(s.slots) if (slot_device(sweep, i) or "").startswith("cuda")}
+        gpu_slots = {i for i, d in enumerate(s.devices) if d.startswith("cuda")}
         return RayBackend(address=s.ray_address, slots=s.slots, threads=job_threads(s), gpu_slots=gpu_slots)
     return LocalBackend()
 

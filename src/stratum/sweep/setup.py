@@ -136,12 +136,6 @@ def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None
                                f"train.eval_interval = {s.asha_min_steps}")
 
 
-def slot_device(sweep: Sweep, slot: int) -> str | None:
-    """The device a slot's jobs run on; None = the job's own train.device."""
-    devices = sweep.spec.settings.devices
-    return devices[slot] if devices else None
-
-
 def slot_devices(sweep: Sweep, slots: tuple[int, ...]) -> tuple[str, ...] | None:
     """The devices of a job's slots, in rank order; None = the job's own train.device."""
     devices = sweep.spec.settings.devices
