@@ -523,7 +523,6 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
             assert x_next is not None
             torch.autograd.backward(out, x_next.grad)
         mb.outs[i] = None
-        mb.done_from = i
         if i + 1 < L:
             mb.ins[i + 1] = None
         if self.placement.activations != KEEP:

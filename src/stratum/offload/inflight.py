@@ -1,16 +1,34 @@
 """One micro-batch of the offload engine's step, from its forward to its backward: what each block left for its
-backward (its input, its output where kept, its RNG state and buffers where recomputed), and the moves of the
-tensors only this record holds to host memory and back while the engine is vacated (a multi-job scheduler's
-waits: :meth:`stratum.offload.vacate.Vacate.vacate`)."""
+backward (its input, its output where kept, its RNG state and buffers where recomputed), and the moves of every
+device tensor it holds — those records and what the blocks' autograd graphs saved — to host memory and back while
+the engine is vacated (a multi-job scheduler's waits: :meth:`stratum.offload.vacate.Vacate.vacate`)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from stratum.model.neutral import BufferSnapshot
+
+
+def move_storages(tensors: list[Tensor], to: torch.device) -> dict[int, Tensor]:
+    """Point each tensor at a copy on ``to`` of the storage it views, one copy per storage, so that views of one
+    storage stay views of one copy and the old storage is freed once nothing else holds it. ``.data`` is swapped,
+    so each tensor keeps its identity in autograd (a leaf's gradient still accumulates into it). The copies, by
+    the data pointer of the storage each replaces."""
+    copies: dict[int, Tensor] = {}
+    for t in {id(t): t for t in tensors}.values():
+        src = t.untyped_storage()
+        ptr = src.data_ptr()
+        if ptr not in copies:
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(src)
+            copies[ptr] = whole.to(to, copy=True)
+        view = torch.empty(0, dtype=t.dtype, device=to)
+        t.data = view.set_(copies[ptr].untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return copies
 
 
 @dataclass
@@ -24,7 +42,7 @@ class MicroBatch:
     first: bool
     last: bool
     ins: list[Tensor | None] = field(default_factory=list)
-    """Each block's input (None once its backward is done)."""
+    """Each block's input (None once the block before has read its gradient)."""
     outs: list[Tensor | None] = field(default_factory=list)
     """Each block's output (None: recomputed in the backward)."""
     rng: list[tuple | None] = field(default_factory=list)
@@ -35,49 +53,48 @@ class MicroBatch:
     """Block kept on the device (Placement.kept_blocks) → bytes of its saved activations."""
     carry: Tensor | None = None
     """The forward's running activation between two blocks (the next block's input; then the loss)."""
-    done_from: int | None = None
-    """The last block whose backward is done (its input holds only the gradient the block before reads)."""
-    away: dict[int, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
-    """Block → its input (and that input's gradient) moved to host memory while the engine is vacated."""
-    carry_away: bool = False
-    """``carry`` is in host memory while the engine is vacated."""
+    saved: list[weakref.ref[Tensor]] = field(default_factory=list)
+    """Aliases of the device tensors the blocks' autograd graphs saved while a gate was set (:meth:`track`); an
+    alias dies with the graph that holds it."""
+    away: bool = False
+    """Its device tensors are in host memory (:meth:`send_away`)."""
+    away_bytes: int = 0
+    """Bytes :meth:`send_away` moved (0 when not away)."""
 
-    def send_away(self) -> int:
-        """Move to host memory the device tensors only this record holds — a recomputed block's input (its
-        forward kept no graph), a block's input after its backward (it holds the gradient the block before
-        reads), the carry out of a recomputed block — so that a waiting job leaves its device; the bytes of
-        block inputs moved (as counted in ``kept``)."""
+    def track(self, x: Tensor) -> Tensor:
+        """An alias of ``x`` for an autograd graph to save in its place, which :meth:`send_away` can move: a
+        graph's saved tensors are out of reach, an alias it holds is not."""
+        alias = x.detach()
+        self.saved.append(weakref.ref(alias))
+        return alias
+
+    def send_away(self) -> dict[int, int]:
+        """Move to host memory every device tensor this micro-batch holds — block inputs (and the gradients the
+        blocks before read from them), kept outputs, the carry, the targets, recomputed blocks' buffer values, and
+        what the blocks' graphs saved through :meth:`track` — so that a waiting job leaves its device. The
+        storages renamed: old data pointer → new (the engine keys storages by pointer)."""
         # copies even where the device is the CPU: its device tier is budgeted memory of its own, and the one path
         # runs on every machine
-        cpu = torch.device("cpu")
-        moved = 0
-        for k, t in enumerate(self.ins):
-            if t is None or not (self.bufs[k] is not None or self._done(k)):
-                continue
-            self.away[k] = (t.detach().to(cpu, copy=True),
-                            None if t.grad is None else t.grad.to(cpu, copy=True))
-            self.ins[k] = None
-            moved += self.kept[k]
-        if self.carry is not None and self.outs and self.outs[-1] is None and not self.carry_away:
-            # (a kept block's output stays with its graph)
-            self.carry, self.carry_away = self.carry.to(cpu, copy=True), True
-        return moved
+        copies = self._move(torch.device("cpu"))
+        self.away, self.away_bytes = True, sum(c.numel() for c in copies.values())
+        return {p: c.untyped_storage().data_ptr() for p, c in copies.items()}
 
-    def bring_back(self, device: torch.device) -> None:
-        """Put what :meth:`send_away` moved back on ``device``."""
-        for k, (t, g) in self.away.items():
-            back = t.to(device).requires_grad_(t.is_floating_point())
-            if g is not None:
-                back.grad = g.to(device)
-            self.ins[k] = back
-        self.away.clear()
-        if self.carry_away:
-            assert self.carry is not None
-            self.carry, self.carry_away = self.carry.to(device), False
+    def bring_back(self, device: torch.device) -> dict[int, int]:
+        """Put what :meth:`send_away` moved back on ``device``; the storages renamed, as there."""
+        copies = self._move(device)
+        self.away, self.away_bytes = False, 0
+        return {p: c.untyped_storage().data_ptr() for p, c in copies.items()}
 
-    def away_bytes(self) -> int:
-        """Bytes of block inputs :meth:`send_away` moved (the engine's live activations still count them)."""
-        return sum(self.kept[k] for k in self.away)
-
-    def _done(self, k: int) -> bool:
-        return self.done_from is not None and k >= self.done_from
+    def _move(self, to: torch.device) -> dict[int, Tensor]:
+        self.saved = [r for r in self.saved if r() is not None]
+        snapshots = (value for b in self.bufs if b is not None for *_, value in b.saved)
+        held = [t for t in (*(r() for r in self.saved), *self.ins, *self.outs, self.carry, self.y, *snapshots)
+                if t is not None]
+        owners = [t for t in self.ins if t is not None and t.grad is not None]
+        grads = [t.grad for t in owners]
+        for t in owners:
+            t.grad = None  # (a gradient must sit on its tensor's device: both move, then it goes back on)
+        copies = move_storages(held + [g for g in grads if g is not None], to)
+        for t, g in zip(owners, grads):
+            t.grad = g
+        return copies

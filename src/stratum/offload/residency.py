@@ -244,7 +244,7 @@ class Residency(EngineState):
             return ("chunk", c.i, x.storage_offset() - c.p().storage_offset(), tuple(x.shape), tuple(x.stride()),
                     x.dtype)
         if ptr in self._boundary:
-            return x
+            return self._graph_saves(x)
         if ptr not in self._act_seen:
             self._act_seen.add(ptr)
             self._act += x.untyped_storage().nbytes()
@@ -253,6 +253,12 @@ class Residency(EngineState):
                 self.tiers[DEVICE].note_transient(self._act)
         if self.spill is not None and self.spill.active and x.device == self.device:
             return self.spill.pack(x)
+        return self._graph_saves(x)
+
+    def _graph_saves(self, x: Tensor) -> Tensor:
+        """What a graph saves of activation ``x``: ``x``, or while a gate is set an alias a vacate can move."""
+        if self._yielding and self._mb is not None and x.device == self.device:
+            return self._mb.track(x)
         return x
 
     def _unpack(self, obj):

@@ -3,10 +3,11 @@ asks its engine to :meth:`Vacate.vacate`, so that the jobs sharing a device hold
 
 Everything the engine holds on the device that it can rebuild goes: streamed chunks are evicted (written home as an
 eviction writes them) and the slots' memory freed; pinned chunks (a tied embedding: its only copy) and the in-flight
-micro-batch's tensors that nothing else holds (:meth:`stratum.offload.inflight.MicroBatch.send_away`) are copied to
-host memory. What stays: buffers (hand-off, spill ring, a tied chunk's gradient of one micro-batch) and the
-activations that kept or spilled blocks' autograd graphs hold. The next access — or the end of a backward, before
-the tied chunk's gradients are summed and the update reads them — brings all back (:meth:`Vacate._ensure_occupied`).
+micro-batch's tensors — its records and what the blocks' autograd graphs saved
+(:meth:`stratum.offload.inflight.MicroBatch.send_away`) — are copied to host memory. What stays: buffers (hand-off,
+spill ring and restore arena, a tied chunk's gradient of one micro-batch). The next access — or the end of a
+backward, before the tied chunk's gradients are summed and the update reads them — brings all back
+(:meth:`Vacate._ensure_occupied`).
 ``Vacate`` is a mixin of :class:`~stratum.offload.engine.OffloadEngine`.
 """
 
@@ -49,12 +50,21 @@ class Vacate(EngineState):
         self.tiers[DEVICE].release(freed)
         self._vacated = True
         self.n_vacates += 1
-        return freed + (self._mb.send_away() if self._mb is not None else 0)
+        if self._mb is None:
+            return freed
+        self._rename(self._mb.send_away())
+        return freed + self._mb.away_bytes
+
+    def _rename(self, renamed: dict[int, int]) -> None:
+        """Storages the engine keys by data pointer (activations counted, block boundaries) moved."""
+        self._act_seen = {renamed.get(p, p) for p in self._act_seen}
+        self._boundary = {renamed.get(p, p) for p in self._boundary}
 
     def device_bytes(self) -> int:
         """Device bytes held now: the charged buffers (slots unless vacated, pinned chunks, hand-off and spill
-        buffers) and the step's live activations, less those a vacate moved away."""
-        return self.tiers[DEVICE].used + self._act - (self._mb.away_bytes() if self._mb is not None else 0)
+        buffers) and the step's live activations unless a vacate moved them away."""
+        away = self._mb is not None and self._mb.away
+        return self.tiers[DEVICE].used + (0 if away else self._act)
 
     def _ensure_occupied(self) -> None:
         """Take the device back if :meth:`vacate` gave it away: the slots allocated again (all free), the pinned
@@ -69,7 +79,7 @@ class Vacate(EngineState):
                 self.tiers[DEVICE].charge(self._move_pinned(c, self.device), f"pinned chunk {c.i}")
         self._vacated = False
         if self._mb is not None:
-            self._mb.bring_back(self.device)
+            self._rename(self._mb.bring_back(self.device))
 
     def _move_pinned(self, c: ChunkState, to: torch.device) -> int:
         """Copy pinned chunk ``c``'s slot (its parameters, and its gradients where they live in it) to ``to``
