@@ -56,6 +56,7 @@ from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_size import AUTO, job_shard_blocks
 from stratum.sweep.shard_worker import task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
 from stratum.sweep.strategies import scaled
@@ -99,7 +100,8 @@ ckpt_minutes = 0.0
 
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
-               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8", calibration: str = "off") -> str:
+               cache: str, grad_accum: int = 1, name: str = "", grid: str = "8", calibration: str = "off",
+               shard_blocks: int = AUTO) -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
@@ -109,6 +111,7 @@ slice_by = "{slice_by}"
 {'plans = ["local"]' if name == "planned-1slot" else ""}
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 {f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
+shard_blocks = {shard_blocks}
 [sweep.grid]
 {GRIDS[grid]}
 """ + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
@@ -143,7 +146,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
     path = root / f"{name}.toml"
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
                                corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name,
-                               grid=args.grid, calibration=cal_file(args.calibration, scheduler)))
+                               grid=args.grid, calibration=cal_file(args.calibration, scheduler),
+                               shard_blocks=args.shard_blocks))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -156,8 +160,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":
-        tasks = {j: tasks_per_step(len(profiles[j].blocks), 1, sweep.configs[j].micro_batches_per_step)
-                 for j in steps}
+        tasks = {j: tasks_per_step(len(profiles[j].blocks), job_shard_blocks(profiles[j], c, args.shard_blocks),
+                                   c.micro_batches_per_step) for j, c in sweep.configs.items()}
         # a job's step time in its metrics includes its waits for a slot: its busy time comes from the grants
         meas_step_s = {j: sum(ts) / steps[j] for j, ts in task_seconds(root / name / "shard_tasks.jsonl").items()}
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
@@ -215,6 +219,8 @@ def main() -> None:
                     help=f"micro-batches per step (of {GLOBAL_BATCH} sequences in all): 2 lets planned run a job "
                          "as replicate(2) or pipeline(2) over both slots")
     ap.add_argument("--grid", choices=list(GRIDS), default="8", help="the jobs (GRIDS)")
+    ap.add_argument("--shard-blocks", type=int, default=AUTO,
+                    help="sharded-lrtf: sweep.shard_blocks (0: what fits half each job's budget)")
     ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
@@ -236,7 +242,7 @@ def main() -> None:
             offload = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", SHARDED_BUDGET))
                        for c in configs.values()]
             cals["sharded-lrtf"] = shard_calibration(offload, [profiles[j] for j in configs], threads=1, slots=2,
-                                                     shard_blocks=1, work_dir=root / "calibration",
+                                                     shard_blocks=args.shard_blocks, work_dir=root / "calibration",
                                                      cache=args.calibration)
         print(f"calibration ({time.perf_counter() - t0:.1f} s): "
               + "; ".join(f"{k}: {c.describe()}" for k, c in cals.items()), flush=True)
@@ -274,7 +280,8 @@ def main() -> None:
               f"{v['measured_over_simulated_measured_steps']:.2f} (measured step times), "
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps, "slots": 2,
+    atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps,
+                                            "shard_blocks": args.shard_blocks, "slots": 2,
                                             "grad_accum": args.grad_accum, "grid": GRIDS[args.grid],
                                             "calibration": {k: asdict(c) for k, c in cals.items()},
                                             "results": results, "summary": summary},

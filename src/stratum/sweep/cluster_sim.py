@@ -20,6 +20,7 @@ from stratum.ir.hardware import Hardware
 from stratum.profile.profile import Profile
 from stratum.sweep.gang import GangPlan, Option, plan_gang
 from stratum.sweep.shard_lrtf import sharded_lrtf
+from stratum.sweep.shard_size import AUTO, device_shard_blocks
 from stratum.sweep.simulate import SimResult, simulate
 from stratum.sweep.strategies import job_options, streamed_tasks_s
 
@@ -50,9 +51,13 @@ class ClusterSim:
 
 def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks: int,
                      time_limit_s: float) -> ClusterSim:
+    """fifo, sharded-lrtf (shards of ``shard_blocks`` blocks; 0: what half a device holds beside the job's
+    activations, per job) and planned on ``hw``."""
     n = hw.num_devices
+    blocks = {j: shard_blocks if shard_blocks != AUTO else device_shard_blocks(c.profile, hw.devices[0].memory_bytes)
+              for j, c in jobs.items()}
     options = {j: job_options(c.profile, microbatches=c.microbatches, steps=c.steps, hw=hw, max_devices=n,
-                              shard_blocks=shard_blocks) for j, c in jobs.items()}
+                              shard_blocks=blocks[j]) for j, c in jobs.items()}
     for j, opts in options.items():
         if not any(o.devices == 1 for o in opts.values()):
             raise StratumError(f"{j}: fits no single device of the hardware, even streaming its blocks from the "
@@ -60,7 +65,7 @@ def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks:
                                "one device: give the devices more memory or the job a smaller micro-batch")
     one = {j: min(o.seconds for o in opts.values() if o.devices == 1) for j, opts in options.items()}
     fifo = simulate("fifo", {j: 1 for j in jobs}, one, slots=n)
-    chains = {j: streamed_tasks_s(c.profile, hw, shard_blocks) * (c.microbatches * c.steps) for j, c in jobs.items()}
+    chains = {j: streamed_tasks_s(c.profile, hw, blocks[j]) * (c.microbatches * c.steps) for j, c in jobs.items()}
     tasks = sharded_lrtf(chains, n)
     span = max((t.end for t in tasks), default=0.0)
     hydra = SimResult(runs=[(t.start, t.slot, t.job, t.end) for t in tasks], makespan=span,

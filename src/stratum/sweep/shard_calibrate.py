@@ -48,6 +48,7 @@ from stratum.sweep.shape_cost import (
     shapes_key,
 )
 from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_size import job_shard_blocks
 from stratum.sweep.shard_worker import ShardJob, shard_worker_main, task_seconds
 
 
@@ -108,10 +109,11 @@ def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: i
         out.mkdir(parents=True, exist_ok=True)
         job_cfg = with_items(cfg, ("train", "steps", SHAPE_STEPS), ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
-        per_step = tasks_per_step(len(prof.blocks), shard_blocks, cfg.micro_batches_per_step)
+        blocks = job_shard_blocks(prof, cfg, shard_blocks)
+        per_step = tasks_per_step(len(prof.blocks), blocks, cfg.micro_batches_per_step)
         # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
         jobs.append(ShardJob(id=f"c{i}", config_path=str(out / "job.toml"), tasks_left=per_step * SHAPE_STEPS,
-                             task_s=prof.step_s / per_step, shard_blocks=shard_blocks))
+                             task_s=prof.step_s / per_step, shard_blocks=blocks))
         runs.append(CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg), per_step=per_step,
                            predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes))
     return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root), runs, steps=SHAPE_STEPS)

@@ -22,6 +22,7 @@ from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
 from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_size import job_shard_blocks
 from stratum.sweep.shard_worker import ShardJob
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 
@@ -53,10 +54,11 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
         if row.status not in take:
             continue
         cfg = configs[row.id]
-        per_step = tasks_per_step(len(profiles[row.id].blocks), shard_blocks, cfg.micro_batches_per_step)
+        blocks = job_shard_blocks(profiles[row.id], cfg, shard_blocks)
+        per_step = tasks_per_step(len(profiles[row.id].blocks), blocks, cfg.micro_batches_per_step)
         left = per_step * max(row.steps - checkpoint_step(Path(cfg.train.out_dir)), 0)
         out.append(ShardJob(id=row.id, config_path=str(Path(cfg.train.out_dir) / "job.toml"), tasks_left=left,
-                            task_s=predict(row.id)["plain"] / max(left, 1), shard_blocks=shard_blocks))
+                            task_s=predict(row.id)["plain"] / max(left, 1), shard_blocks=blocks))
     return out
 
 

@@ -17,6 +17,7 @@ from stratum.sweep.expand import check_jobs, distinct_data, expand
 from stratum.sweep.plot import gantt_png
 from stratum.sweep.predict import job_profiles, predicted_seconds
 from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_size import job_shard_blocks
 from stratum.sweep.simulate import simulate, simulate_sharded
 from stratum.sweep.spec import SCHEDULERS, job_threads, load_sweep
 
@@ -47,8 +48,8 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
     else:
         step_s = {j: predicted_seconds(profiles[j], c, 1) for j, c in configs.items()}
         seg = s.segment_steps or max(1, min(steps.values()) // 4)
-        tasks = {j: tasks_per_step(len(profiles[j].blocks), s.shard_blocks, c.micro_batches_per_step)
-                 for j, c in configs.items()}
+        tasks = {j: tasks_per_step(len(profiles[j].blocks), job_shard_blocks(profiles[j], c, s.shard_blocks),
+                                   c.micro_batches_per_step) for j, c in configs.items()}
         results = {name: simulate_sharded(steps, step_s, tasks, slots=s.slots) if name == "sharded-lrtf" else
                    simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
                             time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}

@@ -37,6 +37,7 @@ from typing import Any
 
 from stratum.config import SECTIONS
 from stratum.errors import StratumError
+from stratum.sweep.shard_size import AUTO
 from stratum.units import parse_budget
 
 SCHEDULERS = ("fifo", "lrtf", "sharded-lrtf", "planned")
@@ -112,8 +113,10 @@ class SweepSettings:
     below train.steps."""
     asha_eta: int = 3
     """asha: reduction factor; the best 1/eta of the jobs at a rung go on to the next."""
-    shard_blocks: int = 1
-    """sharded-lrtf: blocks per shard task (a task is their forward, or their backward, for one micro-batch)."""
+    shard_blocks: int = AUTO
+    """sharded-lrtf: blocks per shard task (a task is their forward, or their backward, for one micro-batch);
+    0 = per job, the most blocks whose parameters and gradients fit in half its device budget (Hydra's shard
+    beside the next one's prefetch: stratum.sweep.shard_size)."""
     calibration: str = "off"
     """What the predicted times of lrtf, planned and sharded-lrtf go through beyond the profiles (docs/sweep.md):
     "off" (profiles, then each job's own measured steps); "auto" (measured on this machine for this sweep when it
@@ -281,7 +284,7 @@ def _check_settings(s: SweepSettings) -> None:
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
               ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0"),
-              ("shard_blocks", s.shard_blocks >= 1, "must be ≥ 1")]
+              ("shard_blocks", s.shard_blocks >= 0, "must be ≥ 1, or 0 for what fits the device budget")]
     checks += [(f.name, math.isfinite(getattr(s, f.name)), "must be a finite number")
                for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), float)]
     for key, ok, what in checks:
