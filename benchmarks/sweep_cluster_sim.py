@@ -11,7 +11,8 @@ TFLOPS per device — a stand-in for a profile on the GPU, the one number to cha
 
 The schedulers are :func:`stratum.sweep.cluster_sim.simulate_cluster`'s (what `stratum sweep simulate --hardware`
 runs): fifo — each job on one GPU in sweep order, its fastest one-GPU strategy; sharded-lrtf — Hydra, every job
-streaming shards of SHARD_BLOCKS blocks from the host, double-buffered, a freed GPU taking the task of the job
+streaming its shards from the host, double-buffered (SHARD_BLOCKS: 0 = as many blocks as half a GPU holds beside
+the job's activations, per job, as sweep.shard_blocks = 0 does), a freed GPU taking the task of the job
 with the longest remaining time; planned — the joint MILP over each job's candidates (local, replicate(k),
 pipeline(k) priced by :func:`stratum.plan.predict.predict`, offload), their GPUs and starts (CBC, TIME_LIMIT_S).
 
@@ -37,6 +38,7 @@ from stratum.model.build import build_model
 from stratum.profile.fast import shape_profile
 from stratum.profile.profile import Profile
 from stratum.sweep.cluster_sim import ClusterJob, simulate_cluster
+from stratum.sweep.shard_size import AUTO
 from stratum.sweep.strategies import streamed_tasks_s
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +60,7 @@ SEQ_LENS = (512, 1024)
 LRS = (1e-4, 3e-4)
 MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 4, 100
 TFLOPS = 50.0
-SHARD_BLOCKS = 8
+SHARD_BLOCKS = AUTO
 TIME_LIMIT_S = 30.0
 
 
@@ -96,7 +98,7 @@ def main() -> None:
     options, plan = sim.options, sim.plan
     one_gpu = {j: min((o for o in opts.values() if o.devices == 1), key=lambda o: o.seconds)
                for j, opts in options.items()}
-    hydra = {j: sum(streamed_tasks_s(profiles[p, s], hw, SHARD_BLOCKS)) * MICRO_BATCHES * STEPS
+    hydra = {j: sum(streamed_tasks_s(profiles[p, s], hw, sim.shard_blocks[j])) * MICRO_BATCHES * STEPS
              for j, (p, s, _) in jobs.items()}
     spans = {name: r.makespan for name, r in sim.results.items()}
     result = {name: {"makespan_s": spans[name], "utilisation": sim.results[name].utilisation,
@@ -106,10 +108,11 @@ def main() -> None:
     print("SIMULATED — nothing was run; block times are FLOPs at an assumed "
           f"{TFLOPS:g} TFLOP/s per GPU")
     print(dump_hardware(hw))
-    print(f"{'job':5} {'model':10} {'seq':>5}  {'one GPU':>10} {'hydra':>10}  planned")
+    print(f"{'job':5} {'model':10} {'seq':>5}  {'one GPU':>10} {'hydra':>10} {'shard':>5}  planned")
     for j, (p, s, _) in jobs.items():
         pl = plan.placed[j]
-        print(f"{j:5} {p:10} {s:5d}  {one_gpu[j].seconds:9.1f}s {hydra[j]:9.1f}s  {pl.strategy} on "
+        print(f"{j:5} {p:10} {s:5d}  {one_gpu[j].seconds:9.1f}s {hydra[j]:9.1f}s {sim.shard_blocks[j]:5d}  "
+              f"{pl.strategy} on "
               f"{len(pl.slots)} GPU(s), {pl.start:.0f}–{pl.end:.0f} s")
     for name, r in result.items():
         print(f"{name:13} makespan {r['makespan_s']:9.1f} s  utilisation {r['utilisation']:6.1%}  "
@@ -123,7 +126,7 @@ def main() -> None:
         "simulated": True, "hardware": dump_hardware(hw), "tflops_assumed": TFLOPS, "steps": STEPS,
         "micro_batch": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "shard_blocks": SHARD_BLOCKS,
         "jobs": {j: {"preset": p, "seq_len": s, "lr": lr, "one_gpu_s": one_gpu[j].seconds,
-                     "hydra_s": hydra[j],
+                     "hydra_s": hydra[j], "shard_blocks": sim.shard_blocks[j],
                      "options": {k: vars(o) for k, o in options[j].items()},
                      "planned": vars(plan.placed[j])} for j, (p, s, lr) in jobs.items()},
         "results": result, "planned_method": plan.method, "planned_optimal": plan.optimal,

@@ -47,6 +47,8 @@ class ClusterSim:
     """Job → its candidate strategies."""
     plan: GangPlan
     """The planned scheduler's joint plan."""
+    shard_blocks: dict[str, int]
+    """Job → blocks per shard of its streamed strategies (offload, sharded-lrtf)."""
 
 
 def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks: int,
@@ -75,4 +77,5 @@ def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks:
     busy = sum(e - b for b, _, _, e in runs)
     planned = SimResult(runs=runs, makespan=plan.makespan,
                         utilisation=busy / (n * plan.makespan) if plan.makespan else 0.0)
-    return ClusterSim(results={"fifo": fifo, "sharded-lrtf": hydra, "planned": planned}, options=options, plan=plan)
+    return ClusterSim(results={"fifo": fifo, "sharded-lrtf": hydra, "planned": planned}, options=options, plan=plan,
+                      shard_blocks=blocks)
