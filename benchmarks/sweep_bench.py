@@ -57,11 +57,12 @@ from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import AUTO, job_shard_blocks
-from stratum.sweep.shard_worker import task_seconds
+from stratum.sweep.shard_worker import DeviceMemory, task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
 from stratum.sweep.strategies import scaled
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics
+from stratum.units import parse_bytes
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "sweep.json"
@@ -101,7 +102,7 @@ ckpt_minutes = 0.0
 
 def sweep_text(out_dir: Path, scheduler: str, slice_by: str, *, steps: int, segment_steps: int, corpus: str,
                cache: str, grad_accum: int = 1, name: str = "", grid: str = "8", calibration: str = "off",
-               shard_blocks: int = AUTO) -> str:
+               shard_blocks: int = AUTO, device_memory: str = "") -> str:
     return f"""[sweep]
 out_dir = "{out_dir}"
 slots = 2
@@ -112,6 +113,7 @@ slice_by = "{slice_by}"
 segment_steps = {segment_steps if scheduler == "lrtf" else 0}
 {f'device_budget = "{SHARDED_BUDGET}"' if scheduler == "sharded-lrtf" else ""}
 shard_blocks = {shard_blocks}
+device_memory = "{device_memory}"
 [sweep.grid]
 {GRIDS[grid]}
 """ + base_text(steps=steps, corpus=corpus, cache=cache, grad_accum=grad_accum)
@@ -147,7 +149,7 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
     path.write_text(sweep_text(root / name, scheduler, slice_by, steps=args.steps, segment_steps=args.segment_steps,
                                corpus=corpus, cache=str(root / "cache"), grad_accum=args.grad_accum, name=name,
                                grid=args.grid, calibration=cal_file(args.calibration, scheduler),
-                               shard_blocks=args.shard_blocks))
+                               shard_blocks=args.shard_blocks, device_memory=args.device_memory))
     sweep = run_sweep(path, say=lambda line: None)
     rows = sweep.state.jobs()
     assert all(r.status == "done" for r in rows), [(r.id, r.status, r.reason) for r in rows]
@@ -221,6 +223,9 @@ def main() -> None:
     ap.add_argument("--grid", choices=list(GRIDS), default="8", help="the jobs (GRIDS)")
     ap.add_argument("--shard-blocks", type=int, default=AUTO,
                     help="sharded-lrtf: sweep.shard_blocks (0: what fits half each job's budget)")
+    ap.add_argument("--device-memory", default="",
+                    help='sharded-lrtf: sweep.device_memory ("": no limit on the CPU; "96MB": every waiting job '
+                         "gives back, as on a full GPU)")
     ap.add_argument("--calibration", type=Path, default=DEFAULT_CACHE,
                     help="the calibration's cache file (measured and written there if absent or stale)")
     args = ap.parse_args()
@@ -243,7 +248,10 @@ def main() -> None:
                        for c in configs.values()]
             cals["sharded-lrtf"] = shard_calibration(offload, [profiles[j] for j in configs], threads=1, slots=2,
                                                      shard_blocks=args.shard_blocks, work_dir=root / "calibration",
-                                                     cache=args.calibration)
+                                                     cache=args.calibration, memory=DeviceMemory(
+                                                         capacity=[parse_bytes(args.device_memory)] * 2
+                                                         if args.device_memory else [],
+                                                         budget=parse_bytes(SHARDED_BUDGET)))
         print(f"calibration ({time.perf_counter() - t0:.1f} s): "
               + "; ".join(f"{k}: {c.describe()}" for k, c in cals.items()), flush=True)
         results = {}
@@ -281,7 +289,8 @@ def main() -> None:
               f"{v['measured_over_simulated_profile']:.2f} (profiled)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps({"steps": args.steps, "segment_steps": args.segment_steps,
-                                            "shard_blocks": args.shard_blocks, "slots": 2,
+                                            "shard_blocks": args.shard_blocks,
+                                            "device_memory": args.device_memory, "slots": 2,
                                             "grad_accum": args.grad_accum, "grid": GRIDS[args.grid],
                                             "calibration": {k: asdict(c) for k, c in cals.items()},
                                             "results": results, "summary": summary},

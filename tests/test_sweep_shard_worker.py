@@ -1,6 +1,6 @@
 """The shard worker's slot scheduler on its own: grants by longest remaining time, ties to sweep order, each job on
-its own device's slots; a device holds its running tasks' slots and one staged job's; and its job threads' dropout
-draws, each its own beside the others."""
+its own device's slots; a device holds its running tasks' memory, one staged job's, and what its capacity leaves
+room for; and its job threads' dropout draws, each its own beside the others."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream, thread_draws_nothing
 from stratum.sweep.ray_backend import actor_devices
 from stratum.sweep.shard_lrtf import pick_longest
-from stratum.sweep.shard_worker import SlotScheduler, job_stream
+from stratum.sweep.shard_worker import UNLIMITED, DeviceMemory, SlotScheduler, job_stream
 
 
 def test_times_equal_to_the_microsecond_tie_to_sweep_order(tmp_path):
@@ -115,16 +116,20 @@ class _Turn:
         return 100 if self.job in self.ledger.holding[self.device] else 0
 
 
-def test_a_training_job_keeps_to_its_device_and_a_device_holds_its_tasks_and_one_staged_job(tmp_path):
+@pytest.mark.parametrize("room", [0, 1, None], ids=["no-room", "room-for-one", "no-limit"])
+def test_a_training_job_keeps_to_its_device_and_a_device_holds_what_its_memory_allows(tmp_path, room):
     """Slots on devices a (1) and b (2): a job's training takes any device's slot first and that device's from then
     on; each job trains twice (an ASHA rung's end between), and may start its second training on the other device;
-    every grant is the rule's among the jobs that may take that slot; at most a device's slots + 1 jobs hold
-    memory on it at any time."""
+    every grant is the rule's among the jobs that may take that slot. Each job holds 100 bytes (its budget) while
+    it has not given back, and a device may hold (its slots + 1 + ``room``) × 100: at most its slots + 1 jobs
+    hold memory on it at any time with no room, one more with room for one, and without a limit nobody gives back."""
     devices = ["a", "b", "b"]
     tasks = {"j0": 6, "j1": 4, "j2": 3, "j3": 6, "j4": 5, "j5": 2, "j6": 4}
     order = list(tasks)
     ledger = _Device({"a": 1, "b": 2})
-    sched = SlotScheduler(slots=3, order=order, tasks_path=tmp_path / "tasks.jsonl", devices=devices)
+    memory = UNLIMITED if room is None else DeviceMemory(
+        capacity=[(devices.count(d) + 1 + room) * 100 for d in devices], budget=100)
+    sched = SlotScheduler(slots=3, order=order, tasks_path=tmp_path / "tasks.jsonl", devices=devices, memory=memory)
     turns = {j: _Turn(j, ledger) for j in tasks}
     ran: dict[str, list[list[str]]] = {j: [] for j in tasks}
 
@@ -159,8 +164,15 @@ def test_a_training_job_keeps_to_its_device_and_a_device_holds_its_tasks_and_one
         assert [len(t) for t in trainings] == [tasks[j], 2] and all(len(set(t)) == 1 for t in trainings), j
     for g in grants:
         assert g["job"] == pick_longest(g["remaining"], order)
-    assert ledger.worst["a"] <= 2 and ledger.worst["b"] <= 3  # its slots + one staged job
-    assert sum(t.vacates for t in turns.values()) > 0 and sum(t.stages for t in turns.values()) > 0
+    vacates = sum(t.vacates for t in turns.values())
+    kept = [r for r in records if "keep" in r or "unstage_keep" in r]
+    assert sum(t.stages for t in turns.values()) > 0
+    if room is None:
+        assert vacates == 0 and kept
+        return
+    assert ledger.worst["a"] <= 2 + room and ledger.worst["b"] <= 3 + room  # its slots, one staged, the room
+    assert vacates > 0
+    assert (room > 0) == any(r.get("keep", r.get("unstage_keep")) for r in kept)  # (with room: some kept 100)
 
 
 DEV = torch.device(os.environ.get("STRATUM_TEST_DEVICE", "cpu"))

@@ -33,7 +33,9 @@ from stratum.units import parse_budget
 from tests.test_sweep_run import job_losses, rows, standalone_losses, standalone_records, sweep_file
 
 BUDGET = "1.4MB"
-SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2'
+ROOMLESS = "4.2MB"
+"""sweep.device_memory of exactly 2 running jobs' budgets and one staged's: every waiting job gives back."""
+SHARDED = f'scheduler = "sharded-lrtf"\ndevice_budget = "{BUDGET}"\nshard_blocks = 2\ndevice_memory = "{ROOMLESS}"'
 PINNED_PLACEMENT = '[offload]\nresident_chunks = 6\noptimizer_tier = "host"\nprefetch_depth = 4'
 """The sweep's offload placement's choices that decide whether a job's next shard has chunks to fetch, pinned:
 chosen by the planner they follow the bandwidths measured at start-up, which move with the machine's load."""
@@ -222,15 +224,20 @@ def test_a_job_gives_its_device_slots_back_before_another_takes_its_slot(sharded
 
 
 def test_jobs_bound_to_devices_train_as_alone(tmp_path, corpus_file, cache_dir):
-    """sweep.devices under sharded-lrtf (here both slots on the CPU): each job trained on its slots' device, with
-    its `stratum train` run's losses."""
-    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED + '\ndevices = ["cpu", "cpu"]',
-                      grid='"optim.lr" = [1e-3, 3e-3]', steps=2, extra=PINNED_PLACEMENT)
+    """sweep.devices under sharded-lrtf (here both slots on the CPU, without sweep.device_memory: no limit, so a
+    waiting job keeps its memory — a give-back there would only copy): each job trained on its slots' device,
+    with its `stratum train` run's losses."""
+    unlimited = SHARDED.replace(f'\ndevice_memory = "{ROOMLESS}"', "")
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=unlimited + '\ndevices = ["cpu", "cpu"]',
+                      grid='"optim.lr" = [1e-3, 2e-3, 3e-3]', steps=2, extra=PINNED_PLACEMENT)
     lines: list[str] = []
     run_sweep(path, say=lines.append)
-    assert {j: r["status"] for j, r in rows(tmp_path / "sw").items()} == {"j000": "done", "j001": "done"}, lines
+    assert {j: r["status"] for j, r in rows(tmp_path / "sw").items()} == dict.fromkeys(
+        ("j000", "j001", "j002"), "done"), lines
     assert any("on 2 slot(s) on cpu" in ln for ln in lines), lines
-    for job_id in ("j000", "j001"):
+    records = [json.loads(ln) for ln in (tmp_path / "sw" / "shard_tasks.jsonl").read_text().splitlines()]
+    assert any(r.get("keep", 0) > 0 for r in records) and not any("vacate" in r for r in records)
+    for job_id in ("j000", "j001", "j002"):
         assert job_losses(tmp_path / "sw", job_id) == standalone_losses(path, job_id, tmp_path / job_id, [
             "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
 

@@ -198,8 +198,29 @@ def test_a_gpu_must_hold_its_running_jobs_and_a_staged_one_under_sharded_lrtf():
     """(k + 1) × sweep.device_budget on a GPU of k slots: one line naming the device and the budget that fits."""
     gib = 2**30
     check_shared_memory(["cuda:0", "cuda:0", "cuda:1"], 10 * gib, lambda d: 40 * gib)  # 30 and 20 GiB: fit
-    check_shared_memory(["cpu", "cpu"], 100 * gib, lambda d: 0)  # (CPU slots: RAM, not checked here)
+    check_shared_memory(["cpu", "cpu"], 100 * gib, lambda d: None)  # (no limit: the CPU without device_memory)
     with pytest.raises(StratumError) as e:
         check_shared_memory(["cuda:0", "cuda:0", "cuda:1"], 16 * gib, lambda d: 40 * gib)
-    assert "on cuda:0 and one staged need 48.00 GiB, but cuda:0 has 40.00 GiB" in str(e.value), str(e.value)
+    assert "on cuda:0 and one staged need 48.00 GiB, but cuda:0 may hold 40.00 GiB" in str(e.value), str(e.value)
     assert "≤ 13.33 GiB" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("memory", "message"), [
+    ("lots", "sweep.device_memory = 'lots' is not a size"),
+    ("2MB", "2 running job(s) on cpu and one staged need 2.86 MiB, but cpu may hold 1.91 MiB"),
+])
+def test_device_memory_must_be_a_size_that_holds_the_slots_and_one_staged_job(tmp_path, memory, message):
+    p = write(tmp_path, f"""
+[sweep]
+scheduler = "sharded-lrtf"
+device_budget = "1MB"
+device_memory = "{memory}"
+slots = 2
+devices = ["cpu", "cpu"]
+[sweep.grid]
+"optim.lr" = [1e-3]
+{BASE}""")
+    with pytest.raises(StratumError) as e:
+        spec = load_sweep(p)
+        check_jobs(spec, expand(spec), tmp_path / "sw")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

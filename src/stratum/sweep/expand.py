@@ -21,8 +21,8 @@ import torch
 
 from stratum.config import Config, load_config
 from stratum.errors import StratumError
-from stratum.sweep.spec import RandomKey, SweepSpec, toml_literal
-from stratum.units import fmt_bytes, parse_budget
+from stratum.sweep.spec import RandomKey, SweepSettings, SweepSpec, toml_literal
+from stratum.units import fmt_bytes, parse_budget, parse_bytes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,21 +127,37 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
     budget = parse_budget(s.device_budget, "sweep.device_budget") if s.device_budget.strip() else None
     if s.scheduler == "sharded-lrtf" and budget is not None:
-        named = ["cuda" if d == "auto" and gpus else d for d in devices]  # (auto is a GPU where there is one)
-        check_shared_memory(named, budget, lambda d: torch.cuda.get_device_properties(torch.device(d)).total_memory)
+        named = named_slot_devices(s, cfg)
+        check_shared_memory(named, budget, lambda d: device_capacity(d, s.device_memory))
 
 
-def check_shared_memory(devices: list[str], budget: int, total_of: Callable[[str], int]) -> None:
-    """sharded-lrtf: a GPU holds its k running jobs' budgets and one staged job's (the waiting ones give theirs
-    back), so (k + 1) × ``budget`` must fit its memory (``total_of``); one line saying what does not, else
-    nothing."""
-    for d in dict.fromkeys(x for x in devices if x.startswith("cuda")):
-        k, total = devices.count(d), total_of(d)
-        if (k + 1) * budget > total:
+def named_slot_devices(s: SweepSettings, cfg: Config) -> list[str]:
+    """Each slot's device as sharded-lrtf's memory rule sees it (auto: a GPU where there is one)."""
+    gpus = torch.cuda.device_count()
+    return ["cuda" if d == "auto" and gpus else d for d in (s.devices or [cfg.train.device] * s.slots)]
+
+
+def device_capacity(device: str, device_memory: str) -> int | None:
+    """Bytes ``device`` may hold for sharded-lrtf's jobs together: ``sweep.device_memory``, else a GPU's memory;
+    None (no limit) on the CPU, whose "device" tier is RAM: a waiting job's give-back there only copies."""
+    if device_memory.strip():
+        return parse_bytes(device_memory, "sweep.device_memory")
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return None
+
+
+def check_shared_memory(devices: list[str], budget: int, capacity_of: Callable[[str], int | None]) -> None:
+    """sharded-lrtf: a device of k slots holds its k running jobs' budgets and one staged job's (waiting jobs give
+    theirs back where they must), so (k + 1) × ``budget`` must fit its capacity (``capacity_of``; None: no
+    limit); one line saying what does not, else nothing."""
+    for d in dict.fromkeys(devices):
+        k, total = devices.count(d), capacity_of(d)
+        if total is not None and (k + 1) * budget > total:
             raise StratumError(
                 f"sweep.device_budget = {fmt_bytes(budget)} per job: {k} running job(s) on {d} and one staged need "
-                f"{fmt_bytes((k + 1) * budget)}, but {d} has {fmt_bytes(total)}; set sweep.device_budget ≤ "
-                f"{fmt_bytes(total // (k + 1))} or give {d} fewer slots")
+                f"{fmt_bytes((k + 1) * budget)}, but {d} may hold {fmt_bytes(total)} (sweep.device_memory, else a "
+                f"GPU's memory); set sweep.device_budget ≤ {fmt_bytes(total // (k + 1))} or give {d} fewer slots")
 
 
 def distinct_data(configs) -> list[Config]:

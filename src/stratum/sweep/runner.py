@@ -32,7 +32,7 @@ from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
 from stratum.sweep.segment import Backend, await_stop, checkpoint_step
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
-from stratum.sweep.shard_run import run_sharded
+from stratum.sweep.shard_run import device_memory, run_sharded
 from stratum.sweep.spec import job_threads
 from stratum.sweep.state import PAUSED, PENDING, JobRow
 from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
@@ -68,7 +68,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots,
                         threads=job_threads(s), shard_blocks=s.shard_blocks, retries=s.retries,
                         time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
-                        tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices)
+                        tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices,
+                        memory=device_memory(s, next(iter(sweep.configs.values()))))
         else:
             options = None
             if s.scheduler == "planned" and predict is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -49,7 +49,7 @@ from stratum.sweep.shape_cost import (
 )
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
-from stratum.sweep.shard_worker import ShardJob, shard_worker_main, task_seconds
+from stratum.sweep.shard_worker import UNLIMITED, DeviceMemory, ShardJob, shard_worker_main, task_seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,29 +75,32 @@ def shard_cache_path(cache: Path) -> Path:
     return cache.with_name(f"{cache.stem}.sharded{cache.suffix or '.json'}")
 
 
-def shard_calibration_key(configs: list[Config], *, threads: int, slots: int, shard_blocks: int) -> str:
-    """What a sharded calibration depends on: the machine, the budget, the shard size and the shapes."""
+def shard_calibration_key(configs: list[Config], *, threads: int, slots: int, shard_blocks: int,
+                          memory: DeviceMemory = UNLIMITED) -> str:
+    """What a sharded calibration depends on: the machine, the budget, the shard size, the devices' capacity
+    (whether waiting jobs give their memory back) and the shapes."""
     return shapes_key(configs, threads=threads, slots=slots, kind=SHARDED,
-                      extra=(configs[0].offload.device_budget, shard_blocks))
+                      extra=(configs[0].offload.device_budget, shard_blocks, *memory.capacity))
 
 
 def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
-                      shard_blocks: int, work_dir: Path, cache: Path) -> ShapeCalibration:
+                      shard_blocks: int, work_dir: Path, cache: Path,
+                      memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
     """The cached sharded-lrtf calibration of the job ``configs`` (each with its offload budget; ``profiles[i]``
     is ``configs[i]``'s) on this machine, measured (and cached at :func:`shard_cache_path` of ``cache``) if there
     is none."""
-    key = shard_calibration_key(configs, threads=threads, slots=slots, shard_blocks=shard_blocks)
+    key = shard_calibration_key(configs, threads=threads, slots=slots, shard_blocks=shard_blocks, memory=memory)
     path = shard_cache_path(cache)
     if (cal := load_shape_calibration(path, key, SHARDED)) is not None:
         return cal
     cal = measure_shapes(configs, profiles, threads=threads, slots=slots, shard_blocks=shard_blocks,
-                         work_dir=work_dir)
+                         work_dir=work_dir, memory=memory)
     save_shape_calibration(path, key, cal)
     return cal
 
 
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
-                   shard_blocks: int, work_dir: Path) -> ShapeCalibration:
+                   shard_blocks: int, work_dir: Path, memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
     """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all,
     as sharded-lrtf jobs in one shard worker on ``slots`` slots; their costs from the grant log."""
     shapes = pick_shapes(configs, profiles)
@@ -116,7 +119,7 @@ def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: i
                              task_s=prof.step_s / per_step, shard_blocks=blocks))
         runs.append(CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg), per_step=per_step,
                            predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes))
-    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root), runs, steps=SHAPE_STEPS)
+    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root, memory=memory), runs, steps=SHAPE_STEPS)
 
 
 def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShapeCalibration:
@@ -128,11 +131,12 @@ def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int)
                                                            state_bytes=r.state_bytes)) for r in runs])
 
 
-def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[str, list[float]]:
+def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path,
+         memory: DeviceMemory) -> dict[str, list[float]]:
     """``jobs`` in one shard worker on ``slots`` slots, to their end; each job's tasks' seconds on a slot."""
     spec_path = root / "shard_spec.json"
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(root), "slots": slots, "threads": threads,
-                                             "jobs": [vars(j) for j in jobs]}))
+                                             "jobs": [vars(j) for j in jobs], "memory": asdict(memory)}))
     worker = start_process(shard_worker_main, (str(spec_path),), "stratum-calibration-shards")
     deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
     while worker.poll() is None and time.monotonic() < deadline:

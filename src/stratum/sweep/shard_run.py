@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -20,11 +21,14 @@ from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
+from stratum.sweep.expand import device_capacity, named_slot_devices
 from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
-from stratum.sweep.shard_worker import ShardJob
+from stratum.sweep.shard_worker import DeviceMemory, ShardJob
+from stratum.sweep.spec import SweepSettings
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
+from stratum.units import parse_budget
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0
@@ -62,6 +66,14 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
     return out
 
 
+def device_memory(s: SweepSettings, cfg: Config) -> DeviceMemory:
+    """The give-back rule's view of the sweep's devices: each slot's device's capacity (sweep.device_memory, a
+    GPU's memory, or no limit on the CPU) and the jobs' device budget."""
+    budget = parse_budget(s.device_budget, "sweep.device_budget")
+    return DeviceMemory(capacity=[device_capacity(d, s.device_memory) for d in named_slot_devices(s, cfg)],
+                        budget=int(budget or 0))
+
+
 def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> None:
     """A pending job whose checkpoint stands at a rung it has not reported at (its sweep, or worker, was killed
     between the two) is reported there now, from its metrics: it pauses there as it would have."""
@@ -77,7 +89,8 @@ def report_missed(state: SweepState, configs: dict[str, Config], asha: Asha) -> 
 def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],
                 predict: Callable[[str], dict[str, float]], sweep_dir: Path, slots: int, threads: int,
                 shard_blocks: int, retries: int, time_budget_s: float, asha: Asha | None,
-                say: Callable[[str], None], tick: Callable[[], None] | None, devices: list[str]) -> None:
+                say: Callable[[str], None], tick: Callable[[], None] | None, devices: list[str],
+                memory: DeviceMemory) -> None:
     """Run shard workers until no job is pending (or the time budget is spent); then, under ASHA, stop the jobs
     left at their rungs."""
     t0 = time.monotonic()
@@ -89,7 +102,7 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
         deadline = t0 + time_budget_s if time_budget_s else None
         spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
                             threads=threads, retries=retries, deadline=deadline, say=say, tick=tick, asha=asha,
-                            devices=devices)
+                            devices=devices, memory=memory)
         if spent:
             say(f"time budget of {time_budget_s:g} s spent: the jobs stopped at the end of their steps, with a "
                 "checkpoint; run the same command to go on")
@@ -101,7 +114,7 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
 def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, configs: dict[str, Config],
                 sweep_dir: Path, slots: int, threads: int, retries: int, deadline: float | None,
                 say: Callable[[str], None], tick: Callable[[], None] | None, asha: Asha | None,
-                devices: list[str]) -> bool:
+                devices: list[str], memory: DeviceMemory) -> bool:
     """One worker over ``jobs``; records their outcomes (a job at a rung is the worker's to record). True when
     the time budget stopped it."""
     exit_path = sweep_dir / "shard_exit.json"
@@ -110,7 +123,8 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
     rungs = {"min_steps": asha.min_steps, "eta": asha.eta} if asha is not None else None
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(sweep_dir), "slots": slots, "threads": threads,
                                              "jobs": [vars(j) for j in jobs], "asha": rungs,
-                                             "devices": backend.worker_devices(devices)}))
+                                             "devices": backend.worker_devices(devices),
+                                             "memory": asdict(memory)}))
     start = {j.id: checkpoint_step(Path(configs[j.id].train.out_dir)) for j in jobs}
     for j in jobs:  # before the worker may write (a job at a rung stays paused until the worker promotes it)
         if state.job(j.id).status != PAUSED:

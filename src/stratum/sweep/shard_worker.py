@@ -79,6 +79,21 @@ class ShardJob:
     """Blocks per shard."""
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the give-back rule knows of the devices' memory (:meth:`SlotScheduler.acquire`)."""
+
+    capacity: list[int | None]
+    """Bytes each slot's device may hold for the jobs together (None: no limit — the CPU, whose "device" tier is
+    RAM, so that a give-back there only copies)."""
+    budget: int
+    """Each job's device budget, bytes."""
+
+
+UNLIMITED = DeviceMemory(capacity=[], budget=0)
+"""No device's memory limited: a waiting job keeps its device memory."""
+
+
 class Stopped(KeyboardInterrupt):
     """The worker was asked to stop before the job's training started."""
 
@@ -93,6 +108,8 @@ class SlotScheduler:
     tasks_path: Path
     devices: list[str] = field(default_factory=list)
     """Each slot's device; [] = none named (any job takes any slot)."""
+    memory: DeviceMemory = UNLIMITED
+    """Each slot's device's capacity (in slot order) and the jobs' budget: whether a waiting job gives back."""
     bound: dict[str, str] = field(default_factory=dict)
     """Job → the device its engine lives on, from its training's first grant to its end (or a rung): its engine's
     pinned state, buffers and streams stay there between its tasks, so it takes only that device's slots; a job
@@ -118,6 +135,7 @@ class SlotScheduler:
     def __post_init__(self) -> None:
         self.free = list(range(self.slots))
         self.devices = self.devices or [""] * self.slots
+        self._capacity = dict(zip(self.devices, self.memory.capacity))
         self._log = open(self.tasks_path, "a")
 
     def _fits(self, job: str, device: str) -> bool:
@@ -131,17 +149,18 @@ class SlotScheduler:
     def acquire(self, job: str, remaining_s: float, turn: Turn | None = None) -> int:
         """Give back ``job``'s slot if it holds one, and wait for a slot for its next task (its remaining seconds
         ``remaining_s``) — in one step, so the job competes for the slot it frees; the slot's number. A job that
-        will not keep its slot first gives its device memory back (``turn.vacate``), so the next task there starts
-        with it free; while it waits as its device's next in line it stages its next shard (``turn.stage_next``:
-        its slots' memory taken again, its chunks moving while others compute), and gives it back once another
-        job overtakes it — so a device holds its running tasks' slots and one staged job's."""
+        will not keep its slot first gives its device memory back (``turn.vacate``) unless its device has room
+        for it to wait with it (:meth:`_keeps`), so the next task there starts with it free; while it waits as its
+        device's next in line it stages its next shard (``turn.stage_next``: its slots' memory taken again, its
+        chunks moving while others compute), and gives it back (room again aside) once another job overtakes it
+        — so a device holds its running tasks' memory, one staged job's, and what its capacity leaves room for."""
         remaining = round(remaining_s, 6)  # the rule compares what the log records: times equal to the
         # microsecond tie to sweep order (jobs with one profile differ only in float rounding of their tasks)
         if turn is not None:
             with self.cond:
                 self.turns[job] = turn
-                yields = self._yields(job, remaining)
-            if yields:
+                gives = self._yields(job, remaining) and not self._keeps(job, "keep")
+            if gives:
                 self._vacate(job, turn, "vacate")
         with self.cond:
             self._free(job)
@@ -157,6 +176,9 @@ class SlotScheduler:
                     break
                 if self._stages(job):
                     self._stage(job, self.turns[job])
+                elif self._keeps(job, "unstage_keep"):
+                    self.staged.discard(job)
+                    self.cond.notify_all()
                 else:
                     self._vacate_locked(job, self.turns[job])
             if job not in self.granted:
@@ -175,6 +197,22 @@ class SlotScheduler:
             return False
         rivals = self._rivals(self.devices[self.granted[job]])
         return bool(rivals) and pick_longest({**rivals, job: remaining}, self.order) != job
+
+    def _keeps(self, job: str, why: str) -> bool:
+        """``job``, about to wait, may keep its device memory (recorded under ``why`` with its bytes): its device's
+        waiting jobs' bytes, its own, and its running and staged jobs at their budgets fit the device's capacity.
+        So a device never holds more than its capacity, and no job has to give back later to make room: a
+        running job stays under its budget, and a job that waits holding memory only leaves that set to run."""
+        d = self.bound.get(job, "")
+        cap = self._capacity.get(d)
+        own = self.turns[job].device_bytes()
+        if cap is not None:
+            waiting = [t for j, t in self.turns.items() if j != job and self.bound.get(j) == d
+                       and j not in self.granted and j not in self.staged]
+            if sum(t.device_bytes() for t in waiting) + own + (self.devices.count(d) + 1) * self.memory.budget > cap:
+                return False
+        self._write({"job": job, why: own})
+        return True
 
     def _stages(self, job: str) -> bool:
         d = self.bound.get(job)
@@ -398,12 +436,14 @@ def _append(path: Path, text: str) -> None:
 
 
 def run_shard_jobs(jobs: list[ShardJob], *, slots: int, threads: int, sweep_dir: Path,
-                   asha: dict[str, int] | None = None, devices: list[str] | None = None) -> dict[str, int]:
+                   asha: dict[str, int] | None = None, devices: list[str] | None = None,
+                   memory: DeviceMemory = UNLIMITED) -> dict[str, int]:
     """Train ``jobs`` on ``slots`` slots (on ``devices``, one per slot; a training job on its device's) by the
     shard-level rule (with ``asha``'s ``min_steps`` and ``eta``: ASHA at the rungs); each job's exit code. SIGTERM
     lets every started job finish its step (its shard tasks still granted by the rule), which its trainer saves,
     and stop; a job not started does not start."""
-    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []))
+    sched = SlotScheduler(slots, [j.id for j in jobs], sweep_dir / "shard_tasks.jsonl", devices=list(devices or []),
+                          memory=memory)
     board = RungBoard.open(sweep_dir, [j.id for j in jobs], say=logger.info, **asha) if asha else None
     codes: dict[str, int] = {}
 
@@ -447,7 +487,8 @@ def run_shard_worker(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(threadName)s %(message)s", stream=sys.stderr)
     jobs = [ShardJob(**j) for j in spec["jobs"]]
     codes = run_shard_jobs(jobs, slots=spec["slots"], threads=spec["threads"], sweep_dir=sweep_dir,
-                           asha=spec.get("asha"), devices=spec.get("devices"))
+                           asha=spec.get("asha"), devices=spec.get("devices"),
+                           memory=DeviceMemory(**spec["memory"]) if spec.get("memory") else UNLIMITED)
     if peaks := cuda_peaks(spec.get("devices") or []):
         logger.info(f"CUDA memory peaks of this worker: {peaks}")
         atomic_write_text(sweep_dir / "shard_cuda_peaks.json", json.dumps(peaks))

@@ -38,7 +38,7 @@ from typing import Any
 from stratum.config import SECTIONS
 from stratum.errors import StratumError
 from stratum.sweep.shard_size import AUTO
-from stratum.units import parse_budget
+from stratum.units import parse_budget, parse_bytes
 
 SCHEDULERS = ("fifo", "lrtf", "sharded-lrtf", "planned")
 BACKENDS = ("local", "ray")
@@ -76,6 +76,11 @@ class SweepSettings:
     devices: list[str] = field(default_factory=list)
     """The device of each slot, e.g. ["cuda:0", "cuda:1"] (then sweep.slots is their number); [] = sweep.slots
     slots on train.device of the base config."""
+    device_memory: str = ""
+    """sharded-lrtf: bytes each device may hold for the jobs on it together, e.g. "40GB": a job that waits keeps
+    its device memory while the waiting jobs' bytes and the device's running and staged jobs at
+    sweep.device_budget fit, and gives it back otherwise; "" = a GPU's memory, no limit on the CPU (whose
+    "device" tier is RAM: a give-back there only copies). It must hold (slots on the device + 1) × the budget."""
     device_budget: str = ""
     """Device memory per slot, e.g. "2GB" (GPU memory; RAM on a CPU-only machine): a job whose training state plus
     one micro-batch's activations (from its profile) exceed it runs under the offload engine with this device
@@ -272,6 +277,8 @@ def _check_settings(s: SweepSettings) -> None:
     if s.early_stop not in EARLY_STOPS:
         raise StratumError(f"sweep.early_stop = {s.early_stop!r} is not \"\" (off) or \"asha\"")
     parse_budget(s.device_budget, "sweep.device_budget")
+    if s.device_memory.strip():
+        parse_bytes(s.device_memory, "sweep.device_memory")
     if s.device_budget.strip().endswith("%"):
         raise StratumError("sweep.device_budget must be a size, e.g. \"2GB\" (a percentage depends on the job)")
     if not s.out_dir.strip():

@@ -23,6 +23,7 @@ from stratum.sweep.calibrate import read_given
 from stratum.sweep.plain_calibrate import plain_calibration
 from stratum.sweep.shape_cost import PLAIN, SHARDED, ShapeCalibration, parse_shape_calibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
+from stratum.sweep.shard_run import device_memory
 from stratum.sweep.spec import SweepSettings, SweepSpec, job_threads
 
 PREDICTING = ("lrtf", "sharded-lrtf", "planned")
@@ -64,7 +65,8 @@ def auto_calibration(settings: SweepSettings, sweep_dir: Path, configs: dict[str
     try:
         if sharded:
             cal = shard_calibration(jobs, profs, threads=threads, slots=settings.slots,
-                                    shard_blocks=settings.shard_blocks, work_dir=work, cache=cache)
+                                    shard_blocks=settings.shard_blocks, work_dir=work, cache=cache,
+                                    memory=device_memory(settings, jobs[0]))
         else:
             cal = plain_calibration(jobs, profs, threads=threads, slots=settings.slots, work_dir=work, cache=cache)
     finally:
