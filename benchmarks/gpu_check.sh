@@ -30,7 +30,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every command line end to end, in s
   : "${PLAN_PRESET:=mini}" "${PLAN_MICRO:=2}" "${PLAN_SEQ:=64}"
   : "${CAP_OFFLOAD:=tiny}" "${CAP_PLAIN:=tiny}" "${CAP_SEQ:=64}" "${CAP_MICRO:=2}" "${CAP_TOKENS:=256}"
   : "${CAP_STEPS:=2}" "${DEVICE_BUDGET:=64MB}" "${PYTEST_ARGS:=--collect-only}" "${DISK_DIR:=$LOG/disk}"
-  : "${SWEEP_BUDGET:=8MB}" "${SWEEP_STEPS:=3}"
+  : "${SWEEP_BUDGET:=8MB}" "${SWEEP_MEMORY:=24MB}" "${SWEEP_STEPS:=3}"  # memory: 2 running + 1 staged, no more
   : "${PRECISION:=fp32}"  # a CPU's bf16 matrix products are slow to measure; the GPU runs bf16
 else
   : "${PRESET:=gpt2-774m}" "${SEQ:=1024}" "${TOKENS:=262144}" "${STEPS:=5}" "${WARMUP:=2}" "${MAX_MICRO:=64}"
@@ -38,7 +38,7 @@ else
   : "${PLAN_PRESET:=gpt2-774m}" "${PLAN_MICRO:=4}" "${PLAN_SEQ:=1024}"
   : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
   : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 8}"
-  : "${SWEEP_BUDGET:=160MB}" "${SWEEP_STEPS:=20}"
+  : "${SWEEP_BUDGET:=160MB}" "${SWEEP_MEMORY:=480MB}" "${SWEEP_STEPS:=20}"  # every waiting job gives back
 fi
 MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
 HOST_BUDGET=${HOST_BUDGET:-auto}                    # auto: 90 % of the machine's RAM
