@@ -101,12 +101,11 @@ def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads
 
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
                    shard_blocks: int, work_dir: Path, memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
-    """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, two jobs of each and at least
-    ``slots + 1`` jobs in all, as sharded-lrtf jobs in one shard worker on ``slots`` slots; their costs from the
-    grant log. Two of each, so that a shape's tasks share the slots with their own kind as in a sweep of many jobs,
-    not only with the other shapes (docs/sweep.md, calibration)."""
+    """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all,
+    as sharded-lrtf jobs in one shard worker on ``slots`` slots with the sweep's ``memory``; their costs from the
+    grant log."""
     shapes = pick_shapes(configs, profiles)
-    picks = [shapes[i % len(shapes)] for i in range(max(2 * len(shapes), slots + 1))]
+    picks = [shapes[i % len(shapes)] for i in range(max(len(shapes), slots + 1))]
     root = work_dir / "sharded"
     jobs, runs = [], []
     for i, (cfg, prof) in enumerate(picks):
