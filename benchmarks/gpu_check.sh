@@ -142,6 +142,7 @@ out_dir = "$LOG/sweep"
 scheduler = "sharded-lrtf"
 devices = ["$dev", "$dev"]
 device_budget = "$SWEEP_BUDGET"
+device_memory = "$SWEEP_MEMORY"
 [sweep.grid]
 "optim.lr" = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
 [model]
