@@ -5,7 +5,7 @@ handed between slots, so its seconds on a slot are not a plain job's: the engine
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
 another job's set-up all add to its profiled compute, and by amounts that follow the job's shape (model, sequence
 length, micro-batches) more closely than any profile-based line. So the calibration runs the sweep's own
-distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1``
+distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHARD_STEPS steps each, at least ``slots + 1``
 jobs in all (shapes repeated), in one shard
 worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed
 between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
@@ -69,6 +69,12 @@ class CalJob:
     state_bytes: int
     """Its training state, bytes."""
 
+SHARD_STEPS = 2 * SHAPE_STEPS
+"""Steps of each calibration job. A job's first steps share the worker's cores with the other jobs' set-ups (each
+one's placement plan and profile: seconds of CPU in a thread of the same process), which a sweep's longer jobs
+barely see; the median of 8 steps lands past them, where that of 4 did not (BENCHMARKS.md)."""
+
+
 
 def shard_cache_path(cache: Path) -> Path:
     """Where the sharded calibration is kept beside the plain one cached at ``cache``."""
@@ -101,7 +107,7 @@ def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads
 
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
                    shard_blocks: int, work_dir: Path, memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
-    """Train the sweep's shapes (:func:`pick_shapes`), SHAPE_STEPS steps each, at least ``slots + 1`` jobs in all,
+    """Train the sweep's shapes (:func:`pick_shapes`), SHARD_STEPS steps each, at least ``slots + 1`` jobs in all,
     as sharded-lrtf jobs in one shard worker on ``slots`` slots with the sweep's ``memory``; their costs from the
     grant log."""
     shapes = pick_shapes(configs, profiles)
@@ -111,16 +117,16 @@ def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: i
     for i, (cfg, prof) in enumerate(picks):
         out = root / f"c{i}"
         out.mkdir(parents=True, exist_ok=True)
-        job_cfg = with_items(cfg, ("train", "steps", SHAPE_STEPS), ("train", "out_dir", str(out)))
+        job_cfg = with_items(cfg, ("train", "steps", SHARD_STEPS), ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
         blocks = job_shard_blocks(prof, cfg, shard_blocks)
         per_step = tasks_per_step(len(prof.blocks), blocks, cfg.micro_batches_per_step)
         # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
-        jobs.append(ShardJob(id=f"c{i}", config_path=str(out / "job.toml"), tasks_left=per_step * SHAPE_STEPS,
+        jobs.append(ShardJob(id=f"c{i}", config_path=str(out / "job.toml"), tasks_left=per_step * SHARD_STEPS,
                              task_s=prof.step_s / per_step, shard_blocks=blocks))
         runs.append(CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg), per_step=per_step,
                            predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes))
-    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root, memory=memory), runs, steps=SHAPE_STEPS)
+    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root, memory=memory), runs, steps=SHARD_STEPS)
 
 
 def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShapeCalibration:
