@@ -75,17 +75,19 @@ class MicroBatch:
         storages renamed: old data pointer → new (the engine keys storages by pointer)."""
         # copies even where the device is the CPU: its device tier is budgeted memory of its own, and the one path
         # runs on every machine
-        copies = self._move(torch.device("cpu"))
-        self.away, self.away_bytes = True, sum(c.numel() for c in copies.values())
-        return {p: c.untyped_storage().data_ptr() for p, c in copies.items()}
+        renamed, self.away_bytes = self._move(torch.device("cpu"))
+        self.away = True
+        return renamed
 
     def bring_back(self, device: torch.device) -> dict[int, int]:
         """Put what :meth:`send_away` moved back on ``device``; the storages renamed, as there."""
-        copies = self._move(device)
+        renamed, _ = self._move(device)
         self.away, self.away_bytes = False, 0
-        return {p: c.untyped_storage().data_ptr() for p, c in copies.items()}
+        return renamed
 
-    def _move(self, to: torch.device) -> dict[int, Tensor]:
+    def _move(self, to: torch.device) -> tuple[dict[int, int], int]:
+        """Every device tensor this record holds onto ``to`` (:func:`move_storages`): the storages renamed (old
+        data pointer → new) and the bytes copied."""
         self.saved = [r for r in self.saved if r() is not None]
         snapshots = (value for b in self.bufs if b is not None for *_, value in b.saved)
         held = [t for t in (*(r() for r in self.saved), *self.ins, *self.outs, self.carry, self.y, *snapshots)
@@ -97,4 +99,4 @@ class MicroBatch:
         copies = move_storages(held + [g for g in grads if g is not None], to)
         for t, g in zip(owners, grads):
             t.grad = g
-        return copies
+        return {p: c.untyped_storage().data_ptr() for p, c in copies.items()}, sum(c.numel() for c in copies.values())

@@ -111,10 +111,10 @@ def check_jobs(spec: SweepSpec, jobs: list[Job], sweep_dir: Path) -> list[Config
 def check_devices(spec: SweepSpec, cfg: Config) -> None:
     """More slots than this machine has devices (CPU cores, GPUs) is an error, not a slow surprise."""
     s = spec.settings
-    devices = s.devices or [cfg.train.device] * s.slots
+    devices = named_slot_devices(s, cfg)
     cores = os.cpu_count() or 1
     gpus = torch.cuda.device_count()
-    cpu_slots = sum(1 for d in devices if d == "cpu" or (d == "auto" and gpus == 0))
+    cpu_slots = sum(1 for d in devices if d in ("cpu", "auto"))  # (an auto left names the CPU: no GPU here)
     if cpu_slots > cores:
         raise StratumError(f"sweep.slots = {s.slots} CPU slots but this machine has {cores} cores; "
                            f"set sweep.slots ≤ {cores}")
@@ -127,8 +127,7 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
     budget = parse_budget(s.device_budget, "sweep.device_budget") if s.device_budget.strip() else None
     if s.scheduler == "sharded-lrtf" and budget is not None:
-        named = named_slot_devices(s, cfg)
-        check_shared_memory(named, budget, lambda d: device_capacity(d, s.device_memory))
+        check_shared_memory(devices, budget, lambda d: device_capacity(d, s.device_memory))
 
 
 def named_slot_devices(s: SweepSettings, cfg: Config) -> list[str]:

@@ -47,7 +47,6 @@ def actor_devices(devices: list[str]) -> list[str]:
     return [f"cuda:{gpus.index(d)}" if d in gpus else d for d in devices]
 
 
-
 class SlotActor:
     """The process behind one slot (made a Ray actor class by :class:`RayBackend`)."""
 

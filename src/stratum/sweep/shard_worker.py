@@ -52,6 +52,7 @@ from stratum.errors import StratumError
 from stratum.model.streams import GLOBAL_RNG, thread_draws_nothing
 from stratum.offload.tasks import Turn, set_gate
 from stratum.runtime.device import resolve_device
+from stratum.sweep.calibrate import with_items
 from stratum.sweep.segment import checkpoint_step, segment_records
 from stratum.sweep.shard_asha import RungBoard
 from stratum.sweep.shard_lrtf import pick_longest
@@ -176,11 +177,8 @@ class SlotScheduler:
                     break
                 if self._stages(job):
                     self._stage(job, self.turns[job])
-                elif self._keeps(job, "unstage_keep"):
-                    self.staged.discard(job)
-                    self.cond.notify_all()
                 else:
-                    self._vacate_locked(job, self.turns[job])
+                    self._unstage(job, self.turns[job])
             if job not in self.granted:
                 self.waiting.pop(job, None)
                 raise Stopped()
@@ -234,14 +232,15 @@ class SlotScheduler:
             self.cond.acquire()
         self._write({"job": job, "stage": task, "chunks": chunks})
 
-    def _vacate_locked(self, job: str, turn: Turn) -> None:
-        """A staged job overtaken by another: its slots' memory goes back (outside the lock, called and returning
-        with it held) before the other may stage."""
-        self.cond.release()
-        try:
-            self._vacate(job, turn, "unstage")
-        finally:
-            self.cond.acquire()
+    def _unstage(self, job: str, turn: Turn) -> None:
+        """A staged job overtaken by another: unless its device has room for it to keep it, its memory goes back
+        (outside the lock, called and returning with it held) before the other may stage."""
+        if not self._keeps(job, "unstage_keep"):
+            self.cond.release()
+            try:
+                self._vacate(job, turn, "unstage")
+            finally:
+                self.cond.acquire()
         self.staged.discard(job)
         self.cond.notify_all()
 
@@ -410,7 +409,7 @@ def _train_chain(job: ShardJob, cfg: Config, gate: JobGate, sched: SlotScheduler
         stop = board.next_stop(step, steps) if board is not None else steps
         device = sched.devices[sched.acquire(job.id, gate.remaining_s())]
         gate.take_setup()
-        run = load_config(job.config_path, [f"train.device={device!r}"]) if device else cfg
+        run = with_items(cfg, ("train", "device", device)) if device else cfg
         with job_stream(resolve_device(run.train.device)):
             train(run, stop_at=stop)
         gate.drop_setup()
