@@ -51,11 +51,11 @@ from stratum.sweep.calibrate import with_items
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.job_strategy import pinned
 from stratum.sweep.plain_calibrate import plain_calibration
-from stratum.sweep.predict import alone_share, job_profiles, job_seconds, predicted_seconds
+from stratum.sweep.predict import alone_share, give_back_s, job_profiles, job_seconds, predicted_seconds
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
-from stratum.sweep.shard_lrtf import tasks_per_step
+from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_size import AUTO, job_shard_blocks
 from stratum.sweep.shard_worker import DeviceMemory, task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
@@ -167,7 +167,11 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
         # a job's step time in its metrics includes its waits for a slot: its busy time comes from the grants
         meas_step_s = {j: sum(ts) / steps[j] for j, ts in task_seconds(root / name / "shard_tasks.jsonl").items()}
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
-        sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2)
+        # the give-backs the rule makes at this device memory, each at its shape's calibrated cost
+        gives = GiveBack(seconds={j: give_back_s(profiles[j], c, cal) for j, c in sweep.configs.items()},
+                         capacity=parse_bytes(args.device_memory) if args.device_memory else None,
+                         budget=parse_bytes(SHARDED_BUDGET))
+        sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2, give_back=gives)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
     elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
         ran = {j: pinned(sweep.state, j) or "local" for j in steps}
@@ -186,6 +190,7 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
             "device_holding": held,
             "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
             "simulated_makespan_s_measured_steps": sim_meas.makespan,
+            "simulated_give_backs_calibrated": sim_cal.give_backs,
             "simulated_utilisation_profile": sim_prof.utilisation,
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
                             "profiled_step_s": prof_step_s[r.id],
@@ -244,8 +249,9 @@ def main() -> None:
             "plain": plain_calibration(list(configs.values()), [profiles[j] for j in configs], threads=1, slots=2,
                                        work_dir=root / "calibration", cache=args.calibration)}
         if "sharded-lrtf" in args.only:  # the sweep's own job shapes, as sharded-lrtf runs them
-            offload = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", SHARDED_BUDGET))
-                       for c in configs.values()]
+            # (as the sweep sets them up: stratum.sweep.setup.fit_to_budget)
+            offload = [with_items(c, ("train", "engine", "offload"), ("offload", "device_budget", SHARDED_BUDGET),
+                                  ("offload", "optimizer_tier", "host")) for c in configs.values()]
             cals["sharded-lrtf"] = shard_calibration(offload, [profiles[j] for j in configs], threads=1, slots=2,
                                                      shard_blocks=args.shard_blocks, work_dir=root / "calibration",
                                                      cache=args.calibration, memory=DeviceMemory(
@@ -271,7 +277,7 @@ def main() -> None:
             if (h := r["device_holding"]) is not None:
                 print(f"{'':8} device: at most {h['max_held_together_bytes'] / 2**20:.1f} MiB held by all jobs at a "
                       f"grant (each job's own most, summed: {h['sum_of_each_jobs_max_bytes'] / 2**20:.1f} MiB); "
-                      f"{h['give_backs']} give-backs", flush=True)
+                      f"{h['give_backs']} give-backs (SIMULATED: {r['simulated_give_backs_calibrated']})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fifo = results["fifo"]["measured_makespan_s"] if "fifo" in results else float("nan")  # (nan: fifo not run)

@@ -13,7 +13,7 @@ from stratum.config import config_from_dict
 from stratum.errors import StratumError
 from stratum.sweep.calibrate import Calibration
 from stratum.sweep.plain_calibrate import plain_calibration_key
-from stratum.sweep.predict import job_seconds
+from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.shape_cost import (
     MAX_SHAPES,
     PLAIN,
@@ -28,6 +28,7 @@ from stratum.sweep.shape_cost import (
 from stratum.sweep.shard_calibrate import (
     CalJob,
     fit_shapes,
+    give_back_costs,
     sample_from_tasks,
     shard_cache_path,
     shard_calibration,
@@ -99,6 +100,31 @@ def test_each_shape_s_cost_is_the_mean_of_its_jobs_read_from_a_grant_log(tmp_pat
     assert "a: 1.35 s + steps × 1250 ms" in cal.describe()
 
 
+def test_a_give_back_costs_the_difference_of_the_two_runs_steps_over_a_step_s_tasks():
+    # 3 steps of 2 tasks (set-up in the first, then the tail). Kept: a0's median step 1.0, a1's 1.2, b0's 2.0.
+    # Giving back at every task: a0's 1.4 (+0.4 over 2 tasks: 0.2 a give-back), a1's 1.4 (+0.2: 0.1), b0's 1.9
+    # (faster than kept, by noise: 0, not negative)
+    def chain(task: float) -> list[float]:
+        return [3.0, *[task] * 5, 0.1]
+    kept = {"a0": chain(0.5), "a1": chain(0.6), "b0": chain(1.0)}
+    gave = {"a0": chain(0.7), "a1": chain(0.7), "b0": [3.0, 0.9, 1.0, 0.9, 1.0, 0.9, 0.1]}
+    runs = [CalJob(id=j, shape=j[0], label=j[0], per_step=2, predicted_step_s=0.5, state_bytes=100)
+            for j in kept]
+    assert give_back_costs(kept, gave, runs, steps=3) == {"a": pytest.approx(0.15), "b": 0.0}
+
+
+def test_a_job_s_give_back_is_its_shape_s_else_priced_by_its_state():
+    cfg, other = config_from_dict({"data": {"seq_len": 32}}), config_from_dict({"data": {"seq_len": 16}})
+    cal = ShapeCalibration(kind=SHARDED, line=Calibration(fixed_s=0.0, fixed_s_per_byte=0.0, step_scale=1.0,
+                                                          step_overhead_s=0.0, contention=1.0),
+                           shapes={shape_key(cfg): ShapeCost(label="x", fixed_s=2.0, step_s=0.25)},
+                           give_back={shape_key(cfg): 0.01}, give_back_per_byte=1e-9)
+    assert give_back_s(SimpleNamespace(), cfg, cal) == 0.01  # type: ignore[arg-type]
+    assert give_back_s(SimpleNamespace(train_state_bytes=2_000_000), other, cal) == pytest.approx(  # type: ignore
+        0.002)
+    assert "a give-back: x 10.0 ms" in cal.describe()
+
+
 def test_at_most_max_shapes_are_measured_spread_over_their_step_times():
     configs = [config_from_dict({"data": {"seq_len": 8 * (i + 1)}}) for i in range(9)] + [
         config_from_dict({"data": {"seq_len": 8}, "optim": {"lr": 1e-4}})]  # j0's shape again
@@ -123,7 +149,8 @@ def test_a_cached_sharded_calibration_is_used_without_measuring(tmp_path):
     cache = tmp_path / "cal.json"
     cal = ShapeCalibration(kind=SHARDED, line=Calibration(fixed_s=1.0, fixed_s_per_byte=0.0, step_scale=2.0,
                                                           step_overhead_s=0.01, contention=1.0),
-                           shapes={shape_key(configs[0]): ShapeCost(label="mini", fixed_s=1.0, step_s=0.5)})
+                           shapes={shape_key(configs[0]): ShapeCost(label="mini", fixed_s=1.0, step_s=0.5)},
+                           give_back={shape_key(configs[0]): 0.004}, give_back_per_byte=2e-10)
     key = shard_calibration_key(configs, threads=1, slots=2, shard_blocks=1)
     save_shape_calibration(shard_cache_path(cache), key, cal)
     assert shard_cache_path(cache) == tmp_path / "cal.sharded.json"

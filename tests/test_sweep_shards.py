@@ -24,7 +24,7 @@ from stratum.sweep.runner import Sweep, open_sweep, run_sweep
 from stratum.sweep.segment import checkpoint_step
 from stratum.sweep.setup import write_job_configs
 from stratum.sweep.shape_cost import shape_key
-from stratum.sweep.shard_lrtf import makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
+from stratum.sweep.shard_lrtf import GiveBack, makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
 from stratum.sweep.shard_run import report_missed
 from stratum.sweep.shard_worker import ShardJob, run_shard_jobs
 from stratum.sweep.spec import load_sweep
@@ -60,6 +60,37 @@ def test_the_rule_on_a_hand_computed_case_as_a_table():
         mine = [t for t in tasks if t.job == job]
         assert all(x.end <= y.start for x, y in zip(mine, mine[1:]))
     assert tasks_per_step(5, 2, 3) == 2 * 3 * 3
+
+
+@pytest.mark.parametrize(("capacity", "table", "span"), [
+    # no room beside 1 running and 1 staged budget: every job that yields gives back, holding the slot its seconds
+    (2, ["       0        1    0  a[0] gives back",
+         "     1.5      2.5    0  b[0] gives back",
+         "    2.75     3.75    0  c[0] gives back",
+         "    3.88     4.88    0  a[1]",  # (a's last task: nothing left to give back for)
+         "    4.88     5.88    0  b[1]",
+         "    5.88     6.88    0  c[1]"], 6.875),
+    # room for one waiting job's budget: a keeps (nobody holds), b must give back (a holds), c keeps (a, granted
+    # next, is no longer waiting)
+    (3, ["       0        1    0  a[0]",
+         "       1        2    0  b[0] gives back",
+         "    2.25     3.25    0  c[0]",
+         "    3.25     4.25    0  a[1]",
+         "    4.25     5.25    0  b[1]",
+         "    5.25     6.25    0  c[1]"], 6.25),
+    (None, ["       0        1    0  a[0]",  # no limit: nobody gives back
+            "       1        2    0  b[0]",
+            "       2        3    0  c[0]",
+            "       3        4    0  a[1]",
+            "       4        5    0  b[1]",
+            "       5        6    0  c[1]"], 6.0),
+], ids=["no-room", "room-for-one", "no-limit"])
+def test_a_yielding_job_gives_back_where_the_device_lacks_room_as_a_table(capacity, table, span):
+    # three jobs of two 1 s tasks on one slot, alternating as their remaining times tie (sweep order first)
+    gives = GiveBack(seconds={"a": 0.5, "b": 0.25, "c": 0.125}, capacity=capacity, budget=1)
+    tasks = sharded_lrtf({"a": [1, 1], "b": [1, 1], "c": [1, 1]}, 1, gives)
+    assert task_table(tasks) == "\n".join(["   start      end slot  task", *table])
+    assert makespan(tasks) == span
 
 
 JOB_SHAPE = config_from_dict({"model": {"preset": "tiny", "dropout": 0.1}, "data": {"seq_len": 32},
@@ -299,6 +330,26 @@ def test_a_job_killed_between_its_rung_checkpoint_and_its_report_is_reported_on_
     assert (row["status"], row["step"], row["eval_loss"]) == ("paused", 3, metric)
     assert (stopped, 3, metric) in sweep.state.rungs()
 
+
+
+def test_a_job_giving_back_at_every_shard_boundary_trains_as_alone(tmp_path, corpus_file, cache_dir):
+    """The calibration's measure of a give-back (``ShardJob.gives_back_every_task``): each job gives its device
+    memory back at every shard boundary, whether it yields its slot or not — one vacate per task, each
+    releasing bytes and timed — and its losses equal its config's run alone."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep=SHARDED, grid='"optim.lr" = [1e-3, 2e-3]', steps=2,
+                      extra="eval_interval = 0\nckpt_interval = 0\n" + PINNED_PLACEMENT)
+    sweep = open_sweep(path, say=lambda _: None)
+    write_job_configs(sweep)
+    per_step = 2 * 2  # tiny's 4 blocks in shards of 2, forward and backward, one micro-batch
+    jobs = [ShardJob(id=j, config_path=str(sweep.dir / "jobs" / j / "job.toml"), tasks_left=2 * per_step,
+                     task_s=1.0, shard_blocks=2, gives_back_every_task=True) for j in sweep.jobs]
+    assert run_shard_jobs(jobs, slots=1, threads=1, sweep_dir=sweep.dir) == {"j000": 0, "j001": 0}
+    records = [json.loads(ln) for ln in (sweep.dir / "shard_tasks.jsonl").read_text().splitlines()]
+    for j in sweep.jobs:
+        vacates = [r for r in records if r.get("job") == j and "vacate" in r]
+        assert len(vacates) == 2 * per_step and all(r["vacate"] > 0 and r["s"] >= 0 for r in vacates), vacates
+        assert job_losses(sweep.dir, j) == standalone_losses(path, j, tmp_path / j, [
+            "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
 
 
 def test_a_stop_lets_started_jobs_end_their_step_with_a_checkpoint(tmp_path, corpus_file, cache_dir):

@@ -181,6 +181,8 @@ PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_o
      "its shape 's' needs label (text), fixed_s and step_s"),
     ("lrtf", json.dumps({"kind": "plain", "calibration": PLAIN_CAL, "shapes": {}, "alone": [1]}),
      "its \"alone\" is not a table"),
+    ("sharded-lrtf", json.dumps({"kind": "sharded-lrtf", "calibration": PLAIN_CAL, "shapes": {},
+                                 "give_back": {"s": -0.1}}), "its \"give_back\" must map shapes to seconds"),
 ])
 def test_a_calibration_file_that_holds_none_is_a_one_line_error_before_anything_is_written(
         tmp_path, capsys, scheduler, text, message):

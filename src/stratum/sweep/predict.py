@@ -93,6 +93,14 @@ def job_seconds(profile: Profile, cfg: Config, steps: int, cal: ShapeCalibration
                                 state_bytes=profile.train_state_bytes, steps=steps)
 
 
+def give_back_s(profile: Profile, cfg: Config, cal: ShapeCalibration) -> float:
+    """Seconds one give-back of a sharded-lrtf job's device memory adds to its time on slots: its shape's measured
+    cost, or for a shape not measured the calibration's seconds per byte of training state (0: nobody gives back
+    where the calibration ran)."""
+    measured = cal.give_back.get(shape_key(cfg))
+    return measured if measured is not None else cal.give_back_per_byte * profile.train_state_bytes
+
+
 def alone_share(profile: Profile, cfg: Config, steps: int, cal: ShapeCalibration | None) -> float:
     """A job's calibrated seconds with the machine to itself over its seconds beside other jobs (1 without a
     calibration): its shape's measured alone cost over its busy cost, or for a shape not measured 1 over the

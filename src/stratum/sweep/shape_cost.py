@@ -10,7 +10,8 @@ slot busy) and :mod:`stratum.sweep.shard_calibrate` (sharded-lrtf: the shapes in
 Both turn their runs into :class:`~stratum.sweep.calibrate.Sample` s and fit them here (:func:`fit`).
 
 The file form: ``{"key", "kind", "calibration": <the line>, "shapes": {shape key: {"label", "fixed_s",
-"step_s"}}, "alone": {…}}`` (``alone`` may be left out: none measured).
+"step_s"}}, "alone": {…}, "give_back": {shape key: seconds}, "give_back_per_byte": seconds}`` (``alone`` and the
+give-back keys may be left out: none measured).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class ShapeCalibration:
     alone: dict[str, ShapeCost] = field(default_factory=dict)
     """Shape key → its cost with the machine to itself (PLAIN only): the base of a strategy that holds all its
     slots, which no other job shares."""
+    give_back: dict[str, float] = field(default_factory=dict)
+    """Shape key → seconds one give-back of its device memory adds to its job's time on slots (SHARDED, measured
+    where the devices' memory is limited: :mod:`stratum.sweep.shard_calibrate`); empty where nobody gives back."""
+    give_back_per_byte: float = 0.0
+    """Seconds a give-back costs per byte of a job's training state, for a shape not in ``give_back`` (the
+    median over the measured shapes)."""
 
     def describe(self) -> str:
         def one(key: str, c: ShapeCost) -> str:
@@ -73,7 +80,9 @@ class ShapeCalibration:
             return f"{c.label}: {c.fixed_s:.2f} s + steps × {c.step_s * 1e3:.0f} ms" + (
                 f" (alone {a.fixed_s:.2f} s + {a.step_s * 1e3:.0f} ms)" if a else "")
         per_shape = "; ".join(one(k, c) for k, c in self.shapes.items())
-        return f"{per_shape}; other shapes: {self.line.describe()}"
+        gave = ", ".join(f"{self.shapes[k].label if k in self.shapes else k} {s * 1e3:.1f} ms"
+                         for k, s in self.give_back.items())
+        return f"{per_shape}; other shapes: {self.line.describe()}" + (f"; a give-back: {gave}" if gave else "")
 
 
 def shape_key(cfg: Config) -> str:
@@ -175,8 +184,16 @@ def parse_shape_calibration(doc: object, kind: str) -> ShapeCalibration:
         raise ValueError(f"it holds a {doc['kind']} calibration; the scheduler reads a {kind} one")
     if "shapes" not in doc:
         raise ValueError("it has no \"shapes\" table")
+    gave, per_byte = doc.get("give_back", {}), doc.get("give_back_per_byte", 0.0)
+    if not isinstance(gave, dict) or not all(_seconds(v) for v in gave.values()) or not _seconds(per_byte):
+        raise ValueError("its \"give_back\" must map shapes to seconds and \"give_back_per_byte\" be seconds (≥ 0)")
     return ShapeCalibration(kind=kind, line=line, shapes=_parse_costs(doc["shapes"], "shapes"),
-                            alone=_parse_costs(doc.get("alone", {}), "alone"))
+                            alone=_parse_costs(doc.get("alone", {}), "alone"),
+                            give_back={k: float(v) for k, v in gave.items()}, give_back_per_byte=float(per_byte))
+
+
+def _seconds(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
 def load_shape_calibration(path: Path, key: str, kind: str) -> ShapeCalibration | None:
@@ -188,4 +205,6 @@ def save_shape_calibration(path: Path, key: str, cal: ShapeCalibration) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "kind": cal.kind, "calibration": asdict(cal.line),
                                         "shapes": {k: asdict(c) for k, c in cal.shapes.items()},
-                                        "alone": {k: asdict(c) for k, c in cal.alone.items()}}, indent=1))
+                                        "alone": {k: asdict(c) for k, c in cal.alone.items()},
+                                        "give_back": cal.give_back, "give_back_per_byte": cal.give_back_per_byte},
+                                       indent=1))

@@ -16,15 +16,23 @@ fit (:func:`stratum.sweep.shape_cost.fit`), the line against the offload planner
 (:func:`stratum.sweep.predict.offload_step_s`), which models what the budget costs (recomputed or spilled
 activations, chunk copies).
 
-It is cached at ``<cache stem>.sharded.json`` beside the plain calibration, keyed also by the budget and the
-shard size.
+The jobs keep their device memory while they wait. Where the sweep's ``device_memory`` may make waiting jobs give
+it back, the rule decides how many give-backs a sweep has — the simulator plays it out
+(:class:`stratum.sweep.shard_lrtf.GiveBack`) — and the calibration measures what one costs: it runs the same jobs
+again, each giving back at every shard boundary (the vacate, the copies back, the chunks fetched again), and
+prices a give-back of each shape as the difference in its step over the tasks in a step. Few jobs on few slots
+see few give-backs of their own, where a sweep whose many waiting jobs alternate sees one nearly every task; so
+the cost is measured, and the count simulated.
+
+It is cached at ``<cache stem>.sharded.json`` beside the plain calibration, keyed also by the budget, the shard
+size and the devices' capacity.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -108,25 +116,55 @@ def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
                    shard_blocks: int, work_dir: Path, memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
     """Train the sweep's shapes (:func:`pick_shapes`), SHARD_STEPS steps each, at least ``slots + 1`` jobs in all,
-    as sharded-lrtf jobs in one shard worker on ``slots`` slots with the sweep's ``memory``; their costs from the
-    grant log."""
+    as sharded-lrtf jobs in one shard worker on ``slots`` slots, none giving back; their costs from the grant log.
+    Where ``memory`` may make waiting jobs give back, the same jobs again, each giving back at every shard boundary:
+    a give-back's cost per shape is the difference of the two runs' steps over the tasks in a step."""
     shapes = pick_shapes(configs, profiles)
     picks = [shapes[i % len(shapes)] for i in range(max(len(shapes), slots + 1))]
+    runs = [CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg),
+                   per_step=tasks_per_step(len(prof.blocks), job_shard_blocks(prof, cfg, shard_blocks),
+                                           cfg.micro_batches_per_step),
+                   predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes)
+            for i, (cfg, prof) in enumerate(picks)]
     root = work_dir / "sharded"
-    jobs, runs = [], []
-    for i, (cfg, prof) in enumerate(picks):
-        out = root / f"c{i}"
+    kept = _run(_jobs(picks, runs, root, shard_blocks, gives_back=False), slots=slots, threads=threads, root=root)
+    cal = fit_shapes(kept, runs, steps=SHARD_STEPS)
+    if not memory.limited:
+        return cal
+    root = work_dir / "sharded_give_back"
+    gave = _run(_jobs(picks, runs, root, shard_blocks, gives_back=True), slots=slots, threads=threads, root=root)
+    per_shape = give_back_costs(kept, gave, runs, steps=SHARD_STEPS)
+    per_byte = sorted(per_shape[r.shape] / r.state_bytes for r in runs if r.state_bytes)
+    return replace(cal, give_back=per_shape, give_back_per_byte=per_byte[len(per_byte) // 2] if per_byte else 0.0)
+
+
+def _jobs(picks: list[tuple[Config, Profile]], runs: list[CalJob], root: Path, shard_blocks: int, *,
+          gives_back: bool) -> list[ShardJob]:
+    """The calibration's shard jobs, each with a fresh out_dir under ``root``."""
+    jobs = []
+    for (cfg, prof), run in zip(picks, runs):
+        out = root / run.id
         out.mkdir(parents=True, exist_ok=True)
         job_cfg = with_items(cfg, ("train", "steps", SHARD_STEPS), ("train", "out_dir", str(out)))
         (out / "job.toml").write_text(to_toml(job_cfg))
-        blocks = job_shard_blocks(prof, cfg, shard_blocks)
-        per_step = tasks_per_step(len(prof.blocks), blocks, cfg.micro_batches_per_step)
         # remaining time as profiled: the larger jobs first, as the sweep's rule would order them
-        jobs.append(ShardJob(id=f"c{i}", config_path=str(out / "job.toml"), tasks_left=per_step * SHARD_STEPS,
-                             task_s=prof.step_s / per_step, shard_blocks=blocks))
-        runs.append(CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg), per_step=per_step,
-                           predicted_step_s=offload_step_s(cfg, prof), state_bytes=prof.train_state_bytes))
-    return fit_shapes(_run(jobs, slots=slots, threads=threads, root=root, memory=memory), runs, steps=SHARD_STEPS)
+        jobs.append(ShardJob(id=run.id, config_path=str(out / "job.toml"), tasks_left=run.per_step * SHARD_STEPS,
+                             task_s=prof.step_s / run.per_step, shard_blocks=job_shard_blocks(prof, cfg, shard_blocks),
+                             gives_back_every_task=gives_back))
+    return jobs
+
+
+def give_back_costs(kept: dict[str, list[float]], gave: dict[str, list[float]], runs: list[CalJob], *,
+                    steps: int) -> dict[str, float]:
+    """Each shape's seconds per give-back: its jobs' median step giving back at every task (``gave``) less their
+    median step keeping their memory (``kept``), over the tasks in a step (the mean over the shape's jobs; ≥ 0)."""
+    def step(tasks: dict[str, list[float]], r: CalJob) -> float:
+        return sample_from_tasks(tasks.get(r.id, []), per_step=r.per_step, steps=steps, profiled_step_s=0.0,
+                                 state_bytes=0).step_s
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        out.setdefault(r.shape, []).append(max(0.0, step(gave, r) - step(kept, r)) / r.per_step)
+    return {shape: sum(v) / len(v) for shape, v in out.items()}
 
 
 def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int) -> ShapeCalibration:
@@ -138,12 +176,12 @@ def fit_shapes(tasks: dict[str, list[float]], runs: list[CalJob], *, steps: int)
                                                            state_bytes=r.state_bytes)) for r in runs])
 
 
-def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path,
-         memory: DeviceMemory) -> dict[str, list[float]]:
-    """``jobs`` in one shard worker on ``slots`` slots, to their end; each job's tasks' seconds on a slot."""
+def _run(jobs: list[ShardJob], *, slots: int, threads: int, root: Path) -> dict[str, list[float]]:
+    """``jobs`` in one shard worker on ``slots`` slots (no device's memory limited), to their end; each job's
+    tasks' seconds on a slot."""
     spec_path = root / "shard_spec.json"
     atomic_write_text(spec_path, json.dumps({"sweep_dir": str(root), "slots": slots, "threads": threads,
-                                             "jobs": [vars(j) for j in jobs], "memory": asdict(memory)}))
+                                             "jobs": [vars(j) for j in jobs], "memory": asdict(UNLIMITED)}))
     worker = start_process(shard_worker_main, (str(spec_path),), "stratum-calibration-shards")
     deadline = time.monotonic() + CALIBRATION_TIMEOUT_S
     while worker.poll() is None and time.monotonic() < deadline:

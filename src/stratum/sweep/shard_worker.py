@@ -78,6 +78,9 @@ class ShardJob:
     """Predicted seconds of one shard task."""
     shard_blocks: int
     """Blocks per shard."""
+    gives_back_every_task: bool = False
+    """It gives its device memory back at every shard boundary, yielding its slot or not: the calibration's
+    measure of what a give-back costs its shape (:mod:`stratum.sweep.shard_calibrate`)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class DeviceMemory:
     RAM, so that a give-back there only copies)."""
     budget: int
     """Each job's device budget, bytes."""
+
+    @property
+    def limited(self) -> bool:
+        """Some device's memory is limited: a waiting job there may have to give back."""
+        return any(c is not None for c in self.capacity)
 
 
 UNLIMITED = DeviceMemory(capacity=[], budget=0)
@@ -244,10 +252,15 @@ class SlotScheduler:
         self.staged.discard(job)
         self.cond.notify_all()
 
+    def give_back(self, job: str, turn: Turn) -> None:
+        """``job`` gives its device memory back now, whatever the rule (:attr:`ShardJob.gives_back_every_task`)."""
+        self._vacate(job, turn, "vacate")
+
     def _vacate(self, job: str, turn: Turn, why: str) -> None:
+        t0 = time.monotonic()
         freed = turn.vacate()
         with self.cond:
-            self._write({"job": job, why: freed})
+            self._write({"job": job, why: freed, "s": round(time.monotonic() - t0, 6)})
 
     def finish(self, job: str) -> None:
         """``job``'s thread ends: its slot goes to the next waiting job (the end recorded, so the log tells each
@@ -364,6 +377,8 @@ class JobGate:
             return
         self.drop_setup()
         self.left -= 1
+        if self.job.gives_back_every_task:
+            self.sched.give_back(self.job.id, turn)
         self.sched.acquire(self.job.id, self.remaining_s(), turn)
 
 

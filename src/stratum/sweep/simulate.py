@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stratum.sweep.schedulers import make_policy
-from stratum.sweep.shard_lrtf import chain, makespan, sharded_lrtf
+from stratum.sweep.shard_lrtf import GiveBack, chain, makespan, sharded_lrtf
 
 
 @dataclass(kw_only=True)
@@ -23,6 +23,8 @@ class SimResult:
     """End of the last segment."""
     utilisation: float
     """Busy slot-seconds over slots × makespan."""
+    give_backs: int = 0
+    """sharded-lrtf: the jobs' give-backs of their device memory."""
 
 
 def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *, slots: int,
@@ -58,12 +60,13 @@ def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *,
 
 
 def simulate_sharded(steps: dict[str, int], step_s: dict[str, float], tasks: dict[str, int], *,
-                     slots: int) -> SimResult:
+                     slots: int, give_back: GiveBack | None = None) -> SimResult:
     """sharded-lrtf over jobs of ``tasks[j]`` shard tasks per step, each ``step_s[j] / tasks[j]`` seconds
-    (:func:`stratum.sweep.shard_lrtf.sharded_lrtf`); runs are the tasks."""
+    (:func:`stratum.sweep.shard_lrtf.sharded_lrtf`, with ``give_back`` its give-backs); runs are the tasks."""
     chains = {j: chain(n, tasks[j], step_s[j] / tasks[j]) for j, n in steps.items()}
-    placed = sharded_lrtf(chains, slots)
+    placed = sharded_lrtf(chains, slots, give_back)
     runs = [(t.start, t.slot, t.job, t.end) for t in placed]
     span = makespan(placed)
     busy = sum(t.end - t.start for t in placed)
-    return SimResult(runs=runs, makespan=span, utilisation=busy / (slots * span) if span else 0.0)
+    return SimResult(runs=runs, makespan=span, utilisation=busy / (slots * span) if span else 0.0,
+                     give_backs=sum(t.gives_back for t in placed))
