@@ -57,8 +57,8 @@ from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_size import AUTO, job_shard_blocks
-from stratum.sweep.shard_worker import DeviceMemory, task_seconds
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
+from stratum.sweep.slot_scheduler import DeviceMemory, task_seconds
 from stratum.sweep.strategies import scaled
 from stratum.train.metrics import median
 from stratum.train.trainer import read_metrics

@@ -34,7 +34,7 @@ from stratum.sweep.shard_calibrate import (
     shard_calibration,
     shard_calibration_key,
 )
-from stratum.sweep.shard_worker import task_seconds
+from stratum.sweep.slot_scheduler import task_seconds
 from stratum.sweep.spec import SweepSettings, job_threads
 from stratum.sweep.sweep_calibration import AUTO_CACHE, auto_calibration
 

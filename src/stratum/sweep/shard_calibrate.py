@@ -57,7 +57,8 @@ from stratum.sweep.shape_cost import (
 )
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
-from stratum.sweep.shard_worker import UNLIMITED, DeviceMemory, ShardJob, shard_worker_main, task_seconds
+from stratum.sweep.shard_worker import ShardJob, shard_worker_main
+from stratum.sweep.slot_scheduler import UNLIMITED, DeviceMemory, task_seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ class ShardTask:
 @dataclass(frozen=True, kw_only=True)
 class GiveBack:
     """What giving the device back costs, and when a yielding job must (the worker's rule,
-    :meth:`stratum.sweep.shard_worker.SlotScheduler._keeps`, with every waiting job holding its whole budget)."""
+    :meth:`stratum.sweep.slot_scheduler.SlotScheduler._keeps`, with every waiting job holding its whole budget)."""
 
     seconds: dict[str, float]
     """Job → seconds one give-back adds to its time on slots (its device memory out, and back for its next task)."""

@@ -25,7 +25,8 @@ from stratum.sweep.expand import device_capacity, named_slot_devices
 from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
-from stratum.sweep.shard_worker import DeviceMemory, ShardJob
+from stratum.sweep.shard_worker import ShardJob
+from stratum.sweep.slot_scheduler import DeviceMemory
 from stratum.sweep.spec import SweepSettings
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 from stratum.units import parse_budget
