@@ -15,8 +15,9 @@ sweep's worker path) and, with sharded-lrtf, sharded-lrtf's own (stratum.sweep.s
 as offload jobs at the budget, in one shard worker on 2 slots; cached beside the plain one). Each sweep reads the file its scheduler uses through
 ``sweep.calibration``, so its own ordering (lrtf, planned, sharded-lrtf's remaining times) is the prediction's.
 Per scheduler it reports the measured makespan (the scheduling loop's wall time: first job start to last job end)
-and three SIMULATED predictions of it: from each job's calibrated time (known before any job runs: the prediction
-the 15 % goal is about: its shape's measured seconds with both slots busy; sharded-lrtf: on a slot), from the profiled forward+backward
+and three SIMULATED predictions of it: the sweep's own (``makespan.json``, made before its first job from each
+job's calibrated time: the prediction the 15 % goal is about — its shape's measured seconds with both slots busy;
+sharded-lrtf: on a slot, with the give-backs its device memory forces), from the profiled forward+backward
 times alone (one set of profiles, taken up front with the calibration, for every scheduler's prediction), and
 from each job's measured median step time (which separates the cost model's error from the scheduling model's;
 sharded-lrtf: each job's seconds holding a slot over its steps, from the grants, as a step's wall time there
@@ -48,14 +49,15 @@ from pathlib import Path
 from stratum.atomic import atomic_write_text
 from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import with_items
-from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.gang import Option
 from stratum.sweep.job_strategy import pinned
 from stratum.sweep.plain_calibrate import plain_calibration
-from stratum.sweep.predict import alone_share, give_back_s, job_profiles, job_seconds, predicted_seconds
+from stratum.sweep.predict import job_profiles, job_seconds, predicted_seconds
+from stratum.sweep.predicted_makespan import plan_sim
 from stratum.sweep.runner import open_sweep, run_sweep
 from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_calibrate import shard_cache_path, shard_calibration
-from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
+from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import AUTO, job_shard_blocks
 from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
 from stratum.sweep.slot_scheduler import DeviceMemory, task_seconds
@@ -120,25 +122,20 @@ device_memory = "{device_memory}"
 
 
 def cal_file(cache: Path, scheduler: str) -> str:
-    """The calibration file the sweep's own ordering reads (sweep.calibration): the one the prediction uses."""
-    if scheduler == "fifo":
-        return "off"
+    """The calibration file the sweep reads (sweep.calibration): what its own ordering (fifo: none) and its own
+    predicted makespan go through."""
     return str(shard_cache_path(cache) if scheduler == "sharded-lrtf" else cache)
 
 
 def planned_sim(candidates: dict[str, dict[str, Option]], local_s: dict[str, float],
-                launch_s: dict[int, float], share: dict[str, float] | None = None) -> SimResult:
+                launch_s: dict[int, float]) -> SimResult:
     """SIMULATED: the planned scheduler's plan (MILP over each job's strategies, two slots) for jobs whose local
-    run takes ``local_s`` (``share`` of it alone) — the strategies' times those ratios of it plus a multi-process
-    run's start-up, as the runner predicts them."""
+    run takes ``local_s`` — the strategies' times those ratios of it plus a multi-process run's start-up, as the
+    runner predicts them."""
     options = {j: {n: replace(o, seconds=o.seconds + launch_s.get(o.devices, 0.0))
-                   for n, o in scaled(candidates[j], local_s[j], (share or {}).get(j, 1.0)).items()}
+                   for n, o in scaled(candidates[j], local_s[j]).items()}
                for j in local_s}
-    plan = plan_jobs(options, [0.0, 0.0], time_limit_s=10.0)
-    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
-    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
-    return SimResult(runs=runs, makespan=plan.makespan,
-                     utilisation=busy / (2 * plan.makespan) if plan.makespan else 0.0)
+    return plan_sim(options, 2, 10.0)
 
 
 def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
@@ -159,6 +156,8 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
     # shape's seconds on a slot from its own calibration (the job's config carries the budget)
     cal = cals["sharded-lrtf" if scheduler == "sharded-lrtf" else "plain"]
     cal_step_s = {j: job_seconds(profiles[j], sweep.configs[j], steps[j], cal) / steps[j] for j in steps}
+    # the sweep's own prediction, made before its first job from the same calibration file
+    predicted = json.loads((root / name / "makespan.json").read_text())
     meas_step_s = {j: median(read_metrics(root / name / "jobs" / j), "step_s") for j in steps}
     seg = args.segment_steps if scheduler == "lrtf" else 0
     if scheduler == "sharded-lrtf":
@@ -167,30 +166,23 @@ def one(name: str, root: Path, args: argparse.Namespace, corpus: str,
         # a job's step time in its metrics includes its waits for a slot: its busy time comes from the grants
         meas_step_s = {j: sum(ts) / steps[j] for j, ts in task_seconds(root / name / "shard_tasks.jsonl").items()}
         sim_prof = simulate_sharded(steps, prof_step_s, tasks, slots=2)
-        # the give-backs the rule makes at this device memory, each at its shape's calibrated cost
-        gives = GiveBack(seconds={j: give_back_s(profiles[j], c, cal) for j, c in sweep.configs.items()},
-                         capacity=parse_bytes(args.device_memory) if args.device_memory else None,
-                         budget=parse_bytes(SHARDED_BUDGET))
-        sim_cal = simulate_sharded(steps, cal_step_s, tasks, slots=2, give_back=gives)
         sim_meas = simulate_sharded(steps, meas_step_s, tasks, slots=2)
     elif scheduler == "planned":  # the plan over each job's strategies (local, replicate(2), pipeline(2))
         ran = {j: pinned(sweep.state, j) or "local" for j in steps}
         sim_prof = planned_sim(sweep.candidates, {j: prof_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
-        share = {j: alone_share(profiles[j], sweep.configs[j], steps[j], cal) for j in steps}
-        sim_cal = planned_sim(sweep.candidates, {j: cal_step_s[j] * steps[j] for j in steps}, sweep.launch_s, share)
         # each job as it ran: its strategy, its measured step time
         sim_meas = planned_sim({j: {ran[j]: replace(sweep.candidates[j][ran[j]], seconds=1.0)} for j in steps},
                                {j: meas_step_s[j] * steps[j] for j in steps}, sweep.launch_s)
     else:
         sim_prof = simulate(scheduler, steps, prof_step_s, slots=2, segment_steps=seg)
-        sim_cal = simulate(scheduler, steps, cal_step_s, slots=2, segment_steps=seg)
         sim_meas = simulate(scheduler, steps, meas_step_s, slots=2, segment_steps=seg)
     held = device_holding(root / name / "shard_tasks.jsonl") if scheduler == "sharded-lrtf" else None
     return {"measured_makespan_s": sweep.makespan_s, "launch_s": sweep.launch_s, "measured_busy_s": sum(r.run_s for r in rows),
             "device_holding": held,
-            "simulated_makespan_s_calibrated": sim_cal.makespan, "simulated_makespan_s_profile": sim_prof.makespan,
+            "simulated_makespan_s_calibrated": predicted["predicted_s"],
+            "simulated_makespan_s_profile": sim_prof.makespan,
             "simulated_makespan_s_measured_steps": sim_meas.makespan,
-            "simulated_give_backs_calibrated": sim_cal.give_backs,
+            "simulated_give_backs_calibrated": predicted["predicted_give_backs"],
             "simulated_utilisation_profile": sim_prof.utilisation,
             "jobs": {r.id: {"label": r.label, "run_s": r.run_s, "median_step_s": meas_step_s[r.id],
                             "profiled_step_s": prof_step_s[r.id],

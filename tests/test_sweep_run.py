@@ -22,6 +22,7 @@ from stratum.cli import main
 from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
 
@@ -133,12 +134,30 @@ def kill_midway(sweep_dir: Path, job_id: str, steps: int, victim: Callable[[int]
 
 @pytest.fixture(scope="module")
 def four_jobs(tmp_path_factory, corpus_file, cache_dir):
+    """fifo over 4 jobs of one shape, with a calibration written by hand (5 s + 1 s a step) for its prediction."""
     tmp = tmp_path_factory.mktemp("sweep4")
-    path = sweep_file(tmp, corpus_file, cache_dir, sweep="", grid='"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]',
-                      steps=6, extra="eval_interval = 3")
+    grid = '"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]'
+    spec = load_sweep(sweep_file(tmp, corpus_file, cache_dir, sweep="", grid=grid, steps=6, name="probe.toml"))
+    shape = shape_key(job_config(spec, expand(spec)[0], tmp / "shape", []))
+    (tmp / "cal.json").write_text(json.dumps({"key": "by hand", "kind": "plain", "calibration": {
+        "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
+        "shapes": {shape: {"label": "tiny", "fixed_s": 5.0, "step_s": 1.0}}}))
+    path = sweep_file(tmp, corpus_file, cache_dir, sweep='calibration = "cal.json"', grid=grid, steps=6,
+                      extra="eval_interval = 3")
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     return path, tmp, lines
+
+
+def test_the_predicted_makespan_is_printed_and_kept_beside_the_measured_one(four_jobs):
+    """Each job is predicted 5 + 6 × 1 = 11 s; fifo runs two at a time on 2 slots: 22 s (SIMULATED)."""
+    _, tmp, lines = four_jobs
+    assert "predicted makespan: 22.0 s (SIMULATED from calibrated job times)" in lines
+    doc = json.loads((tmp / "sw" / "makespan.json").read_text())
+    assert (doc["scheduler"], doc["predicted_s"], doc["predicted_from"]) == ("fifo", 22.0, "calibrated")
+    assert doc["measured_s"] > 0
+    assert f"makespan: {doc['measured_s']:.1f} s measured, 22.0 s predicted (SIMULATED): measured / predicted " \
+           f"{doc['measured_s'] / 22.0:.2f}" in lines
 
 
 def test_four_jobs_on_two_slots_each_equal_to_its_stratum_train(four_jobs, tmp_path):

@@ -146,6 +146,16 @@ def test_every_job_equals_its_stratum_train_run(sharded, tmp_path):
             "train.engine='offload'", f"offload.device_budget={BUDGET!r}"])
 
 
+def test_the_predicted_makespan_replays_the_rule_over_the_calibrated_chains(sharded):
+    """The hand calibration's 50 s + 10 s a step: j000 and j002 (1 step) 60 s, j001 and j003 (3 steps) 80 s, each
+    in chains of 4 tasks a step; the rule packs the 280 s on 2 slots with none idle: 140 s, with give-backs (no
+    room to spare), each free (the calibration prices none)."""
+    _, _, lines, _ = sharded
+    first = next(ln for ln in lines if ln.startswith("predicted makespan:"))
+    assert first.startswith("predicted makespan: 140.0 s (SIMULATED from calibrated job times, ") and \
+        first.endswith(" give-backs)"), first
+
+
 def test_jobs_whose_state_exceeds_the_budget_run_under_it(sharded):
     path, tmp, _, _ = sharded
     sweep = open_sweep(path, say=lambda _: None)

@@ -27,6 +27,7 @@ from stratum.sweep.launched import group_alive
 from stratum.sweep.local import LocalBackend
 from stratum.sweep.plot import loss_png
 from stratum.sweep.predict import make_alone_share, make_predict
+from stratum.sweep.predicted_makespan import predicted_makespan, write_makespan
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
@@ -61,6 +62,14 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         s = sweep.spec.settings
         predict = _predict(sweep)
+        options = None
+        if s.scheduler == "planned" and predict is not None:
+            share = make_alone_share(sweep.state, sweep.configs, sweep_profiles(sweep), sweep.calibration)
+            options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, share, sweep.launch_s,
+                                 s.segment_steps)
+        predicted = predicted_makespan(sweep, predict, options) if predict is not None else None
+        if predicted is not None:
+            say(predicted.line())
         t0 = time.monotonic()
         if s.scheduler == "sharded-lrtf":
             assert predict is not None  # (sharded-lrtf needs predictions)
@@ -71,11 +80,6 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices,
                         memory=device_memory(s, next(iter(sweep.configs.values()))))
         else:
-            options = None
-            if s.scheduler == "planned" and predict is not None:
-                share = make_alone_share(sweep.state, sweep.configs, sweep_profiles(sweep), sweep.calibration)
-                options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, share, sweep.launch_s,
-                                     s.segment_steps)
             policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
                                  options=options)
             expect: Expect | None = None
@@ -86,6 +90,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             _loop(sweep, policy, expect, tick)
         sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
+        say(write_makespan(sweep.dir, scheduler=s.scheduler, measured_s=sweep.makespan_s, predicted=predicted))
     finally:
         if sweep.backend is not None:
             sweep.backend.close()
@@ -94,14 +99,14 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
 
 
 def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
-    """The jobs' predicted times for the schedulers that read them (None for fifo), through the sweep's
-    calibration — sweep.calibration = "auto" measures it now, or reads it from the sweep directory (not when no
-    job is left to order)."""
+    """The jobs' predicted times for the schedulers that read them, through the sweep's calibration —
+    sweep.calibration = "auto" measures it now, or reads it from the sweep directory (not when no job is left to
+    order); fifo orders by none, and predicts them (for its predicted makespan) only with a calibration."""
     s = sweep.spec.settings
     if s.scheduler not in PREDICTING:
-        if s.calibration.strip() != "off":
-            sweep.say(f"calibration: not used (scheduler {s.scheduler!r} predicts no job times)")
-        return None
+        if s.calibration.strip() == "off":
+            return None
+        sweep.say(f"calibration: for the predicted makespan only (scheduler {s.scheduler!r} orders by none)")
     if s.calibration.strip() == "auto" and any(r.status in (PENDING, PAUSED) for r in sweep.state.jobs()):
         sweep.calibration = auto_calibration(s, sweep.dir, sweep.configs, sweep_profiles(sweep), sweep.say)
     return make_predict(sweep.state, sweep.configs, sweep_profiles(sweep), calibration=sweep.calibration)

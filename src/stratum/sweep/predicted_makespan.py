@@ -1,0 +1,108 @@
+"""The makespan a sweep is predicted to take before it runs (SIMULATED), put beside the measured one at its end.
+
+The prediction replays the sweep's own scheduler over the jobs that remain, on the simulators the benchmarks
+check (:mod:`stratum.sweep.simulate`), from the same predicted job times the scheduler orders by (calibrated where
+``sweep.calibration`` is set, else the profiles scaled as :func:`stratum.sweep.predict.make_predict` says): fifo
+and lrtf one job (or lrtf slice) per slot, planned its makespan plan over each job's strategies, sharded-lrtf
+every job's chain of shard tasks with the give-backs its devices' memory forces (each at its shape's calibrated
+cost; with slots on several devices the give-backs are not predicted). Jobs ASHA may stop are predicted to their
+ends, so under ASHA it is an upper bound. ``makespan.json`` in the sweep directory keeps both figures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stratum.atomic import atomic_write_text
+from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.predict import give_back_s
+from stratum.sweep.setup import Sweep, sweep_profiles
+from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
+from stratum.sweep.shard_run import device_memory
+from stratum.sweep.shard_size import job_shard_blocks
+from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
+from stratum.sweep.slot_scheduler import DeviceMemory
+from stratum.sweep.state import PAUSED, PENDING
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    """A sweep's predicted makespan (SIMULATED)."""
+
+    sim: SimResult
+    """The simulated schedule of what remains."""
+    source: str
+    """What the job times come from: "calibrated" or "profiles"."""
+
+    def line(self) -> str:
+        gives = f", {self.sim.give_backs} give-backs" if self.sim.give_backs else ""
+        what = "calibrated job times" if self.source == "calibrated" else (
+            "profiled job times (no sweep.calibration: short of the real one)")
+        return f"predicted makespan: {self.sim.makespan:.1f} s (SIMULATED from {what}{gives})"
+
+
+def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
+                       options: Callable[[str], dict[str, Option]] | None) -> Predicted | None:
+    """The sweep's scheduler replayed over its remaining jobs' predicted times (``options``: planned's strategies
+    per job); None when no job is left to run."""
+    s = sweep.spec.settings
+    steps = {r.id: r.steps - r.step for r in sweep.state.jobs() if r.status in (PENDING, PAUSED) and r.steps > r.step}
+    if not steps:
+        return None
+    step_s = {j: min(predict(j).values()) / n for j, n in steps.items()}
+    if s.scheduler == "sharded-lrtf":
+        sim = _sharded(sweep, steps, step_s)
+    elif s.scheduler == "planned" and options is not None:
+        sim = plan_sim({j: options(j) for j in steps}, s.slots, s.plan_time_limit_s)
+    else:
+        sim = simulate(s.scheduler, steps, step_s, slots=s.slots,
+                       segment_steps=s.segment_steps if s.scheduler == "lrtf" else 0,
+                       time_limit_s=s.plan_time_limit_s)
+    return Predicted(sim=sim, source="calibrated" if sweep.calibration is not None else "profiles")
+
+
+def _sharded(sweep: Sweep, steps: dict[str, int], step_s: dict[str, float]) -> SimResult:
+    s, profiles = sweep.spec.settings, sweep_profiles(sweep)
+    configs = {j: sweep.configs[j] for j in steps}
+    tasks = {j: tasks_per_step(len(profiles[j].blocks), job_shard_blocks(profiles[j], c, s.shard_blocks),
+                               c.micro_batches_per_step) for j, c in configs.items()}
+    cal = sweep.calibration
+    seconds = {j: give_back_s(profiles[j], c, cal) if cal is not None else 0.0 for j, c in configs.items()}
+    return simulate_sharded(steps, step_s, tasks, slots=s.slots,
+                            give_back=give_back(device_memory(s, next(iter(configs.values()))), seconds))
+
+
+def give_back(memory: DeviceMemory, seconds: dict[str, float]) -> GiveBack | None:
+    """The simulator's give-back rule for slots of one device (None: slots on several devices, whose give-backs
+    it does not play out)."""
+    if len(set(memory.capacity)) > 1:
+        return None
+    return GiveBack(seconds=seconds, capacity=memory.capacity[0] if memory.capacity else None, budget=memory.budget)
+
+
+def plan_sim(options: dict[str, dict[str, Option]], slots: int, time_limit_s: float) -> SimResult:
+    """planned's plan (:func:`stratum.sweep.gang.plan_jobs`) over the jobs' strategies on ``slots`` free slots, as
+    a schedule: its makespan is the prediction."""
+    plan = plan_jobs(options, [0.0] * slots, time_limit_s=time_limit_s)
+    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
+    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
+    return SimResult(runs=runs, makespan=plan.makespan, utilisation=busy / (slots * plan.makespan)
+                     if plan.makespan else 0.0)
+
+
+def write_makespan(sweep_dir: Path, *, scheduler: str, measured_s: float, predicted: Predicted | None) -> str:
+    """``makespan.json`` (atomically): the measured makespan beside the prediction; the line to print."""
+    doc: dict = {"scheduler": scheduler, "measured_s": measured_s}
+    line = f"makespan: {measured_s:.1f} s measured"
+    if predicted is not None:
+        doc |= {"predicted_s": predicted.sim.makespan, "predicted_from": predicted.source,
+                "predicted_give_backs": predicted.sim.give_backs,
+                "note": "predicted_s is SIMULATED: the scheduler replayed over the jobs' predicted times"}
+        if predicted.sim.makespan > 0:
+            line += (f", {predicted.sim.makespan:.1f} s predicted (SIMULATED): measured / predicted "
+                     f"{measured_s / predicted.sim.makespan:.2f}")
+    atomic_write_text(sweep_dir / "makespan.json", json.dumps(doc, indent=1) + "\n")
+    return line
