@@ -180,6 +180,7 @@ def test_results_table_csv_png_and_status_command(four_jobs, capsys):
     assert main(["sweep", "status", str(tmp / "sw")]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith(table[0]["id"]) and "4 done" in out
+    assert out.splitlines()[-1].startswith("makespan: ") and ", 22.0 s predicted (SIMULATED): " in out
 
 
 def test_a_finished_sweep_run_again_reruns_nothing(four_jobs):

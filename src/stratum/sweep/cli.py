@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here, as every subcommand's engine is in stratum/cli.py: the parser and `status` stay free of torch
     if args.action == "status":
         from stratum.sweep.live import with_progress
-        from stratum.sweep.results import table
+        from stratum.sweep.results import makespan_line, read_makespan, table
         from stratum.sweep.state import SweepState
 
         if not args.dir:
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
             raise StratumError(f"{args.dir} holds no sweep (no state.db); give the sweep's sweep.out_dir")
         state = SweepState(Path(args.dir))
         print(table(with_progress(state.jobs(), Path(args.dir))))  # running jobs: their latest step
+        if (doc := read_makespan(Path(args.dir))) is not None:
+            print(makespan_line(doc))
         state.close()
         return 0
     if not args.config:

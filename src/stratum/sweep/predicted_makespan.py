@@ -19,6 +19,7 @@ from pathlib import Path
 from stratum.atomic import atomic_write_text
 from stratum.sweep.gang import Option, plan_jobs
 from stratum.sweep.predict import give_back_s
+from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_run import device_memory
@@ -40,7 +41,7 @@ class Predicted:
     def line(self) -> str:
         gives = f", {self.sim.give_backs} give-backs" if self.sim.give_backs else ""
         what = "calibrated job times" if self.source == "calibrated" else (
-            "profiled job times (no sweep.calibration: short of the real one)")
+            "profiled job times (no sweep.calibration: it comes out short)")
         return f"predicted makespan: {self.sim.makespan:.1f} s (SIMULATED from {what}{gives})"
 
 
@@ -93,16 +94,13 @@ def plan_sim(options: dict[str, dict[str, Option]], slots: int, time_limit_s: fl
                      if plan.makespan else 0.0)
 
 
-def write_makespan(sweep_dir: Path, *, scheduler: str, measured_s: float, predicted: Predicted | None) -> str:
-    """``makespan.json`` (atomically): the measured makespan beside the prediction; the line to print."""
+def write_makespan(sweep_dir: Path, *, scheduler: str, predicted: Predicted | None,
+                   measured_s: float | None) -> dict:
+    """``makespan.json`` (atomically): the prediction, and the measured makespan once there is one; its document."""
     doc: dict = {"scheduler": scheduler, "measured_s": measured_s}
-    line = f"makespan: {measured_s:.1f} s measured"
     if predicted is not None:
         doc |= {"predicted_s": predicted.sim.makespan, "predicted_from": predicted.source,
                 "predicted_give_backs": predicted.sim.give_backs,
                 "note": "predicted_s is SIMULATED: the scheduler replayed over the jobs' predicted times"}
-        if predicted.sim.makespan > 0:
-            line += (f", {predicted.sim.makespan:.1f} s predicted (SIMULATED): measured / predicted "
-                     f"{measured_s / predicted.sim.makespan:.2f}")
-    atomic_write_text(sweep_dir / "makespan.json", json.dumps(doc, indent=1) + "\n")
-    return line
+    atomic_write_text(sweep_dir / MAKESPAN_FILE, json.dumps(doc, indent=1) + "\n")
+    return doc

@@ -1,11 +1,13 @@
-"""What a sweep leaves for people: a table of jobs (sorted by eval loss) and ``results.csv``. Light on
-imports: ``stratum sweep status`` uses it without torch."""
+"""What a sweep leaves for people: a table of jobs (sorted by eval loss), ``results.csv`` and the makespan line
+(from ``makespan.json``). Light on imports: ``stratum sweep status`` uses it without torch."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
+from pathlib import Path
 
 from stratum.sweep.state import JobRow
 
@@ -54,3 +56,31 @@ def results_csv(rows: list[JobRow]) -> str:
     for r in ranked(rows):
         w.writerow([getattr(r, c) if getattr(r, c) is not None else "" for c in COLUMNS])
     return buf.getvalue()
+
+
+MAKESPAN_FILE = "makespan.json"
+"""In the sweep directory: the scheduler, its predicted makespan (SIMULATED, written before the first job) and the
+measured one (written at the end)."""
+
+
+def read_makespan(sweep_dir: Path) -> dict | None:
+    """``makespan.json``'s document (None: not written, or not readable as one)."""
+    try:
+        doc = json.loads((sweep_dir / MAKESPAN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def makespan_line(doc: dict) -> str:
+    """The measured makespan beside the predicted one, as far as either is known."""
+    measured, predicted = doc.get("measured_s"), doc.get("predicted_s")
+    if measured is None:
+        line = "makespan: not measured yet (the sweep has not ended)"
+    else:
+        line = f"makespan: {measured:.1f} s measured"
+    if predicted:
+        line += f", {predicted:.1f} s predicted (SIMULATED)"
+        if measured is not None:
+            line += f": measured / predicted {measured / predicted:.2f}"
+    return line

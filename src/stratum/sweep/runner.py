@@ -29,7 +29,7 @@ from stratum.sweep.plot import loss_png
 from stratum.sweep.predict import make_alone_share, make_predict
 from stratum.sweep.predicted_makespan import predicted_makespan, write_makespan
 from stratum.sweep.ray_backend import RayBackend
-from stratum.sweep.results import results_csv, table
+from stratum.sweep.results import makespan_line, results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
 from stratum.sweep.segment import Backend, await_stop, checkpoint_step
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
@@ -70,6 +70,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         predicted = predicted_makespan(sweep, predict, options) if predict is not None else None
         if predicted is not None:
             say(predicted.line())
+        write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted, measured_s=None)
         t0 = time.monotonic()
         if s.scheduler == "sharded-lrtf":
             assert predict is not None  # (sharded-lrtf needs predictions)
@@ -90,7 +91,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             _loop(sweep, policy, expect, tick)
         sweep.makespan_s = time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
-        say(write_makespan(sweep.dir, scheduler=s.scheduler, measured_s=sweep.makespan_s, predicted=predicted))
+        say(makespan_line(write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted,
+                                         measured_s=sweep.makespan_s)))
     finally:
         if sweep.backend is not None:
             sweep.backend.close()
