@@ -132,7 +132,8 @@ part_cli() {
     --set "offload.device_budget='25%'" --set "train.precision='$PRECISION'"
 }
 
-part_sweep() {  # sharded-lrtf on the device: 6 jobs' shard tasks on 2 slots of it, waiting jobs' slots given back
+part_sweep() {  # sharded-lrtf on the device: 6 jobs' shard tasks on 2 slots of it, waiting jobs' slots given back;
+  # calibrated first, so its last line is the measured makespan beside the predicted one
   local dev=$DEVICE
   [ "$dev" = cuda ] && dev=cuda:0
   rm -rf "$LOG/sweep"
@@ -143,6 +144,7 @@ scheduler = "sharded-lrtf"
 devices = ["$dev", "$dev"]
 device_budget = "$SWEEP_BUDGET"
 device_memory = "$SWEEP_MEMORY"
+calibration = "auto"
 [sweep.grid]
 "optim.lr" = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
 [model]
