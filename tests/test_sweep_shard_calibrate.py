@@ -26,7 +26,9 @@ from stratum.sweep.shape_cost import (
     shape_key,
 )
 from stratum.sweep.shard_calibrate import (
+    SHAPE_COPIES,
     CalJob,
+    calibration_jobs,
     fit_shapes,
     give_back_costs,
     sample_from_tasks,
@@ -134,6 +136,15 @@ def test_at_most_max_shapes_are_measured_spread_over_their_step_times():
     assert len(seqs) == MAX_SHAPES == len(set(seqs)) and seqs[0] == 8 and seqs[-1] == 72
     assert [c.data.seq_len for c, _ in pick_shapes(configs[:3] + configs[-1:], profiles[:3] + profiles[-1:])] == [
         8, 16, 24]  # fewer than MAX_SHAPES: every distinct shape once
+
+
+def test_a_shape_the_sweep_runs_several_jobs_of_is_calibrated_as_two():
+    # seq 16 × 3 jobs, seq 8 × 1, seq 24 × 2 (learning rates differ: one shape): shapes in profiled-step order
+    seqs = [16, 8, 16, 24, 16, 24]
+    configs = [config_from_dict({"data": {"seq_len": n}, "optim": {"lr": 1e-4 * (i + 1)}}) for i, n in enumerate(seqs)]
+    profiles = [SimpleNamespace(step_s=float(c.data.seq_len)) for c in configs]
+    picked = calibration_jobs(configs, profiles)  # type: ignore[arg-type]
+    assert SHAPE_COPIES == 2 and [c.data.seq_len for c, _ in picked] == [8, 16, 16, 24, 24]
 
 
 def test_a_job_s_sharded_seconds_are_its_shape_s_cost():

@@ -5,10 +5,10 @@ handed between slots, so its seconds on a slot are not a plain job's: the engine
 bandwidth probes), chunk copies between the tiers, the optimizer step, the gate's hand-overs and waiting for
 another job's set-up all add to its profiled compute, and by amounts that follow the job's shape (model, sequence
 length, micro-batches) more closely than any profile-based line. So the calibration runs the sweep's own
-distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), SHARD_STEPS steps each, at least ``slots + 1``
-jobs in all (shapes repeated), in one shard
-worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks handed
-between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
+distinct job shapes (:func:`stratum.sweep.shape_cost.pick_shapes`), each twice where the sweep has several jobs
+of it (:func:`calibration_jobs`), SHARD_STEPS steps each, at least ``slots + 1`` jobs in all (shapes repeated), in
+one shard worker (:mod:`stratum.sweep.shard_worker`, as a sweep runs them) on ``slots`` slots — slots busy, tasks
+handed between jobs, the jobs' set-ups one at a time, the worker's one-time costs shared by its jobs — and reads each
 job's slot-holding seconds from the worker's grant log: a step's seconds are its tasks' (median over the steps),
 the fixed part the rest (the first task holds the job's set-up; the one after its last step the last optimizer
 step, evaluation and checkpoint). The costs and the line for a shape not measured are the plain calibration's
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -85,6 +86,10 @@ barely see; the median of 8 steps lands past them, where that of 4 did not (BENC
 
 
 
+SHAPE_COPIES = 2
+"""The most calibration jobs of one shape (:func:`calibration_jobs`)."""
+
+
 def shard_cache_path(cache: Path) -> Path:
     """Where the sharded calibration is kept beside the plain one cached at ``cache``."""
     return cache.with_name(f"{cache.stem}.sharded{cache.suffix or '.json'}")
@@ -116,11 +121,12 @@ def shard_calibration(configs: list[Config], profiles: list[Profile], *, threads
 
 def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
                    shard_blocks: int, work_dir: Path, memory: DeviceMemory = UNLIMITED) -> ShapeCalibration:
-    """Train the sweep's shapes (:func:`pick_shapes`), SHARD_STEPS steps each, at least ``slots + 1`` jobs in all,
-    as sharded-lrtf jobs in one shard worker on ``slots`` slots, none giving back; their costs from the grant log.
-    Where ``memory`` may make waiting jobs give back, the same jobs again, each giving back at every shard boundary:
-    a give-back's cost per shape is the difference of the two runs' steps over the tasks in a step."""
-    shapes = pick_shapes(configs, profiles)
+    """Train the sweep's shapes (:func:`pick_shapes`), SHARD_STEPS steps each (:func:`calibration_jobs` of each),
+    at least ``slots + 1`` jobs in all, as sharded-lrtf jobs in one shard worker on ``slots`` slots, none giving
+    back; their costs from the grant log. Where ``memory`` may make waiting jobs give back, the same jobs again,
+    each giving back at every shard boundary: a give-back's cost per shape is the difference of the two runs'
+    steps over the tasks in a step."""
+    shapes = calibration_jobs(configs, profiles)
     picks = [shapes[i % len(shapes)] for i in range(max(len(shapes), slots + 1))]
     runs = [CalJob(id=f"c{i}", shape=shape_key(cfg), label=shape_label(cfg),
                    per_step=tasks_per_step(len(prof.blocks), job_shard_blocks(prof, cfg, shard_blocks),
@@ -137,6 +143,16 @@ def measure_shapes(configs: list[Config], profiles: list[Profile], *, threads: i
     per_shape = give_back_costs(kept, gave, runs, steps=SHARD_STEPS)
     per_byte = sorted(per_shape[r.shape] / r.state_bytes for r in runs if r.state_bytes)
     return replace(cal, give_back=per_shape, give_back_per_byte=per_byte[len(per_byte) // 2] if per_byte else 0.0)
+
+
+def calibration_jobs(configs: list[Config], profiles: list[Profile]) -> list[tuple[Config, Profile]]:
+    """The calibration's jobs: each picked shape (:func:`pick_shapes`) as many times as the sweep has jobs of it,
+    up to SHAPE_COPIES, in shape order. Jobs of one shape tie in remaining time, so the rule hands the slot from
+    one to the other at every task, each starting on caches the other left; one copy alone would measure a shape
+    that keeps its slot, and a sweep's jobs of it then run 1.3–1.6× the seconds it measured (BENCHMARKS.md)."""
+    count = Counter(shape_key(c) for c in configs)
+    return [pick for pick in pick_shapes(configs, profiles)
+            for _ in range(min(SHAPE_COPIES, count[shape_key(pick[0])]))]
 
 
 def _jobs(picks: list[tuple[Config, Profile]], runs: list[CalJob], root: Path, shard_blocks: int, *,
