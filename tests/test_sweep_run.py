@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,10 @@ import torch
 from stratum.cli import main
 from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
-from stratum.sweep.runner import open_sweep, run_sweep
+from stratum.sweep.launched import LaunchedWorker
+from stratum.sweep.local import start_process
+from stratum.sweep.runner import open_sweep, run_sweep, wait_for_an_end
+from stratum.sweep.segment import Segment
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics, train
@@ -350,3 +354,22 @@ def test_a_hung_worker_is_killed_after_the_stall_timeout_and_its_job_retried(tmp
     assert got["j000"]["status"] == "done" and got["j000"]["attempts"] == 1
     assert any(ln.startswith("j000: failed: no step for 2 s: killed as hung") for ln in lines), lines
     assert job_losses(tmp_path / "sw", "j000") == standalone_losses(path, "j000", tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["forked", "launched"])
+def test_the_loop_wakes_when_a_worker_ends_not_at_its_next_poll(kind, tmp_path):
+    """A slot is refilled as soon as its worker ends: the loop's wait returns then (a forked worker's sentinel, a
+    launched one's pidfd), long before the timeout it would otherwise sleep out."""
+    if kind == "forked":
+        worker = start_process(time.sleep, (0.3,), "stratum-test-sleep")
+    else:
+        worker = LaunchedWorker(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"]))
+    assert worker.sentinel is not None
+    seg = Segment(job="j000", slot=0, start_step=0, stop_at=1, worker=worker, log_path=tmp_path / "log",
+                  started=time.monotonic())
+    t0 = time.monotonic()
+    wait_for_an_end(SimpleNamespace(running={0: seg}), 60.0)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 30.0
+    worker.join(10.0)
+    assert worker.poll() == 0
+

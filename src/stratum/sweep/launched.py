@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 from stratum.errors import StratumError
@@ -32,6 +33,9 @@ class LaunchedWorker:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.pid: int | None = proc.pid
+        self.sentinel = _pidfd(proc.pid)
+        if self.sentinel is not None:
+            weakref.finalize(self, os.close, self.sentinel)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -51,6 +55,14 @@ class LaunchedWorker:
     def join(self, timeout_s: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout_s)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor of child ``pid`` that becomes readable when it exits (Linux ≥ 5.3); None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def train_command(config_path: Path | str, stop_at: int, sets: list[str] | None = None) -> list[str]:

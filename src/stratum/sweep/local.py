@@ -43,6 +43,7 @@ class LocalWorker:
     def __init__(self, proc: multiprocessing.process.BaseProcess):
         self.proc = proc
         self.pid: int | None = proc.pid
+        self.sentinel: int | None = proc.sentinel
 
     def poll(self) -> int | None:
         return self.proc.exitcode

@@ -103,6 +103,7 @@ class RayWorker:
 
     def __init__(self, ray, actor, ref, pid: int | None, on_death: Callable[[], None] | None = None):
         self.ray, self.actor, self.ref, self.pid = ray, actor, ref, pid
+        self.sentinel: int | None = None  # (a call's end is known by asking Ray: polled)
         self.on_death = on_death
         """What the backend does when the actor (its process) died: forget a slot's actor, to replace it."""
         self._code: int | None = None
@@ -140,6 +141,7 @@ class RayRanks:
     def __init__(self, backend: RayBackend, slots: tuple[int, ...], refs: list, pids: list[int | None]):
         self.ranks = [backend.slot_call(slot, ref, pid) for slot, ref, pid in zip(slots, refs, pids)]
         self.pid: int | None = pids[0]
+        self.sentinel: int | None = None
 
     def poll(self) -> int | None:
         codes = [r.poll() for r in self.ranks]

@@ -1,16 +1,17 @@
 """Run a sweep: open it, record it, and keep every slot busy with job segments until all jobs are final.
 
-The loop polls the workers (every ``POLL_S``), records each segment's outcome in the state database
-(:mod:`stratum.sweep.harvest`), and gives the free slots their next work (:mod:`stratum.sweep.dispatch`): an
-ASHA promotion first, else the scheduler's starts — under ``planned`` a job may hold several slots at once, run
-as one multi-process ``stratum train`` of its plan. A failed segment (non-zero exit, dead worker or rank,
-non-finite loss, over ``sweep.job_timeout_s``, no step for ``sweep.stall_timeout_s``) is retried from the job's
-checkpoint up to ``sweep.retries`` times; the other jobs go on regardless.
+The loop polls the workers (every ``POLL_S``, and at once when a local worker ends), records each segment's
+outcome in the state database (:mod:`stratum.sweep.harvest`), and gives the free slots their next work
+(:mod:`stratum.sweep.dispatch`): an ASHA promotion first, else the scheduler's starts — under ``planned`` a job
+may hold several slots at once, run as one multi-process ``stratum train`` of its plan. A failed segment (non-zero
+exit, dead worker or rank, non-finite loss, over ``sweep.job_timeout_s``, no step for ``sweep.stall_timeout_s``)
+is retried from the job's checkpoint up to ``sweep.retries`` times; the other jobs go on regardless.
 """
 
 from __future__ import annotations
 
 import fcntl
+import multiprocessing.connection
 import os
 import time
 from collections.abc import Callable
@@ -169,10 +170,21 @@ def _loop(sweep: Sweep, policy: Policy, expect: Callable[[Start], float] | None,
                 return
             if tick is not None:
                 tick(sweep)
-            time.sleep(POLL_S)
+            wait_for_an_end(sweep, POLL_S)
     except BaseException:  # Ctrl-C or an error: the workers stop with a checkpoint and their jobs stay resumable
         _stop_all(sweep)
         raise
+
+
+def wait_for_an_end(sweep: Sweep, timeout_s: float) -> None:
+    """Until a running worker ends (where its backend gives a descriptor to wait on) or ``timeout_s`` passes: a
+    slot freed is refilled at once, not at the next poll."""
+    fds = [fd for seg in unique(sweep.running.values())
+           if (fd := seg.worker.sentinel) is not None and seg.poll() is None]
+    if fds:
+        multiprocessing.connection.wait(fds, timeout_s)
+    else:
+        time.sleep(timeout_s)
 
 
 def _stop_all(sweep: Sweep) -> None:

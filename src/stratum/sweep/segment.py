@@ -87,6 +87,9 @@ class Worker(Protocol):
 
     pid: int | None
     """Its process id on this machine (None on another machine)."""
+    sentinel: int | None
+    """A file descriptor that becomes readable when it ends, which the runner waits on so that a freed slot is
+    refilled at once (None: the runner finds its end by polling)."""
 
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal), or None while it runs."""
