@@ -141,16 +141,34 @@ def four_jobs(tmp_path_factory, corpus_file, cache_dir):
     """fifo over 4 jobs of one shape, with a calibration written by hand (5 s + 1 s a step) for its prediction."""
     tmp = tmp_path_factory.mktemp("sweep4")
     grid = '"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]'
-    spec = load_sweep(sweep_file(tmp, corpus_file, cache_dir, sweep="", grid=grid, steps=6, name="probe.toml"))
-    shape = shape_key(job_config(spec, expand(spec)[0], tmp / "shape", []))
-    (tmp / "cal.json").write_text(json.dumps({"key": "by hand", "kind": "plain", "calibration": {
-        "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
-        "shapes": {shape: {"label": "tiny", "fixed_s": 5.0, "step_s": 1.0}}}))
+    write_hand_calibration(tmp, corpus_file, cache_dir, grid)
     path = sweep_file(tmp, corpus_file, cache_dir, sweep='calibration = "cal.json"', grid=grid, steps=6,
                       extra="eval_interval = 3")
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     return path, tmp, lines
+
+
+def write_hand_calibration(tmp: Path, corpus: Path, cache: Path, grid: str) -> None:
+    """``tmp/cal.json``: a plain calibration of the grid's one job shape (tiny), 5 s + 1 s a step."""
+    spec = load_sweep(sweep_file(tmp, corpus, cache, sweep="", grid=grid, steps=6, name="probe.toml"))
+    shape = shape_key(job_config(spec, expand(spec)[0], tmp / "shape", []))
+    (tmp / "cal.json").write_text(json.dumps({"key": "by hand", "kind": "plain", "calibration": {
+        "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
+        "shapes": {shape: {"label": "tiny", "fixed_s": 5.0, "step_s": 1.0}}}))
+
+
+def test_lrtf_s_checkpoint_slices_each_pay_the_start_up_again_in_its_prediction(tmp_path, corpus_file, cache_dir):
+    """4 jobs of 6 steps in slices of 3, each 5 s + 1 s a step by the calibration, and 5 s again for its second
+    slice: 16 s a job, 64 s of work on 2 slots, packed two slices at a time: 32 s (SIMULATED)."""
+    grid = '"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]'
+    write_hand_calibration(tmp_path, corpus_file, cache_dir, grid)
+    path = sweep_file(tmp_path, corpus_file, cache_dir, grid=grid, steps=6, extra="eval_interval = 3",
+                      sweep='scheduler = "lrtf"\nsegment_steps = 3\ncalibration = "cal.json"')
+    lines: list[str] = []
+    run_sweep(path, say=lines.append)
+    assert "predicted makespan: 32.0 s (SIMULATED from calibrated job times)" in lines
+    assert all(r["status"] == "done" and r["step"] == 6 for r in rows(tmp_path / "sw").values())
 
 
 def test_the_predicted_makespan_is_printed_and_kept_beside_the_measured_one(four_jobs):

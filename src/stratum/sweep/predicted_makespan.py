@@ -5,7 +5,8 @@ check (:mod:`stratum.sweep.simulate`), from the same predicted job times the sch
 ``sweep.calibration`` is set, else the profiles scaled as :func:`stratum.sweep.predict.make_predict` says): fifo
 and lrtf one job (or lrtf slice) per slot, planned its makespan plan over each job's strategies, sharded-lrtf
 every job's chain of shard tasks with the give-backs its devices' memory forces (each at its shape's calibrated
-cost; with slots on several devices the give-backs are not predicted). Jobs ASHA may stop are predicted to their
+cost; with slots on several devices the give-backs are not predicted); lrtf's slices that end with a checkpoint
+each pay the job's calibrated start-up and checkpoint again. Jobs ASHA may stop are predicted to their
 ends, so under ASHA it is an upper bound. ``makespan.json`` in the sweep directory keeps both figures.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from stratum.atomic import atomic_write_text
 from stratum.sweep.gang import Option, plan_jobs
-from stratum.sweep.predict import give_back_s
+from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
@@ -54,6 +55,8 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
     if not steps:
         return None
     step_s = {j: min(predict(j).values()) / n for j, n in steps.items()}
+    if s.scheduler == "lrtf" and s.slice_by == "checkpoint":
+        step_s = {j: t + _restarts_s(sweep, j, steps[j]) / steps[j] for j, t in step_s.items()}
     if s.scheduler == "sharded-lrtf":
         sim = _sharded(sweep, steps, step_s)
     elif s.scheduler == "planned" and options is not None:
@@ -63,6 +66,17 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
                        segment_steps=s.segment_steps if s.scheduler == "lrtf" else 0,
                        time_limit_s=s.plan_time_limit_s)
     return Predicted(sim=sim, source="calibrated" if sweep.calibration is not None else "profiles")
+
+
+def _restarts_s(sweep: Sweep, job: str, steps: int) -> float:
+    """What a job's time slices that end with a checkpoint add to its predicted time: each slice after its first
+    starts a worker, builds the job, loads its checkpoint and saves the next one — its shape's calibrated fixed
+    part again (0 without a calibration)."""
+    cal, slice_steps = sweep.calibration, sweep.spec.settings.segment_steps
+    if cal is None or slice_steps <= 0:
+        return 0.0
+    slices = -(-steps // slice_steps)
+    return (slices - 1) * job_seconds(sweep_profiles(sweep)[job], sweep.configs[job], 0, cal)
 
 
 def _sharded(sweep: Sweep, steps: dict[str, int], step_s: dict[str, float]) -> SimResult:
