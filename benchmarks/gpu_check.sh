@@ -91,9 +91,10 @@ capacity() {  # engines, presets, micro-batch, tokens per step, name
     --set "train.precision='$PRECISION'" --timeout "$((secs - 30))" --out "$LOG/offload_$5_${DEVICE}.json"
 }
 
-train() {  # name, overrides...: a short `stratum train` on the device
+train() {  # name, overrides...: a short `stratum train` on the device, from scratch (a run again starts afresh)
   local name=$1; shift
   local args=()
+  rm -rf "$LOG/train-$name"
   for kv in "train.device='$DEVICE'" "train.steps=$CLI_STEPS" "model.preset='$CLI_PRESET'" \
             "train.micro_batch_size=$CLI_MICRO" "data.seq_len=$CLI_SEQ" "train.eval_interval=0" \
             "train.out_dir='$LOG/train-$name'" "train.resume=false" "$@"; do
