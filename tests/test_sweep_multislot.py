@@ -48,6 +48,23 @@ def test_planned_holds_a_free_slot_for_a_two_slot_job_when_that_ends_sooner():
     assert policy.starts([0, 1], ["a"], {}, 1.0)[0].slots == (0, 1)
 
 
+def test_planned_starts_from_an_adopted_plan_without_solving_again():
+    """The sweep's predicted makespan made the first plan: the policy follows it while the pending jobs are the
+    ones it was made over, and plans anew once they differ."""
+    opts = {"a": {"local": Option(seconds=10.0), "replicate(2)": Option(seconds=4.0, devices=2)},
+            "b": {"local": Option(seconds=3.0)}}
+    made = plan_jobs(opts, [0.0, 0.0], time_limit_s=5)
+    policy = Planned(lambda j: opts[j], 2, time_limit_s=5)
+    policy.adopt(made, ["a", "b"])
+    first = policy.starts([0, 1], ["a", "b"], {}, 0.0)
+    assert policy.plans == [made] and first
+    assert {st.job for st in first} == {j for j, p in made.placed.items() if p.start == 0.0}
+    other = Planned(lambda j: opts[j], 2, time_limit_s=5)
+    other.adopt(made, ["a", "b"])
+    other.starts([0, 1], ["b"], {}, 0.0)  # (a started elsewhere: not the plan's jobs)
+    assert len(other.plans) == 2 and set(other.plans[-1].placed) == {"b"}
+
+
 def test_one_slot_options_are_planned_by_the_assignment_milp():
     opts = {j: {"local": Option(seconds=t)} for j, t in {"a": 3.0, "b": 2.0, "c": 2.0, "d": 1.0}.items()}
     plan = plan_jobs(opts, [0.0, 0.5], time_limit_s=5)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
-from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.gang import GangPlan, Option, plan_jobs
 from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles
@@ -38,6 +38,8 @@ class Predicted:
     """The simulated schedule of what remains."""
     source: str
     """What the job times come from: "calibrated" or "profiles"."""
+    plan: tuple[GangPlan, list[str]] | None = None
+    """planned: its plan and the jobs it is over (sweep order), which the policy starts from."""
 
     def line(self) -> str:
         gives = f", {self.sim.give_backs} give-backs" if self.sim.give_backs else ""
@@ -57,15 +59,17 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
     step_s = {j: min(predict(j).values()) / n for j, n in steps.items()}
     if s.scheduler == "lrtf" and s.slice_by == "checkpoint":
         step_s = {j: t + _restarts_s(sweep, j, steps[j]) / steps[j] for j, t in step_s.items()}
+    source = "calibrated" if sweep.calibration is not None else "profiles"
+    if s.scheduler == "planned" and options is not None:
+        plan = plan_jobs({j: options(j) for j in steps}, [0.0] * s.slots, time_limit_s=s.plan_time_limit_s)
+        return Predicted(sim=plan_schedule(plan, s.slots), source=source, plan=(plan, list(steps)))
     if s.scheduler == "sharded-lrtf":
         sim = _sharded(sweep, steps, step_s)
-    elif s.scheduler == "planned" and options is not None:
-        sim = plan_sim({j: options(j) for j in steps}, s.slots, s.plan_time_limit_s)
     else:
         sim = simulate(s.scheduler, steps, step_s, slots=s.slots,
                        segment_steps=s.segment_steps if s.scheduler == "lrtf" else 0,
                        time_limit_s=s.plan_time_limit_s)
-    return Predicted(sim=sim, source="calibrated" if sweep.calibration is not None else "profiles")
+    return Predicted(sim=sim, source=source)
 
 
 def _restarts_s(sweep: Sweep, job: str, steps: int) -> float:
@@ -100,8 +104,12 @@ def give_back(memory: DeviceMemory, seconds: dict[str, float]) -> GiveBack | Non
 
 def plan_sim(options: dict[str, dict[str, Option]], slots: int, time_limit_s: float) -> SimResult:
     """planned's plan (:func:`stratum.sweep.gang.plan_jobs`) over the jobs' strategies on ``slots`` free slots, as
-    a schedule: its makespan is the prediction."""
-    plan = plan_jobs(options, [0.0] * slots, time_limit_s=time_limit_s)
+    a schedule (:func:`plan_schedule`)."""
+    return plan_schedule(plan_jobs(options, [0.0] * slots, time_limit_s=time_limit_s), slots)
+
+
+def plan_schedule(plan: GangPlan, slots: int) -> SimResult:
+    """A makespan plan as a schedule on ``slots`` slots: its makespan is the prediction."""
     busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
     runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
     return SimResult(runs=runs, makespan=plan.makespan, utilisation=busy / (slots * plan.makespan)

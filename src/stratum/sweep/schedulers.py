@@ -71,6 +71,14 @@ class Planned:
         self._key: tuple | None = None
         self._planned_at = 0.0
 
+    def adopt(self, plan: GangPlan, jobs: list[str]) -> None:
+        """Start from ``plan``, made over ``jobs`` (in sweep order) with every slot free — the sweep's predicted
+        makespan's — rather than solving the same MILP again at the first call; kept while the first call's
+        pending jobs are those."""
+        self.plans = [plan]
+        self._key = _key(jobs, {})
+        self._planned_at = 0.0
+
     def starts(self, free: list[int], pending: list[str], running: Running, now: float) -> list[Start]:
         if not pending:
             return []
@@ -97,9 +105,10 @@ def _key(pending: list[str], running: Running) -> tuple:
 
 
 def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None, slots: int,
-                time_limit_s: float, options: Callable[[str], dict[str, Option]] | None = None) -> Policy:
+                time_limit_s: float, options: Callable[[str], dict[str, Option]] | None = None,
+                first_plan: tuple[GangPlan, list[str]] | None = None) -> Policy:
     """The policy ``name``; ``planned`` plans over ``options`` (each job's strategies), by default one slot per
-    strategy of ``predict``."""
+    strategy of ``predict``, starting from ``first_plan`` (a plan and the jobs it was made over) if given."""
     if name == "fifo":
         return Fifo()
     if name == "lrtf":
@@ -110,5 +119,8 @@ def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None,
             assert predict is not None
             pred = predict
             options = lambda j: {n: Option(seconds=t) for n, t in pred(j).items()}  # noqa: E731
-        return Planned(options, slots, time_limit_s=time_limit_s)
+        policy = Planned(options, slots, time_limit_s=time_limit_s)
+        if first_plan is not None:
+            policy.adopt(*first_plan)
+        return policy
     raise ValueError(name)
