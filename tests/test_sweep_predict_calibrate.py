@@ -121,7 +121,8 @@ def test_the_key_follows_the_shapes_not_the_other_settings():
 LINE = Calibration(fixed_s=0.5, fixed_s_per_byte=5e-7, step_scale=2.0, step_overhead_s=0.1, contention=1.6)
 CAL = ShapeCalibration(kind=PLAIN, line=LINE, shapes={shape_key(MINI): ShapeCost(label="mini", fixed_s=1.0,
                                                                                     step_s=0.5)},
-                       alone={shape_key(MINI): ShapeCost(label="mini", fixed_s=0.8, step_s=0.3)})
+                       alone={shape_key(MINI): ShapeCost(label="mini", fixed_s=0.8, step_s=0.3)},
+                       restart={shape_key(MINI): 0.6})
 
 
 def test_cache_round_trip_and_bad_caches_are_ignored(tmp_path):
@@ -139,6 +140,7 @@ def test_cache_round_trip_and_bad_caches_are_ignored(tmp_path):
            "no kind": json.dumps({k: v for k, v in good.items() if k != "kind"}),
            "no shapes": json.dumps({k: v for k, v in good.items() if k != "shapes"}),
            "bad shape": json.dumps({**good, "shapes": {"s": {"label": "x", "fixed_s": "1"}}}),
+           "bad restart": json.dumps({**good, "restart": {"s": -1.0}}),
            "binary": b"\xff\xfe\x00".decode("latin-1")}
     for what, text in bad.items():
         path.write_text(text)

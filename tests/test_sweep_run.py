@@ -24,6 +24,8 @@ from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.launched import LaunchedWorker
 from stratum.sweep.local import start_process
+from stratum.sweep.plain_calibrate import measure
+from stratum.sweep.predict import job_profiles
 from stratum.sweep.runner import open_sweep, run_sweep, wait_for_an_end
 from stratum.sweep.segment import Segment
 from stratum.sweep.shape_cost import shape_key
@@ -156,6 +158,20 @@ def write_hand_calibration(tmp: Path, corpus: Path, cache: Path, grid: str) -> N
     (tmp / "cal.json").write_text(json.dumps({"key": "by hand", "kind": "plain", "calibration": {
         "fixed_s": 0.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0},
         "shapes": {shape: {"label": "tiny", "fixed_s": 5.0, "step_s": 1.0}}}))
+
+
+def test_the_plain_calibration_measures_each_shape_alone_busy_and_restarted(tmp_path, corpus_file, cache_dir):
+    """The calibration's own runs, for real: a tiny job's shape trains alone, is resumed from that run's
+    checkpoint (what a restart costs beyond its steps), and trains as 2 copies at once."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="", grid='"optim.lr" = [1e-3]', steps=4)
+    configs = open_sweep(path, say=lambda _: None).configs
+    profiles = job_profiles(configs, threads=1, cache_dir=None)
+    cal = measure(list(configs.values()), list(profiles.values()), threads=1, slots=2, work_dir=tmp_path / "cal")
+    shape = shape_key(next(iter(configs.values())))
+    assert set(cal.shapes) == set(cal.alone) == set(cal.restart) == {shape}
+    assert cal.alone[shape].step_s > 0 and cal.shapes[shape].step_s > 0 and 0 < cal.restart[shape] < 60
+    resumed = read_metrics(tmp_path / "cal" / "alone0" / "j0")
+    assert [r["step"] for r in resumed] == list(range(1, 9))  # 4 steps, then 4 more from the checkpoint
 
 
 def test_lrtf_s_checkpoint_slices_each_pay_the_start_up_again_in_its_prediction(tmp_path, corpus_file, cache_dir):

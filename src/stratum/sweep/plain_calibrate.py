@@ -2,8 +2,9 @@
 sweep runs them (a worker process per job from the sweep's forkserver, :class:`stratum.sweep.local.LocalBackend`).
 
 Each of the sweep's distinct shapes (:func:`stratum.sweep.shape_cost.pick_shapes`: at most MAX_SHAPES, spread
-over their profiled step times) trains SHAPE_STEPS steps twice: alone, then as ``slots`` copies at once (every
-slot busy, so how much the shape slows beside others is measured per shape, not as one factor for all). A job's
+over their profiled step times) trains SHAPE_STEPS steps twice: alone (then SHAPE_STEPS more from its checkpoint,
+which prices a restart), then as ``slots`` copies at once (every slot busy, so how much the shape slows beside
+others is measured per shape, not as one factor for all). A job's
 step seconds are its median step (the first, warm-up step left out), its fixed seconds the rest of its wall time
 from worker start to exit. A job of a measured shape is predicted as its shape's busy cost; a shape not measured
 by the line through the measured ones (:func:`stratum.sweep.shape_cost.fit`).
@@ -15,6 +16,7 @@ It is cached at the given path, keyed by the machine, the slots, the threads and
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from stratum.config import Config, to_toml
@@ -64,19 +66,38 @@ def plain_calibration(configs: list[Config], profiles: list[Profile], *, threads
 
 def measure(configs: list[Config], profiles: list[Profile], *, threads: int, slots: int,
             work_dir: Path) -> ShapeCalibration:
-    """Train each of the sweep's shapes SHAPE_STEPS steps alone, then ``slots`` copies at once, and fit."""
+    """Train each of the sweep's shapes SHAPE_STEPS steps alone, then SHAPE_STEPS more from that run's checkpoint
+    (what a restart costs: :func:`restart_s`), then ``slots`` copies at once, and fit."""
     backend = LocalBackend()
     backend.warm_up()
     alone: list[Measured] = []
     busy: list[Measured] = []
+    restart: dict[str, float] = {}
     try:
         for i, (cfg, prof) in enumerate(pick_shapes([one_slot(c) for c in configs], profiles)):
             cfg = with_items(cfg, ("train", "steps", SHAPE_STEPS))
             alone += _run(backend, [cfg], prof, work_dir / f"alone{i}", threads)
+            restart[shape_key(cfg)] = restart_s(backend, cfg, work_dir / f"alone{i}" / "j0", threads)
             busy += _run(backend, [cfg] * slots, prof, work_dir / f"busy{i}", threads)
     finally:
         backend.close()
-    return fit(PLAIN, busy, alone)
+    return replace(fit(PLAIN, busy, alone), restart=restart)
+
+
+def restart_s(backend: LocalBackend, cfg: Config, out: Path, threads: int) -> float:
+    """Seconds a segment that resumes ``cfg``'s finished run in ``out`` spends beyond its SHAPE_STEPS steps: a
+    worker's start, the checkpoint loaded, the next one saved (what each time slice after a job's first pays under
+    lrtf with ``slice_by = "checkpoint"``)."""
+    more = with_items(cfg, ("train", "steps", 2 * SHAPE_STEPS), ("train", "out_dir", str(out)))
+    (out / "job.toml").write_text(to_toml(more))
+    seg = backend.start(job="cal-restart", slots=(0,), config_path=out / "job.toml", start_step=SHAPE_STEPS,
+                        stop_at=2 * SHAPE_STEPS, devices=None, threads=threads, log_path=out / "log.txt")
+    wall = _wait([(seg, out)])[0] - seg.started
+    recs = [r for r in read_metrics(out) if r.get("step", 0) > SHAPE_STEPS]
+    step_s = median(recs, "step_s")
+    if step_s is None:
+        raise StratumError(f"a calibration job's restart recorded no step times; see {out / 'log.txt'}")
+    return max(0.0, wall - len(recs) * step_s)
 
 
 def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path,

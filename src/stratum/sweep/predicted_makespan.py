@@ -6,8 +6,9 @@ check (:mod:`stratum.sweep.simulate`), from the same predicted job times the sch
 and lrtf one job (or lrtf slice) per slot, planned its makespan plan over each job's strategies, sharded-lrtf
 every job's chain of shard tasks with the give-backs its devices' memory forces (each at its shape's calibrated
 cost; with slots on several devices the give-backs are not predicted); lrtf's slices that end with a checkpoint
-each pay the job's calibrated start-up and checkpoint again. Jobs ASHA may stop are predicted to their
-ends, so under ASHA it is an upper bound. ``makespan.json`` in the sweep directory keeps both figures.
+each pay the job's calibrated restart (a worker's start, the checkpoint loaded and the next one saved). Jobs ASHA
+may stop are predicted to their ends, so under ASHA it is an upper bound. ``makespan.json`` in the sweep
+directory keeps both figures.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from stratum.sweep.gang import GangPlan, Option, plan_jobs
 from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles
+from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_run import device_memory
 from stratum.sweep.shard_size import job_shard_blocks
@@ -74,13 +76,15 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
 
 def _restarts_s(sweep: Sweep, job: str, steps: int) -> float:
     """What a job's time slices that end with a checkpoint add to its predicted time: each slice after its first
-    starts a worker, builds the job, loads its checkpoint and saves the next one — its shape's calibrated fixed
-    part again (0 without a calibration)."""
+    starts a worker, builds the job, loads its checkpoint and saves the next one — its shape's calibrated restart
+    (else its fixed part again; 0 without a calibration)."""
     cal, slice_steps = sweep.calibration, sweep.spec.settings.segment_steps
     if cal is None or slice_steps <= 0:
         return 0.0
     slices = -(-steps // slice_steps)
-    return (slices - 1) * job_seconds(sweep_profiles(sweep)[job], sweep.configs[job], 0, cal)
+    cfg = sweep.configs[job]
+    restart = cal.restart.get(shape_key(cfg))
+    return (slices - 1) * (restart if restart is not None else job_seconds(sweep_profiles(sweep)[job], cfg, 0, cal))
 
 
 def _sharded(sweep: Sweep, steps: dict[str, int], step_s: dict[str, float]) -> SimResult:

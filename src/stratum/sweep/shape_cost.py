@@ -10,8 +10,8 @@ slot busy) and :mod:`stratum.sweep.shard_calibrate` (sharded-lrtf: the shapes in
 Both turn their runs into :class:`~stratum.sweep.calibrate.Sample` s and fit them here (:func:`fit`).
 
 The file form: ``{"key", "kind", "calibration": <the line>, "shapes": {shape key: {"label", "fixed_s",
-"step_s"}}, "alone": {…}, "give_back": {shape key: seconds}, "give_back_per_byte": seconds}`` (``alone`` and the
-give-back keys may be left out: none measured).
+"step_s"}}, "alone": {…}, "give_back": {shape key: seconds}, "give_back_per_byte": seconds, "restart": {shape key:
+seconds}}`` (``alone``, the give-back and the restart keys may be left out: none measured).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class ShapeCalibration:
     give_back_per_byte: float = 0.0
     """Seconds a give-back costs per byte of a job's training state, for a shape not in ``give_back`` (the
     median over the measured shapes)."""
+    restart: dict[str, float] = field(default_factory=dict)
+    """Shape key → seconds a segment that resumes a job from its checkpoint spends beyond its steps (PLAIN:
+    worker start, checkpoint load and save; what each lrtf checkpoint slice after a job's first pays)."""
 
     def describe(self) -> str:
         def one(key: str, c: ShapeCost) -> str:
@@ -184,12 +187,15 @@ def parse_shape_calibration(doc: object, kind: str) -> ShapeCalibration:
         raise ValueError(f"it holds a {doc['kind']} calibration; the scheduler reads a {kind} one")
     if "shapes" not in doc:
         raise ValueError("it has no \"shapes\" table")
-    gave, per_byte = doc.get("give_back", {}), doc.get("give_back_per_byte", 0.0)
+    gave, per_byte, restart = doc.get("give_back", {}), doc.get("give_back_per_byte", 0.0), doc.get("restart", {})
     if not isinstance(gave, dict) or not all(_seconds(v) for v in gave.values()) or not _seconds(per_byte):
         raise ValueError("its \"give_back\" must map shapes to seconds and \"give_back_per_byte\" be seconds (≥ 0)")
+    if not isinstance(restart, dict) or not all(_seconds(v) for v in restart.values()):
+        raise ValueError("its \"restart\" must map shapes to seconds (≥ 0)")
     return ShapeCalibration(kind=kind, line=line, shapes=_parse_costs(doc["shapes"], "shapes"),
                             alone=_parse_costs(doc.get("alone", {}), "alone"),
-                            give_back={k: float(v) for k, v in gave.items()}, give_back_per_byte=float(per_byte))
+                            give_back={k: float(v) for k, v in gave.items()}, give_back_per_byte=float(per_byte),
+                            restart={k: float(v) for k, v in restart.items()})
 
 
 def _seconds(v: object) -> bool:
@@ -206,5 +212,6 @@ def save_shape_calibration(path: Path, key: str, cal: ShapeCalibration) -> None:
     atomic_write_text(path, json.dumps({"key": key, "kind": cal.kind, "calibration": asdict(cal.line),
                                         "shapes": {k: asdict(c) for k, c in cal.shapes.items()},
                                         "alone": {k: asdict(c) for k, c in cal.alone.items()},
-                                        "give_back": cal.give_back, "give_back_per_byte": cal.give_back_per_byte},
+                                        "give_back": cal.give_back, "give_back_per_byte": cal.give_back_per_byte,
+                                        "restart": cal.restart},
                                        indent=1))
