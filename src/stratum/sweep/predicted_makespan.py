@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
+from stratum.config import Config
+from stratum.profile.profile import Profile
 from stratum.sweep.gang import GangPlan, Option, plan_jobs
 from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles
-from stratum.sweep.shape_cost import shape_key
+from stratum.sweep.shape_cost import ShapeCalibration, shape_key
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_run import device_memory
 from stratum.sweep.shard_size import job_shard_blocks
@@ -59,8 +61,10 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
     if not steps:
         return None
     step_s = {j: min(predict(j).values()) / n for j, n in steps.items()}
-    if s.scheduler == "lrtf" and s.slice_by == "checkpoint":
-        step_s = {j: t + _restarts_s(sweep, j, steps[j]) / steps[j] for j, t in step_s.items()}
+    if s.scheduler == "lrtf" and s.slice_by == "checkpoint" and sweep.calibration is not None:
+        cal, profiles = sweep.calibration, sweep_profiles(sweep)
+        step_s = {j: t + _restarts_s(cal, profiles[j], sweep.configs[j], steps[j], s.segment_steps) / steps[j]
+                  for j, t in step_s.items()}
     source = "calibrated" if sweep.calibration is not None else "profiles"
     if s.scheduler == "planned" and options is not None:
         plan = plan_jobs({j: options(j) for j in steps}, [0.0] * s.slots, time_limit_s=s.plan_time_limit_s)
@@ -74,17 +78,14 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
     return Predicted(sim=sim, source=source)
 
 
-def _restarts_s(sweep: Sweep, job: str, steps: int) -> float:
-    """What a job's time slices that end with a checkpoint add to its predicted time: each slice after its first
-    starts a worker, builds the job, loads its checkpoint and saves the next one — its shape's calibrated restart
-    (else its fixed part again; 0 without a calibration)."""
-    cal, slice_steps = sweep.calibration, sweep.spec.settings.segment_steps
-    if cal is None or slice_steps <= 0:
+def _restarts_s(cal: ShapeCalibration, profile: Profile, cfg: Config, steps: int, slice_steps: int) -> float:
+    """What a job's ``steps`` in time slices of ``slice_steps`` that end with a checkpoint add to its predicted
+    time: each slice after its first starts a worker, builds the job, loads its checkpoint and saves the next one —
+    its shape's calibrated restart (else its fixed part again)."""
+    if slice_steps <= 0:
         return 0.0
-    slices = -(-steps // slice_steps)
-    cfg = sweep.configs[job]
     restart = cal.restart.get(shape_key(cfg))
-    return (slices - 1) * (restart if restart is not None else job_seconds(sweep_profiles(sweep)[job], cfg, 0, cal))
+    return (-(-steps // slice_steps) - 1) * (restart if restart is not None else job_seconds(profile, cfg, 0, cal))
 
 
 def _sharded(sweep: Sweep, steps: dict[str, int], step_s: dict[str, float]) -> SimResult:

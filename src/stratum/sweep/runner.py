@@ -22,6 +22,7 @@ from stratum.errors import StratumError
 from stratum.procs import pid_alive
 from stratum.sweep.asha_state import stop_paused
 from stratum.sweep.dispatch import Expect, fill, paused_worker, pending, unique
+from stratum.sweep.gang import Option
 from stratum.sweep.harvest import STOP_GRACE_S, harvest
 from stratum.sweep.job_strategy import options_of
 from stratum.sweep.launched import group_alive
@@ -63,11 +64,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         s = sweep.spec.settings
         predict = _predict(sweep)
-        options = None
-        if s.scheduler == "planned" and predict is not None:
-            share = make_alone_share(sweep.state, sweep.configs, sweep_profiles(sweep), sweep.calibration)
-            options = options_of(sweep.candidates, sweep.state, sweep.configs, predict, share, sweep.launch_s,
-                                 s.segment_steps)
+        options = _planned_options(sweep, predict)
         predicted = predicted_makespan(sweep, predict, options) if predict is not None else None
         if predicted is not None:
             say(predicted.line())
@@ -113,6 +110,16 @@ def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
     if s.calibration.strip() == "auto" and any(r.status in (PENDING, PAUSED) for r in sweep.state.jobs()):
         sweep.calibration = auto_calibration(s, sweep.dir, sweep.configs, sweep_profiles(sweep), sweep.say)
     return make_predict(sweep.state, sweep.configs, sweep_profiles(sweep), calibration=sweep.calibration)
+
+
+def _planned_options(sweep: Sweep, predict: Callable[[str], dict[str, float]] | None,
+                     ) -> Callable[[str], dict[str, Option]] | None:
+    """planned: each job's strategies in seconds for what remains of it (None for the other schedulers)."""
+    s = sweep.spec.settings
+    if s.scheduler != "planned" or predict is None:
+        return None
+    share = make_alone_share(sweep.state, sweep.configs, sweep_profiles(sweep), sweep.calibration)
+    return options_of(sweep.candidates, sweep.state, sweep.configs, predict, share, sweep.launch_s, s.segment_steps)
 
 
 def make_backend(sweep: Sweep) -> Backend:

@@ -69,7 +69,7 @@ def sharded_lrtf(chains: dict[str, list[float]], slots: int, give_back: GiveBack
     left = {j: sum(ts) for j, ts in chains.items()}
     ready_at = {j: 0.0 for j in order}
     free_at = [0.0] * slots
-    last: list[str | None] = [None] * slots  # the job whose task a slot ran last, until it takes another's
+    last: list[int | None] = [None] * slots  # where in ``out`` a slot's last task is, until it takes another job's
     holders: set[str] = set()  # waiting jobs that kept their device memory
     out: list[ShardTask] = []
     while any(nxt[j] < len(chains[j]) for j in order):
@@ -81,17 +81,18 @@ def sharded_lrtf(chains: dict[str, list[float]], slots: int, give_back: GiveBack
             continue
         slot = free_at.index(now)
         job = pick_longest(ready, order)
-        was, last[slot] = last[slot], job
+        i, last[slot] = last[slot], None
+        was = out[i].job if i is not None else None
         if was is not None and was != job and nxt[was] < len(chains[was]) and give_back is not None:
             if not give_back.keeps(len(holders - {job}), slots):  # it yields and gives back, holding the slot
                 free_at[slot] = ready_at[was] = now + give_back.seconds.get(was, 0.0)
-                last[slot] = None
-                i = max(k for k, t in enumerate(out) if t.job == was)
+                assert i is not None
                 out[i] = replace(out[i], gives_back=True)
                 continue
             holders.add(was)
         holders.discard(job)
         dur = chains[job][nxt[job]]
+        last[slot] = len(out)
         out.append(ShardTask(job=job, index=nxt[job], slot=slot, start=now, end=now + dur))
         nxt[job] += 1
         left[job] -= dur
