@@ -88,7 +88,7 @@ def main() -> None:
 
     from stratum.atomic import atomic_write_json
     from stratum.config import load_config
-    from stratum.plan.search_cli import machine_hardware, plan_search
+    from stratum.plan.search_cli import plan_search
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -100,7 +100,7 @@ def main() -> None:
     _profile(base, prof, a.profile_runs)
     trees = []  # (devices, the search's rank, prediction), every tree priced before any is trained
     for n in [1] + [int(x) for x in a.devices.split(",")]:
-        res, _ = plan_search(cfg, n, machine_hardware(cfg, n), str(prof))
+        res, _ = plan_search(cfg, n, None, str(prof))
         trees += [(n, rank, pred) for rank, pred in enumerate(res.ranked[:1 if n == 1 else TOP], 1)]
     measured: dict[tuple[int, int], list[float]] = {(n, rank): [] for n, rank, _ in trees}
     loads = []

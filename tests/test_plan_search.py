@@ -94,10 +94,33 @@ def test_every_rank_pays_the_steps_own_costs_for_its_micro_batches_at_its_speed(
     slow = replace(_hw(2), devices=(Device(name="a", memory_bytes=64 * MiB),
                                     Device(name="b", memory_bytes=64 * MiB, speed=0.5)))
     assert predict(parse_plan("replicate(2)"), work, slow).overhead_s == pytest.approx(2 * 0.014)
-    # a pipeline rank runs every micro-batch of the step, and its loss and norm all-reduce over the pipeline
+    # a pipeline rank pays the fixed part, and its loss and norm all-reduce over the pipeline
     pipe = predict(parse_plan("pipeline(2, schedule=gpipe, partition=even)"), work, _hw(2))
-    assert pipe.overhead_s == pytest.approx(0.01 + 4 * 0.002)
+    assert pipe.overhead_s == pytest.approx(0.01)
     assert pipe.reduce_s == pytest.approx(2 * allreduce_s(8, 2, LINK))
+
+
+def test_a_pipeline_rank_pays_the_runtimes_cost_per_action_inside_the_schedule():
+    work = _work(fs=(0.002,) * 4, params=(1000,) * 4)
+    fast = Hardware.uniform(2, memory_bytes=64 * MiB, intra=Link(bandwidth=float("inf"), latency=0.0))
+    gpipe = parse_plan("pipeline(2, schedule=gpipe, partition=even)")
+    base = predict(gpipe, work, fast)
+    costed = predict(gpipe, replace(work, step=StepCosts(per_microbatch_s=0.002, per_action_s=0.001)), fast)
+    # GPipe's m + P - 1 slots of a forward and a backward, each action 1 ms longer; no per-micro-batch part
+    assert costed.compute_s == pytest.approx(base.compute_s + (4 + 2 - 1) * 2 * 0.001)
+    assert costed.overhead_s == 0 and costed.step_s == pytest.approx(base.step_s + 5 * 2 * 0.001)
+    # on one rank (no bubble) every action adds its 1 ms: 1f1b's F and B per micro-batch, zero-bubble's F, I and W
+    one = Hardware.uniform(1, memory_bytes=64 * MiB, intra=LINK)
+    for kind, actions in (("1f1b", 2), ("zb-1f1b", 3)):
+        tree = parse_plan(f"pipeline(1, schedule={kind}, partition=even)")
+        plain = predict(tree, work, one).compute_s
+        assert plain == pytest.approx(4 * 3 * 4 * 0.002)  # 4 micro-batches of 4 blocks, f + b = 3f
+        assert predict(tree, replace(work, step=StepCosts(per_action_s=0.001)), one).compute_s == \
+            pytest.approx(plain + 4 * actions * 0.001)
+    # a rank at half speed pays its actions at its pace
+    slow = replace(fast, devices=(Device(name="a", memory_bytes=64 * MiB), Device(name="b", memory_bytes=64 * MiB,
+                                                                                     speed=0.5)))
+    assert predict(gpipe, replace(work, step=StepCosts(per_action_s=0.001)), slow).compute_s > costed.compute_s
 
 
 def test_a_gpipe_pipeline_of_equal_stages_takes_m_plus_p_minus_one_slots():

@@ -28,6 +28,10 @@ def test_the_costs_outside_the_blocks_are_what_the_steps_leave_over():
     got = step_costs_from(0.05, 0.08, blocks_s=0.02, update_s=0.005, split=[0.07, 0.11], split_blocks=2)
     assert got.split_block_s == pytest.approx(0.005) and got.split_fixed_s == pytest.approx(0.01)
     assert got.fixed_s == pytest.approx(0.015)
+    # as a one-process pipeline: Z(1) = 60 ms, Z(2) = 110 ms: one more micro-batch's six actions cost
+    # 110 − 60 − 20 = 30 ms beyond its blocks, 5 ms each
+    got = step_costs_from(0.05, 0.08, blocks_s=0.02, update_s=0.005, pipeline=[0.06, 0.11])
+    assert got.per_action_s == pytest.approx(0.005) and got.per_microbatch_s == pytest.approx(0.01)
 
 
 def test_a_tiny_model_measures_costs_the_cost_model_takes_and_leaves_the_rng_alone():
@@ -44,6 +48,6 @@ def test_a_tiny_model_measures_costs_the_cost_model_takes_and_leaves_the_rng_alo
     assert torch.rand(1) == before
     assert not dist.is_initialized()  # the probe's world of one is gone
     assert any(isinstance(p, DTensor) for p in copy.parameters())  # the copy's layers ran under DTensor
-    figures = [got.fixed_s, got.per_microbatch_s, got.split_block_s, got.split_fixed_s]
+    figures = [got.fixed_s, got.per_microbatch_s, got.split_block_s, got.split_fixed_s, got.per_action_s]
     assert all(0 <= x < 5.0 for x in figures)  # seconds: a tiny model's step is far quicker
     assert 0 < got.block_scale < 100  # the blocks re-timed against the profile of the same blocks

@@ -126,6 +126,12 @@ class Costs:
         """A profile's blocks summed into the stages of ``partition``, with the link given."""
         return replace(cls.blocks(profile).over(partition), latency=latency, bandwidth=bandwidth)
 
+    def with_action_s(self, seconds: float) -> Costs:
+        """These costs with ``seconds`` added to every action of every unit (forward, backward, and the backward's
+        input- and weight-gradient parts)."""
+        f, b, i, w = ([x + seconds for x in getattr(self, k)] for k in ("f", "b", "i", "w"))
+        return replace(self, f=f, b=b, i=i, w=w)
+
     def over(self, partition: Sequence[Sequence[int] | range]) -> Costs:
         """These units summed into groups (blocks into stages): ``partition[s]`` is group s's range, as
         ``range(a, b)`` or ``(a, b)`` (b exclusive), covering every unit contiguously, in order. Times, kept
@@ -165,13 +171,17 @@ class StepCosts:
     add to the block's own compute under ``split`` (its sharded arithmetic and reductions are priced apart)."""
     split_fixed_s: float = 0.0
     """Per step under ``split``: what the gradient norm, clipping and update over DTensor parameters add."""
+    per_action_s: float = 0.0
+    """Per action of a pipeline rank (a stage's forward or backward, or the backward's input- or weight-gradient
+    part), beyond its blocks: the stage runtime's bookkeeping, the autograd call, the batch and the loss where the
+    stage has them. A pipeline rank pays it in each action, in place of ``per_microbatch_s``."""
 
     block_scale: float = 1.0
     """The blocks' seconds when these costs were measured over the profile's: a planner multiplies the profile's
     block times by it, so that blocks and step costs are priced at the load of one moment."""
 
     def __post_init__(self) -> None:
-        for name in ("fixed_s", "per_microbatch_s", "split_block_s", "split_fixed_s"):
+        for name in ("fixed_s", "per_microbatch_s", "split_block_s", "split_fixed_s", "per_action_s"):
             x = getattr(self, name)
             if not x >= 0 or math.isinf(x):
                 raise StratumError(f"step costs: {name} must be a number of seconds >= 0, got {x}")

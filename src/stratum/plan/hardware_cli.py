@@ -46,7 +46,7 @@ from stratum.offload.tiers import measure_bandwidths
 from stratum.plan.process_probe import probe_processes
 from stratum.runtime.device import compute_rate
 from stratum.train.dryrun import device_memory_bytes
-from stratum.train.threads import usable_cores
+from stratum.train.threads import threads_among, usable_cores
 from stratum.units import fmt_bytes
 
 PROBE_TIMEOUT_S = 120.0
@@ -101,7 +101,7 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
         devs, dev0 = _gpus(notes), torch.device("cuda", 0)
     else:
         n = devices or usable_cores()
-        threads = max(1, min(torch.get_num_threads(), usable_cores() // n))  # as stratum.train.threads gives them
+        threads = threads_among(n)  # as stratum.train.threads gives them
         procs = probe_processes(max(2, n), threads=threads, sizes=(BIG, SMALL), timeout_s=PROBE_TIMEOUT_S)
         devs, dev0 = _cpus(n, threads, procs.rates, notes), torch.device("cpu")
     bw = measure_bandwidths(dev0, disk_dir)

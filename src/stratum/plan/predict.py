@@ -26,9 +26,12 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 
 - **the step's own costs**: every rank pays the plain engine's measured costs outside its blocks
   (:class:`~stratum.ir.costs.StepCosts`: a fixed part per step and a part per micro-batch it runs, over its
-  speed, :func:`~stratum.ir.prices.step_overhead_s`), and the scalar collectives the engines make each step, each
-  a ring all-reduce of a few bytes (so its latencies) over its group: the loss over the replicas and over the
-  pipeline ranks, the gradient norm over the pipeline ranks, the split group and (``shard=true``) the replicas.
+  speed, :func:`~stratum.ir.prices.step_overhead_s`) — a pipeline rank, instead of the per-micro-batch part, the
+  stage runtime's measured cost per action in each action the schedule gives it (inside the simulated makespan,
+  so a rank's actions wait on each other as its blocks do) — and the scalar collectives the engines make each
+  step, each a ring all-reduce of a few bytes (so its latencies) over its group: the loss over the replicas and
+  over the pipeline ranks, the gradient norm over the pipeline ranks, the split group and (``shard=true``) the
+  replicas.
   The replicas' gradient all-reduce runs in :data:`~stratum.parallel.buckets.BUCKET_BYTES` buckets, one call
   (one set of latencies) per bucket.
 
@@ -251,7 +254,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         node = plan.pipeline
         sched = _schedule(node.schedule, p, m, node.virtual, node.waves)
         stages = _stages(work, plan, sched)
-        res = _simulated(plan, hw, sched, blocks.over(stages))
+        res = _simulated(plan, hw, sched, blocks.over(stages).with_action_s(work.step.per_action_s))
         compute, bubble, act = res.makespan, res.bubble, list(res.peak_act)
         held = [[b for j in sched.stages_of(q) for b in stages[j]] for q in range(p)]
         cut = tuple((x.start, x.stop) for x in stages)
@@ -259,7 +262,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     grad_bytes = [sum(blocks.param_bytes[b] for b in h) for h in held]
     reduce = max(_grad_reduce_s(x, plan, hw) for x in grad_bytes) + _scalar_collectives_s(plan, hw)
     update = _update_s(work, plan, hw, held)
-    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
+    overhead = _overhead_s(work, plan, hw, m)
     if s > 1:  # the norm, clipping and update over DTensor parameters
         overhead += work.step.split_fixed_s / min(hw.devices[k].speed for k in range(world))
     peaks = []
@@ -276,6 +279,13 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
     return Prediction(plan=plan, step_s=compute + reduce + update + overhead, compute_s=compute, reduce_s=reduce,
                       update_s=update, overhead_s=overhead, bubble=bubble, peak_bytes=tuple(peaks), limit_bytes=limits,
                       stages=cut, why=why)
+
+
+def _overhead_s(work: Workload, plan: Plan, hw: Hardware, microbatches: int) -> float:
+    """The slowest rank's step costs outside its blocks: the fixed part, and the per-micro-batch part for
+    ``microbatches`` where there is no pipeline (a pipeline rank pays ``per_action_s`` in its actions instead)."""
+    paid = 0 if plan.pipeline is not None else microbatches
+    return max(step_overhead_s(work.step, paid, hw.devices[k]) for k in range(plan.world_size()))
 
 
 def _simulated(plan: Plan, hw: Hardware, sched: Schedule, costs: Costs) -> SimResult:
@@ -341,7 +351,7 @@ def _predict_offload(plan: Plan, work: Workload, hw: Hardware, m: int) -> Predic
     grads = max(sum(prof.blocks[b].param_bytes for b in h) for h in held)
     reduce = (bucketed_allreduce_s(grads, plan.replicas, _mesh_link(hw, plan, "replica"), BUCKET_BYTES)
               + _scalar_collectives_s(plan, hw))
-    overhead = max(step_overhead_s(work.step, m, hw.devices[k]) for k in range(world))
+    overhead = _overhead_s(work, plan, hw, m)
     limits = tuple(hw.devices[k].memory_bytes for k in range(world))
     per_rank = tuple(int(peaks[plan.coord(k).stage_rank if plan.pipeline else 0]) for k in range(world))
     over = [k for k in range(world) if per_rank[k] > limits[k]]
@@ -364,7 +374,7 @@ def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) ->
     sched = _schedule(node.schedule, plan.stage_ranks, m, node.virtual, node.waves)
     check_schedule(sched)
     stages = _stages(work, plan, sched)
-    res = _simulated(plan, hw, sched, Costs.blocks(prof).over(stages))
+    res = _simulated(plan, hw, sched, Costs.blocks(prof).over(stages).with_action_s(work.step.per_action_s))
     pplan = PipelinePlan(schedule=sched, stages=stages)
     extra, peaks, held = 0.0, [], []
     for q in range(plan.stage_ranks):

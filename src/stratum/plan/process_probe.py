@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,33 +61,38 @@ def _worker(rank: int, world: int, port: int, threads: int, sizes: tuple[int, ..
         dist.destroy_process_group()
 
 
-def probe_processes(n: int, *, threads: int, sizes: tuple[int, ...], timeout_s: float) -> ProcessProbe:
-    """Start ``n`` (>= 2) processes of ``threads`` threads each; their rates and all-reduce times."""
-    if n < 2:
-        raise StratumError(f"the process probe needs at least 2 processes, got {n}")
+def run_forked(worker: Callable[..., None], n: int, args: tuple, *, timeout_s: float, what: str) -> list[tuple]:
+    """Run ``worker(rank, *args, out)`` in ``n`` forked processes (:data:`START`) and return what they put on
+    ``out``, once every one has ended; a process that fails or a run past ``timeout_s`` is a one-line
+    StratumError naming ``what``, and no process is left behind."""
     ctx = mp.get_context(START)
     out = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(n, free_port(), threads, sizes, timeout_s, out), nprocs=n,
-                               join=False, start_method=START)
+    procs = mp.start_processes(worker, args=(*args, out), nprocs=n, join=False, start_method=START)
     deadline = time.monotonic() + timeout_s
     try:
         while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                raise StratumError(f"the process probe did not finish within {timeout_s:g} s")
+                raise StratumError(f"{what} did not finish within {timeout_s:g} s")
     except mp.ProcessRaisedException as e:
-        raise StratumError(f"the process probe failed: {str(e).strip().splitlines()[-1]}") from None
+        raise StratumError(f"{what} failed: {str(e).strip().splitlines()[-1]}") from None
     finally:
         for p in procs.processes:
             if p.is_alive():
                 p.terminate()
-    rates: dict[int, float] = {}
-    times: list[float] = []
+    items = []
     while not out.empty():
-        kind, rank, value = out.get()
-        if kind == "rate":
-            rates[rank] = value
-        else:
-            times = value
+        items.append(out.get())
+    return items
+
+
+def probe_processes(n: int, *, threads: int, sizes: tuple[int, ...], timeout_s: float) -> ProcessProbe:
+    """Start ``n`` (>= 2) processes of ``threads`` threads each; their rates and all-reduce times."""
+    if n < 2:
+        raise StratumError(f"the process probe needs at least 2 processes, got {n}")
+    items = run_forked(_worker, n, (n, free_port(), threads, sizes, timeout_s), timeout_s=timeout_s,
+                       what="the process probe")
+    rates = {rank: value for kind, rank, value in items if kind == "rate"}
+    times: list[float] = next((value for kind, _, value in items if kind == "allreduce"), [])
     if len(rates) != n or len(times) != len(sizes):
         raise StratumError("the process probe ended without all of its results")
     return ProcessProbe(rates=tuple(rates[r] for r in range(n)), allreduce_s=tuple(times))

@@ -44,10 +44,11 @@ from stratum.parallel.pipeline_offload import stage_seq
 from stratum.parallel.split import check_split, split_blocks
 from stratum.parallel.split_offload import shard_shapes
 from stratum.plan.fidelity import recorded, write_prediction
-from stratum.plan.hardware_cli import probe
+from stratum.plan.hardware_cli import PROBE_TIMEOUT_S, probe
 from stratum.plan.predict import LeafAsk, Prediction, Workload
+from stratum.plan.rank_probe import as_ranks_run, probe_ranks
 from stratum.plan.search import SearchResult, search
-from stratum.plan.step_probe import measure_step_costs
+from stratum.plan.step_probe import measure_step_costs, probe_batches
 from stratum.profile import Profile
 from stratum.profile.fast import cache_key, cache_path
 from stratum.runtime.device import resolve_device, synchronize
@@ -55,7 +56,7 @@ from stratum.runtime.engine import OptimSpec
 from stratum.runtime.optim import make_adamw, optim_spec
 from stratum.train.checkpoint import latest_checkpoint
 from stratum.train.dryrun import device_memory_bytes
-from stratum.train.threads import usable_cores
+from stratum.train.threads import threads_among, usable_cores
 from stratum.units import fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,9 @@ def plan_search(cfg: Config, n: int, hw: Hardware | None,
     """Search the trees of ``cfg``'s model for ``n`` devices of ``hw`` (None: this machine, measured)."""
     if n < 1:
         raise StratumError(f"--devices must be >= 1, got {n}")
-    hw = hw or machine_hardware(cfg, n)
     model = _meta_model(cfg)
     work = workload(cfg, model, profile_path)
+    hw = hw or machine_ranks_hardware(cfg, n, work.profile)
     logger.info(f"model {model.info.name}: {len(model)} blocks, {cfg.train.grad_accum} micro-batch(es) of "
                 f"{cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens per step; hardware: {hw.num_devices} "
                 f"devices")
@@ -130,13 +131,9 @@ def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_pa
     copy's layers under DTensor too), measured on the real model where its copies' training state and two
     micro-batches' activations fit the device; none elsewhere (the memory engine's planner prices its own
     steps)."""
-    copies = 2 if split else 1
-    need = copies * (prof.param_bytes + sum(b.grad_bytes + b.optim_bytes + 2 * b.act_saved_bytes
-                                            for b in prof.blocks))
-    free = device_memory_bytes(device)
-    if free is not None and need > free:
-        logger.info(f"the step's costs outside its blocks are not measured: the model needs {fmt_bytes(need)} of "
-                    f"the device's {fmt_bytes(free)}")
+    too_big = _copies_do_not_fit(prof, 2 if split else 1, device)
+    if too_big:
+        logger.info(f"the step's costs outside its blocks are not measured: {too_big}")
         return StepCosts()
     t = cfg.train
     model = _model(cfg, device)
@@ -146,6 +143,18 @@ def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_pa
                               vocab=model.info.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
                               optim=optim_spec(cfg), device=device,
                               update_s=update_s_per_param * sum(b.n_params for b in prof.blocks))
+
+
+def _copies_do_not_fit(prof: Profile, copies: int, device: torch.device) -> str:
+    """Why ``copies`` of the model's training state and two micro-batches' activations do not fit ``device``
+    ("" where they do, or where the device's free memory is unknown)."""
+    need = copies * (prof.param_bytes + sum(b.grad_bytes + b.optim_bytes + 2 * b.act_saved_bytes
+                                            for b in prof.blocks))
+    free = device_memory_bytes(device)
+    if free is not None and need > free:
+        return f"{copies} cop{'y' if copies == 1 else 'ies'} of the model need {fmt_bytes(need)} of the device's " \
+               f"{fmt_bytes(free)}"
+    return ""
 
 
 def update_seconds_per_param(device: torch.device, n: int = 1 << 20, repeats: int = 5) -> float:
@@ -219,6 +228,34 @@ def machine_hardware(cfg: Config, n: int) -> Hardware:
     except StratumError as e:
         logger.warning(f"cannot cache the hardware spec ({e}); the next search measures again")
     return hw
+
+
+def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
+    """This machine's spec for ``n`` devices (:func:`machine_hardware`); for ``n`` >= 2 CPU processes, with the
+    devices' speeds and the intra-node link as the model's own ranks run (:mod:`stratum.plan.rank_probe`), where
+    ``n`` copies of its training state fit the host."""
+    hw = machine_hardware(cfg, n)
+    device = resolve_device(cfg.train.device)
+    too_big = _copies_do_not_fit(prof, n, device)
+    if device.type != "cpu" or n < 2 or too_big:
+        if too_big:
+            logger.info(f"the ranks are not probed ({too_big}): the spec's matrix-multiply speeds stand")
+        return hw
+    model, t = _model(cfg, device), cfg.train
+    if not model.info.vocab_size:  # the probe feeds token ids
+        return hw
+    batches = probe_batches(model.info.vocab_size, t.micro_batch_size, cfg.data.seq_len, max(1, t.grad_accum // n),
+                            torch.Generator().manual_seed(0))
+    probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
+                        timeout_s=PROBE_TIMEOUT_S)
+    ranks = as_ranks_run(hw, probe)
+    logger.info(f"{n} ranks of this model, probed: {probe.alone_s * 1e3:.2f} ms a micro-batch alone, "
+                f"{', '.join(f'{x * 1e3:.2f}' for x in probe.rank_s)} ms together → speeds "
+                f"{', '.join(f'{d.speed:.2f}' for d in ranks.devices[:n])} (matrix multiply: "
+                f"{', '.join(f'{d.speed:.2f}' for d in hw.devices[:n])}); gradient all-reduce of "
+                f"{fmt_bytes(probe.grad_bytes)} in {probe.allreduce_s * 1e3:.2f} ms → intra-node "
+                f"{ranks.intra_node.bandwidth / 1e9:.3g} GB/s (probe: {hw.intra_node.bandwidth / 1e9:.3g} GB/s)")
+    return ranks
 
 
 def _label(plan, work: Workload) -> str:

@@ -32,7 +32,12 @@ def local_processes() -> int:
 def auto_threads() -> int:
     """Threads that keep this process on its share of the usable cores, and never more than torch has now (a
     caller that already lowered them, such as a sweep's worker, keeps its choice)."""
-    return max(1, min(torch.get_num_threads(), usable_cores() // local_processes()))
+    return threads_among(local_processes())
+
+
+def threads_among(processes: int) -> int:
+    """Threads :func:`auto_threads` gives each of ``processes`` local processes of one run."""
+    return max(1, min(torch.get_num_threads(), usable_cores() // processes))
 
 
 def apply_threads(requested: int) -> str:

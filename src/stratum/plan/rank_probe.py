@@ -1,0 +1,125 @@
+"""Measure a model's ranks as a multi-process run on this CPU machine runs them, for the plan search.
+
+On a CPU the devices are processes sharing the machine's cores: with each other, with their gloo threads and with
+the launcher. The hardware probe's matrix-multiply rate of bare processes does not see the last two, and its
+all-reduce figure is the best of a quiet loop, where a training step's gradient all-reduce takes its median time
+after peers that end their backward at different moments. So before it ranks trees for ``n`` CPU processes the
+search runs the model itself: ``n`` forked processes each train it on the plain engine for steps of ``m``
+micro-batches and all-reduce their gradients over gloo after each backward, as ``replicate(n)`` does; the searching
+process does the same alone first. :func:`as_ranks_run` turns the figures into the devices' speeds (one process
+alone over each rank together) and the intra-node link (the gradient all-reduce's median through the ring price,
+at the probed latency) of the spec the search prices with. Every wait is bounded by the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from stratum.data.tokens import Batch
+from stratum.dist.launch import free_port, wait_until
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, Link
+from stratum.model.blockseq import BlockSeq
+from stratum.plan.process_probe import run_forked
+from stratum.runtime.engine import OptimSpec, clip_coef
+from stratum.runtime.plain import PlainEngine
+
+WARMUP = 3
+STEPS = 16
+LR = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankProbe:
+    """What :func:`probe_ranks` measured (seconds are medians over its steps)."""
+
+    alone_s: float
+    """Seconds of one micro-batch's forward and backward in one process alone."""
+    rank_s: tuple[float, ...]
+    """Each rank's seconds of one micro-batch's forward and backward, all ranks running together."""
+    allreduce_s: float
+    """Seconds of a rank's gradient all-reduce after its backward (the median over ranks)."""
+    grad_bytes: int
+    """The gradient bytes each rank all-reduced."""
+
+
+def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batch], optim: OptimSpec,
+           threads: int, timeout_s: float, out) -> None:
+    """One probe process: ``WARMUP + STEPS`` steps of the plain engine over ``batches``, each backward followed by
+    an all-reduce of the gradients over the ``world`` (none alone); puts (rank, s per micro-batch, all-reduce s,
+    bytes) on ``out``."""
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        engine = PlainEngine(model, optim=optim, device=torch.device("cpu"))
+        params = [p for _, p in engine.grad_params()]
+        compute, reduce, nbytes = [], [], 0
+        for _ in range(WARMUP + STEPS):
+            t0 = time.perf_counter()
+            engine.forward_backward(batches, len(batches))
+            t1 = time.perf_counter()
+            if world > 1:  # flattened as a replicate node's bucket is, its sum written back
+                flat = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+                wait_until(dist.all_reduce(flat, async_op=True), backend="gloo",
+                           deadline=time.monotonic() + timeout_s)
+                nbytes = flat.numel() * flat.element_size()
+            compute.append((t1 - t0) / len(batches))
+            reduce.append(time.perf_counter() - t1)
+            engine.update(LR, clip_coef(engine.grad_norm(), optim.grad_clip))
+        out.put((rank, statistics.median(compute[WARMUP:]), statistics.median(reduce[WARMUP:]), nbytes))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSpec, threads: int,
+                timeout_s: float) -> RankProbe:
+    """Train ``model`` (materialised on the CPU; its weights change) in this process alone, then in ``n`` (>= 2)
+    forked processes together, each over ``batches`` per step with ``threads`` threads (see the module)."""
+    if n < 2:
+        raise StratumError(f"the rank probe needs at least 2 processes, got {n}")
+    alone = _alone_s(model, batches, optim, threads, timeout_s)
+    got = run_forked(_train, n, (n, free_port(), model, batches, optim, threads, timeout_s), timeout_s=timeout_s,
+                     what=f"the rank probe ({n} processes)")
+    if sorted(r for r, *_ in got) != list(range(n)):
+        raise StratumError("the rank probe ended without every rank's results")
+    by_rank = sorted(got)
+    return RankProbe(alone_s=alone, rank_s=tuple(x[1] for x in by_rank),
+                     allreduce_s=statistics.median(x[2] for x in by_rank), grad_bytes=max(x[3] for x in by_rank))
+
+
+def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
+    """Seconds per micro-batch of one process alone, measured in this one — the process whose profile and step
+    probe the search prices with (forked processes run slower than their parent, and the runs' ranks are forked
+    too: the speeds then say so)."""
+    before = torch.get_num_threads()
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        _train(0, 1, 0, model, batches, optim, threads, timeout_s, out)
+    finally:
+        torch.set_num_threads(before)
+    return out.get()[1]
+
+
+def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
+    """``hw`` with device k's speed ``alone_s / rank_s[k]`` and the intra-node link's bandwidth the one at which a
+    ring all-reduce of ``grad_bytes`` over the probe's ranks takes ``allreduce_s`` at the link's latency
+    (:func:`stratum.ir.prices.allreduce_s` solved for the bandwidth; the link is kept where the latencies alone
+    take that long). A device beyond the probe's ranks keeps its speed."""
+    speeds = [probe.alone_s / t for t in probe.rank_s]
+    devices = tuple(replace(d, speed=speeds[k]) if k < len(speeds) else d for k, d in enumerate(hw.devices))
+    p, link = len(probe.rank_s), hw.intra_node
+    moving = probe.allreduce_s - 2 * (p - 1) * link.latency
+    intra = link if moving <= 0 or probe.grad_bytes == 0 else Link(
+        bandwidth=2 * (p - 1) / p * probe.grad_bytes / moving, latency=link.latency)
+    inter = intra if hw.inter_node == hw.intra_node else hw.inter_node
+    return replace(hw, devices=devices, intra_node=intra, inter_node=inter)

@@ -1,0 +1,69 @@
+"""The rank probe: real forked gloo processes train a tiny model and report their pace and gradient all-reduce;
+the spec the search prices with takes the devices' speeds and the intra-node link from them (closed forms); the
+search uses it for CPU processes of this machine and keeps a given spec."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from stratum.config import ModelConfig, load_config
+from stratum.errors import StratumError
+from stratum.ir.hardware import Hardware, Link
+from stratum.model.build import build_model
+from stratum.plan import search_cli
+from stratum.plan.rank_probe import RankProbe, as_ranks_run, probe_ranks
+from stratum.plan.step_probe import probe_batches
+from stratum.runtime.engine import OptimSpec
+
+OPTIM = OptimSpec(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+LINK = Link(bandwidth=1e9, latency=1e-4)
+
+
+def test_speeds_are_one_process_alone_over_each_rank_and_the_link_is_the_all_reduce_through_the_ring():
+    hw = replace(Hardware.uniform(3, memory_bytes=2**30, intra=LINK), inter_node=LINK)  # as a probe writes it
+    probe = RankProbe(alone_s=0.010, rank_s=(0.020, 0.025), allreduce_s=0.005, grad_bytes=4_000_000)
+    got = as_ranks_run(hw, probe)
+    assert [d.speed for d in got.devices] == pytest.approx([0.5, 0.4, 1.0])  # the third was not probed
+    # 2 ranks: T = 2(n-1)/n · N / bandwidth + 2(n-1) · latency → bandwidth = 4e6 / (5 ms - 0.2 ms)
+    assert got.intra_node.bandwidth == pytest.approx(4e6 / 0.0048) and got.intra_node.latency == 1e-4
+    assert got.inter_node == got.intra_node  # one machine: the spec's inter-node link is its intra-node copy
+    apart = Hardware.uniform(3, memory_bytes=2**30, intra=LINK)  # an inter-node link of its own stays
+    assert as_ranks_run(apart, probe).inter_node == apart.inter_node
+    # an all-reduce no longer than its latencies keeps the link (nothing to read a bandwidth from)
+    quick = as_ranks_run(hw, RankProbe(alone_s=0.01, rank_s=(0.01, 0.01), allreduce_s=1e-4, grad_bytes=8))
+    assert quick.intra_node == LINK and quick.host_link == hw.host_link
+
+
+def test_two_forked_ranks_report_their_pace_and_gradient_all_reduce():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="tiny"), tokenizer_vocab=64, seq_len=8, seed=0, device=torch.device("cpu"))
+    batches = probe_batches(64, 2, 8, 2, torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    got = probe_ranks(model, 2, batches=batches, optim=OPTIM, threads=1, timeout_s=120)
+    assert torch.get_num_threads() == before  # the alone run's threads are this process's again
+    assert got.alone_s > 0 and len(got.rank_s) == 2 and all(0 < t < 5 for t in got.rank_s)
+    assert got.grad_bytes == 4 * sum(p.numel() for p in model.parameters()) and 0 < got.allreduce_s < 5
+    with pytest.raises(StratumError, match="at least 2 processes"):
+        probe_ranks(model, 1, batches=batches, optim=OPTIM, threads=1, timeout_s=5)
+
+
+def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_dir, monkeypatch):
+    cfg = load_config(None, [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}",
+                             "model.preset='tiny'", "data.seq_len=16", "train.micro_batch_size=2",
+                             "train.grad_accum=4"])
+    spec = Hardware.uniform(2, memory_bytes=2**30, intra=LINK)
+    asked = {}
+
+    def ranks(model, n, *, batches, optim, threads, timeout_s):
+        asked.update(n=n, micro_batches=len(batches), threads=threads)
+        return RankProbe(alone_s=0.01, rank_s=(0.02, 0.02), allreduce_s=0.002, grad_bytes=1000)
+    monkeypatch.setattr(search_cli, "machine_hardware", lambda cfg, n: spec)
+    monkeypatch.setattr(search_cli, "probe_ranks", ranks)
+    prof = search_cli.workload(cfg, search_cli._meta_model(cfg), None).profile
+    got = search_cli.machine_ranks_hardware(cfg, 2, prof)
+    assert [d.speed for d in got.devices] == [0.5, 0.5]
+    assert asked == {"n": 2, "micro_batches": 2, "threads": asked["threads"]} and asked["threads"] >= 1
+    assert search_cli.machine_ranks_hardware(cfg, 1, prof) is spec  # one process: nothing to probe
