@@ -45,6 +45,10 @@ def test_a_spec_loads_with_units_counts_and_defaults(tmp_path):
     assert hw.host_link == Link(bandwidth=16e9, latency=10e-6)
     assert hw.disk_link == Link(bandwidth=2e9, latency=1e-4)
     assert hw.inter_node == Link(bandwidth=25e9, latency=5e-6)
+    assert hw.sharded_scale == 1.0  # a ring's reduce-scatter and all-gather: an all-reduce's halves
+    text = SPEC.replace('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 2.5')
+    scaled = load_hardware(_write(tmp_path, text))
+    assert scaled.sharded_scale == 2.5 and load_hardware(_write(tmp_path, dump_hardware(scaled))) == scaled
 
 
 def test_links_by_node_and_a_groups_slowest_link(tmp_path):
@@ -83,6 +87,8 @@ BAD = [
     ('count = 2', 'count = 0', "count = 0 must be a whole number >= 1"),
     ('speed = 0.5', 'speed = -1', "speed must be a positive number"),
     ('memory_bytes = "40GB"', 'memory_bytes = 0', "memory_bytes must be > 0"),
+    ('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 0', "sharded_scale must be a positive number"),
+    ('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = "2x"', "sharded_scale must be a number"),
 ]
 
 

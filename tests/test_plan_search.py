@@ -304,3 +304,14 @@ def test_the_search_is_bounded_in_time_and_says_when_it_stopped():
     assert "stopped at the time limit: not every tree was priced" in res.table().splitlines()[0]
     with pytest.raises(StratumError, match="stopped at its time limit before it priced a tree"):
         _ = res.best
+
+
+def test_a_sharded_replicas_reduction_is_a_ring_all_reduce_times_the_hardwares_sharded_scale():
+    prof = _profile()
+    ring = predict(parse_plan("replicate(2, shard=true)"), _work(), _hw(2))
+    gloo = predict(parse_plan("replicate(2, shard=true)"), _work(), replace(_hw(2), sharded_scale=2.5))
+    grads = allreduce_s(sum(b.param_bytes for b in prof.blocks), 2, LINK)
+    assert gloo.reduce_s == pytest.approx(ring.reduce_s + 1.5 * grads)
+    # replicas without shard=true run bucketed all-reduces: the scale does not touch them
+    plain = predict(parse_plan("replicate(2)"), _work(), replace(_hw(2), sharded_scale=2.5))
+    assert plain.reduce_s == predict(parse_plan("replicate(2)"), _work(), _hw(2)).reduce_s

@@ -10,6 +10,7 @@ A spec is a ``[hardware]`` TOML table (``stratum hardware probe`` writes one for
     disk_link = { bandwidth = "2GB/s", latency = "100us" }    # host <-> disk
     intra_node = { bandwidth = "300GB/s", latency = "2us" }   # device <-> device on one node
     inter_node = { bandwidth = "25GB/s", latency = "5us" }    # device <-> device across nodes
+    sharded_scale = 1.0   # optional: a reduce-scatter + all-gather over a ring all-reduce of the same bytes
 
     [[hardware.devices]]
     name = "a100"
@@ -118,11 +119,17 @@ class Hardware:
     """Device <-> device on one node."""
     inter_node: Link
     """Device <-> device on different nodes."""
+    sharded_scale: float = 1.0
+    """Seconds of a reduce-scatter and an all-gather of a buffer (``replicate(shard=true)``'s pair) over those of a
+    ring all-reduce of it, on this machine's collective library: 1 where the pair is the all-reduce's two halves
+    (NCCL's rings); gloo's pair takes longer than its all-reduce (the plan search's rank probe measures it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         if not self.devices:
             raise StratumError("hardware: no devices; list at least one under [[hardware.devices]]")
+        if not 0 < self.sharded_scale < math.inf:
+            raise StratumError(f"hardware: sharded_scale must be a positive number, got {self.sharded_scale}")
         for key in ("host_bytes", "disk_bytes"):
             if getattr(self, key) < 0:
                 raise StratumError(f"hardware: {key} must be >= 0, got {getattr(self, key)}")
@@ -269,7 +276,7 @@ def hardware_from_table(table: Any, where: str = "[hardware]") -> Hardware:
     """A :class:`Hardware` from a parsed ``[hardware]`` table (see the module for its keys)."""
     if not isinstance(table, dict):
         raise StratumError(f"{where} must be a table")
-    _known(table, ("devices", "host_bytes", "disk_bytes", *_LINK_KEYS), where)
+    _known(table, ("devices", "host_bytes", "disk_bytes", "sharded_scale", *_LINK_KEYS), where)
     devs = table.get("devices", [])
     if not isinstance(devs, list):
         raise StratumError(f"{where}: devices must be a list of tables ([[hardware.devices]])")
@@ -277,10 +284,14 @@ def hardware_from_table(table: Any, where: str = "[hardware]") -> Hardware:
         if key not in table:
             raise StratumError(f"{where} needs {key}")
     links = {k: _link(table[k], f"hardware.{k}") for k in _LINK_KEYS}
+    scale = table.get("sharded_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise StratumError(f"{where}: sharded_scale must be a number, got {scale!r}")
     try:
         return Hardware(devices=tuple(d for i, e in enumerate(devs) for d in _devices(e, i)),
                         host_bytes=_size(table["host_bytes"], "hardware.host_bytes"),
-                        disk_bytes=_size(table["disk_bytes"], "hardware.disk_bytes"), **links)
+                        disk_bytes=_size(table["disk_bytes"], "hardware.disk_bytes"), sharded_scale=float(scale),
+                        **links)
     except StratumError as e:
         raise StratumError(str(e) if str(e).startswith("hardware") else f"hardware: {e}") from None
 
@@ -318,6 +329,8 @@ def dump_hardware(hw: Hardware) -> str:
     for key in _LINK_KEYS:
         link: Link = getattr(hw, key)
         lines.append(f"{key} = {{ bandwidth = {_num(link.bandwidth)}, latency = {_num(link.latency)} }}")
+    if hw.sharded_scale != 1.0:
+        lines.append(f"sharded_scale = {_num(hw.sharded_scale)}")
     runs: list[list] = []
     for d in hw.devices:
         if runs and runs[-1][0] == d:

@@ -18,7 +18,8 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
   Without a pipeline a rank runs its micro-batches one after another and holds one micro-batch's activations.
 - **replicate(r)**: micro-batches split evenly over the replicas (the step's count must divide); then each rank's
   gradient is all-reduced over its replica group (``shard=true``: reduce-scattered and the parameters
-  all-gathered, the same bytes), after the backward, on the group's slowest link.
+  all-gathered, the same bytes, times the hardware's ``sharded_scale``), after the backward, on the group's slowest
+  link.
 - **memory** per rank: parameters + gradients + AdamW moments of the blocks it holds (gradients and moments 1/r
   under ``shard=true``) plus its peak activations, against its device's memory.
 - **update**: AdamW over the parameters a rank holds (1/s of split blocks', 1/r of all under ``shard=true``) at
@@ -300,10 +301,11 @@ def _simulated(plan: Plan, hw: Hardware, sched: Schedule, costs: Costs) -> SimRe
 
 def _grad_reduce_s(nbytes: float, plan: Plan, hw: Hardware) -> float:
     """The replicas' gradient reduction of a rank's ``nbytes``: bucketed all-reduces, or (``shard=true``) a
-    reduce-scatter and an all-gather of the same bytes, one call each."""
+    reduce-scatter and an all-gather of the same bytes, one call each: a ring all-reduce's price times the
+    hardware's ``sharded_scale``."""
     r, link = plan.replicas, _mesh_link(hw, plan, "replica")
     if plan.replicate is not None and plan.replicate.shard:
-        return allreduce_s(nbytes, r, link)
+        return allreduce_s(nbytes, r, link) * hw.sharded_scale
     return bucketed_allreduce_s(nbytes, r, link, BUCKET_BYTES)
 
 

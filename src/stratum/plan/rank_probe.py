@@ -5,10 +5,12 @@ the launcher. The hardware probe's matrix-multiply rate of bare processes does n
 all-reduce figure is the best of a quiet loop, where a training step's gradient all-reduce takes its median time
 after peers that end their backward at different moments. So before it ranks trees for ``n`` CPU processes the
 search runs the model itself: ``n`` forked processes each train it on the plain engine for steps of ``m``
-micro-batches and all-reduce their gradients over gloo after each backward, as ``replicate(n)`` does; the searching
-process does the same alone first. :func:`as_ranks_run` turns the figures into the devices' speeds (one process
-alone over each rank together) and the intra-node link (the gradient all-reduce's median through the ring price,
-at the probed latency) of the spec the search prices with. Every wait is bounded by the timeout.
+micro-batches and all-reduce their gradients over gloo after each backward, as ``replicate(n)`` does (every other
+step they reduce-scatter and all-gather them instead, as ``replicate(n, shard=true)`` does); the searching process
+does the same alone first. :func:`as_ranks_run` turns the figures into the spec the search prices with: the
+devices' speeds (one process alone over each rank together), the intra-node link (the gradient all-reduce's
+median through the ring price, at the probed latency) and ``Hardware.sharded_scale`` (the sharded pair's seconds
+over the all-reduce's). Every wait is bounded by the timeout.
 """
 
 from __future__ import annotations
@@ -46,15 +48,35 @@ class RankProbe:
     """Each rank's seconds of one micro-batch's forward and backward, all ranks running together."""
     allreduce_s: float
     """Seconds of a rank's gradient all-reduce after its backward (the median over ranks)."""
+    sharded_s: float
+    """Seconds of a rank's reduce-scatter and all-gather of the same gradients (the median over ranks)."""
     grad_bytes: int
     """The gradient bytes each rank all-reduced."""
+
+
+def _reduce(flat: torch.Tensor, world: int, timeout_s: float) -> None:
+    """All-reduce ``flat`` (a replicate node's bucket) over the world."""
+    wait_until(dist.all_reduce(flat, async_op=True), backend="gloo", deadline=time.monotonic() + timeout_s)
+
+
+def _reduce_sharded(flat: torch.Tensor, world: int, timeout_s: float) -> None:
+    """Reduce-scatter ``flat`` (padded to a multiple of the world) and all-gather the slices back: the pair of
+    collectives ``replicate(shard=true)`` makes per step."""
+    part = -(-flat.numel() // world)
+    full = torch.zeros(part * world)
+    full[:flat.numel()].copy_(flat)
+    mine = torch.empty(part)
+    wait_until(dist.reduce_scatter_single(mine, full, async_op=True), backend="gloo",
+               deadline=time.monotonic() + timeout_s)
+    wait_until(dist.all_gather_single(full, mine, async_op=True), backend="gloo",
+               deadline=time.monotonic() + timeout_s)
 
 
 def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batch], optim: OptimSpec,
            threads: int, timeout_s: float, out) -> None:
     """One probe process: ``WARMUP + STEPS`` steps of the plain engine over ``batches``, each backward followed by
-    an all-reduce of the gradients over the ``world`` (none alone); puts (rank, s per micro-batch, all-reduce s,
-    bytes) on ``out``."""
+    the gradients' all-reduce (even steps) or reduce-scatter and all-gather (odd steps) over the ``world`` (none
+    alone); puts (rank, s per micro-batch, all-reduce s, sharded pair s, bytes) on ``out``."""
     torch.set_num_threads(threads)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -62,20 +84,23 @@ def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batc
     try:
         engine = PlainEngine(model, optim=optim, device=torch.device("cpu"))
         params = [p for _, p in engine.grad_params()]
-        compute, reduce, nbytes = [], [], 0
-        for _ in range(WARMUP + STEPS):
+        compute: list[float] = []
+        reduce: tuple[list[float], list[float]] = ([], [])
+        nbytes = 0
+        for step in range(WARMUP + STEPS):
             t0 = time.perf_counter()
             engine.forward_backward(batches, len(batches))
             t1 = time.perf_counter()
-            if world > 1:  # flattened as a replicate node's bucket is, its sum written back
+            if world > 1:  # flattened as a replicate node's bucket is
                 flat = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
-                wait_until(dist.all_reduce(flat, async_op=True), backend="gloo",
-                           deadline=time.monotonic() + timeout_s)
+                (_reduce_sharded if step % 2 else _reduce)(flat, world, timeout_s)
                 nbytes = flat.numel() * flat.element_size()
-            compute.append((t1 - t0) / len(batches))
-            reduce.append(time.perf_counter() - t1)
+            if step >= WARMUP:
+                compute.append((t1 - t0) / len(batches))
+                reduce[step % 2].append(time.perf_counter() - t1)
             engine.update(LR, clip_coef(engine.grad_norm(), optim.grad_clip))
-        out.put((rank, statistics.median(compute[WARMUP:]), statistics.median(reduce[WARMUP:]), nbytes))
+        out.put((rank, statistics.median(compute), statistics.median(reduce[0]), statistics.median(reduce[1]),
+                 nbytes))
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -94,7 +119,8 @@ def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSp
         raise StratumError("the rank probe ended without every rank's results")
     by_rank = sorted(got)
     return RankProbe(alone_s=alone, rank_s=tuple(x[1] for x in by_rank),
-                     allreduce_s=statistics.median(x[2] for x in by_rank), grad_bytes=max(x[3] for x in by_rank))
+                     allreduce_s=statistics.median(x[2] for x in by_rank),
+                     sharded_s=statistics.median(x[3] for x in by_rank), grad_bytes=max(x[4] for x in by_rank))
 
 
 def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
@@ -114,7 +140,8 @@ def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
     """``hw`` with device k's speed ``alone_s / rank_s[k]`` and the intra-node link's bandwidth the one at which a
     ring all-reduce of ``grad_bytes`` over the probe's ranks takes ``allreduce_s`` at the link's latency
     (:func:`stratum.ir.prices.allreduce_s` solved for the bandwidth; the link is kept where the latencies alone
-    take that long). A device beyond the probe's ranks keeps its speed."""
+    take that long), and ``sharded_scale`` the reduce-scatter and all-gather's seconds over the all-reduce's. A
+    device beyond the probe's ranks keeps its speed."""
     speeds = [probe.alone_s / t for t in probe.rank_s]
     devices = tuple(replace(d, speed=speeds[k]) if k < len(speeds) else d for k, d in enumerate(hw.devices))
     p, link = len(probe.rank_s), hw.intra_node
@@ -122,4 +149,6 @@ def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
     intra = link if moving <= 0 or probe.grad_bytes == 0 else Link(
         bandwidth=2 * (p - 1) / p * probe.grad_bytes / moving, latency=link.latency)
     inter = intra if hw.inter_node == hw.intra_node else hw.inter_node
-    return replace(hw, devices=devices, intra_node=intra, inter_node=inter)
+    scale = probe.sharded_s / probe.allreduce_s if probe.sharded_s > 0 and probe.allreduce_s > 0 else \
+        hw.sharded_scale
+    return replace(hw, devices=devices, intra_node=intra, inter_node=inter, sharded_scale=scale)

@@ -254,7 +254,9 @@ def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
                 f"{', '.join(f'{d.speed:.2f}' for d in ranks.devices[:n])} (matrix multiply: "
                 f"{', '.join(f'{d.speed:.2f}' for d in hw.devices[:n])}); gradient all-reduce of "
                 f"{fmt_bytes(probe.grad_bytes)} in {probe.allreduce_s * 1e3:.2f} ms → intra-node "
-                f"{ranks.intra_node.bandwidth / 1e9:.3g} GB/s (probe: {hw.intra_node.bandwidth / 1e9:.3g} GB/s)")
+                f"{ranks.intra_node.bandwidth / 1e9:.3g} GB/s (probe: {hw.intra_node.bandwidth / 1e9:.3g} GB/s); "
+                f"reduce-scatter + all-gather in {probe.sharded_s * 1e3:.2f} ms → sharded_scale "
+                f"{ranks.sharded_scale:.2f}")
     return ranks
 
 
