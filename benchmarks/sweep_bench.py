@@ -49,7 +49,7 @@ from pathlib import Path
 from stratum.atomic import atomic_write_text
 from stratum.profile.profile import Profile
 from stratum.sweep.calibrate import with_items
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import pinned
 from stratum.sweep.plain_calibrate import plain_calibration
 from stratum.sweep.predict import job_profiles, job_seconds, predicted_seconds

@@ -13,7 +13,8 @@ from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link
 from stratum.profile.profile import BlockProfile, Profile
 from stratum.sweep.cluster_sim import ClusterJob, simulate_cluster
-from stratum.sweep.gang import GangPlan, Option, gang_table, greedy_gang, list_schedule, plan_gang
+from stratum.sweep.gang import greedy_gang, plan_gang
+from stratum.sweep.gang_plan import GangPlan, Option, gang_table, list_schedule
 
 pytest.importorskip("pulp")
 
@@ -73,16 +74,16 @@ def test_milp_makespan_equals_the_brute_force_optimum(seed):
 
 
 def test_a_job_over_both_slots_as_a_table():
-    # a: 8 s on one slot or 4.2 s over both; b, c: 3 s each. a over both, then b | c, ends at 7.2; a on one slot
-    # beside b then c ends at 8.
+    # a: 8 s on one slot or 4.2 s over both; b, c: 3 s each. b | c, then a over both, ends at 7.2 (as a first
+    # does, but b and c end sooner); a on one slot beside b then c ends at 8.
     options = {"a": {"plain": Option(seconds=8), "replicate(2)": Option(seconds=4.2, devices=2)},
                "b": {"plain": Option(seconds=3)}, "c": {"plain": Option(seconds=3)}}
     plan = plan_gang(options, [0.0, 0.0], time_limit_s=10)
     assert gang_table(plan) == "\n".join([
         "   start      end  slots      job strategy",
-        "       0      4.2  0,1        a replicate(2)",
-        "     4.2      7.2  0          b plain",
-        "     4.2      7.2  1          c plain"])
+        "       0        3  1          b plain",
+        "       0        3  0          c plain",
+        "       3      7.2  0,1        a replicate(2)"])
     assert plan.method == "milp" and plan.optimal
 
 

@@ -16,7 +16,8 @@ from cli_in_process import run_main
 from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
-from stratum.sweep.gang import Option, plan_jobs
+from stratum.sweep.gang import plan_jobs
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import options_of
 from stratum.sweep.launched import rank_devices
 from stratum.sweep.makespan import plan_makespan

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.predicted_makespan import give_back, plan_sim
 from stratum.sweep.slot_scheduler import UNLIMITED, DeviceMemory
 

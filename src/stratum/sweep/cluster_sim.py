@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
 from stratum.profile.profile import Profile
-from stratum.sweep.gang import GangPlan, Option, plan_gang
+from stratum.sweep.gang import plan_gang
+from stratum.sweep.gang_plan import GangPlan, Option
 from stratum.sweep.shard_lrtf import sharded_lrtf
 from stratum.sweep.shard_size import AUTO, device_shard_blocks
 from stratum.sweep.simulate import SimResult, simulate

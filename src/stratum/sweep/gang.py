@@ -9,9 +9,11 @@ The MILP (binaries y[job, option], z[job, slot], o[job, job'] for the order of a
 one option per job; |slots of a job| = its option's devices; C ≥ S + d (d = Σ y·seconds); S ≥ free_at[slot] where
 the job uses the slot; for a pair sharing a slot, one ends before the other starts (big-M on o and on both z's).
 It is solved by PuLP's CBC under a time limit, warm-started from the greedy plan (longest job first; each takes,
-among its options of near-least device-seconds, the one that ends earliest on the slots that free first), which
-is also the fallback without PuLP or without an integer solution in time. :func:`list_schedule` turns an order
-and the choices into starts (as early as the slots allow), so every plan returned is feasible by construction.
+among its options of near-least device-seconds, the one that ends earliest on the slots that free first) as the
+local search of :mod:`stratum.sweep.gang_search` improved it, which is also the fallback without PuLP or without
+a better integer solution in time; a better MILP plan is searched again.
+:func:`~stratum.sweep.gang_plan.list_schedule` turns an order and the choices into starts (as early as the slots
+allow), so every plan returned is feasible by construction.
 
 When every option is on one slot, order within a slot does not matter and the plain assignment MILP of
 :mod:`stratum.sweep.makespan` (no order variables, a much tighter model) solves it (:func:`plan_jobs`).
@@ -21,64 +23,10 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import dataclass
 
+from stratum.sweep.gang_plan import GangPlan, Option, Placed, list_schedule, makespan_of
+from stratum.sweep.gang_search import improve
 from stratum.sweep.makespan import plan_makespan, pulp_available
-
-
-@dataclass(frozen=True, kw_only=True)
-class Option:
-    """One candidate strategy of a job."""
-
-    seconds: float
-    """Its predicted time to the job's end."""
-    devices: int = 1
-    """Slots it holds at once."""
-    peak_bytes: int = 0
-    """Its predicted peak bytes per device (what made it a candidate: it fits)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placed:
-    """A job in a plan."""
-
-    strategy: str
-    slots: tuple[int, ...]
-    start: float
-    end: float
-
-
-@dataclass(kw_only=True)
-class GangPlan:
-    placed: dict[str, Placed]
-    """Job → its strategy, slots and times."""
-    makespan: float
-    method: str
-    """milp or greedy."""
-    optimal: bool
-    """The solver proved the makespan optimal."""
-    solve_s: float
-
-
-def list_schedule(order: list[str], picks: dict[str, tuple[str, Option]], free_at: list[float],
-                  fixed_slots: dict[str, tuple[int, ...]] | None = None) -> dict[str, Placed]:
-    """Jobs in ``order``, each started as early as its slots allow: the ``devices`` slots that free first (or
-    ``fixed_slots[job]``)."""
-    ends = list(free_at)
-    out = {}
-    for job in order:
-        name, opt = picks[job]
-        slots = (fixed_slots or {}).get(job) or tuple(sorted(sorted(range(len(ends)),
-                                                                     key=lambda s: (ends[s], s))[:opt.devices]))
-        start = max(ends[s] for s in slots)
-        for s in slots:
-            ends[s] = start + opt.seconds
-        out[job] = Placed(strategy=name, slots=slots, start=start, end=start + opt.seconds)
-    return out
-
-
-def _makespan(placed: dict[str, Placed], free_at: list[float]) -> float:
-    return max([p.end for p in placed.values()] + [0.0])
 
 
 def greedy_gang(options: dict[str, dict[str, Option]], free_at: list[float]) -> GangPlan:
@@ -92,9 +40,9 @@ def greedy_gang(options: dict[str, dict[str, Option]], free_at: list[float]) -> 
     best: dict[str, Placed] | None = None
     for factor in AREA_FACTORS:
         placed = _greedy_within(order, fitting, free_at, factor)
-        if best is None or _makespan(placed, free_at) < _makespan(best, free_at) - 1e-12:
+        if best is None or makespan_of(placed, free_at) < makespan_of(best, free_at) - 1e-12:
             best = placed
-    return GangPlan(placed=best or {}, makespan=_makespan(best or {}, free_at), method="greedy", optimal=False,
+    return GangPlan(placed=best or {}, makespan=makespan_of(best or {}, free_at), method="greedy", optimal=False,
                     solve_s=time.perf_counter() - t0)
 
 
@@ -112,7 +60,7 @@ def _greedy_within(order: list[str], fitting: dict[str, dict[str, Option]], free
             if opt.seconds * opt.devices > factor * least * (1 + 1e-12):
                 continue
             trial = list_schedule(done + [job], {**picks, job: (name, opt)}, free_at)
-            key = (trial[job].end, opt.devices, name)
+            key = (round(trial[job].end, 9), opt.devices, name)  # ends equal but for rounding: fewer devices
             if pick is None or key < pick[0]:
                 pick = (key, (name, opt))
         assert pick is not None  # (the option of the least area is within any factor >= 1)
@@ -122,16 +70,34 @@ def _greedy_within(order: list[str], fitting: dict[str, dict[str, Option]], free
 
 
 def plan_gang(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float) -> GangPlan:
-    """The best plan found within ``time_limit_s``: the MILP's when PuLP is installed and it is no worse than
-    greedy."""
+    """The best plan found within about ``time_limit_s``: the greedy plan improved by local search
+    (:mod:`stratum.sweep.gang_search`), then — with PuLP installed — the MILP warm-started from it, and the
+    MILP's plan searched again where it is better."""
     for job, opts in options.items():
         if not any(o.devices <= len(free_at) for o in opts.values()):
             raise ValueError(f"{job}: every option needs more than the {len(free_at)} slots")
-    greedy = greedy_gang(options, free_at)
+    greedy = _searched(greedy_gang(options, free_at), options, free_at, time_limit_s)
     if not options or not pulp_available():
         return greedy
     milp = _milp(options, free_at, time_limit_s, greedy)
-    return milp if milp is not None and milp.makespan <= greedy.makespan + 1e-9 else greedy
+    if milp is None or milp.makespan > greedy.makespan + 1e-9:
+        return greedy
+    return milp if milp.optimal else _searched(milp, options, free_at, time_limit_s)
+
+
+SEARCH_SHARE = 0.2
+"""The share of the time limit the local search may take each time it runs."""
+
+
+def _searched(plan: GangPlan, options: dict[str, dict[str, Option]], free_at: list[float],
+              time_limit_s: float) -> GangPlan:
+    """``plan`` improved by the local search; its method gains "+search" where the search changed the plan."""
+    t0 = time.perf_counter()
+    placed = improve(plan.placed, options, free_at, deadline=time.monotonic() + SEARCH_SHARE * time_limit_s)
+    if placed == plan.placed:
+        return plan
+    return GangPlan(placed=placed, makespan=makespan_of(placed, free_at), method=f"{plan.method}+search",
+                    optimal=False, solve_s=plan.solve_s + time.perf_counter() - t0)
 
 
 def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limit_s: float,
@@ -188,7 +154,7 @@ def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limi
     # the solver's order and slots, started as early as they allow: feasible whatever its rounding
     placed = list_schedule(sorted(jobs, key=lambda j: (starts[j], j)), picks, free_at, fixed)
     optimal = pulp.LpStatus[status] == "Optimal" and getattr(prob, "sol_status", 1) == 1
-    return GangPlan(placed=placed, makespan=_makespan(placed, free_at), method="milp", optimal=optimal,
+    return GangPlan(placed=placed, makespan=makespan_of(placed, free_at), method="milp", optimal=optimal,
                     solve_s=time.perf_counter() - t0)
 
 
@@ -202,13 +168,5 @@ def plan_jobs(options: dict[str, dict[str, Option]], free_at: list[float], *, ti
     order = [j for queue in flat.queues for j in queue]
     picks = {j: (c.strategy, options[j][c.strategy]) for j, c in flat.choices.items()}
     placed = list_schedule(order, picks, free_at, {j: (c.slot,) for j, c in flat.choices.items()})
-    return GangPlan(placed=placed, makespan=_makespan(placed, free_at), method=flat.method, optimal=flat.optimal,
+    return GangPlan(placed=placed, makespan=makespan_of(placed, free_at), method=flat.method, optimal=flat.optimal,
                     solve_s=flat.solve_s)
-
-
-def gang_table(plan: GangPlan) -> str:
-    """One line per job, by start: start, end, slots, strategy."""
-    rows = [f"{'start':>8} {'end':>8}  {'slots':10} job strategy"]
-    for job, p in sorted(plan.placed.items(), key=lambda kv: (kv[1].start, kv[0])):
-        rows.append(f"{p.start:8.3g} {p.end:8.3g}  {','.join(map(str, p.slots)):10} {job} {p.strategy}")
-    return "\n".join(rows)

@@ -16,7 +16,7 @@ from stratum.ir.hardware import Hardware
 from stratum.plan.search_cli import machine_hardware
 from stratum.profile.profile import Profile
 from stratum.sweep.expand import Job, job_config, job_out_dir
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.launch_cost import launch_seconds
 from stratum.sweep.segment import segment_records
 from stratum.sweep.spec import SweepSpec, job_threads, plan_slots

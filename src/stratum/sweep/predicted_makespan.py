@@ -21,7 +21,8 @@ from pathlib import Path
 from stratum.atomic import atomic_write_text
 from stratum.config import Config
 from stratum.profile.profile import Profile
-from stratum.sweep.gang import GangPlan, Option, plan_jobs
+from stratum.sweep.gang import plan_jobs
+from stratum.sweep.gang_plan import GangPlan, Option
 from stratum.sweep.predict import give_back_s, job_seconds
 from stratum.sweep.results import MAKESPAN_FILE
 from stratum.sweep.setup import Sweep, sweep_profiles

@@ -22,7 +22,7 @@ from stratum.errors import StratumError
 from stratum.procs import pid_alive
 from stratum.sweep.asha_state import stop_paused
 from stratum.sweep.dispatch import Expect, fill, paused_worker, pending, unique
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.harvest import STOP_GRACE_S, harvest
 from stratum.sweep.job_strategy import options_of
 from stratum.sweep.launched import group_alive

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from stratum.sweep.gang import GangPlan, Option, plan_jobs
+from stratum.sweep.gang import plan_jobs
+from stratum.sweep.gang_plan import GangPlan, Option
 
 Running = dict[int, tuple[str, float]]
 """Slot → (the job running there, its predicted end); a job over k slots appears on each of them."""

@@ -16,7 +16,7 @@ from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha
 from stratum.sweep.asha_state import asha_from_state
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need
 from stratum.sweep.segment import Backend, Segment

@@ -28,7 +28,7 @@ from stratum.ir.plan import parse_plan
 from stratum.ir.prices import transfer_s
 from stratum.plan.predict import Workload, predict
 from stratum.profile.profile import Profile
-from stratum.sweep.gang import Option
+from stratum.sweep.gang_plan import Option
 from stratum.sweep.spec import SweepSettings
 
 
