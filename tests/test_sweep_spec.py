@@ -172,6 +172,7 @@ PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_o
 
 @pytest.mark.parametrize("scheduler, text, message", [
     ("lrtf", "{not json", "is not a plain calibration file (Expecting property name"),
+    ("lrtf", "[" * 100_000 + "]" * 100_000, "is not a plain calibration file (maximum recursion depth exceeded"),
     ("lrtf", json.dumps({"calibration": {**PLAIN_CAL, "contention": "high"}}), "contention is not a finite number"),
     ("planned", json.dumps({"calibration": {"fixed_s": 1.0}}), "must have exactly the fields"),
     ("planned", json.dumps({"calibration": PLAIN_CAL, "shapes": {}}), "its \"kind\" must be \"plain\" or"),
