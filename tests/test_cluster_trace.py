@@ -10,7 +10,7 @@ import pytest
 
 from stratum.cli import main
 from stratum.cluster.generate import DEVICE_COUNTS, TraceSpec, arrival_rate, generate
-from stratum.cluster.trace import format_trace, parse_trace
+from stratum.cluster.trace import format_trace, load_trace, parse_trace
 from stratum.errors import StratumError
 
 HEAD = "job,arrival_s,model,batch,steps,devices\n"
@@ -59,6 +59,14 @@ def test_bad_traces_are_one_line_errors(text, message):
     with pytest.raises(StratumError) as e:
         parse_trace(text, models=["tiny"], devices=4)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_trace_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    text = HEAD + "a,0,tiny,4,1,1\n"
+    (tmp_path / "plain.csv").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.csv").write_text(text, encoding="utf-8-sig")  # as a spreadsheet saves "CSV UTF-8"
+    read = [load_trace(tmp_path / f, models=["tiny"], devices=4) for f in ("plain.csv", "bom.csv")]
+    assert read[0] == read[1] and [j.id for j in read[1]] == ["a"]
 
 
 def test_generator_is_seeded_and_follows_the_philly_sizes():

@@ -343,6 +343,8 @@ CHECKPOINT_CORRUPTIONS = {
     "truncated tensors": (lambda d: _truncate(d / "state.safetensors"), "state.safetensors", "bytes where"),
     "meta step disagrees": (lambda d: _edit_meta(d, step=3), "meta.json", "says step 3, its tensors are of step 2"),
     "garbage meta": (lambda d: (d / "meta.json").write_text("{\"step\": 2,"), "meta.json", "unreadable"),
+    "meta nested too deeply": (lambda d: (d / "meta.json").write_text("[" * 100_000 + "]" * 100_000), "meta.json",
+                               "unreadable"),
     "meta without checksum": (lambda d: _edit_meta(d, files={}), "meta.json", "checksum is missing"),
     "missing optimizer tensor": (lambda d: _rewrite_state(d, _drop_a_moment), "state.safetensors", "is missing"),
     "reshaped parameter": (lambda d: _rewrite_state(d, _reshape_a_matrix), "state.safetensors", "has shape"),

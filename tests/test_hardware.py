@@ -84,7 +84,8 @@ BAD = [
     ('host_bytes = "64GB"', 'host_bytes = "64 lots"', "hardware.host_bytes = '64 lots' is not a size"),
     ('host_bytes = "64GB"', 'host_bytes = "64GB"\nfloppy = 1', "unknown key 'floppy'"),
     ('count = 2', 'count = 2\ncolour = "red"', "hardware.devices[0]: unknown key 'colour'"),
-    ('count = 2', 'count = 0', "count = 0 must be a whole number >= 1"),
+    ('count = 2', 'count = 0', "count = 0 must be a whole number in [1, 1,000,000]"),
+    ('count = 2', 'count = 1000000000000000', "count = 1000000000000000 must be a whole number in [1, 1,000,000]"),
     ('speed = 0.5', 'speed = -1', "speed must be a positive number"),
     ('memory_bytes = "40GB"', 'memory_bytes = 0', "memory_bytes must be > 0"),
     ('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 0', "sharded_scale must be a positive number"),
@@ -109,5 +110,7 @@ def test_no_devices_and_missing_files_are_one_line_errors(tmp_path):
         load_hardware(_write(tmp_path, "[model]\npreset = 'tiny'\n"))
     with pytest.raises(StratumError, match="not valid TOML"):
         load_hardware(_write(tmp_path, "[hardware\n"))
+    with pytest.raises(StratumError, match="nests arrays or tables too deeply"):
+        load_hardware(_write(tmp_path, "[hardware]\nx = " + "[" * 50_000 + "]" * 50_000 + "\n"))
     with pytest.raises(StratumError, match="latency must be >= 0"):
         Link(bandwidth=1.0, latency=-1.0)

@@ -223,6 +223,9 @@ def test_bad_inputs(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(StratumError, match="not a readable JSON config"):
         build_hf(str(bad), seed=0)
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StratumError, match="not a readable JSON config"):
+        build_hf(str(bad), seed=0)
     untyped = tmp_path / "untyped.json"
     untyped.write_text('{"vocab_size": 10}')
     with pytest.raises(StratumError, match="no 'model_type'"):

@@ -63,6 +63,8 @@ REFUSED = [
     ("replicate(2, reduce=adasum, shard=true)", "cannot shard them"),
     ("replicate(2, local, local)", "holds one child"),
     ("", "is empty"),
+    ("replicate(99999999999999999999)", "needs 99,999,999,999,999,999,999 processes; a plan may need at most 65,536"),
+    ("replicate(257, pipeline(16, split(16)))", "needs 65,792 processes"),
 ]
 
 
@@ -102,5 +104,7 @@ def test_config_shorthands_and_batch_math(make_cfg):
 def test_a_bad_plan_in_the_config_is_a_one_line_error(make_cfg):
     with pytest.raises(StratumError, match=r"parallel.plan 'replicate\(0\)'"):
         make_cfg("parallel.plan='replicate(0)'")
+    with pytest.raises(StratumError, match=r"parallel.plan 'pipeline\(100000\)' needs 100,000 processes"):
+        make_cfg("train.engine='pipeline'", "pipeline.ranks=100000")  # (its schedule would fill memory)
     # moved keys keep working
     assert make_cfg("pipeline.timeout_s=7").parallel.timeout_s == 7.0

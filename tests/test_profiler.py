@@ -88,6 +88,26 @@ def test_bad_profile_files(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"format_version": 1, "hello": 1}))
     with pytest.raises(StratumError, match="not a Stratum profile"):
         Profile.load(tmp_path / "other.json")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StratumError, match="nests arrays or objects too deeply"):
+        Profile.load(tmp_path / "deep.json")
+
+
+@pytest.mark.parametrize("where, key, value, message", [
+    ("block", "fwd_s", "abc", "block 0: fwd_s = 'abc' is not a finite float"),
+    ("block", "param_bytes", None, "block 0: param_bytes = None is not a finite int"),
+    ("block", "out_bytes", 1.5, "block 0: out_bytes = 1.5 is not a finite int"),
+    ("block", "bwd_s", True, "block 0: bwd_s = True is not a finite float"),
+    ("profile", "micro_batch", "2", "micro_batch = '2' is not a finite int"),
+])
+def test_a_profile_with_a_field_of_the_wrong_type_is_refused_naming_it(tmp_path, where, key, value, message):
+    seq = build_gpt("tiny", vocab_size=256, seed=0)
+    doc = profile_blockseq(seq, micro_batch=1, seq_len=8, device=torch.device("cpu"), runs=1).to_dict()
+    (doc["blocks"][0] if where == "block" else doc)[key] = value
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    with pytest.raises(StratumError, match="^[^\n]*$") as e:
+        Profile.load(tmp_path / "p.json")
+    assert message in str(e.value)
 
 
 def test_profile_from_config(make_cfg):

@@ -85,6 +85,13 @@ def test_greedy_and_top_k_one_take_the_argmax():
     assert set(top2) == {1, 3}  # only the two largest logits are ever drawn
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_temperature_near_zero_takes_the_argmax(temperature):
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 4.0]])  # logits / 1e-300 overflow to ±inf
+    spec = SampleSpec(new_tokens=1, temperature=temperature, top_k=0, seed=0)
+    assert next_token(logits, spec, torch.Generator().manual_seed(0)).tolist() == [[1], [0]]
+
+
 def test_sample_command_prints_the_prompt_and_its_continuation(runs, capsys):
     argv = ["sample", str(runs["gpt"]), "--prompt", "def ", "--tokens", "8", "--seed", "3", "--num-samples", "2"]
     assert main(argv) == 0

@@ -102,6 +102,8 @@ steps = 3
     ("calibration = 3\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration must be a string, got 3"),
     ("calibration = \" \"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration must be \"off\", \"auto\" or"),
     ("calibration = \"nope.json\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration = 'nope.json': no such"),
+    ("grid = \"optim.lr\"", "[sweep.grid] must be a table of section.key = values"),
+    ("random = [1e-3, 3e-3]", "[sweep.random] must be a table of section.key = values"),
 ])
 def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
     p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")
@@ -170,6 +172,7 @@ PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_o
 
 @pytest.mark.parametrize("scheduler, text, message", [
     ("lrtf", "{not json", "is not a plain calibration file (Expecting property name"),
+    ("lrtf", "[" * 100_000 + "]" * 100_000, "is not a plain calibration file (maximum recursion depth exceeded"),
     ("lrtf", json.dumps({"calibration": {**PLAIN_CAL, "contention": "high"}}), "contention is not a finite number"),
     ("planned", json.dumps({"calibration": {"fixed_s": 1.0}}), "must have exactly the fields"),
     ("planned", json.dumps({"calibration": PLAIN_CAL, "shapes": {}}), "its \"kind\" must be \"plain\" or"),

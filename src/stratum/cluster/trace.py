@@ -152,7 +152,7 @@ def parse_trace(text: str, *, models: Collection[str], devices: int, name: str =
 def load_trace(path: str | os.PathLike, *, models: Collection[str], devices: int) -> list[Job]:
     """:func:`parse_trace` of the file at ``path``."""
     try:
-        text = open(path, encoding="utf-8").read()
+        text = open(path, encoding="utf-8-sig").read()  # (-sig: the byte-order mark a spreadsheet's CSV starts with)
     except (OSError, UnicodeDecodeError) as e:
         raise StratumError(f"cannot read the trace {os.fsdecode(path)!r} ({getattr(e, 'strerror', None) or e})") \
             from None

@@ -230,6 +230,11 @@ def _link(table: Any, where: str) -> Link:
                 latency=parse_seconds(table.get("latency", 0.0), f"{where}.latency"))
 
 
+MAX_DEVICE_COUNT = 1_000_000
+"""The most devices one [[hardware.devices]] entry may stand for: more than any cluster has, so a larger count is a
+typo, and its list of devices would only fill memory."""
+
+
 def _devices(entry: Any, i: int) -> list[Device]:
     where = f"hardware.devices[{i}]"
     if not isinstance(entry, dict):
@@ -239,8 +244,8 @@ def _devices(entry: Any, i: int) -> list[Device]:
         if key not in entry:
             raise StratumError(f"{where} needs {key}")
     count, node, speed = entry.get("count", 1), entry.get("node", 0), entry.get("speed", 1.0)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise StratumError(f"{where}.count = {count!r} must be a whole number >= 1")
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_DEVICE_COUNT:
+        raise StratumError(f"{where}.count = {count!r} must be a whole number in [1, {MAX_DEVICE_COUNT:,}]")
     if not isinstance(node, int) or isinstance(node, bool):
         raise StratumError(f"{where}.node = {node!r} must be a whole number")
     if not isinstance(speed, (int, float)) or isinstance(speed, bool):
@@ -308,6 +313,8 @@ def load_hardware(path: str | Path) -> Hardware:
         raise StratumError(f"cannot read hardware spec {str(p)!r}: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise StratumError(f"hardware spec {str(p)!r} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise StratumError(f"hardware spec {str(p)!r} nests arrays or tables too deeply to read") from None
     if "hardware" not in doc:
         raise StratumError(f"hardware spec {str(p)!r} has no [hardware] table")
     try:

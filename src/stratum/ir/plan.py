@@ -33,6 +33,9 @@ from typing import TypeVar
 from stratum.errors import StratumError
 
 REDUCE_KINDS = ("mean", "adasum")
+MAX_PROCESSES = 65_536
+"""The most processes a plan may need: more than any job here runs, so a larger plan is a typo, whose rank tables,
+schedules and process groups would never be built (replicate(10**20) would not end)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -444,4 +447,8 @@ def parse_plan(text: str, *, defaults: dict[str, dict[str, object]] | None = Non
     if r.peek() is not None:
         raise r.fail(f"unexpected {r.peek()!r} after the plan (one root node)")
     check(root, text)
-    return Plan(root)
+    plan = Plan(root)
+    if plan.world_size() > MAX_PROCESSES:
+        raise StratumError(f"parallel.plan {text!r} needs {plan.world_size():,} processes; a plan may need at most "
+                           f"{MAX_PROCESSES:,}: make its sizes smaller")
+    return plan

@@ -199,7 +199,7 @@ def _resolve(path: str) -> tuple[Path, Path | None]:
 def _load_config(transformers, cfg_file: Path):
     try:
         raw = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # (nested too deeply)
         raise StratumError(f"model.hf_path: {str(cfg_file)!r} is not a readable JSON config ({e})") from None
     if not isinstance(raw, dict) or not raw.get("model_type"):
         raise StratumError(f"model.hf_path: {str(cfg_file)!r} has no 'model_type'; it must be a transformers "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,24 @@ def _dense(shape, stride) -> bool:
             return False
         expected *= size
     return True
+
+
+_NUMBERS = {"int": (int,), "float": (int, float)}
+"""The number fields of a profile (by their annotation) and the JSON values each takes."""
+
+
+def _check_numbers(obj: Profile | BlockProfile, where: str) -> None:
+    """Every number field of ``obj``, as read from a file, is a finite number of its kind (or null where it may
+    be): a hand-edited "fwd_s": "abc" would otherwise fail deep inside a planner or simulator."""
+    for f in dataclasses.fields(obj):
+        annotation = str(f.type)
+        kinds = _NUMBERS.get(annotation.removesuffix(" | None"))
+        value = getattr(obj, f.name)
+        if kinds is None or (value is None and annotation.endswith(" | None")):
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+            raise StratumError(f"not a Stratum profile ({where}{f.name} = {value!r} is not a finite "
+                               f"{annotation.removesuffix(' | None')}); re-run `stratum profile` to make one")
 
 
 @dataclass(kw_only=True)
@@ -163,9 +182,13 @@ class Profile:
                 )
             blocks = [BlockProfile(**b) for b in d["blocks"]]
             rest = {k: v for k, v in d.items() if k != "blocks"}
-            return cls(blocks=blocks, **rest)
+            prof = cls(blocks=blocks, **rest)
         except (KeyError, TypeError) as e:
             raise StratumError(f"not a Stratum profile ({e}); re-run `stratum profile` to make one") from None
+        _check_numbers(prof, "")
+        for b in prof.blocks:
+            _check_numbers(b, f"block {b.index}: ")
+        return prof
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON, atomically."""
@@ -180,6 +203,9 @@ class Profile:
             d = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise StratumError(f"profile {p} is not valid JSON ({e}); re-run `stratum profile`") from None
+        except RecursionError:
+            raise StratumError(f"profile {p} nests arrays or objects too deeply to read; re-run `stratum profile`") \
+                from None
         if not isinstance(d, dict):
             raise StratumError(f"profile {p} is not a Stratum profile; re-run `stratum profile`")
         return cls.from_dict(d)

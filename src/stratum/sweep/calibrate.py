@@ -134,7 +134,7 @@ def read_given(path: Path, what: str, parse: Callable[[object], T], kind: str) -
     (the user chose it); a one-line error if it cannot be read or holds no ``kind`` calibration."""
     try:
         return parse(json.loads(path.read_text()))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
         raise StratumError(f"{what} {path} is not a {kind} calibration file ({e}); give one the sweep wrote, or "
                            "\"auto\" or \"off\"") from None
 

@@ -371,6 +371,9 @@ def _flat_keys(doc: dict[str, Any], where: str) -> dict[str, Any]:
     """``{"optim.lr": v}`` and ``{"optim": {"lr": v}}`` (TOML's dotted keys) both become ``{"optim.lr": v}``;
     every key must name a config field."""
     out: dict[str, Any] = {}
+    if not isinstance(doc, dict):  # `grid = [...]` or `random = 3` beside the other [sweep] keys
+        raise StratumError(f"[{where}] must be a table of section.key = values, e.g. [{where}] then "
+                           "\"optim.lr\" = [1e-3, 3e-3]")
     for k, v in doc.items():
         if "." in k:
             out[k] = v

@@ -210,7 +210,7 @@ def _read_meta(path: Path) -> dict:
     file = path / "meta.json"
     try:
         meta = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
         raise _corrupt(file, f"unreadable: {e}") from None
     if not isinstance(meta, dict):
         raise _corrupt(file, "not a JSON object")

@@ -55,7 +55,11 @@ def next_token(logits: Tensor, spec: SampleSpec, gen: torch.Generator) -> Tensor
     ``top_k`` largest logits divided by the temperature."""
     if spec.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / spec.temperature
+    # shifted so that the largest logit is 0, and the temperature no smaller than the logits' dtype holds (it would
+    # round to 0 there): a temperature near 0 then tends to the argmax instead of turning logits into ±inf or
+    # 0 / 0, whose softmax is NaN
+    temperature = max(spec.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if 0 < spec.top_k < logits.size(-1):
         kth = torch.topk(logits, spec.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
