@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from stratum.cli import main
+from stratum.errors import StratumError
 from stratum.procs import pid_alive
 from stratum.sweep.expand import expand, job_config
 from stratum.sweep.launched import LaunchedWorker
@@ -30,6 +31,7 @@ from stratum.sweep.runner import open_sweep, run_sweep, wait_for_an_end
 from stratum.sweep.segment import Segment
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.spec import load_sweep
+from stratum.sweep.state import SweepState
 from stratum.train.trainer import read_metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,6 +326,22 @@ def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_
     assert max(r["offload_device_peak_bytes"] for r in recs) <= 6_000_000
     # the offload engine reproduces the plain engine's losses (to float rounding of its chunked AdamW)
     assert job_losses(tmp_path / "sw", "j001") == pytest.approx(standalone_losses(path, "j001", tmp_path), rel=1e-6)
+
+
+def test_a_budget_no_job_fits_is_refused_before_any_job_and_the_corrected_file_then_runs(tmp_path, corpus_file,
+                                                                                          cache_dir):
+    # 1 KB holds no chunk of the mini GPT: the offload planner's one-line error, naming the job, before any job
+    # starts; nothing is recorded, so the same out_dir takes the corrected sweep (other jobs, another budget)
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "1KB"',
+                      grid='"model.preset" = ["mini"]', steps=2, extra="eval_interval = 0")
+    with pytest.raises(StratumError, match=r"^sweep job j000 under sweep.device_budget: .*smallest[^\n]*$"):
+        open_sweep(path, say=lambda line: None)
+    assert SweepState(tmp_path / "sw").jobs() == []
+    assert not (tmp_path / "sw" / "jobs" / "j000" / "checkpoints").exists()
+    fixed = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "6MB"',
+                       grid='"model.preset" = ["tiny", "mini"]', steps=2, extra="eval_interval = 0")
+    sweep = open_sweep(fixed, say=lambda line: None)
+    assert [r.id for r in sweep.state.jobs()] == ["j000", "j001"] and sweep.configs["j001"].train.engine == "offload"
 
 
 def test_an_auto_slot_budget_leaves_every_job_as_it_is(tmp_path, corpus_file, cache_dir):

@@ -15,6 +15,7 @@ from stratum.config import Config
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
 from stratum.model.build import build_model
+from stratum.offload.placement import Placement
 from stratum.offload.setup import placement_for
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import profile_from_config
@@ -67,14 +68,20 @@ def predicted_seconds(profile: Profile, cfg: Config, steps: int) -> float:
     return profile.step_s * cfg.micro_batches_per_step * steps
 
 
-def offload_step_s(cfg: Config, profile: Profile) -> float:
-    """Seconds of one optimizer step of ``cfg`` under the offload engine at its ``offload`` budgets, as the engine's
-    planner predicts them from ``profile`` (compute, recompute, chunk copies at this machine's measured
-    bandwidths); the model is built on the meta device (no memory)."""
+def offload_placement(cfg: Config, profile: Profile) -> Placement:
+    """The offload engine's plan for ``cfg`` at its ``offload`` budgets from ``profile`` (compute, recompute, chunk
+    copies at this machine's measured bandwidths), a one-line StratumError naming the smallest budget that works
+    where none fits; the model is built on the meta device (no memory)."""
     tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
     model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")
-    return placement_for(cfg, model, resolve_device(cfg.train.device), profile=profile).predicted_step_s
+    return placement_for(cfg, model, resolve_device(cfg.train.device), profile=profile)
+
+
+def offload_step_s(cfg: Config, profile: Profile) -> float:
+    """Seconds of one optimizer step of ``cfg`` under the offload engine, as its planner predicts them
+    (:func:`offload_placement`)."""
+    return offload_placement(cfg, profile).predicted_step_s
 
 
 def line_step_s(profile: Profile, cfg: Config, cal: ShapeCalibration) -> float:

@@ -4,6 +4,7 @@ sweep.device_budget; the planned scheduler's strategies) recorded in their confi
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from stratum.sweep.asha_state import asha_from_state
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
 from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
-from stratum.sweep.predict import job_profiles, memory_need
+from stratum.sweep.predict import job_profiles, memory_need, offload_placement
 from stratum.sweep.segment import Backend, Segment
 from stratum.sweep.shape_cost import ShapeCalibration
 from stratum.sweep.shard_run import check_shardable
@@ -82,13 +83,8 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     if recorded is not None and recorded != fingerprint:
         raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
                            "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
-    if recorded is None:
-        state.set_meta("jobs", fingerprint)
-    state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
                   dir=sweep_dir, state=state, say=say, calibration=given)
-    if spec.settings.early_stop == "asha":
-        sweep.asha = asha_from_state(state, min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
     if spec.settings.scheduler == "sharded-lrtf":
         check_shardable(sweep.configs)
     if spec.settings.device_budget.strip():
@@ -96,6 +92,13 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     if spec.settings.scheduler == "planned":
         sweep.candidates = job_candidates(spec, sweep.jobs, sweep.configs, sweep_profiles(sweep), sweep_dir)
         sweep.launch_s = launch_costs(sweep.candidates, next(iter(sweep.configs.values())).cache_dir / "hardware")
+    # the jobs are recorded once every check passed: a refused file leaves no jobs, so a corrected one runs here
+    if recorded is None:
+        state.set_meta("jobs", fingerprint)
+    state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
+    if spec.settings.early_stop == "asha":
+        sweep.asha = asha_from_state(state, min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
+    if spec.settings.scheduler == "planned":
         apply_pins(spec, sweep.jobs, sweep.configs, state, sweep_dir)
     return sweep
 
@@ -112,6 +115,7 @@ def fit_to_budget(sweep: Sweep) -> None:
         return
     profiles = sweep_profiles(sweep)
     every = sweep.spec.settings.scheduler == "sharded-lrtf"
+    planned: set[str] = set()
     for job_id, cfg in list(sweep.configs.items()):
         need = memory_need(profiles[job_id])
         if (need <= budget and not every) or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
@@ -121,9 +125,26 @@ def fit_to_budget(sweep: Sweep) -> None:
         if every and cfg.offload.optimizer_tier == "auto":
             sets.append("offload.optimizer_tier='host'")  # (what a waiting job's engine cannot give back)
         sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, sets)
+        _check_placement(job_id, sweep.configs[job_id], profiles[job_id], planned)
         sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, "
                   + (f"over sweep.device_budget = {text}: it runs" if need > budget else "runs as shard tasks")
                   + " under the offload engine")
+
+
+def _check_placement(job_id: str, cfg: Config, profile: Profile, planned: set[str]) -> None:
+    """The offload engine places ``cfg``'s job at its budget (once per distinct model, batch and offload setting in
+    ``planned``), else a one-line error naming the job and the smallest budget that works — before any job starts,
+    rather than every job of that shape failing when it does."""
+    d = cfg.to_dict()
+    key = json.dumps([d["model"], d["offload"], cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.data.seq_len,
+                      cfg.train.precision, cfg.train.device], sort_keys=True)
+    if key in planned:
+        return
+    try:
+        offload_placement(cfg, profile)
+    except StratumError as e:
+        raise StratumError(f"sweep job {job_id} under sweep.device_budget: {e}") from None
+    planned.add(key)
 
 
 def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
