@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,18 @@ def test_status_of_a_directory_without_a_sweep_is_an_error(tmp_path, capsys):
     assert main(["sweep", "status", str(tmp_path)]) == 2
     assert "holds no sweep" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+    # a state.db that is not a sweep's (not a database; another program's database) is read, not written
+    (tmp_path / "state.db").write_bytes(b"not a database")
+    assert main(["sweep", "status", str(tmp_path)]) == 2
+    assert "is not a sweep's state" in capsys.readouterr().err
+    (tmp_path / "state.db").unlink()
+    other = sqlite3.connect(tmp_path / "state.db")
+    other.execute("CREATE TABLE notes (text TEXT)")
+    other.commit()
+    other.close()
+    before = (tmp_path / "state.db").read_bytes()
+    assert main(["sweep", "status", str(tmp_path)]) == 2
+    assert "no jobs table" in capsys.readouterr().err and (tmp_path / "state.db").read_bytes() == before
 
 
 def test_simulate_prints_every_scheduler_labelled_and_writes_no_sweep(tmp_path, corpus_file, cache_dir, capsys):

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
             raise StratumError("stratum sweep status needs the sweep directory, e.g. stratum sweep status runs/sweep")
         if not (Path(args.dir) / "state.db").is_file():
             raise StratumError(f"{args.dir} holds no sweep (no state.db); give the sweep's sweep.out_dir")
-        state = SweepState(Path(args.dir))
+        state = SweepState.read_only(Path(args.dir))
         print(table(with_progress(state.jobs(), Path(args.dir))))  # running jobs: their latest step
         if (doc := read_makespan(Path(args.dir))) is not None:
             print(makespan_line(doc))

@@ -81,6 +81,24 @@ class SweepState:
             raise StratumError(f"cannot open the sweep state {self.path} ({e}); choose a writable sweep.out_dir") \
                 from None
 
+    @classmethod
+    def read_only(cls, sweep_dir: Path) -> SweepState:
+        """The state of an existing sweep, opened for reading (``stratum sweep status``: nothing is created or
+        written); a file that is not a sweep's state is a one-line error."""
+        path = sweep_dir / "state.db"
+        state = cls.__new__(cls)
+        state.path = path
+        try:
+            state._db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0,
+                                        check_same_thread=False)
+            tables = {r[0] for r in state._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except (OSError, sqlite3.Error) as e:
+            raise StratumError(f"{path} is not a sweep's state ({e}); give the sweep's sweep.out_dir") from None
+        if not {"meta", "jobs", "rungs"} <= tables:
+            state.close()
+            raise StratumError(f"{path} is not a sweep's state (no jobs table); give the sweep's sweep.out_dir")
+        return state
+
     def close(self) -> None:
         self._db.close()
 
