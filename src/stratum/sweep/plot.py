@@ -18,13 +18,18 @@ def loss_png(sweep_dir: Path, rows: list[JobRow]) -> bytes | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
+    curves = 0
     for r in rows:
         recs = read_metrics(sweep_dir / "jobs" / r.id)
         if recs:
             ax.plot([x["step"] for x in recs], [x["loss"] for x in recs], label=f"{r.id} {r.label}", lw=1)
+            curves += 1
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.legend(fontsize=6)
+    if curves:  # (no job logged a step, e.g. every one failed at start: no legend to draw)
+        ax.legend(fontsize=6)
+    else:
+        ax.text(0.5, 0.5, "no job logged a step", ha="center", va="center", transform=ax.transAxes)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
