@@ -124,9 +124,8 @@ def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSp
 
 
 def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
-    """Seconds per micro-batch of one process alone, measured in this one — the process whose profile and step
-    probe the search prices with (forked processes run slower than their parent, and the runs' ranks are forked
-    too: the speeds then say so)."""
+    """Seconds per micro-batch of one process alone, measured in this one: the process whose profile and step
+    probe the search prices with, so that the speeds are relative to the pace its blocks were priced at."""
     before = torch.get_num_threads()
     out: queue.SimpleQueue = queue.SimpleQueue()
     try:

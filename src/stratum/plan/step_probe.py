@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from stratum.data.tokens import Batch
 from stratum.dist.world import single_world
+from stratum.errors import StratumError
 from stratum.ir.costs import StepCosts
 from stratum.ir.plan import parse_plan
 from stratum.model.blockseq import BlockSeq
@@ -108,14 +109,18 @@ def _blocks_s(model: BlockSeq, micro_batch: int, seq_len: int, device: torch.dev
 
 def _one_rank_pipeline(model: BlockSeq, optim: OptimSpec, device: torch.device) -> PipelineEngine | None:
     """``model`` as a one-process zb-wave pipeline of two stages (every kind of action, no messages), or None
-    where it has fewer than two blocks."""
+    where it has fewer than two blocks or the pipeline runtime refuses it (its actions are then not priced)."""
     if len(model) < 2:
         return None
     plan = parse_plan(f"pipeline(1, schedule={PROBE_SCHEDULE}, partition=even)")
     assert plan.pipeline is not None  # (parsed from a pipeline)
     node = plan.pipeline
-    return PipelineEngine(model, plan=plan_pipeline(node, model, 1), optim=optim, world=single_world(plan, device),
-                          schedule_for=lambda m: make_schedule(node, m))
+    try:
+        return PipelineEngine(model, plan=plan_pipeline(node, model, 1), optim=optim,
+                              world=single_world(plan, device), schedule_for=lambda m: make_schedule(node, m))
+    except StratumError as e:
+        logger.info(f"a pipeline action's cost is not measured: {e}")
+        return None
 
 
 def measure_step_costs(model: BlockSeq, *, split_copy: BlockSeq | None, profile: Profile, vocab: int,
