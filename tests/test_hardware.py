@@ -46,9 +46,11 @@ def test_a_spec_loads_with_units_counts_and_defaults(tmp_path):
     assert hw.disk_link == Link(bandwidth=2e9, latency=1e-4)
     assert hw.inter_node == Link(bandwidth=25e9, latency=5e-6)
     assert hw.sharded_scale == 1.0  # a ring's reduce-scatter and all-gather: an all-reduce's halves
-    text = SPEC.replace('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 2.5')
+    assert hw.shared_cores == 0  # each device computes on its own
+    text = SPEC.replace('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 2.5\nshared_cores = 2')
     scaled = load_hardware(_write(tmp_path, text))
-    assert scaled.sharded_scale == 2.5 and load_hardware(_write(tmp_path, dump_hardware(scaled))) == scaled
+    assert scaled.sharded_scale == 2.5 and scaled.shared_cores == 2
+    assert load_hardware(_write(tmp_path, dump_hardware(scaled))) == scaled
 
 
 def test_links_by_node_and_a_groups_slowest_link(tmp_path):
@@ -90,6 +92,8 @@ BAD = [
     ('memory_bytes = "40GB"', 'memory_bytes = 0', "memory_bytes must be > 0"),
     ('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = 0', "sharded_scale must be a positive number"),
     ('host_bytes = "64GB"', 'host_bytes = "64GB"\nsharded_scale = "2x"', "sharded_scale must be a number"),
+    ('host_bytes = "64GB"', 'host_bytes = "64GB"\nshared_cores = 1.5', "shared_cores must be a whole number >= 0"),
+    ('host_bytes = "64GB"', 'host_bytes = "64GB"\nshared_cores = -2', "shared_cores must be a whole number >= 0"),
 ]
 
 

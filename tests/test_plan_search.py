@@ -315,3 +315,20 @@ def test_a_sharded_replicas_reduction_is_a_ring_all_reduce_times_the_hardwares_s
     # replicas without shard=true run bucketed all-reduces: the scale does not touch them
     plain = predict(parse_plan("replicate(2)"), _work(), replace(_hw(2), sharded_scale=2.5))
     assert plain.reduce_s == predict(parse_plan("replicate(2)"), _work(), _hw(2)).reduce_s
+
+
+def test_processes_sharing_fewer_cores_run_a_pipelines_busy_ranks_on_the_idle_ones_share():
+    work = _work(fs=(0.002,) * 4, params=(1000,) * 4)
+    tree = parse_plan("replicate(2, pipeline(2, schedule=gpipe, partition=even))")
+    own = Hardware.uniform(4, memory_bytes=64 * MiB, intra=Link(bandwidth=float("inf"), latency=0.0))
+    base = predict(tree, work, own)
+    # 4 processes on 2 cores, speeds measured with all 4 busy: GPipe's 2 micro-batches over 2 stages leave a third
+    # of the ranks' time idle, so the busy ones run 1 / (2/3) faster — up to a core each (2 / 4 busy: no gain)
+    shared = predict(tree, work, replace(own, shared_cores=2))
+    assert base.bubble == pytest.approx(1 / 3)
+    assert shared.compute_s == pytest.approx(base.compute_s * (1 - 1 / 3))
+    assert shared.step_s == pytest.approx(base.step_s - base.compute_s / 3)
+    # as many cores as processes, or a tree without bubbles: the measured pace stands
+    assert predict(tree, work, replace(own, shared_cores=4)).compute_s == base.compute_s
+    flat = parse_plan("replicate(4)")
+    assert predict(flat, work, replace(own, shared_cores=2)).compute_s == predict(flat, work, own).compute_s

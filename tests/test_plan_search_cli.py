@@ -63,6 +63,7 @@ def test_probe_writes_a_spec_from_its_measurements(tmp_path, monkeypatch, capsys
     hw = load_hardware(out)
     assert seen == {"n": 3, "threads": 1}
     assert [(d.name, d.speed) for d in hw.devices] == [("cpu", 0.5), ("cpu", 0.5), ("cpu", 0.25)]
+    assert hw.shared_cores == 2  # the 3 processes share the 2 usable cores
     # T(N) = 2(p-1)/p N/bw + 2(p-1) latency, p = 3
     assert hw.intra_node.latency == pytest.approx(0.0001 / 4) and hw.inter_node == hw.intra_node
     assert hw.intra_node.bandwidth == pytest.approx(4 / 3 * ((8 << 20) - 4) / (0.01 - 0.0001))

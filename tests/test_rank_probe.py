@@ -69,5 +69,6 @@ def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_di
     prof = search_cli.workload(cfg, search_cli._meta_model(cfg), None).profile
     got = search_cli.machine_ranks_hardware(cfg, 2, prof)
     assert [d.speed for d in got.devices] == [0.5, 0.5] and got.sharded_scale == 2
+    assert got.shared_cores >= 1  # the processes share this machine's cores (a spec cached without it too)
     assert asked == {"n": 2, "micro_batches": 2, "threads": asked["threads"]} and asked["threads"] >= 1
     assert search_cli.machine_ranks_hardware(cfg, 1, prof) is spec  # one process: nothing to probe

@@ -11,6 +11,7 @@ A spec is a ``[hardware]`` TOML table (``stratum hardware probe`` writes one for
     intra_node = { bandwidth = "300GB/s", latency = "2us" }   # device <-> device on one node
     inter_node = { bandwidth = "25GB/s", latency = "5us" }    # device <-> device across nodes
     sharded_scale = 1.0   # optional: a reduce-scatter + all-gather over a ring all-reduce of the same bytes
+    shared_cores = 0      # optional: CPU cores the devices (processes of one machine) share; 0 = their own
 
     [[hardware.devices]]
     name = "a100"
@@ -124,12 +125,19 @@ class Hardware:
     ring all-reduce of it, on this machine's collective library: 1 where the pair is the all-reduce's two halves
     (NCCL's rings); gloo's pair takes longer than its all-reduce (the plan search's rank probe measures it)."""
 
+    shared_cores: int = 0
+    """CPU cores the devices share, where they are processes of one machine (``stratum hardware probe`` without
+    GPUs writes it); 0 = each device computes on its own. Their speeds are measured with every process busy: where
+    there are more processes than cores, a process that waits gives its share to the busy ones."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         if not self.devices:
             raise StratumError("hardware: no devices; list at least one under [[hardware.devices]]")
         if not 0 < self.sharded_scale < math.inf:
             raise StratumError(f"hardware: sharded_scale must be a positive number, got {self.sharded_scale}")
+        if isinstance(self.shared_cores, bool) or not isinstance(self.shared_cores, int) or self.shared_cores < 0:
+            raise StratumError(f"hardware: shared_cores must be a whole number >= 0, got {self.shared_cores!r}")
         for key in ("host_bytes", "disk_bytes"):
             if getattr(self, key) < 0:
                 raise StratumError(f"hardware: {key} must be >= 0, got {getattr(self, key)}")
@@ -281,7 +289,7 @@ def hardware_from_table(table: Any, where: str = "[hardware]") -> Hardware:
     """A :class:`Hardware` from a parsed ``[hardware]`` table (see the module for its keys)."""
     if not isinstance(table, dict):
         raise StratumError(f"{where} must be a table")
-    _known(table, ("devices", "host_bytes", "disk_bytes", "sharded_scale", *_LINK_KEYS), where)
+    _known(table, ("devices", "host_bytes", "disk_bytes", "sharded_scale", "shared_cores", *_LINK_KEYS), where)
     devs = table.get("devices", [])
     if not isinstance(devs, list):
         raise StratumError(f"{where}: devices must be a list of tables ([[hardware.devices]])")
@@ -296,7 +304,7 @@ def hardware_from_table(table: Any, where: str = "[hardware]") -> Hardware:
         return Hardware(devices=tuple(d for i, e in enumerate(devs) for d in _devices(e, i)),
                         host_bytes=_size(table["host_bytes"], "hardware.host_bytes"),
                         disk_bytes=_size(table["disk_bytes"], "hardware.disk_bytes"), sharded_scale=float(scale),
-                        **links)
+                        shared_cores=table.get("shared_cores", 0), **links)
     except StratumError as e:
         raise StratumError(str(e) if str(e).startswith("hardware") else f"hardware: {e}") from None
 
@@ -338,6 +346,8 @@ def dump_hardware(hw: Hardware) -> str:
         lines.append(f"{key} = {{ bandwidth = {_num(link.bandwidth)}, latency = {_num(link.latency)} }}")
     if hw.sharded_scale != 1.0:
         lines.append(f"sharded_scale = {_num(hw.sharded_scale)}")
+    if hw.shared_cores:
+        lines.append(f"shared_cores = {hw.shared_cores}")
     runs: list[list] = []
     for d in hw.devices:
         if runs and runs[-1][0] == d:

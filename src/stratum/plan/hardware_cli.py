@@ -114,7 +114,8 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
               f"GB/s, {intra.latency * 1e6:.3g} us",
               "inter_node: not measured (one node): a copy of intra_node; edit it for a cluster"]
     hw = Hardware(devices=tuple(devs), host_bytes=device_memory_bytes(torch.device("cpu")) or 0,
-                  disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra)
+                  disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra,
+                  shared_cores=0 if torch.cuda.is_available() else usable_cores())
     return hw, notes
 
 

@@ -14,7 +14,9 @@ shard) and a :class:`~stratum.ir.hardware.Hardware` spec (rank r runs on ``devic
 - **pipeline**: the schedule the node names, for the replica's micro-batches, over the stages the node's partition
   cuts (even, balanced by parameter count, or the profiled cut of :func:`stratum.plan.partition.partition`),
   run through the event simulator (:func:`stratum.sim.pipeline.simulate`) with the pipeline group's link: the
-  makespan is the compute part of the step and each rank's peak saved activations its activation memory.
+  makespan is the compute part of the step and each rank's peak saved activations its activation memory. On
+  processes sharing fewer cores (``Hardware.shared_cores``), the busy ranks take the idle ones' share
+  (:func:`_shared_pace`).
   Without a pipeline a rank runs its micro-batches one after another and holds one micro-batch's activations.
 - **replicate(r)**: micro-batches split evenly over the replicas (the step's count must divide); then each rank's
   gradient is all-reduced over its replica group (``shard=true``: reduce-scattered and the parameters
@@ -256,7 +258,7 @@ def predict(plan: Plan, work: Workload, hw: Hardware) -> Prediction:
         sched = _schedule(node.schedule, p, m, node.virtual, node.waves)
         stages = _stages(work, plan, sched)
         res = _simulated(plan, hw, sched, blocks.over(stages).with_action_s(work.step.per_action_s))
-        compute, bubble, act = res.makespan, res.bubble, list(res.peak_act)
+        compute, bubble, act = res.makespan * _shared_pace(hw, world, res.bubble), res.bubble, list(res.peak_act)
         held = [[b for j in sched.stages_of(q) for b in stages[j]] for q in range(p)]
         cut = tuple((x.start, x.stop) for x in stages)
     shard = plan.replicate is not None and plan.replicate.shard
@@ -287,6 +289,17 @@ def _overhead_s(work: Workload, plan: Plan, hw: Hardware, microbatches: int) -> 
     ``microbatches`` where there is no pipeline (a pipeline rank pays ``per_action_s`` in its actions instead)."""
     paid = 0 if plan.pipeline is not None else microbatches
     return max(step_overhead_s(work.step, paid, hw.devices[k]) for k in range(plan.world_size()))
+
+
+def _shared_pace(hw: Hardware, world: int, bubble: float) -> float:
+    """What a pipeline's simulated makespan takes on devices that share ``hw.shared_cores`` cores among more
+    processes: their speeds are measured with every process busy, each on ``cores / world`` of a core; a schedule
+    that leaves a share ``bubble`` of the ranks' time idle keeps ``world · (1 − bubble)`` of them busy on average,
+    each then on up to a whole core. → ``max(cores / world, 1 − bubble)`` (1 where every process has its core)."""
+    cores = hw.shared_cores
+    if cores == 0 or world <= cores:
+        return 1.0
+    return max(cores / world, 1.0 - bubble)
 
 
 def _simulated(plan: Plan, hw: Hardware, sched: Schedule, costs: Costs) -> SimResult:
@@ -387,7 +400,8 @@ def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) ->
         extra = max(extra, (step - busy) / _slowest(hw, plan, "stage_rank", q))
         peaks.append(peak)
         held.append(mine)
-    return res.makespan + extra, res.bubble, peaks, held, tuple((x.start, x.stop) for x in stages)
+    compute = res.makespan * _shared_pace(hw, plan.world_size(), res.bubble)
+    return compute + extra, res.bubble, peaks, held, tuple((x.start, x.stop) for x in stages)
 
 
 def shard_profile(work: Workload, s: int, link: Link) -> Profile:

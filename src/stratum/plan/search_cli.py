@@ -248,7 +248,7 @@ def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
                             torch.Generator().manual_seed(0))
     probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
                         timeout_s=PROBE_TIMEOUT_S)
-    ranks = as_ranks_run(hw, probe)
+    ranks = replace(as_ranks_run(hw, probe), shared_cores=hw.shared_cores or usable_cores())  # (an older cache)
     logger.info(f"{n} ranks of this model, probed: {probe.alone_s * 1e3:.2f} ms a micro-batch alone, "
                 f"{', '.join(f'{x * 1e3:.2f}' for x in probe.rank_s)} ms together → speeds "
                 f"{', '.join(f'{d.speed:.2f}' for d in ranks.devices[:n])} (matrix multiply: "
