@@ -2,13 +2,14 @@
 processes of this machine (issue 19, prediction fidelity; goal: within 15 %).
 
 For each device count N the search ranks the trees (SIMULATED: the cost model over a ``stratum profile`` of the
-model — block medians of ``--profile-runs`` runs at the real micro-batch — and this machine's probed hardware spec
-for N CPU processes); the 3 best are trained for real with ``stratum train`` (gloo
-processes, one thread each), their prediction written into the run's out_dir so that ``summary.json`` holds it
-beside the measured median step time (:mod:`stratum.plan.fidelity`). The baseline, in the same run, is the plain
-one-process engine: its measured step against the search's prediction for one device. Every tree is priced
-before any is trained, then each round trains every tree once, in turn, so a load that drifts during the run
-reaches every tree alike; a tree's figure is the median over rounds.
+model — block medians of ``--profile-runs`` runs at the real micro-batch — the step probe's costs and this
+machine's spec for N CPU processes, with the rank probe's speeds and link); the 3 best are trained for real with
+``stratum train`` (gloo processes, one thread each), their prediction written into the run's out_dir so that
+``summary.json`` holds it beside the measured median step time (:mod:`stratum.plan.fidelity`); where no ``split``
+tree is among them, the best-ranked one is trained and reported too (its price checked, outside the goal's count).
+The baseline, in the same run, is the plain one-process engine: its measured step against the search's prediction
+for one device. Every tree is priced before any is trained, then each round trains every tree once, in turn, so a
+load that drifts during the run reaches every tree alike; a tree's figure is the median over rounds.
 
 Runbook::
 
@@ -71,6 +72,12 @@ def _measure(base: list[str], pred, grad_accum: int, out: Path) -> float:
     return s["plan_search"]["measured_step_s"]
 
 
+def _top(row: dict) -> bool:
+    """A row of the goal: one of the search's top 3 trees on several processes (not the one-process baseline, nor
+    the best split tree measured beside them)."""
+    return row["devices"] > 1 and row["rank"] <= TOP
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="mini")
@@ -102,6 +109,9 @@ def main() -> None:
     for n in [1] + [int(x) for x in a.devices.split(",")]:
         res, _ = plan_search(cfg, n, None, str(prof))
         trees += [(n, rank, pred) for rank, pred in enumerate(res.ranked[:1 if n == 1 else TOP], 1)]
+        split = next(((rank, p) for rank, p in enumerate(res.ranked, 1) if p.plan.splits > 1), None)
+        if split is not None and split[0] > TOP:  # split's price, checked though it ranks below the top 3
+            trees.append((n, split[0], split[1]))
     measured: dict[tuple[int, int], list[float]] = {(n, rank): [] for n, rank, _ in trees}
     loads = []
     for r in range(a.rounds):  # every tree once a round, so a load that drifts reaches every tree alike
@@ -122,15 +132,15 @@ def main() -> None:
               "args": vars(a), "cpu_count": os.cpu_count(), "rows": rows,
               "load_average_before": load_before, "load_average_per_round": loads,
               "load_average_after": os.getloadavg(),
-              "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows if r["devices"] > 1),
-              "trees": sum(r["devices"] > 1 for r in rows),
-              "median_abs_error": statistics.median(abs(r["error"]) for r in rows if r["devices"] > 1)}
+              "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows if _top(r)),
+              "trees": sum(_top(r) for r in rows),
+              "median_abs_error": statistics.median(abs(r["error"]) for r in rows if _top(r))}
     atomic_write_json(a.out, result)
     print(f"{'N':>2} {'#':>2}  {'plan':<62} {'predicted s':>11} {'(overhead)':>10} {'measured s':>10} {'error':>7}")
     for r in rows:
         print(f"{r['devices']:>2} {r['rank']:>2}  {r['plan'][:62]:<62} {r['predicted_step_s']:>11.4f} "
               f"{r['predicted_overhead_s']:>10.4f} {r['measured_step_s']:>10.4f} {r['error'] * 100:>+6.1f}%")
-    print(f"within 15 %: {result['within_15pct']} of {result['trees']} trees; median |error| "
+    print(f"within 15 % (the top {TOP} on several processes): {result['within_15pct']} of {result['trees']} trees; median |error| "
           f"{result['median_abs_error'] * 100:.1f} %; wrote {a.out}")
 
 

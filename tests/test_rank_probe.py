@@ -24,19 +24,21 @@ LINK = Link(bandwidth=1e9, latency=1e-4)
 
 def test_speeds_are_one_process_alone_over_each_rank_and_the_link_is_the_all_reduce_through_the_ring():
     hw = replace(Hardware.uniform(3, memory_bytes=2**30, intra=LINK), inter_node=LINK)  # as a probe writes it
-    probe = RankProbe(alone_s=0.010, rank_s=(0.020, 0.025), allreduce_s=0.005, sharded_s=0.0125,
+    probe = RankProbe(alone_s=0.010, rank_s=(0.020, 0.025), allreduce_s=0.005, sharded_s=0.0125, scalar_s=4e-4,
                       grad_bytes=4_000_000)
     got = as_ranks_run(hw, probe)
     assert [d.speed for d in got.devices] == pytest.approx([0.5, 0.4, 1.0])  # the third was not probed
-    # 2 ranks: T = 2(n-1)/n · N / bandwidth + 2(n-1) · latency → bandwidth = 4e6 / (5 ms - 0.2 ms)
-    assert got.intra_node.bandwidth == pytest.approx(4e6 / 0.0048) and got.intra_node.latency == 1e-4
+    # 2 ranks: T = 2(n-1)/n · N / bandwidth + 2(n-1) · latency: the scalar's 0.4 ms is 2 latencies of 0.2 ms, and
+    # bandwidth = 4e6 / (5 ms - 0.4 ms)
+    assert got.intra_node.latency == pytest.approx(2e-4)
+    assert got.intra_node.bandwidth == pytest.approx(4e6 / 0.0046)
     assert got.sharded_scale == pytest.approx(2.5)  # the reduce-scatter and all-gather over the all-reduce
     assert got.inter_node == got.intra_node  # one machine: the spec's inter-node link is its intra-node copy
     apart = Hardware.uniform(3, memory_bytes=2**30, intra=LINK)  # an inter-node link of its own stays
     assert as_ranks_run(apart, probe).inter_node == apart.inter_node
     # an all-reduce no longer than its latencies keeps the link (nothing to read a bandwidth from)
     quick = as_ranks_run(hw, RankProbe(alone_s=0.01, rank_s=(0.01, 0.01), allreduce_s=1e-4, sharded_s=1e-4,
-                                       grad_bytes=8))
+                                       scalar_s=2e-4, grad_bytes=8))
     assert quick.intra_node == LINK and quick.host_link == hw.host_link
 
 
@@ -49,7 +51,7 @@ def test_two_forked_ranks_report_their_pace_and_gradient_all_reduce():
     assert torch.get_num_threads() == before  # the alone run's threads are this process's again
     assert got.alone_s > 0 and len(got.rank_s) == 2 and all(0 < t < 5 for t in got.rank_s)
     assert got.grad_bytes == 4 * sum(p.numel() for p in model.parameters()) and 0 < got.allreduce_s < 5
-    assert 0 < got.sharded_s < 5
+    assert 0 < got.sharded_s < 5 and 0 < got.scalar_s < 5
     with pytest.raises(StratumError, match="at least 2 processes"):
         probe_ranks(model, 1, batches=batches, optim=OPTIM, threads=1, timeout_s=5)
 
@@ -63,7 +65,8 @@ def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_di
 
     def ranks(model, n, *, batches, optim, threads, timeout_s):
         asked.update(n=n, micro_batches=len(batches), threads=threads)
-        return RankProbe(alone_s=0.01, rank_s=(0.02, 0.02), allreduce_s=0.002, sharded_s=0.004, grad_bytes=1000)
+        return RankProbe(alone_s=0.01, rank_s=(0.02, 0.02), allreduce_s=0.002, sharded_s=0.004, scalar_s=2e-4,
+                         grad_bytes=1000)
     monkeypatch.setattr(search_cli, "machine_hardware", lambda cfg, n: spec)
     monkeypatch.setattr(search_cli, "probe_ranks", ranks)
     prof = search_cli.workload(cfg, search_cli._meta_model(cfg), None).profile

@@ -8,9 +8,9 @@ search runs the model itself: ``n`` forked processes each train it on the plain 
 micro-batches and all-reduce their gradients over gloo after each backward, as ``replicate(n)`` does (every other
 step they reduce-scatter and all-gather them instead, as ``replicate(n, shard=true)`` does); the searching process
 does the same alone first. :func:`as_ranks_run` turns the figures into the spec the search prices with: the
-devices' speeds (one process alone over each rank together), the intra-node link (the gradient all-reduce's
-median through the ring price, at the probed latency) and ``Hardware.sharded_scale`` (the sharded pair's seconds
-over the all-reduce's). Every wait is bounded by the timeout.
+devices' speeds (one process alone over each rank together), the intra-node link (the latency from the median
+all-reduce of the loss's scalar, the bandwidth from the gradient all-reduce's through the ring price) and
+``Hardware.sharded_scale`` (the sharded pair's seconds over the all-reduce's). Every wait is bounded by the timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class RankProbe:
     """Seconds of a rank's gradient all-reduce after its backward (the median over ranks)."""
     sharded_s: float
     """Seconds of a rank's reduce-scatter and all-gather of the same gradients (the median over ranks)."""
+    scalar_s: float
+    """Seconds of a rank's all-reduce of one float64 after them, as the loss's (the median over ranks)."""
     grad_bytes: int
     """The gradient bytes each rank all-reduced."""
 
@@ -85,6 +87,7 @@ def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batc
         engine = PlainEngine(model, optim=optim, device=torch.device("cpu"))
         params = [p for _, p in engine.grad_params()]
         compute: list[float] = []
+        scalar: list[float] = []
         reduce: tuple[list[float], list[float]] = ([], [])
         nbytes = 0
         for step in range(WARMUP + STEPS):
@@ -95,12 +98,16 @@ def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batc
                 flat = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
                 (_reduce_sharded if step % 2 else _reduce)(flat, world, timeout_s)
                 nbytes = flat.numel() * flat.element_size()
+            t2 = time.perf_counter()
+            if world > 1:  # the loss's all-reduce: a few bytes, its ring's latencies
+                _reduce(torch.zeros(1, dtype=torch.float64), world, timeout_s)
             if step >= WARMUP:
                 compute.append((t1 - t0) / len(batches))
-                reduce[step % 2].append(time.perf_counter() - t1)
+                reduce[step % 2].append(t2 - t1)
+                scalar.append(time.perf_counter() - t2)
             engine.update(LR, clip_coef(engine.grad_norm(), optim.grad_clip))
         out.put((rank, statistics.median(compute), statistics.median(reduce[0]), statistics.median(reduce[1]),
-                 nbytes))
+                 statistics.median(scalar), nbytes))
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -120,7 +127,8 @@ def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSp
     by_rank = sorted(got)
     return RankProbe(alone_s=alone, rank_s=tuple(x[1] for x in by_rank),
                      allreduce_s=statistics.median(x[2] for x in by_rank),
-                     sharded_s=statistics.median(x[3] for x in by_rank), grad_bytes=max(x[4] for x in by_rank))
+                     sharded_s=statistics.median(x[3] for x in by_rank),
+                     scalar_s=statistics.median(x[4] for x in by_rank), grad_bytes=max(x[5] for x in by_rank))
 
 
 def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
@@ -136,17 +144,19 @@ def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: i
 
 
 def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
-    """``hw`` with device k's speed ``alone_s / rank_s[k]`` and the intra-node link's bandwidth the one at which a
-    ring all-reduce of ``grad_bytes`` over the probe's ranks takes ``allreduce_s`` at the link's latency
-    (:func:`stratum.ir.prices.allreduce_s` solved for the bandwidth; the link is kept where the latencies alone
-    take that long), and ``sharded_scale`` the reduce-scatter and all-gather's seconds over the all-reduce's. A
-    device beyond the probe's ranks keeps its speed."""
+    """``hw`` with device k's speed ``alone_s / rank_s[k]``; the intra-node link's latency the one at which a ring
+    all-reduce of a scalar over the probe's ranks takes ``scalar_s`` (its 2(p − 1) latencies), and its bandwidth the
+    one at which an all-reduce of ``grad_bytes`` takes ``allreduce_s`` at that latency
+    (:func:`stratum.ir.prices.allreduce_s` solved; the bandwidth is kept where the latencies alone take that
+    long); ``sharded_scale`` the reduce-scatter and all-gather's seconds over the all-reduce's. A device beyond
+    the probe's ranks keeps its speed."""
     speeds = [probe.alone_s / t for t in probe.rank_s]
     devices = tuple(replace(d, speed=speeds[k]) if k < len(speeds) else d for k, d in enumerate(hw.devices))
-    p, link = len(probe.rank_s), hw.intra_node
-    moving = probe.allreduce_s - 2 * (p - 1) * link.latency
-    intra = link if moving <= 0 or probe.grad_bytes == 0 else Link(
-        bandwidth=2 * (p - 1) / p * probe.grad_bytes / moving, latency=link.latency)
+    p = len(probe.rank_s)
+    latency = probe.scalar_s / (2 * (p - 1)) if probe.scalar_s > 0 else hw.intra_node.latency
+    moving = probe.allreduce_s - 2 * (p - 1) * latency
+    intra = Link(bandwidth=hw.intra_node.bandwidth, latency=latency) if moving <= 0 or probe.grad_bytes == 0 else \
+        Link(bandwidth=2 * (p - 1) / p * probe.grad_bytes / moving, latency=latency)
     inter = intra if hw.inter_node == hw.intra_node else hw.inter_node
     scale = probe.sharded_s / probe.allreduce_s if probe.sharded_s > 0 and probe.allreduce_s > 0 else \
         hw.sharded_scale

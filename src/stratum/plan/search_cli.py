@@ -253,8 +253,10 @@ def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
                 f"{', '.join(f'{x * 1e3:.2f}' for x in probe.rank_s)} ms together → speeds "
                 f"{', '.join(f'{d.speed:.2f}' for d in ranks.devices[:n])} (matrix multiply: "
                 f"{', '.join(f'{d.speed:.2f}' for d in hw.devices[:n])}); gradient all-reduce of "
-                f"{fmt_bytes(probe.grad_bytes)} in {probe.allreduce_s * 1e3:.2f} ms → intra-node "
-                f"{ranks.intra_node.bandwidth / 1e9:.3g} GB/s (probe: {hw.intra_node.bandwidth / 1e9:.3g} GB/s); "
+                f"{fmt_bytes(probe.grad_bytes)} in {probe.allreduce_s * 1e3:.2f} ms, of a scalar in "
+                f"{probe.scalar_s * 1e3:.3f} ms → intra-node {ranks.intra_node.bandwidth / 1e9:.3g} GB/s, "
+                f"{ranks.intra_node.latency * 1e6:.3g} us (probe: {hw.intra_node.bandwidth / 1e9:.3g} GB/s, "
+                f"{hw.intra_node.latency * 1e6:.3g} us); "
                 f"reduce-scatter + all-gather in {probe.sharded_s * 1e3:.2f} ms → sharded_scale "
                 f"{ranks.sharded_scale:.2f}")
     return ranks
