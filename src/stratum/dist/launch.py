@@ -245,6 +245,22 @@ def rank_env(rank: int, world: int, *, local_rank: int, local_world: int, master
                 MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), **{WORKER_ENV: "1"})
 
 
+MAX_PER_CORE = 16
+"""The most local processes a run starts per usable core: beyond it each would get a sliver of a core and its own
+copy of the runtime in memory, so a larger count (replicate(1000) on a laptop) is a typo, refused before any
+process starts rather than left to exhaust the machine."""
+
+
+def _check_local_count(nprocs: int) -> None:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if nprocs > MAX_PER_CORE * cores:
+        raise StratumError(f"{nprocs:,} local processes on {cores} usable core(s) is more than {MAX_PER_CORE} a core; "
+                           "use fewer processes here, or spread the run over machines (torchrun --nnodes)")
+
+
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None,
                 log: Path | None = None, fail_grace_s: float | None = None) -> int:
     """Run ``python <argv>`` (``-m stratum train …``, or a user's script and its arguments) as ``nprocs`` local
@@ -253,6 +269,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     Returns 0 when every worker succeeded, else the exit code of the first worker that failed. When one fails,
     the others get ``grace_s`` seconds to notice (they stop with their own one-line error), then are killed.
     """
+    _check_local_count(nprocs)
     port = free_port()
     procs: list[ForkedRank | subprocess.Popen] = []
     errors = _ErrorDedup(log)
