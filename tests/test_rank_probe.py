@@ -13,8 +13,9 @@ from stratum.config import ModelConfig, load_config
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link
 from stratum.model.build import build_model
+from stratum.parallel.split import split_blocks
 from stratum.plan import search_cli
-from stratum.plan.rank_probe import RankProbe, as_ranks_run, probe_ranks
+from stratum.plan.rank_probe import RankProbe, as_ranks_run, probe_ranks, split_block_s
 from stratum.plan.step_probe import probe_batches
 from stratum.runtime.engine import OptimSpec
 
@@ -47,11 +48,13 @@ def test_two_forked_ranks_report_their_pace_and_gradient_all_reduce():
     model = build_model(ModelConfig(preset="tiny"), tokenizer_vocab=64, seq_len=8, seed=0, device=torch.device("cpu"))
     batches = probe_batches(64, 2, 8, 2, torch.Generator().manual_seed(0))
     before = torch.get_num_threads()
-    got = probe_ranks(model, 2, batches=batches, optim=OPTIM, threads=1, timeout_s=120)
+    got = probe_ranks(model, 2, batches=batches, optim=OPTIM, threads=1, timeout_s=120,
+                      split_ids=tuple(split_blocks(model)))
     assert torch.get_num_threads() == before  # the alone run's threads are this process's again
     assert got.alone_s > 0 and len(got.rank_s) == 2 and all(0 < t < 5 for t in got.rank_s)
     assert got.grad_bytes == 4 * sum(p.numel() for p in model.parameters()) and 0 < got.allreduce_s < 5
     assert 0 < got.sharded_s < 5 and 0 < got.scalar_s < 5
+    assert 0 < got.split_step_s[0] < got.split_step_s[1] < 5  # the layers split over the two ranks, 1 and 2 steps
     with pytest.raises(StratumError, match="at least 2 processes"):
         probe_ranks(model, 1, batches=batches, optim=OPTIM, threads=1, timeout_s=5)
 
@@ -63,15 +66,30 @@ def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_di
     spec = Hardware.uniform(2, memory_bytes=2**30, intra=LINK)
     asked = {}
 
-    def ranks(model, n, *, batches, optim, threads, timeout_s):
-        asked.update(n=n, micro_batches=len(batches), threads=threads)
+    def ranks(model, n, *, batches, optim, threads, timeout_s, split_ids):
+        asked.update(n=n, micro_batches=len(batches), threads=threads, split_ids=split_ids)
         return RankProbe(alone_s=0.01, rank_s=(0.02, 0.02), allreduce_s=0.002, sharded_s=0.004, scalar_s=2e-4,
-                         grad_bytes=1000)
+                         grad_bytes=1000, split_step_s=(0.05, 0.09))
     monkeypatch.setattr(search_cli, "machine_hardware", lambda cfg, n: spec)
     monkeypatch.setattr(search_cli, "probe_ranks", ranks)
-    prof = search_cli.workload(cfg, search_cli._meta_model(cfg), None).profile
-    got = search_cli.machine_ranks_hardware(cfg, 2, prof)
+    work = search_cli.workload(cfg, search_cli._meta_model(cfg), None)
+    got, priced = search_cli.machine_ranks(cfg, 2, work)
     assert [d.speed for d in got.devices] == [0.5, 0.5] and got.sharded_scale == 2
     assert got.shared_cores >= 1  # the processes share this machine's cores (a spec cached without it too)
-    assert asked == {"n": 2, "micro_batches": 2, "threads": asked["threads"]} and asked["threads"] >= 1
-    assert search_cli.machine_ranks_hardware(cfg, 1, prof) is spec  # one process: nothing to probe
+    assert asked["n"] == 2 and asked["micro_batches"] == 2 and asked["threads"] >= 1
+    assert asked["split_ids"] == work.splittable != ()  # tiny's layers split 2 ways: measured over the ranks
+    assert priced.step.split_block_s != work.step.split_block_s and priced.step.fixed_s == work.step.fixed_s
+    assert search_cli.machine_ranks(cfg, 1, work) == (spec, work)  # one process: nothing to probe
+
+
+def test_dtensors_cost_per_split_layer_is_what_one_more_micro_batch_leaves_over():
+    # 2 ranks at speed 0.5; alone a micro-batch takes 10 ms, 6 ms of it in the 2 split layers: a rank runs
+    # (10 - 6/2) / 0.5 = 14 ms of it; one more micro-batch of the split step takes 30 ms: 16 ms left over, 8 ms a
+    # layer, less its priced all-reduces (3 ms): 5 ms at the rank's pace, 2.5 ms on the profiled device
+    probe = RankProbe(alone_s=0.010, rank_s=(0.02, 0.02), allreduce_s=0.005, sharded_s=0.01, scalar_s=1e-4,
+                      grad_bytes=1, split_step_s=(0.05, 0.08))
+    assert split_block_s(probe, split_blocks_s=0.006, blocks=2, comm_s=0.003, speed=0.5) == pytest.approx(0.0025)
+    assert split_block_s(probe, split_blocks_s=0.006, blocks=2, comm_s=0.02, speed=0.5) == 0.0  # load: nothing left
+    unmeasured = RankProbe(alone_s=0.01, rank_s=(0.02, 0.02), allreduce_s=0.005, sharded_s=0.01, scalar_s=1e-4,
+                           grad_bytes=1)
+    assert split_block_s(unmeasured, split_blocks_s=0.006, blocks=2, comm_s=0.003, speed=0.5) == 0.0

@@ -23,12 +23,14 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from stratum.data.tokens import Batch
 from stratum.dist.launch import free_port, wait_until
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware, Link
 from stratum.model.blockseq import BlockSeq
+from stratum.parallel.split import apply_split
 from stratum.plan.process_probe import run_forked
 from stratum.runtime.engine import OptimSpec, clip_coef
 from stratum.runtime.plain import PlainEngine
@@ -36,6 +38,8 @@ from stratum.runtime.plain import PlainEngine
 WARMUP = 3
 STEPS = 16
 LR = 1e-4
+SPLIT_PROBE = 2
+"""The split size the probe times DTensor at: pairs of ranks, the smallest split and the one most trees use."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +58,9 @@ class RankProbe:
     """Seconds of a rank's all-reduce of one float64 after them, as the loss's (the median over ranks)."""
     grad_bytes: int
     """The gradient bytes each rank all-reduced."""
+    split_step_s: tuple[float, float] = (0.0, 0.0)
+    """A rank's training steps of one and of two micro-batches with the split blocks sharded over its pair of ranks,
+    every pair at once (the median over ranks; zeros: not measured)."""
 
 
 def _reduce(flat: torch.Tensor, world: int, timeout_s: float) -> None:
@@ -75,7 +82,7 @@ def _reduce_sharded(flat: torch.Tensor, world: int, timeout_s: float) -> None:
 
 
 def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batch], optim: OptimSpec,
-           threads: int, timeout_s: float, out) -> None:
+           threads: int, timeout_s: float, split_ids: tuple[int, ...], out) -> None:
     """One probe process: ``WARMUP + STEPS`` steps of the plain engine over ``batches``, each backward followed by
     the gradients' all-reduce (even steps) or reduce-scatter and all-gather (odd steps) over the ``world`` (none
     alone); puts (rank, s per micro-batch, all-reduce s, sharded pair s, bytes) on ``out``."""
@@ -106,29 +113,51 @@ def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batc
                 reduce[step % 2].append(t2 - t1)
                 scalar.append(time.perf_counter() - t2)
             engine.update(LR, clip_coef(engine.grad_norm(), optim.grad_clip))
+        split = _split_steps(model, split_ids, world, batches, optim) if split_ids and world > 1 else (0.0, 0.0)
         out.put((rank, statistics.median(compute), statistics.median(reduce[0]), statistics.median(reduce[1]),
-                 statistics.median(scalar), nbytes))
+                 statistics.median(scalar), nbytes, split))
     finally:
         if world > 1:
             dist.destroy_process_group()
 
 
+def _split_steps(model: BlockSeq, split_ids: tuple[int, ...], world: int, batches: list[Batch],
+                 optim: OptimSpec) -> tuple[float, float]:
+    """Shard ``split_ids`` of ``model`` over this rank's pair of ranks (:data:`SPLIT_PROBE`; every pair at once, as
+    ``replicate(world / 2, split(2))`` runs, DTensor over gloo) and time training steps of one and two
+    micro-batches, alternated: their medians."""
+    pairs = DeviceMesh("cpu", [[r, r + 1] for r in range(0, world, SPLIT_PROBE)], mesh_dim_names=("pair", "split"))
+    apply_split(model, split_ids, pairs["split"])
+    engine = PlainEngine(model, optim=optim, device=torch.device("cpu"))
+    kinds = (batches[:1], (batches * 2)[:2])
+    times: tuple[list[float], list[float]] = ([], [])
+    for step in range(2 * (WARMUP + STEPS // 2)):
+        t0 = time.perf_counter()
+        engine.train_step(kinds[step % 2], LR)
+        if step >= 2 * WARMUP:
+            times[step % 2].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSpec, threads: int,
-                timeout_s: float) -> RankProbe:
+                timeout_s: float, split_ids: tuple[int, ...] = ()) -> RankProbe:
     """Train ``model`` (materialised on the CPU; its weights change) in this process alone, then in ``n`` (>= 2)
-    forked processes together, each over ``batches`` per step with ``threads`` threads (see the module)."""
+    forked processes together, each over ``batches`` per step with ``threads`` threads, and with ``split_ids``
+    (blocks split can shard 2 ways; ``n`` even) split over pairs of them (see the module)."""
     if n < 2:
         raise StratumError(f"the rank probe needs at least 2 processes, got {n}")
     alone = _alone_s(model, batches, optim, threads, timeout_s)
-    got = run_forked(_train, n, (n, free_port(), model, batches, optim, threads, timeout_s), timeout_s=timeout_s,
-                     what=f"the rank probe ({n} processes)")
+    got = run_forked(_train, n, (n, free_port(), model, batches, optim, threads, timeout_s, split_ids),
+                     timeout_s=timeout_s, what=f"the rank probe ({n} processes)")
     if sorted(r for r, *_ in got) != list(range(n)):
         raise StratumError("the rank probe ended without every rank's results")
     by_rank = sorted(got)
     return RankProbe(alone_s=alone, rank_s=tuple(x[1] for x in by_rank),
                      allreduce_s=statistics.median(x[2] for x in by_rank),
                      sharded_s=statistics.median(x[3] for x in by_rank),
-                     scalar_s=statistics.median(x[4] for x in by_rank), grad_bytes=max(x[5] for x in by_rank))
+                     scalar_s=statistics.median(x[4] for x in by_rank), grad_bytes=max(x[5] for x in by_rank),
+                     split_step_s=(statistics.median(x[6][0] for x in by_rank),
+                                   statistics.median(x[6][1] for x in by_rank)))
 
 
 def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
@@ -137,7 +166,7 @@ def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: i
     before = torch.get_num_threads()
     out: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        _train(0, 1, 0, model, batches, optim, threads, timeout_s, out)
+        _train(0, 1, 0, model, batches, optim, threads, timeout_s, (), out)
     finally:
         torch.set_num_threads(before)
     return out.get()[1]
@@ -161,3 +190,16 @@ def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
     scale = probe.sharded_s / probe.allreduce_s if probe.sharded_s > 0 and probe.allreduce_s > 0 else \
         hw.sharded_scale
     return replace(hw, devices=devices, intra_node=intra, inter_node=inter, sharded_scale=scale)
+
+
+def split_block_s(probe: RankProbe, *, split_blocks_s: float, blocks: int, comm_s: float, speed: float) -> float:
+    """DTensor's seconds per split block and micro-batch on the probe's pairs (``StepCosts.split_block_s``, in the
+    profiled device's seconds): one more micro-batch's split step, less the rank's forward and backward with its
+    ``blocks`` split blocks (``split_blocks_s`` of the alone run's) at 1/2 — at the rank's ``speed`` — per block,
+    less a block's priced all-reduces over the pair ``comm_s``; 0 where not measured or where the load leaves
+    nothing."""
+    if probe.split_step_s[1] <= 0 or blocks == 0:
+        return 0.0
+    rank_s = (probe.alone_s - split_blocks_s * (1 - 1 / SPLIT_PROBE)) / speed
+    per_block = (probe.split_step_s[1] - probe.split_step_s[0] - rank_s) / blocks - comm_s
+    return max(0.0, per_block * speed)

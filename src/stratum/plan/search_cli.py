@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from stratum.data.prepare import make_tokenizer
 from stratum.errors import StratumError
 from stratum.ir.costs import StepCosts
 from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
+from stratum.ir.prices import allreduce_s
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.offload.plan_inputs import planning_profile
@@ -45,8 +47,8 @@ from stratum.parallel.split import check_split, split_blocks
 from stratum.parallel.split_offload import shard_shapes
 from stratum.plan.fidelity import recorded, write_prediction
 from stratum.plan.hardware_cli import PROBE_TIMEOUT_S, probe
-from stratum.plan.predict import LeafAsk, Prediction, Workload
-from stratum.plan.rank_probe import as_ranks_run, probe_ranks
+from stratum.plan.predict import SPLIT_REDUCTIONS, LeafAsk, Prediction, Workload
+from stratum.plan.rank_probe import SPLIT_PROBE, RankProbe, as_ranks_run, probe_ranks, split_block_s
 from stratum.plan.search import SearchResult, search
 from stratum.plan.step_probe import measure_step_costs, probe_batches
 from stratum.profile import Profile
@@ -82,7 +84,8 @@ def plan_search(cfg: Config, n: int, hw: Hardware | None,
         raise StratumError(f"--devices must be >= 1, got {n}")
     model = _meta_model(cfg)
     work = workload(cfg, model, profile_path)
-    hw = hw or machine_ranks_hardware(cfg, n, work.profile)
+    if hw is None:
+        hw, work = machine_ranks(cfg, n, work)
     logger.info(f"model {model.info.name}: {len(model)} blocks, {cfg.train.grad_accum} micro-batch(es) of "
                 f"{cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens per step; hardware: {hw.num_devices} "
                 f"devices")
@@ -230,24 +233,26 @@ def machine_hardware(cfg: Config, n: int) -> Hardware:
     return hw
 
 
-def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
-    """This machine's spec for ``n`` devices (:func:`machine_hardware`); for ``n`` >= 2 CPU processes, with the
-    devices' speeds and the intra-node link as the model's own ranks run (:mod:`stratum.plan.rank_probe`), where
-    ``n`` copies of its training state fit the host."""
+def machine_ranks(cfg: Config, n: int, work: Workload) -> tuple[Hardware, Workload]:
+    """This machine's spec for ``n`` devices (:func:`machine_hardware`) and ``work``; for ``n`` >= 2 CPU processes
+    (where ``n`` copies of the training state fit the host), the devices' speeds, the intra-node link and — where
+    the layers split 2 ways and ``n`` is even — DTensor's per-layer cost as the model's own ranks run them
+    (:mod:`stratum.plan.rank_probe`)."""
     hw = machine_hardware(cfg, n)
     device = resolve_device(cfg.train.device)
-    too_big = _copies_do_not_fit(prof, n, device)
+    too_big = _copies_do_not_fit(work.profile, n, device)
     if device.type != "cpu" or n < 2 or too_big:
         if too_big:
             logger.info(f"the ranks are not probed ({too_big}): the spec's matrix-multiply speeds stand")
-        return hw
+        return hw, work
     model, t = _model(cfg, device), cfg.train
     if not model.info.vocab_size:  # the probe feeds token ids
-        return hw
+        return hw, work
     batches = probe_batches(model.info.vocab_size, t.micro_batch_size, cfg.data.seq_len, max(1, t.grad_accum // n),
                             torch.Generator().manual_seed(0))
+    split_ids = work.splittable if SPLIT_PROBE in work.split_sizes and n % SPLIT_PROBE == 0 else ()
     probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
-                        timeout_s=PROBE_TIMEOUT_S)
+                        timeout_s=PROBE_TIMEOUT_S, split_ids=tuple(split_ids))
     ranks = replace(as_ranks_run(hw, probe), shared_cores=hw.shared_cores or usable_cores())  # (an older cache)
     logger.info(f"{n} ranks of this model, probed: {probe.alone_s * 1e3:.2f} ms a micro-batch alone, "
                 f"{', '.join(f'{x * 1e3:.2f}' for x in probe.rank_s)} ms together → speeds "
@@ -259,7 +264,24 @@ def machine_ranks_hardware(cfg: Config, n: int, prof: Profile) -> Hardware:
                 f"{hw.intra_node.latency * 1e6:.3g} us); "
                 f"reduce-scatter + all-gather in {probe.sharded_s * 1e3:.2f} ms → sharded_scale "
                 f"{ranks.sharded_scale:.2f}")
-    return ranks
+    return ranks, _with_split_measured(work, probe, ranks, split_ids)
+
+
+def _with_split_measured(work: Workload, probe: RankProbe, hw: Hardware, split_ids: tuple[int, ...]) -> Workload:
+    """``work`` with DTensor's per-layer cost from the probe's split steps over its ranks (as it stands where they
+    were not measured)."""
+    if not split_ids or probe.split_step_s[1] <= 0:
+        return work
+    blocks, scale = work.profile.blocks, work.step.block_scale
+    split_s = sum((blocks[i].fwd_s + blocks[i].bwd_s) * scale for i in split_ids)
+    comm = 2 * SPLIT_REDUCTIONS * statistics.mean(allreduce_s(blocks[i].out_bytes, SPLIT_PROBE, hw.intra_node)
+                                                  for i in split_ids)
+    speed = min(d.speed for d in hw.devices[:len(probe.rank_s)])  # the pace predict runs a split group at
+    dispatch = split_block_s(probe, split_blocks_s=split_s, blocks=len(split_ids), comm_s=comm, speed=speed)
+    logger.info(f"split({SPLIT_PROBE}) over pairs of the ranks: steps of 1 and 2 micro-batches "
+                f"{probe.split_step_s[0]:.4f} s, {probe.split_step_s[1]:.4f} s → DTensor {dispatch * 1e3:.2f} ms a "
+                f"split layer and micro-batch (one process's mesh: {work.step.split_block_s * 1e3:.2f} ms)")
+    return replace(work, step=replace(work.step, split_block_s=dispatch))
 
 
 def _label(plan, work: Workload) -> str:
