@@ -15,7 +15,7 @@ from stratum.ir.hardware import Hardware, Link
 from stratum.model.build import build_model
 from stratum.parallel.split import split_blocks
 from stratum.plan import search_cli
-from stratum.plan.rank_probe import RankProbe, as_ranks_run, probe_ranks, split_block_s
+from stratum.plan.rank_probe import RankProbe, as_ranks_run, probe_ranks, probe_seconds, split_block_s
 from stratum.plan.step_probe import probe_batches
 from stratum.runtime.engine import OptimSpec
 
@@ -80,6 +80,16 @@ def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_di
     assert asked["split_ids"] == work.splittable != ()  # tiny's layers split 2 ways: measured over the ranks
     assert priced.step.split_block_s != work.step.split_block_s and priced.step.fixed_s == work.step.fixed_s
     assert search_cli.machine_ranks(cfg, 1, work) == (spec, work)  # one process: nothing to probe
+    # a model whose steps would hold the search past the probe's budget is not probed: the spec stands
+    asked.clear()
+    monkeypatch.setattr(search_cli, "PROBE_BUDGET_S", 1e-6)
+    assert search_cli.machine_ranks(cfg, 2, work) == (spec, work) and asked == {}
+
+
+def test_the_probes_length_is_its_steps_at_the_shared_pace():
+    # alone: WARMUP + STEPS steps; together (2 processes on 1 core: half pace) the same, and the split steps'
+    assert probe_seconds(0.1, 2, 2) == pytest.approx(0.1 * (19 + 19 + 22))
+    assert probe_seconds(0.1, 2, 1) == pytest.approx(0.1 * (19 + 2 * (19 + 22)))
 
 
 def test_dtensors_cost_per_split_layer_is_what_one_more_micro_batch_leaves_over():

@@ -38,6 +38,9 @@ from stratum.runtime.plain import PlainEngine
 WARMUP = 3
 STEPS = 16
 LR = 1e-4
+PROBE_BUDGET_S = 60.0
+"""The longest the probe may take by :func:`probe_seconds`: a model whose steps would take longer is not probed
+(its spec's matrix-multiply speeds stand) rather than hold the search for minutes."""
 SPLIT_PROBE = 2
 """The split size the probe times DTensor at: pairs of ranks, the smallest split and the one most trees use."""
 
@@ -170,6 +173,14 @@ def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: i
     finally:
         torch.set_num_threads(before)
     return out.get()[1]
+
+
+def probe_seconds(step_s: float, n: int, cores: int) -> float:
+    """About how long :func:`probe_ranks` takes for a model whose training step takes ``step_s`` alone: its steps
+    alone, the ``n`` processes' (each at ``n / cores`` of that pace where they share fewer cores) and the split
+    steps."""
+    shared = max(1.0, n / max(cores, 1))
+    return step_s * (WARMUP + STEPS + (WARMUP + STEPS + 2 * WARMUP + STEPS) * shared)
 
 
 def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:

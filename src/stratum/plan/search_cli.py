@@ -48,7 +48,15 @@ from stratum.parallel.split_offload import shard_shapes
 from stratum.plan.fidelity import recorded, write_prediction
 from stratum.plan.hardware_cli import PROBE_TIMEOUT_S, probe
 from stratum.plan.predict import SPLIT_REDUCTIONS, LeafAsk, Prediction, Workload
-from stratum.plan.rank_probe import SPLIT_PROBE, RankProbe, as_ranks_run, probe_ranks, split_block_s
+from stratum.plan.rank_probe import (
+    PROBE_BUDGET_S,
+    SPLIT_PROBE,
+    RankProbe,
+    as_ranks_run,
+    probe_ranks,
+    probe_seconds,
+    split_block_s,
+)
 from stratum.plan.search import SearchResult, search
 from stratum.plan.step_probe import measure_step_costs, probe_batches
 from stratum.profile import Profile
@@ -245,10 +253,16 @@ def machine_ranks(cfg: Config, n: int, work: Workload) -> tuple[Hardware, Worklo
         if too_big:
             logger.info(f"the ranks are not probed ({too_big}): the spec's matrix-multiply speeds stand")
         return hw, work
-    model, t = _model(cfg, device), cfg.train
+    t, m = cfg.train, max(1, cfg.train.grad_accum // n)
+    step_s = m * (work.profile.step_s * work.step.block_scale + work.step.per_microbatch_s) + work.step.fixed_s
+    if probe_seconds(step_s, n, usable_cores()) > PROBE_BUDGET_S:
+        logger.info(f"the ranks are not probed (a step of {m} micro-batch(es) takes about {step_s:.2g} s alone: the "
+                    f"probe would take over {PROBE_BUDGET_S:g} s): the spec's matrix-multiply speeds stand")
+        return hw, work
+    model = _model(cfg, device)
     if not model.info.vocab_size:  # the probe feeds token ids
         return hw, work
-    batches = probe_batches(model.info.vocab_size, t.micro_batch_size, cfg.data.seq_len, max(1, t.grad_accum // n),
+    batches = probe_batches(model.info.vocab_size, t.micro_batch_size, cfg.data.seq_len, m,
                             torch.Generator().manual_seed(0))
     split_ids = work.splittable if SPLIT_PROBE in work.split_sizes and n % SPLIT_PROBE == 0 else ()
     probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
