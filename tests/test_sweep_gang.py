@@ -125,3 +125,14 @@ def test_a_cluster_simulation_by_hand_and_a_job_no_device_holds():
     big = {"big": ClusterJob(profile=_profile(0.5, 2_000, 1_000), microbatches=1, steps=1)}
     with pytest.raises(StratumError, match=r"big: fits no single device.*only as pipeline\(2\)"):
         simulate_cluster(big, hw, shard_blocks=2, time_limit_s=5)
+
+
+def test_a_gap_stops_the_solver_once_its_plan_is_proved_close_enough():
+    # 24 jobs on 2 slots: proving the plan optimal runs to the limit; within 1 % of the optimum is proved at once
+    options = random_case(random.Random(1), 24, 2)
+    area = sum(min(o.seconds * o.devices for o in opts.values()) for opts in options.values()) / 2  # a lower bound
+    t0 = time.perf_counter()
+    plan = plan_gang(options, [0.0, 0.0], time_limit_s=60, gap=0.01)
+    assert time.perf_counter() - t0 < 20 and plan.optimal  # (CBC's start included; the limit is 60 s)
+    check_feasible(plan, options, [0.0, 0.0])
+    assert plan.makespan <= area / (1 - 0.01)

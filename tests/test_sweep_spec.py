@@ -105,6 +105,7 @@ steps = 3
     ("calibration = \"nope.json\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.calibration = 'nope.json': no such"),
     ("grid = \"optim.lr\"", "[sweep.grid] must be a table of section.key = values"),
     ("random = [1e-3, 3e-3]", "[sweep.random] must be a table of section.key = values"),
+    ("plan_gap = 1.5\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.plan_gap must be in [0, 1)"),
 ])
 def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
     p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")

@@ -53,7 +53,7 @@ class ClusterSim:
 
 
 def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks: int,
-                     time_limit_s: float) -> ClusterSim:
+                     time_limit_s: float, gap: float = 0.0) -> ClusterSim:
     """fifo, sharded-lrtf (shards of ``shard_blocks`` blocks; 0: what half a device holds beside the job's
     activations, per job) and planned on ``hw``."""
     n = hw.num_devices
@@ -73,7 +73,7 @@ def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks:
     span = max((t.end for t in tasks), default=0.0)
     hydra = SimResult(runs=[(t.start, t.slot, t.job, t.end) for t in tasks], makespan=span,
                       utilisation=sum(sum(c) for c in chains.values()) / (n * span) if span else 0.0)
-    plan = plan_gang(options, [0.0] * n, time_limit_s=time_limit_s)
+    plan = plan_gang(options, [0.0] * n, time_limit_s=time_limit_s, gap=gap)
     runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
     busy = sum(e - b for b, _, _, e in runs)
     planned = SimResult(runs=runs, makespan=plan.makespan,

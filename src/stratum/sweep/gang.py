@@ -69,17 +69,19 @@ def _greedy_within(order: list[str], fitting: dict[str, dict[str, Option]], free
     return list_schedule(done, picks, free_at)
 
 
-def plan_gang(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float) -> GangPlan:
+def plan_gang(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float,
+              gap: float = 0.0) -> GangPlan:
     """The best plan found within about ``time_limit_s``: the greedy plan improved by local search
     (:mod:`stratum.sweep.gang_search`), then — with PuLP installed — the MILP warm-started from it, and the
-    MILP's plan searched again where it is better."""
+    MILP's plan searched again where it is better. The solver stops once its plan is proved within ``gap``
+    (relative) of the optimum."""
     for job, opts in options.items():
         if not any(o.devices <= len(free_at) for o in opts.values()):
             raise ValueError(f"{job}: every option needs more than the {len(free_at)} slots")
     greedy = _searched(greedy_gang(options, free_at), options, free_at, time_limit_s)
     if not options or not pulp_available():
         return greedy
-    milp = _milp(options, free_at, time_limit_s, greedy)
+    milp = _milp(options, free_at, time_limit_s, gap, greedy)
     if milp is None or milp.makespan > greedy.makespan + 1e-9:
         return greedy
     return milp if milp.optimal else _searched(milp, options, free_at, time_limit_s)
@@ -100,7 +102,7 @@ def _searched(plan: GangPlan, options: dict[str, dict[str, Option]], free_at: li
                     optimal=False, solve_s=plan.solve_s + time.perf_counter() - t0)
 
 
-def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limit_s: float,
+def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limit_s: float, gap: float,
           start: GangPlan) -> GangPlan | None:
     pulp = importlib.import_module("pulp")  # optional extra (sweep): imported only when planning
     t0 = time.perf_counter()
@@ -143,7 +145,7 @@ def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limi
     for a, b in pairs:
         o[a, b].setInitialValue(int(start.placed[a].start <= start.placed[b].start))
     cmax.setInitialValue(start.makespan)
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=True))
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=True, gapRel=gap))
     picks, fixed, starts = {}, {}, {}
     for j in jobs:
         chosen = [n for n in opts[j] if (y[j, n].value() or 0) > 0.5]
@@ -158,13 +160,14 @@ def _milp(options: dict[str, dict[str, Option]], free_at: list[float], time_limi
                     solve_s=time.perf_counter() - t0)
 
 
-def plan_jobs(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float) -> GangPlan:
+def plan_jobs(options: dict[str, dict[str, Option]], free_at: list[float], *, time_limit_s: float,
+              gap: float = 0.0) -> GangPlan:
     """The plan the planned scheduler follows: :func:`plan_gang`'s, or — when every option holds one slot — the
     assignment MILP's (:func:`stratum.sweep.makespan.plan_makespan`), each slot's queue started back to back."""
     if any(o.devices > 1 for opts in options.values() for o in opts.values()):
-        return plan_gang(options, free_at, time_limit_s=time_limit_s)
+        return plan_gang(options, free_at, time_limit_s=time_limit_s, gap=gap)
     flat = plan_makespan({j: {n: o.seconds for n, o in opts.items()} for j, opts in options.items()}, free_at,
-                         time_limit_s=time_limit_s)
+                         time_limit_s=time_limit_s, gap=gap)
     order = [j for queue in flat.queues for j in queue]
     picks = {j: (c.strategy, options[j][c.strategy]) for j, c in flat.choices.items()}
     placed = list_schedule(order, picks, free_at, {j: (c.slot,) for j, c in flat.choices.items()})

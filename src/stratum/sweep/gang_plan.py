@@ -37,7 +37,7 @@ class GangPlan:
     method: str
     """milp or greedy, with "+search" where the local search improved it."""
     optimal: bool
-    """The solver proved the makespan optimal."""
+    """The solver proved the makespan optimal (within the gap it was given)."""
     solve_s: float
 
 

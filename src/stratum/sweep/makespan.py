@@ -43,7 +43,7 @@ class MakespanPlan:
     method: str
     """milp, or greedy (no solver, or the solver found nothing better)."""
     optimal: bool
-    """The solver proved the makespan optimal."""
+    """The solver proved the makespan optimal (within the gap it was given)."""
     solve_s: float
     """Wall seconds spent planning."""
 
@@ -88,16 +88,17 @@ def pulp_available() -> bool:
 
 
 def plan_makespan(options: dict[str, dict[str, float]], free_at: list[float], *,
-                  time_limit_s: float) -> MakespanPlan:
-    """The best plan found within ``time_limit_s``: the MILP's if PuLP is installed and it beats greedy."""
+                  time_limit_s: float, gap: float = 0.0) -> MakespanPlan:
+    """The best plan found within ``time_limit_s``: the MILP's if PuLP is installed and it beats greedy; the solver
+    stops once its plan is proved within ``gap`` (relative) of the optimum."""
     greedy = greedy_plan(options, free_at)
     if not options or not pulp_available():
         return greedy
-    milp = _milp_plan(options, free_at, time_limit_s, greedy)
+    milp = _milp_plan(options, free_at, time_limit_s, gap, greedy)
     return milp if milp is not None and milp.makespan <= greedy.makespan + 1e-9 else greedy
 
 
-def _milp_plan(options: dict[str, dict[str, float]], free_at: list[float], time_limit_s: float,
+def _milp_plan(options: dict[str, dict[str, float]], free_at: list[float], time_limit_s: float, gap: float,
                start: MakespanPlan) -> MakespanPlan | None:
     """The MILP, warm-started from ``start``; None when CBC found no integer solution in time."""
     pulp = importlib.import_module("pulp")  # optional extra (sweep): imported only when planning
@@ -117,7 +118,7 @@ def _milp_plan(options: dict[str, dict[str, float]], free_at: list[float], time_
         ch = start.choices[j]
         var.setInitialValue(1 if (ch.slot, ch.strategy) == (s, c) else 0)
     cmax.setInitialValue(start.makespan)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=True)
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=True, gapRel=gap)
     status = prob.solve(solver)
     choices = {}
     for (j, s, c), var in x.items():

@@ -68,14 +68,15 @@ def predicted_makespan(sweep: Sweep, predict: Callable[[str], dict[str, float]],
                   for j, t in step_s.items()}
     source = "calibrated" if sweep.calibration is not None else "profiles"
     if s.scheduler == "planned" and options is not None:
-        plan = plan_jobs({j: options(j) for j in steps}, [0.0] * s.slots, time_limit_s=s.plan_time_limit_s)
+        plan = plan_jobs({j: options(j) for j in steps}, [0.0] * s.slots, time_limit_s=s.plan_time_limit_s,
+                         gap=s.plan_gap)
         return Predicted(sim=plan_schedule(plan, s.slots), source=source, plan=(plan, list(steps)))
     if s.scheduler == "sharded-lrtf":
         sim = _sharded(sweep, steps, step_s)
     else:
         sim = simulate(s.scheduler, steps, step_s, slots=s.slots,
                        segment_steps=s.segment_steps if s.scheduler == "lrtf" else 0,
-                       time_limit_s=s.plan_time_limit_s)
+                       time_limit_s=s.plan_time_limit_s, gap=s.plan_gap)
     return Predicted(sim=sim, source=source)
 
 

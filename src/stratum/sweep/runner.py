@@ -80,7 +80,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
                         memory=device_memory(s, next(iter(sweep.configs.values()))))
         else:
             policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
-                                 options=options, first_plan=predicted.plan if predicted is not None else None)
+                                 gap=s.plan_gap, options=options,
+                                 first_plan=predicted.plan if predicted is not None else None)
             expect: Expect | None = None
             if options is not None:
                 expect = lambda st: options(st.job)[st.strategy].seconds  # noqa: E731

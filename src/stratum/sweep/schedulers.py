@@ -64,10 +64,12 @@ class Planned:
     ends. Starts the jobs whose planned start has come and whose slots are all free; a job whose slots are not
     yet all free waits for them."""
 
-    def __init__(self, options: Callable[[str], dict[str, Option]], slots: int, *, time_limit_s: float):
+    def __init__(self, options: Callable[[str], dict[str, Option]], slots: int, *, time_limit_s: float,
+                 gap: float = 0.0):
         self.options = options
         self.slots = slots
         self.time_limit_s = time_limit_s
+        self.gap = gap
         self.plans: list[GangPlan] = []
         self._key: tuple | None = None
         self._planned_at = 0.0
@@ -86,7 +88,7 @@ class Planned:
         if _key(pending, running) != self._key:
             free_at = [max(0.0, running[s][1] - now) if s in running else 0.0 for s in range(self.slots)]
             self.plans.append(plan_jobs({j: self.options(j) for j in pending}, free_at,
-                                        time_limit_s=self.time_limit_s))
+                                        time_limit_s=self.time_limit_s, gap=self.gap))
             self._planned_at = now
         out: list[Start] = []
         taken: set[int] = set()
@@ -106,7 +108,7 @@ def _key(pending: list[str], running: Running) -> tuple:
 
 
 def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None, slots: int,
-                time_limit_s: float, options: Callable[[str], dict[str, Option]] | None = None,
+                time_limit_s: float, gap: float = 0.0, options: Callable[[str], dict[str, Option]] | None = None,
                 first_plan: tuple[GangPlan, list[str]] | None = None) -> Policy:
     """The policy ``name``; ``planned`` plans over ``options`` (each job's strategies), by default one slot per
     strategy of ``predict``, starting from ``first_plan`` (a plan and the jobs it was made over) if given."""
@@ -120,7 +122,7 @@ def make_policy(name: str, *, predict: Callable[[str], dict[str, float]] | None,
             assert predict is not None
             pred = predict
             options = lambda j: {n: Option(seconds=t) for n, t in pred(j).items()}  # noqa: E731
-        policy = Planned(options, slots, time_limit_s=time_limit_s)
+        policy = Planned(options, slots, time_limit_s=time_limit_s, gap=gap)
         if first_plan is not None:
             policy.adopt(*first_plan)
         return policy

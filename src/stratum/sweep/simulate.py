@@ -28,11 +28,11 @@ class SimResult:
 
 
 def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *, slots: int,
-             segment_steps: int = 0, time_limit_s: float = 10.0) -> SimResult:
+             segment_steps: int = 0, time_limit_s: float = 10.0, gap: float = 0.0) -> SimResult:
     """Run ``scheduler`` over jobs (in sweep order: ``steps``' order) on ``slots`` identical slots."""
     remaining = dict(steps)
     policy = make_policy(scheduler, predict=lambda j: {"plain": remaining[j] * step_s[j]}, slots=slots,
-                         time_limit_s=time_limit_s)
+                         time_limit_s=time_limit_s, gap=gap)
     pending = [j for j in steps if remaining[j] > 0]
     running: dict[int, tuple[str, float]] = {}
     runs: list[tuple[float, int, str, float]] = []

@@ -41,7 +41,7 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
         cluster = {j: ClusterJob(profile=profiles[j], microbatches=c.micro_batches_per_step, steps=c.train.steps)
                    for j, c in configs.items()}
         results = simulate_cluster(cluster, hardware, shard_blocks=s.shard_blocks,
-                                   time_limit_s=s.plan_time_limit_s).results
+                                   time_limit_s=s.plan_time_limit_s, gap=s.plan_gap).results
         slots = hardware.num_devices
         say(f"SIMULATED: {len(steps)} jobs on the {slots} device(s) of the hardware spec, profiled block times; "
             "nothing was run")
@@ -52,7 +52,7 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
                                    c.micro_batches_per_step) for j, c in configs.items()}
         results = {name: simulate_sharded(steps, step_s, tasks, slots=s.slots) if name == "sharded-lrtf" else
                    simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
-                            time_limit_s=s.plan_time_limit_s) for name in SCHEDULERS}
+                            time_limit_s=s.plan_time_limit_s, gap=s.plan_gap) for name in SCHEDULERS}
         slots = s.slots
         say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf slices of "
             f"{seg} steps); nothing was run")

@@ -130,6 +130,10 @@ class SweepSettings:
     an "auto" sweep wrote (calibration.json; sharded-lrtf: calibration.sharded.json)."""
     plan_time_limit_s: float = 10.0
     """planned: the MILP solver's time limit; past it the best plan found so far is used (greedy if none)."""
+    plan_gap: float = 0.01
+    """planned: the solver stops once its plan is proved within this share of the optimum (0 = prove it optimal,
+    up to plan_time_limit_s): every re-plan waits on the solver, and a dozen jobs or more seldom prove optimal
+    before the limit."""
     plans: list[str] = field(default_factory=list)
     """planned: the strategies a job may run as — "local" (one slot: the job's own config) and Plan trees over k
     slots at once, "replicate(k)" or "pipeline(k)" (k processes of threads_per_job threads, the same global
@@ -291,6 +295,7 @@ def _check_settings(s: SweepSettings) -> None:
               ("seed", s.seed >= 0, "must be ≥ 0"), ("asha_eta", s.asha_eta >= 2, "must be ≥ 2"),
               ("asha_min_steps", s.asha_min_steps >= 0, "must be ≥ 0"),
               ("plan_time_limit_s", s.plan_time_limit_s > 0, "must be > 0"),
+              ("plan_gap", 0 <= s.plan_gap < 1, "must be in [0, 1)"),
               ("shard_blocks", s.shard_blocks >= 0, "must be ≥ 1, or 0 for what fits the device budget")]
     checks += [(f.name, math.isfinite(getattr(s, f.name)), "must be a finite number")
                for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), float)]
