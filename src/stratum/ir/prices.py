@@ -50,6 +50,15 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
+def ring_link(n: int, nbytes: float, seconds: float, scalar_s: float, *, fallback_bandwidth: float) -> Link:
+    """The link on which ring all-reduces over ``n`` ranks took ``scalar_s`` for a few bytes (its 2(n − 1)
+    latencies) and ``seconds`` for ``nbytes`` more: :func:`allreduce_s` solved for the latency and the bandwidth
+    (``fallback_bandwidth`` where the latencies alone took ``seconds``: nothing to read a bandwidth from)."""
+    moving = seconds - scalar_s
+    bandwidth = 2 * (n - 1) / n * nbytes / moving if moving > 0 and nbytes > 0 else fallback_bandwidth
+    return Link(bandwidth=bandwidth, latency=scalar_s / (2 * (n - 1)))
+
+
 def bucketed_allreduce_s(nbytes: float, n: int, link: Link, bucket_bytes: float) -> float:
     """Seconds of all-reducing ``nbytes`` over ``n`` ranks as ``⌈nbytes / bucket_bytes⌉`` ring all-reduces (each
     call pays the ring's latencies; the bytes cost what one all-reduce of them costs)."""

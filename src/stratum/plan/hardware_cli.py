@@ -19,9 +19,9 @@ What ``probe`` measures, and how:
 - **disk**: the same probe's sustained write and read through the disk store's I/O path under ``--disk-dir``
   (the slower direction), a 4 KiB synced write as the latency, and the free bytes there.
 - **intra-node link**: a gloo all-reduce over those processes (at least two; with CUDA, two CPU processes): an
-  8 MiB and a 4-byte buffer, read through the ring all-reduce's price (:func:`ring_link`). The inter-node link
-  cannot be measured from one machine: the
-  spec repeats the intra-node figures and its header says so — edit them for a cluster.
+  8 MiB and a 4-byte buffer, read through the ring all-reduce's price (:func:`stratum.ir.prices.ring_link`). The
+  inter-node link cannot be measured from one machine: the spec repeats the intra-node figures and its header says
+  so — edit them for a cluster.
 
 The spec is written atomically; the header comments record the measured figures behind the relative speeds.
 """
@@ -29,6 +29,7 @@ The spec is written atomically; the header comments record the measured figures 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import socket
@@ -42,6 +43,7 @@ import torch
 from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
 from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
+from stratum.ir.prices import ring_link
 from stratum.offload.tiers import measure_bandwidths
 from stratum.plan.process_probe import probe_processes
 from stratum.runtime.device import compute_rate
@@ -107,7 +109,8 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
     bw = measure_bandwidths(dev0, disk_dir)
     host = Link(bandwidth=min(bw.h2d, bw.d2h), latency=_copy_latency(dev0))
     disk = Link(bandwidth=max(min(bw.disk_read, bw.disk_write), 1.0), latency=_disk_latency(disk_dir))
-    intra = ring_link(len(procs.rates), *procs.allreduce_s)
+    big_s, small_s = procs.allreduce_s
+    intra = ring_link(len(procs.rates), BIG - SMALL, big_s, small_s, fallback_bandwidth=math.inf)
     notes += [f"host link: h2d {bw.h2d / 1e9:.3g} GB/s, d2h {bw.d2h / 1e9:.3g} GB/s; disk: read "
               f"{bw.disk_read / 1e9:.3g} GB/s, write {bw.disk_write / 1e9:.3g} GB/s under {disk_dir}",
               f"intra_node: gloo all-reduce over {len(procs.rates)} local processes: {intra.bandwidth / 1e9:.3g} "
@@ -117,14 +120,6 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
                   disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra,
                   shared_cores=0 if torch.cuda.is_available() else usable_cores())
     return hw, notes
-
-
-def ring_link(p: int, big_s: float, small_s: float) -> Link:
-    """The link a ring all-reduce over ``p`` ranks took ``big_s`` seconds for BIG bytes and ``small_s`` for SMALL
-    bytes on: T(N) = 2(p−1)/p · N/bandwidth + 2(p−1) · latency (:func:`stratum.ir.prices.allreduce_s`)."""
-    latency = small_s / (2 * (p - 1))
-    bandwidth = 2 * (p - 1) / p * (BIG - SMALL) / max(big_s - small_s, 1e-9)
-    return Link(bandwidth=bandwidth, latency=latency)
 
 
 def _gpus(notes: list[str]) -> list[Device]:

@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from stratum.data.tokens import Batch
 from stratum.dist.launch import free_port, wait_until
 from stratum.errors import StratumError
-from stratum.ir.hardware import Hardware, Link
+from stratum.ir.hardware import Hardware
+from stratum.ir.prices import ring_link
 from stratum.model.blockseq import BlockSeq
 from stratum.parallel.split import apply_split
 from stratum.plan.process_probe import run_forked
@@ -184,19 +185,14 @@ def probe_seconds(step_s: float, n: int, cores: int) -> float:
 
 
 def as_ranks_run(hw: Hardware, probe: RankProbe) -> Hardware:
-    """``hw`` with device k's speed ``alone_s / rank_s[k]``; the intra-node link's latency the one at which a ring
-    all-reduce of a scalar over the probe's ranks takes ``scalar_s`` (its 2(p − 1) latencies), and its bandwidth the
-    one at which an all-reduce of ``grad_bytes`` takes ``allreduce_s`` at that latency
-    (:func:`stratum.ir.prices.allreduce_s` solved; the bandwidth is kept where the latencies alone take that
-    long); ``sharded_scale`` the reduce-scatter and all-gather's seconds over the all-reduce's. A device beyond
-    the probe's ranks keeps its speed."""
+    """``hw`` with device k's speed ``alone_s / rank_s[k]``; the intra-node link the ring all-reduces of a scalar
+    (``scalar_s``) and of ``grad_bytes`` (``allreduce_s``) were timed on (:func:`stratum.ir.prices.ring_link`; the
+    spec's bandwidth kept where the latencies alone take that long); ``sharded_scale`` the reduce-scatter and
+    all-gather's seconds over the all-reduce's. A device beyond the probe's ranks keeps its speed."""
     speeds = [probe.alone_s / t for t in probe.rank_s]
     devices = tuple(replace(d, speed=speeds[k]) if k < len(speeds) else d for k, d in enumerate(hw.devices))
-    p = len(probe.rank_s)
-    latency = probe.scalar_s / (2 * (p - 1)) if probe.scalar_s > 0 else hw.intra_node.latency
-    moving = probe.allreduce_s - 2 * (p - 1) * latency
-    intra = Link(bandwidth=hw.intra_node.bandwidth, latency=latency) if moving <= 0 or probe.grad_bytes == 0 else \
-        Link(bandwidth=2 * (p - 1) / p * probe.grad_bytes / moving, latency=latency)
+    intra = ring_link(len(probe.rank_s), probe.grad_bytes, probe.allreduce_s, probe.scalar_s,
+                      fallback_bandwidth=hw.intra_node.bandwidth)
     inter = intra if hw.inter_node == hw.intra_node else hw.inter_node
     scale = probe.sharded_s / probe.allreduce_s if probe.sharded_s > 0 and probe.allreduce_s > 0 else \
         hw.sharded_scale

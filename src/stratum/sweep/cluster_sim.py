@@ -22,7 +22,7 @@ from stratum.sweep.gang import plan_gang
 from stratum.sweep.gang_plan import GangPlan, Option
 from stratum.sweep.shard_lrtf import sharded_lrtf
 from stratum.sweep.shard_size import AUTO, device_shard_blocks
-from stratum.sweep.simulate import SimResult, simulate
+from stratum.sweep.simulate import SimResult, plan_schedule, simulate
 from stratum.sweep.strategies import job_options, streamed_tasks_s
 
 CLUSTER_SCHEDULERS = ("fifo", "sharded-lrtf", "planned")
@@ -74,9 +74,5 @@ def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks:
     hydra = SimResult(runs=[(t.start, t.slot, t.job, t.end) for t in tasks], makespan=span,
                       utilisation=sum(sum(c) for c in chains.values()) / (n * span) if span else 0.0)
     plan = plan_gang(options, [0.0] * n, time_limit_s=time_limit_s, gap=gap)
-    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
-    busy = sum(e - b for b, _, _, e in runs)
-    planned = SimResult(runs=runs, makespan=plan.makespan,
-                        utilisation=busy / (n * plan.makespan) if plan.makespan else 0.0)
-    return ClusterSim(results={"fifo": fifo, "sharded-lrtf": hydra, "planned": planned}, options=options, plan=plan,
-                      shard_blocks=blocks)
+    return ClusterSim(results={"fifo": fifo, "sharded-lrtf": hydra, "planned": plan_schedule(plan, n)},
+                      options=options, plan=plan, shard_blocks=blocks)

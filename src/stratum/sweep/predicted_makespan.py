@@ -30,7 +30,7 @@ from stratum.sweep.shape_cost import ShapeCalibration, shape_key
 from stratum.sweep.shard_lrtf import GiveBack, tasks_per_step
 from stratum.sweep.shard_run import device_memory
 from stratum.sweep.shard_size import job_shard_blocks
-from stratum.sweep.simulate import SimResult, simulate, simulate_sharded
+from stratum.sweep.simulate import SimResult, plan_schedule, simulate, simulate_sharded
 from stratum.sweep.slot_scheduler import DeviceMemory
 from stratum.sweep.state import PAUSED, PENDING
 
@@ -111,16 +111,8 @@ def give_back(memory: DeviceMemory, seconds: dict[str, float]) -> GiveBack | Non
 
 def plan_sim(options: dict[str, dict[str, Option]], slots: int, time_limit_s: float) -> SimResult:
     """planned's plan (:func:`stratum.sweep.gang.plan_jobs`) over the jobs' strategies on ``slots`` free slots, as
-    a schedule (:func:`plan_schedule`)."""
+    a schedule (:func:`stratum.sweep.simulate.plan_schedule`)."""
     return plan_schedule(plan_jobs(options, [0.0] * slots, time_limit_s=time_limit_s), slots)
-
-
-def plan_schedule(plan: GangPlan, slots: int) -> SimResult:
-    """A makespan plan as a schedule on ``slots`` slots: its makespan is the prediction."""
-    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
-    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
-    return SimResult(runs=runs, makespan=plan.makespan, utilisation=busy / (slots * plan.makespan)
-                     if plan.makespan else 0.0)
 
 
 def write_makespan(sweep_dir: Path, *, scheduler: str, predicted: Predicted | None,

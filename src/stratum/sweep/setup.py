@@ -21,7 +21,7 @@ from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need, offload_placement
 from stratum.sweep.segment import Backend, Segment
-from stratum.sweep.shape_cost import ShapeCalibration
+from stratum.sweep.shape_cost import ShapeCalibration, shape_key
 from stratum.sweep.shard_run import check_shardable
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import SweepState, spec_fingerprint
@@ -135,9 +135,7 @@ def _check_placement(job_id: str, cfg: Config, profile: Profile, planned: set[st
     """The offload engine places ``cfg``'s job at its budget (once per distinct model, batch and offload setting in
     ``planned``), else a one-line error naming the job and the smallest budget that works — before any job starts,
     rather than every job of that shape failing when it does."""
-    d = cfg.to_dict()
-    key = json.dumps([d["model"], d["offload"], cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.data.seq_len,
-                      cfg.train.precision, cfg.train.device], sort_keys=True)
+    key = shape_key(cfg) + json.dumps(cfg.to_dict()["offload"], sort_keys=True)
     if key in planned:
         return
     try:

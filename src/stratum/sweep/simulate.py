@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stratum.sweep.gang_plan import GangPlan
 from stratum.sweep.schedulers import make_policy
 from stratum.sweep.shard_lrtf import GiveBack, chain, makespan, sharded_lrtf
 
@@ -25,6 +26,14 @@ class SimResult:
     """Busy slot-seconds over slots × makespan."""
     give_backs: int = 0
     """sharded-lrtf: the jobs' give-backs of their device memory."""
+
+
+def plan_schedule(plan: GangPlan, slots: int) -> SimResult:
+    """A makespan plan as a schedule on ``slots`` slots: its makespan is the prediction."""
+    busy = sum((p.end - p.start) * len(p.slots) for p in plan.placed.values())
+    runs = sorted((p.start, s, j, p.end) for j, p in plan.placed.items() for s in p.slots)
+    return SimResult(runs=runs, makespan=plan.makespan, utilisation=busy / (slots * plan.makespan)
+                     if plan.makespan else 0.0)
 
 
 def simulate(scheduler: str, steps: dict[str, int], step_s: dict[str, float], *, slots: int,
