@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import replace
 
 from stratum.sweep.gang_plan import GangPlan, Option, Placed, list_schedule, makespan_of
 from stratum.sweep.gang_search import improve
@@ -74,10 +75,17 @@ def plan_gang(options: dict[str, dict[str, Option]], free_at: list[float], *, ti
     """The best plan found within about ``time_limit_s``: the greedy plan improved by local search
     (:mod:`stratum.sweep.gang_search`), then — with PuLP installed — the MILP warm-started from it, and the
     MILP's plan searched again where it is better. The solver stops once its plan is proved within ``gap``
-    (relative) of the optimum."""
+    (relative) of the optimum. ``solve_s`` is the whole time spent, whichever plan stands."""
     for job, opts in options.items():
         if not any(o.devices <= len(free_at) for o in opts.values()):
             raise ValueError(f"{job}: every option needs more than the {len(free_at)} slots")
+    t0 = time.perf_counter()
+    plan = _best_gang(options, free_at, time_limit_s, gap)
+    return replace(plan, solve_s=time.perf_counter() - t0)
+
+
+def _best_gang(options: dict[str, dict[str, Option]], free_at: list[float], time_limit_s: float,
+               gap: float) -> GangPlan:
     greedy = _searched(greedy_gang(options, free_at), options, free_at, time_limit_s)
     if not options or not pulp_available():
         return greedy
