@@ -8,7 +8,7 @@ import pytest
 
 from stratum.train.trainer import read_metrics, train
 
-from test_parallel_replicate import _same_run, _stratum
+from test_parallel_replicate import _same_run, _stratum, hf_config  # noqa: F401 (a fixture)
 
 # one sequence per micro-batch; dropout on: a recomputed block must draw the masks its first forward drew
 DROPOUT = "model.dropout=0.1"
@@ -75,3 +75,35 @@ def test_wave_over_offload_resumes_and_matches_plain(make_cfg, tmp_path):
     _same_run(tmp_path / "wave", tmp_path / "plain")
     rows = read_metrics(tmp_path / "wave")
     assert 0 < max(r["offload_device_peak_bytes"] for r in rows) <= 3_000_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("source", [
+    # built whole (a factory's own initialisation cannot be replayed block by block): the ranks keep their stages
+    ["model.source='sequential'", "model.factory='stratum.model.sequential:example_lm'"],
+    # built block by block as the memory engine packs each rank's blocks (seeded per block)
+    ["model.source='sequential'", "model.factory='stratum.model.sequential:example_lm_blocks'"],
+], ids=["whole", "block-by-block"])
+def test_pipelined_offload_of_an_nn_sequential_matches_plain(make_cfg, tmp_path, source):
+    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", *source]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=2MB))'",
+                   *common)
+    assert out.count("offload plan:") == 2
+    _same_run(tmp_path / "po", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("hf_config", ["gpt2"], indirect=True)
+def test_pipelined_offload_of_transformers_gpt2_matches_plain(make_cfg, tmp_path, hf_config):  # noqa: F811
+    """Built block by block on each rank: the head on rank 1 is tied to rank 0's embedding, whose values rank 1
+    draws for the moment as its head's chunk is packed (model.placement.stage_block_init)."""
+    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", "model.source='hf'",
+              f"model.hf_path={hf_config!r}"]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=2MB))'",
+                   *common)
+    assert out.count("offload plan:") == 2
+    _same_run(tmp_path / "po", tmp_path / "plain")

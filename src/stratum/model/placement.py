@@ -3,7 +3,9 @@
 A pipeline rank holds its stages' blocks; every other rank's blocks stay on ``meta``. Own GPT blocks are
 initialised from (seed, block index) alone, so a rank builds only its own; other sources are built whole with the
 seed and then the blocks this rank does not hold are dropped to ``meta``. Either way every rank's blocks hold the
-values the whole model would hold under the same seed.
+values the whole model would hold under the same seed. Under the memory engine a rank's blocks stay on ``meta``
+too, each given its values when the engine packs it (:func:`stage_block_init`), so no rank ever holds its stages
+whole in memory.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def localize(model: BlockSeq, keep: set[int], device: torch.device) -> BlockSeq:
 
     def make(t, is_param):
         if id(t) in keep_ids:
-            if t.device == device:
+            if t.device == device or t.is_meta:  # a lazily built block: its engine gives it storage later
                 return None
             return param_like(t, t.detach().to(device), is_param)
         if t.device.type == "meta":
@@ -98,3 +100,32 @@ def build_blocks(cfg: ModelConfig, keep: set[int], *, tokenizer_vocab: int, seq_
     del meta
     full = build_model(cfg, tokenizer_vocab=tokenizer_vocab, seq_len=seq_len, seed=seed)
     return localize(full, keep, device)
+
+
+def stage_block_init(whole: BlockSeq, mine: list[int]) -> Callable[[BlockSeq, int], None]:
+    """The ``block_init`` of a lazily built model's blocks ``mine`` as a BlockSeq of their own (its block k is
+    ``whole``'s block ``mine[k]``): block k's values from ``whole``'s initialiser. A tensor block k shares with a
+    block outside ``mine`` (the GPT head's weight, tied to the embedding) takes its values from that owner block,
+    initialised for the moment and then dropped back to ``meta`` but for the shared tensor."""
+    init = whole.block_init
+    if init is None:
+        raise ValueError("the model was not built lazily: it has no block initialiser")
+    held = set(mine)
+    owners: dict[int, set[int]] = {}  # a held block → the blocks outside ``mine`` owning a tensor it uses
+    for g in whole.tied:
+        owner = int(g.owner.split(".")[1])
+        if owner not in held:
+            for b in {int(n.split(".")[1]) for n in g.names} & held:
+                owners.setdefault(b, set()).add(owner)
+
+    def block_init(_sub: BlockSeq, k: int) -> None:
+        g = mine[k]
+        init(whole, g)
+        shared = {id(t) for t in whole.blocks[g].parameters()}
+        for o in sorted(owners.get(g, ())):
+            whole.allocate(o)
+            init(whole, o)
+            with torch.no_grad():
+                replace_tensors(whole.blocks[o], lambda t, is_param: None if id(t) in shared or t.is_meta else
+                                param_like(t, torch.empty_like(t, device="meta"), is_param))
+    return block_init

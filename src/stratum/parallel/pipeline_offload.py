@@ -27,6 +27,7 @@ from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq
+from stratum.model.placement import stage_block_init
 from stratum.offload.placement import Placement
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
@@ -122,6 +123,8 @@ class OffloadPipelineEngine(PipelineEngine):
         model, plan = self.model, self.plan
         mine = self.my_blocks
         sub = self.sub = stage_seq(model, mine)
+        if model.block_init is not None:  # built lazily: each block gets its values as the engine packs it
+            sub.block_init = stage_block_init(model, mine)
         alias = {n: g.owner for g in model.tied for n in g.names}
         self.to_global: dict[str, str] = {}
         """Canonical name in this rank's BlockSeq → canonical name in the whole model."""

@@ -23,6 +23,7 @@ Functions and methods marked *collective* must be called by every rank of the sp
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 
 from stratum.dist.world import World
 from stratum.model.blockseq import BlockSeq
+from stratum.model.placement import param_like, replace_tensors
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.split import ModuleCut, check_split, layer_cuts, localize_heads, split_blocks
@@ -171,14 +173,26 @@ class ShardLayout:
         return total + whole.to(total.device)
 
 
+def local_shape(shape: tuple[int, ...], pl: Placement, n: int) -> list[int]:
+    """The shape of one rank's shard of a tensor of ``shape`` under ``pl`` over ``n`` ranks (Shard and
+    _StridedShard alike cut their dim into n equal parts)."""
+    dim = cast(Any, pl).dim
+    return [x // n if d == dim else x for d, x in enumerate(shape)]
+
+
 def _cut_module(mod: Any, prefix: str, cut: ModuleCut, layout: ShardLayout) -> None:
-    """Replace ``mod``'s parameters by this rank's shards (rank 0's values: collective) and give it the split's
-    communication for its role."""
+    """Replace ``mod``'s parameters by this rank's shards (rank 0's values: collective; a meta parameter's shard
+    stays on meta, its values cut when the memory engine packs it) and give it the split's communication for its
+    role."""
+    n = layout.mesh.size()
     for pname, pl in cut.placements.items():
         p = getattr(mod, pname, None)
         if p is None or isinstance(pl, Replicate):
             continue
-        local = distribute_tensor(p.detach(), layout.mesh, [pl], src_data_rank=0).to_local().clone()
+        if p.is_meta:
+            local = torch.empty(local_shape(tuple(p.shape), pl, n), dtype=p.dtype, device="meta")
+        else:
+            local = distribute_tensor(p.detach(), layout.mesh, [pl], src_data_rank=0).to_local().clone()
         mod.register_parameter(pname, nn.Parameter(local, requires_grad=p.requires_grad))
         layout.placements[f"{prefix}.{pname}"] = pl
         layout.shapes[f"{prefix}.{pname}"] = tuple(p.shape)
@@ -201,6 +215,7 @@ def split_locally(model: BlockSeq, held: set[int], world: World) -> ShardLayout:
     assert group is not None  # (called for a plan with split(n > 1))
     layout = ShardLayout(mesh=DeviceMesh.from_group(group, world.device.type), comm=SplitComm(world))
     n = world.size("split")
+    whole = copy.deepcopy(model) if model.block_init is not None else None  # on meta: no memory
     for i in (b for b in split_blocks(model) if b in held):
         block = model.blocks[i]
         cuts = layer_cuts(block)
@@ -212,7 +227,30 @@ def split_locally(model: BlockSeq, held: set[int], world: World) -> ShardLayout:
             if cut.role == "column" and not any(path.startswith(e + ".") for e in entries):
                 mod.register_forward_pre_hook(_to_split_hook)
         localize_heads(block, n)
+    if whole is not None:
+        model.block_init = _shard_block_init(whole, layout)
     return layout
+
+
+def _shard_block_init(whole: BlockSeq, layout: ShardLayout) -> Callable[[BlockSeq, int], None]:
+    """The ``block_init`` of a lazily built model whose blocks :func:`split_locally` cut on meta: block i of
+    ``whole`` (its uncut twin, on meta) is given its values for the moment, this rank's shards are cut from them
+    (every rank of the group draws the same values from the seed: nothing communicated) and it goes back to meta,
+    so a rank holds at most one whole block beside its shards."""
+    init = whole.block_init
+    assert init is not None  # (a lazy build's twin)
+
+    def block_init(seq: BlockSeq, i: int) -> None:
+        whole.allocate(i)
+        init(whole, i)
+        values = dict(whole.owned_parameters(i))
+        with torch.no_grad():
+            for name, p in seq.owned_parameters(i):
+                src = values[name]
+                p.copy_(layout._cut(name, src) if name in layout.placements else src)
+            replace_tensors(whole, lambda t, is_param: None if t.is_meta else
+                            param_like(t, torch.empty_like(t, device="meta"), is_param))
+    return block_init
 
 
 def shard_shapes(model: BlockSeq, n: int) -> None:
@@ -228,8 +266,7 @@ def shard_shapes(model: BlockSeq, n: int) -> None:
                 p = getattr(mod, pname, None)
                 if p is None or isinstance(pl, Replicate):
                     continue
-                dim = cast(Any, pl).dim  # Shard and _StridedShard alike: the dim cut into n equal parts
-                shape = [x // n if d == dim else x for d, x in enumerate(p.shape)]
+                shape = local_shape(tuple(p.shape), pl, n)
                 mod.register_parameter(pname, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
                                                            requires_grad=p.requires_grad))
         localize_heads(block, n)

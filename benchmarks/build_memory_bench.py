@@ -1,0 +1,103 @@
+"""Benchmark: the host memory a rank of a plan over the memory engine needs to start and train, measured.
+
+Each plan is trained for ``--steps`` steps by ``stratum train`` (its ranks forked by the launcher, as a user
+runs it) under the memory engine's budgets its plan gives (the rest of the training state goes to the disk tier under
+``--disk-dir``); the figure is each run's ``summary.json`` peak memory — rank
+0's peak resident set on a CPU. Beside every plan, in the same round: the same plan on another checkout's code
+(``--baseline-src DIR``, before/after a change) and the training state the rank holds (its blocks' parameters,
+gradients and AdamW moments in fp32: what a rank that built its blocks whole would hold at least once).
+
+Runbook::
+
+    python benchmarks/build_memory_bench.py --baseline-src /tmp/stratum-old \\
+        [--preset gpt2-355m --plans 'pipeline(2, offload(…))' 'split(2, offload(…))' --rounds 1]
+
+Writes ``benchmarks/results/build_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# budgets near the smallest each plan's ranks fit at gpt2-355m, 1 × 64 tokens, 2 micro-batches: the rest of a
+# rank's training state goes to disk
+PLANS = ["pipeline(2, offload(device_budget=900MB, host_budget=1.2GB))",
+         "split(2, offload(device_budget=800MB, host_budget=400MB))"]
+
+
+def train(plan: str, a: argparse.Namespace, out: Path, src: str) -> dict:
+    """``plan`` trained by ``stratum train`` on the code under ``src`` (this checkout's where empty)."""
+    sets = [f"model.preset={a.preset!r}", f"data.seq_len={a.seq_len}", "train.micro_batch_size=1",
+            "train.grad_accum=2", f"train.steps={a.steps}", "train.eval_interval=0", "train.ckpt_interval=0",
+            f"data.cache_dir={a.cache_dir!r}", f"offload.disk_dir={a.disk_dir!r}", f"train.out_dir={str(out)!r}",
+            f"parallel.plan={plan!r}"]
+    argv = [sys.executable, "-m", "stratum", "train"] + [x for s in sets for x in ("--set", s)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **({"PYTHONPATH": src} if src else {}))
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3000)
+    if p.returncode != 0:
+        raise SystemExit(f"{plan}: failed\n{p.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"peak_mib": summary["peak_device_bytes"] / 2**20, "wall_s": time.perf_counter() - t0,
+            "final_loss": summary.get("final_loss")}
+
+
+def state_mib(preset: str) -> float:
+    """The model's whole training state in fp32 (parameters, gradients, two AdamW moments), MiB."""
+    from stratum.config import load_config
+    from stratum.model.build import build_model
+
+    cfg = load_config(None, [f"model.preset={preset!r}"])
+    meta = build_model(cfg.model, tokenizer_vocab=50257, seq_len=64, seed=0, device="meta")
+    return 16 * meta.num_params() / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt2-355m")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--plans", nargs="+", default=PLANS)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--baseline-src", default="", help="another checkout (its src/ is used) run beside this one")
+    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
+    ap.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "stratum-build-memory"))
+    ap.add_argument("--out", default=str(HERE / "results" / "build_memory.json"))
+    a = ap.parse_args()
+    Path(a.disk_dir).mkdir(parents=True, exist_ok=True)
+    plans = a.plans
+    sides = [("this", "")] + ([("baseline", str(Path(a.baseline_src, "src")))] if a.baseline_src else [])
+    work = Path(tempfile.mkdtemp(prefix="build-memory-"))
+    runs: dict[str, dict[str, list[dict]]] = {p: {s: [] for s, _ in sides} for p in plans}
+    for r in range(a.rounds):
+        for plan in plans:
+            for side, src in sides if r % 2 == 0 else sides[::-1]:
+                got = train(plan, a, work / f"r{r}-{len(runs[plan][side])}-{side}-{abs(hash(plan))}", src)
+                runs[plan][side].append(got)
+                print(f"round {r} {side:<8} {plan}: peak {got['peak_mib']:,.0f} MiB ({got['wall_s']:.0f} s)",
+                      flush=True)
+    whole = state_mib(a.preset)
+    rows = {p: {side: {"peak_mib": statistics.median(x["peak_mib"] for x in v), "runs": v}
+                for side, v in by_side.items()} for p, by_side in runs.items()}
+    result = {"benchmark": "build_memory", "preset": a.preset, "state_mib_whole_model": whole,
+              "steps": a.steps,
+              "baseline_src": a.baseline_src or None, "rows": rows, "argv": sys.argv[1:],
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{a.preset}: whole training state {whole:,.0f} MiB (fp32), half of it {whole / 2:,.0f} MiB")
+    for p, by_side in rows.items():
+        print(f"{p}: " + ", ".join(f"{s} {v['peak_mib']:,.0f} MiB" for s, v in by_side.items()))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
