@@ -117,7 +117,7 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         out_dir = Path(cfg.train.out_dir).expanduser()
         if world.is_main:
             prepare_out_dir(out_dir)
-        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext():
+        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext(), peers_checked(world):
             summary = _train(cfg, stop_at=stop_at, console=console, world=world)
         leave_world(world)
     return summary
