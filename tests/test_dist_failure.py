@@ -190,3 +190,18 @@ def test_a_dead_or_hung_rank_stops_every_layout_and_the_run_resumes(make_cfg, tm
         code, _, err, _ = _stratum(_args(cfg, f"parallel.plan={plan!r}", f"train.steps={ckpt.step + 2}"))
         assert code == 0, err
         assert [r["step"] for r in read_metrics(out)] == list(range(1, ckpt.step + 3))
+
+
+def test_only_the_backends_reports_of_a_failed_exchange_count_as_a_peers_failure():
+    """The trainer turns these into one line (a PeerError); any other RuntimeError is the rank's own bug and keeps
+    its traceback."""
+    import torch.distributed as dist
+
+    from stratum.dist.launch import from_backend
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset"
+    assert from_backend(RuntimeError(gloo))
+    assert from_backend(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"))
+    assert from_backend(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not from_backend(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"))
+    assert not from_backend(RuntimeError("[enforce fail at alloc_cpu.cpp:117] not enough memory"))
+    assert not from_backend(ValueError(gloo))
