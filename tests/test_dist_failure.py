@@ -1,12 +1,15 @@
 """Multi-process runs end to end through ``stratum train``: parity with the plain engine through the trainer,
-checkpoints across engines, and a dead or hung rank stopping the others with a clear error within 60 s."""
+checkpoints across engines, and a dead or hung rank stopping the others with a clear error within 60 s, under
+the pipeline engine and the other layouts (replicate with Adasum, split, split over offload, burst)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from cli_in_process import run_main
@@ -112,3 +115,93 @@ def test_dead_or_hung_rank_stops_the_others_with_a_clear_error(make_cfg, tmp_pat
     else:
         assert code == 3
     assert all(ln.startswith("stratum: error:") for ln in lines), err
+
+
+def _rank_pids(launcher: int, n: int) -> list[int] | None:
+    """The process ids of the ``n`` ranks ``stratum train`` (process ``launcher``) started, in rank order, or None
+    before they all exist: the ranks are forked from the launcher's forkserver (dist/forked.py) one after another,
+    so they are its children in start order. Read from /proc (psutil is not a dependency)."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+            if fields and int(fields[1]) == pid:
+                found.append((int(fields[19]), int(entry)))  # (start time, pid)
+        return [p for _, p in sorted(found)]
+
+    servers = [kids for child in children(launcher) if len(kids := children(child)) >= n]
+    return servers[0][:n] if servers else None
+
+
+def _lines(path: Path) -> int:
+    """Complete lines in ``path`` so far (0 before it exists)."""
+    try:
+        return path.read_text().count("\n")
+    except OSError:
+        return 0
+
+
+# Layouts beside the pipeline engine's (above): a rank killed mid-run, and a hung one under split, whose DTensor
+# collectives run inside the layers' forward and backward rather than through World.wait.
+_LAYOUTS = [("replicate(2, reduce=adasum)", "kill"), ("split(2)", "kill"), ("split(2, offload())", "kill"),
+            ("burst(2, widths=1:2:2:1)", "kill"), ("split(2)", "hang")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("plan", "mode"), _LAYOUTS, ids=[f"{p}-{m}" for p, m in _LAYOUTS])
+def test_a_dead_or_hung_rank_stops_every_layout_and_the_run_resumes(make_cfg, tmp_path, plan, mode):
+    """Rank 1 gets SIGKILL (or SIGSTOP) from outside after step 3, a checkpoint written at step 2: rank 0 stops
+    within parallel.timeout_s (+ the launcher's grace for a stopped rank) with one line, exit code 3, no
+    traceback; the checkpoints written before stay loadable and a rerun resumes from the last."""
+    out = tmp_path / "run"
+    cfg = make_cfg("train.steps=400", out=out)
+    args = _args(cfg, f"parallel.plan={plan!r}", "parallel.timeout_s=4", "train.ckpt_interval=2")
+    p = subprocess.Popen([sys.executable, "-m", "stratum", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        ranks = None
+        while p.poll() is None and not (ranks and _lines(out / "metrics.jsonl") >= 3):
+            time.sleep(0.1)
+            ranks = ranks or _rank_pids(p.pid, 2)
+        assert p.poll() is None and ranks, p.communicate()[1]
+        os.kill(ranks[1], signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+        faulted = time.monotonic()
+        err = p.communicate(timeout=60)[1]
+        after = time.monotonic() - faulted
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert after < (4 + 10 if mode == "hang" else 30), f"the other ranks took {after:.0f} s to stop after the fault"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 3 and "Traceback" not in err, err
+    assert all(ln.startswith("stratum: error:") for ln in lines), err
+    assert any(ln.startswith("stratum: error: rank 0:") and "died or hung" in ln for ln in lines), err
+    if mode == "kill":
+        assert "stratum: error: rank 1 was killed by SIGKILL" in err
+    ckpt = load_checkpoint(latest_checkpoint(out))
+    assert ckpt.step >= 2 and ckpt.step % 2 == 0
+    if mode == "hang":  # the rerun continues from that checkpoint, to two steps past it
+        code, _, err, _ = _stratum(_args(cfg, f"parallel.plan={plan!r}", f"train.steps={ckpt.step + 2}"))
+        assert code == 0, err
+        assert [r["step"] for r in read_metrics(out)] == list(range(1, ckpt.step + 3))
+
+
+def test_only_the_backends_reports_of_a_failed_exchange_count_as_a_peers_failure():
+    """The trainer turns these into one line (a PeerError); any other RuntimeError is the rank's own bug and keeps
+    its traceback."""
+    import torch.distributed as dist
+
+    from stratum.dist.launch import from_backend
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset"
+    assert from_backend(RuntimeError(gloo))
+    assert from_backend(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"))
+    assert from_backend(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not from_backend(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"))
+    assert not from_backend(RuntimeError("[enforce fail at alloc_cpu.cpp:117] not enough memory"))
+    assert not from_backend(ValueError(gloo))

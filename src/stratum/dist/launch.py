@@ -136,6 +136,15 @@ def short_reason(e: BaseException) -> str:
     return text.split(". ")[0][:160]
 
 
+def from_backend(e: BaseException) -> bool:
+    """Whether ``e`` is the process group's report of a failed exchange (a peer gone, a wait past the group's
+    timeout) rather than a fault of this rank's own: torch's ``DistError`` family (NCCL, the store), or gloo's
+    transport errors, which reach Python as plain ``RuntimeError`` with gloo's source file as their prefix."""
+    import torch.distributed as dist
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError)
+                                             and re.match(r"\[[^\]]*/gloo/", _first_line(e)) is not None)
+
+
 def wait_until(work, *, backend: str, deadline: float) -> None:
     """Wait for a ``torch.distributed`` work handle until ``deadline`` (``time.monotonic()`` seconds).
 

@@ -8,9 +8,11 @@ from the plan alone, and a rank keeps the ones it belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from stratum.dist import launch, roles
-from stratum.dist.launch import short_reason, wait_until
+from stratum.dist.launch import from_backend, short_reason, wait_until
 from stratum.errors import PeerError
 from stratum.ir.plan import Coord, Plan
 
@@ -101,6 +103,22 @@ class World:
             if self.rank in ranks:
                 mine = grp
         return mine
+
+
+@contextlib.contextmanager
+def peers_checked(world: World) -> Iterator[None]:
+    """Exchanges the engines do not wait on through :meth:`World.wait` — DTensor's collectives inside a split
+    layer's forward and backward, posting point-to-point messages to a peer already gone — fail within the
+    group's timeout (``parallel.timeout_s``) when a peer died or hung, but as the backend's bare error, with a
+    traceback: here it becomes the PeerError every other wait raises. Any other error is this rank's own and
+    passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        if world.backend == "none" or not from_backend(e):
+            raise
+        raise PeerError(f"rank {world.rank}: an exchange with the other ranks failed ({short_reason(e)}); a rank "
+                        "died or hung — stopping") from None
 
 
 def single_world(plan: Plan, device: torch.device) -> World:

@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stratum.dist.roles import is_worker
+
+if TYPE_CHECKING:
+    from stratum.dist.world import World
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -92,13 +95,16 @@ class CheckpointClock:
         self.last = time.monotonic()
 
 
-def agree(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag true on every rank if it is true on any (the identity without a multi-process group)."""
+def agree(flags: list[bool], world: World) -> list[bool]:
+    """Each flag true on every rank if it is true on any (the identity without a multi-process group).
+
+    Waited on within the world's timeout, as every collective is: a peer that died or hung between steps
+    becomes a PeerError here, not a bare gloo error (or, with NCCL, a wait without end)."""
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world.backend == "none" or dist.get_world_size() == 1:
         return flags
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=world.device)
+    world.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), "agreeing on a checkpoint or stop")
     return [bool(x) for x in t.tolist()]
 
 

@@ -22,7 +22,7 @@ from stratum.atomic import atomic_write_json, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import Dataset, prepare_data
 from stratum.data.tokens import TRAIN, VAL
-from stratum.dist.world import World, join_world, leave_world
+from stratum.dist.world import World, join_world, leave_world, peers_checked
 from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.model.blockseq import BlockSeq
@@ -117,7 +117,7 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         out_dir = Path(cfg.train.out_dir).expanduser()
         if world.is_main:
             prepare_out_dir(out_dir)
-        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext():
+        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext(), peers_checked(world):
             summary = _train(cfg, stop_at=stop_at, console=console, world=world)
         leave_world(world)
     return summary
@@ -244,7 +244,7 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
         log.write(rec)
         display.step(rec)
         # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
-        by_time, stop = agree([clock.due(), signals.requested() is not None], device)
+        by_time, stop = agree([clock.due(), signals.requested() is not None], run.world)
         if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
             state = engine.state()  # collective under a multi-process engine; full state on rank 0
             if run.world.is_main:
