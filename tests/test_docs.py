@@ -228,3 +228,23 @@ def test_doc_references_exist(doc):
             wrong += [f"`{m[0]}`: {m[1]} has no {flag}" for flag in re.findall(r"(?<!\S)--[\w-]+", m[2])
                       if f'"{flag}"' not in source]
     assert not wrong, f"{doc.name}: " + "; ".join(sorted(set(wrong)))
+
+
+def test_sweep_md_lists_every_sweep_key_with_its_default():
+    """docs/sweep.md's table of ``[sweep]`` keys: one row per key of SweepSettings, with its default."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(SweepSettings)}
+    listed = {}
+    for keys, values in re.findall(r"^\| (`\w+`(?:, `\w+`)*) \| ([^|]*) \|", (REPO / "docs" / "sweep.md").read_text(),
+                                   flags=re.M):
+        names, shown = re.findall(r"`(\w+)`", keys), [v.strip().strip("`") for v in values.split(",")]
+        listed.update(zip(names, shown if len(shown) == len(names) else [values.strip()] * len(names)))
+    assert set(listed) == set(defaults)
+    for key, shown in listed.items():
+        default = defaults[key]
+        if isinstance(default, str):
+            assert shown.strip('"') == default, key
+        elif isinstance(default, list):
+            assert shown == "[]" and default == [], key
+        else:
+            assert float(shown) == default, key
