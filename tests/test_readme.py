@@ -10,34 +10,23 @@ this test again, without end); ``.ci/run`` runs it.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from doc_blocks import bash_commands
 
 REPO = Path(__file__).resolve().parent.parent
 LINKED = ("Makefile", "pyproject.toml", ".venv", "src", "configs", "docs", "examples")
 NOT_RUN = {"make test": "the test suite itself"}
 
 
-def readme_commands(text: str) -> list[str]:
-    """The commands of the ```bash blocks: one a line, comments and blank lines left out."""
-    out = []
-    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
-        for line in block.splitlines():
-            command = line.split("  #")[0].strip()
-            if command and not command.startswith("#"):
-                out.append(command)
-    return out
-
-
-COMMANDS = readme_commands((REPO / "README.md").read_text())
+COMMANDS = bash_commands((REPO / "README.md").read_text())
 
 
 def test_the_readme_has_commands_and_each_is_found():
     assert len(COMMANDS) >= 10 and "stratum train" in COMMANDS and "make train" in COMMANDS
-    assert readme_commands("x\n```bash\na --b  # c\n# d\n\ne\n```\n```\nnot bash\n```\n") == ["a --b", "e"]
+    assert bash_commands("x\n```bash\na --b  # c\n# d\n\ne\n```\n```\nnot bash\n```\n") == ["a --b", "e"]
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ class PipelineEngine(GradEngine):
             bad = channel_order_mismatches(sched)
             if bad:  # NCCL ignores tags and pairs the messages of a channel first-in-first-out
                 raise StratumError(f"schedule {sched.name} receives messages in another order than it sends "
-                                   f"them ({bad[0]}); NCCL cannot run it: use pipeline.backend = 'gloo'")
+                                   f"them ({bad[0]}); NCCL cannot run it: use parallel.backend = 'gloo'")
         # one collective before any point-to-point (NCCL wants every rank in the group's first call) that also
         # proves every rank is alive
         world.all_reduce(torch.zeros(1, device=device), "stage_rank", "the start-up all-reduce")

@@ -296,7 +296,7 @@ class StageRuntime:
         try:
             wait_until(work, backend=self.backend, deadline=deadline)
         except TimeoutError:
-            raise PeerError(f"rank {self.rank}: no {what} within {self.timeout_s:g} s (pipeline.timeout_s); "
+            raise PeerError(f"rank {self.rank}: no {what} within {self.timeout_s:g} s (parallel.timeout_s); "
                             "that rank died or hung — stopping") from None
         except RuntimeError as e:
             msg = short_reason(e)
