@@ -1,16 +1,18 @@
-"""Benchmark: the host memory a rank of a plan over the memory engine needs to start and train, measured.
+"""Benchmark: the host memory a plan over the memory engine needs to build, train and checkpoint a model, measured.
 
-Each plan is trained for ``--steps`` steps by ``stratum train`` (its ranks forked by the launcher, as a user
-runs it) under the memory engine's budgets its plan gives (the rest of the training state goes to the disk tier under
-``--disk-dir``); the figure is each run's ``summary.json`` peak memory — rank
-0's peak resident set on a CPU. Beside every plan, in the same round: the same plan on another checkout's code
-(``--baseline-src DIR``, before/after a change) and the training state the rank holds (its blocks' parameters,
-gradients and AdamW moments in fp32: what a rank that built its blocks whole would hold at least once).
+Each plan is trained for ``--steps`` steps by ``stratum train`` (its ranks forked by the launcher, as a user runs
+it) under the budgets its offload leaf gives, the rest of the training state on the disk tier under
+``--disk-dir``, and a checkpoint written at the end. Figures: the largest process's peak resident memory, polled
+from /proc every 0.2 s, all of it and its anonymous part (file pages a process maps belong to the page cache,
+which the kernel takes back first), and rank 0's own peak from ``summary.json``. Beside every plan, in the same
+round: the same plan on another checkout's code (``--baseline-src DIR``: before/after a change), and the printed
+size of the model's whole training state in fp32 (parameters, gradients, AdamW moments).
 
 Runbook::
 
-    python benchmarks/build_memory_bench.py --baseline-src /tmp/stratum-old \\
-        [--preset gpt2-355m --plans 'pipeline(2, offload(…))' 'split(2, offload(…))' --rounds 1]
+    git archive <rev> | tar -x -C /tmp/stratum-old    # the code to compare with
+    python benchmarks/build_memory_bench.py --baseline-src /tmp/stratum-old [--preset gpt2-355m --rounds 1 \
+        --plans 'offload(…)' 'pipeline(2, offload(…))' 'split(2, offload(…))']
 
 Writes ``benchmarks/results/build_memory.json``.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,12 +33,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # budgets near the smallest each plan's ranks fit at gpt2-355m, 1 × 64 tokens, 2 micro-batches: the rest of a
 # rank's training state goes to disk
-PLANS = ["pipeline(2, offload(device_budget=900MB, host_budget=1.2GB))",
+PLANS = ["offload(device_budget=800MB, host_budget=400MB)",
+         "pipeline(2, offload(device_budget=900MB, host_budget=1.2GB))",
          "split(2, offload(device_budget=800MB, host_budget=400MB))"]
 
 
 def train(plan: str, a: argparse.Namespace, out: Path, src: str) -> dict:
-    """``plan`` trained by ``stratum train`` on the code under ``src`` (this checkout's where empty)."""
+    """``plan`` trained by ``stratum train`` on the code under ``src`` (this checkout's where empty), its
+    processes' resident memory polled from /proc: the largest process's peak, all of it and its anonymous part
+    (file pages a process maps are the page cache's, which the kernel takes back before it runs out)."""
     sets = [f"model.preset={a.preset!r}", f"data.seq_len={a.seq_len}", "train.micro_batch_size=1",
             "train.grad_accum=2", f"train.steps={a.steps}", "train.eval_interval=0", "train.ckpt_interval=0",
             f"data.cache_dir={a.cache_dir!r}", f"offload.disk_dir={a.disk_dir!r}", f"train.out_dir={str(out)!r}",
@@ -43,12 +49,52 @@ def train(plan: str, a: argparse.Namespace, out: Path, src: str) -> dict:
     argv = [sys.executable, "-m", "stratum", "train"] + [x for s in sets for x in ("--set", s)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **({"PYTHONPATH": src} if src else {}))
     t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3000)
-    if p.returncode != 0:
-        raise SystemExit(f"{plan}: failed\n{p.stderr[-3000:]}")
+    with open(out.with_suffix(".log"), "w") as log:
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        peak: dict[int, tuple[int, int]] = {}
+        while p.poll() is None:
+            for pid in descendants(p.pid):
+                rss, anon = memory_kib(pid)
+                old = peak.get(pid, (0, 0))
+                peak[pid] = (max(old[0], rss), max(old[1], anon))
+            time.sleep(0.2)
+    got = {"peak_rss_mib": max(r for r, _ in peak.values()) / 1024,
+           "peak_anon_mib": max(x for _, x in peak.values()) / 1024, "wall_s": time.perf_counter() - t0,
+           "exit_code": p.returncode}
+    if p.returncode != 0:  # (a run the kernel killed for memory is a result too: its peak so far stands)
+        got["error"] = out.with_suffix(".log").read_text()[-400:]
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        return got
     summary = json.loads((out / "summary.json").read_text())
-    return {"peak_mib": summary["peak_device_bytes"] / 2**20, "wall_s": time.perf_counter() - t0,
-            "final_loss": summary.get("final_loss")}
+    shutil.rmtree(out / "checkpoints")  # (gigabytes each: the runs would fill the disk)
+    return {**got, "summary_peak_mib": summary["peak_device_bytes"] / 2**20, "final_loss": summary.get("final_loss")}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the launcher, its forkserver, the ranks), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        found.append(q)
+        todo += children.get(q, [])
+    return found
+
+
+def memory_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS, RssAnon) of ``pid`` in KiB; zeros once it has gone."""
+    try:
+        fields = dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)
+    except OSError:
+        return 0, 0
+    return (int(fields.get("VmRSS", "0 kB").split()[0]), int(fields.get("RssAnon", "0 kB").split()[0]))
 
 
 def state_mib(preset: str) -> float:
@@ -83,10 +129,12 @@ def main() -> None:
             for side, src in sides if r % 2 == 0 else sides[::-1]:
                 got = train(plan, a, work / f"r{r}-{len(runs[plan][side])}-{side}-{abs(hash(plan))}", src)
                 runs[plan][side].append(got)
-                print(f"round {r} {side:<8} {plan}: peak {got['peak_mib']:,.0f} MiB ({got['wall_s']:.0f} s)",
+                print(f"round {r} {side:<8} {plan}: peak {got['peak_rss_mib']:,.0f} MiB resident, "
+                      f"{got['peak_anon_mib']:,.0f} MiB anonymous ({got['wall_s']:.0f} s, exit {got['exit_code']})",
                       flush=True)
     whole = state_mib(a.preset)
-    rows = {p: {side: {"peak_mib": statistics.median(x["peak_mib"] for x in v), "runs": v}
+    rows = {p: {side: {"peak_rss_mib": statistics.median(x["peak_rss_mib"] for x in v),
+                       "peak_anon_mib": statistics.median(x["peak_anon_mib"] for x in v), "runs": v}
                 for side, v in by_side.items()} for p, by_side in runs.items()}
     result = {"benchmark": "build_memory", "preset": a.preset, "state_mib_whole_model": whole,
               "steps": a.steps,
@@ -95,7 +143,8 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{a.preset}: whole training state {whole:,.0f} MiB (fp32), half of it {whole / 2:,.0f} MiB")
     for p, by_side in rows.items():
-        print(f"{p}: " + ", ".join(f"{s} {v['peak_mib']:,.0f} MiB" for s, v in by_side.items()))
+        print(f"{p}: " + ", ".join(f"{s} {v['peak_rss_mib']:,.0f} MiB ({v['peak_anon_mib']:,.0f} anonymous)"
+                                   for s, v in by_side.items()))
     print(f"wrote {a.out}")
 
 

@@ -15,7 +15,12 @@ from stratum.train.trainer import read_metrics, train
 
 
 def _final_params(out):
-    return load_file(str(latest_checkpoint(out) / "state.safetensors"))
+    """Every tensor of the run's latest checkpoint, from all its state files."""
+    ckpt = latest_checkpoint(out)
+    tensors = {}
+    for name in json.loads((ckpt / "meta.json").read_text())["files"]:
+        tensors.update(load_file(str(ckpt / name)))
+    return tensors
 
 
 BN = ("model.source='sequential'", "model.factory='stratum.model.sequential:batchnorm_lm_blocks'")
@@ -66,8 +71,7 @@ def test_fp16_skips_overflowing_steps_logs_the_scale_and_resumes_exactly(make_cf
 def test_bf16_offload_with_masters_and_moments_on_disk_resumes_exactly(make_cfg, tmp_path, capsys):
     """The offload engine on bf16 chunks with its fp32 masters and AdamW moments on disk (host budget too small for
     them), through ``train``: stopped and resumed, the losses and weights of one run straight through."""
-    args = ("train.precision='bf16'", "train.engine='offload'", "offload.device_budget='1MB'",
-            "offload.host_budget='1.2MB'", "offload.activations='recompute'", "train.steps=6")
+    args = ("train.precision='bf16'", *OFFLOAD_ON_DISK)
     train(make_cfg(*args, out=tmp_path / "a"))
     out = capsys.readouterr().out
     assert "parameters' home disk; optimizer state on disk" in out and "fp32 masters on the disk" in out
@@ -77,6 +81,54 @@ def test_bf16_offload_with_masters_and_moments_on_disk_resumes_exactly(make_cfg,
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 6
     pa, pb = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+OFFLOAD_ON_DISK = ("train.engine='offload'", "offload.device_budget='1MB'", "offload.host_budget='1.2MB'",
+                   "offload.activations='recompute'", "train.steps=6")
+
+
+def test_a_checkpoint_in_several_files_is_written_a_chunk_at_a_time_and_resumes_exactly(make_cfg, tmp_path,
+                                                                                        monkeypatch):
+    """The offload engine hands the checkpoint its state a chunk at a time (state_parts), each file is written
+    before the next chunk is read from its tier, and the files (here of about 64 KB) resume the run exactly."""
+    from safetensors.torch import save_file
+
+    import stratum.train.checkpoint as ck
+
+    monkeypatch.setattr(ck, "FILE_BYTES", 64 << 10)
+    written: list[int] = []
+
+    def counting(tensors, path, metadata=None):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr("safetensors.torch.save_file", counting)
+    args = (*OFFLOAD_ON_DISK, "offload.device_budget='1.5MB'")  # fp32 chunks
+    train(make_cfg(*args, out=tmp_path / "a"))
+    train(make_cfg(*args, out=tmp_path / "b"), stop_at=3)
+    files = json.loads((latest_checkpoint(tmp_path / "b") / "meta.json").read_text())["files"]
+    assert len(files) > 3 and list(files) == [f"state-{k:05d}.safetensors" for k in range(len(files))]
+    chunk = max(written)  # a file holds what one part (a chunk) tipped over the limit
+    assert chunk < sum(written) / 3
+    train(make_cfg(*args, out=tmp_path / "b"))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 6
+    pa, pb = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_a_checkpoint_of_format_2_resumes(make_cfg, tmp_path):
+    """A checkpoint an earlier Stratum wrote (format 2: one state.safetensors) resumes as it did."""
+    cfg = make_cfg("train.steps=4", out=tmp_path / "old")
+    train(cfg, stop_at=2)
+    ckpt = latest_checkpoint(tmp_path / "old")
+    (ckpt / "state-00000.safetensors").rename(ckpt / "state.safetensors")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta.update(format_version=2, files={"state.safetensors": file_digest(ckpt / "state.safetensors")})
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    train(make_cfg("train.steps=4", out=tmp_path / "new"))
+    assert train(cfg)["steps_this_run"] == 2
+    assert [r["loss"] for r in read_metrics(tmp_path / "old")] == [r["loss"] for r in read_metrics(tmp_path / "new")]
 
 
 def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_path):
@@ -124,8 +176,8 @@ def test_resume_false_with_checkpoints_is_refused(make_cfg, tmp_path):
 def test_corrupt_checkpoint_is_a_clear_error(make_cfg, tmp_path):
     out = tmp_path / "r"
     train(make_cfg(out=out), stop_at=2)
-    (latest_checkpoint(out) / "state.safetensors").write_bytes(b"garbage")
-    with pytest.raises(StratumError, match="state.safetensors is corrupt"):
+    (latest_checkpoint(out) / "state-00000.safetensors").write_bytes(b"garbage")
+    with pytest.raises(StratumError, match="state-00000.safetensors is corrupt"):
         train(make_cfg(out=out))
 
 
@@ -164,7 +216,7 @@ def test_a_checkpoint_without_buffers_loads_and_the_model_keeps_its_own(make_cfg
     out = tmp_path / "r"
     cfg = make_cfg("train.steps=4", *BN, out=out)
     train(cfg, stop_at=2)
-    path = latest_checkpoint(out) / "state.safetensors"
+    path = latest_checkpoint(out) / "state-00000.safetensors"
     tensors = load_file(str(path))
     full = load_checkpoint(latest_checkpoint(out)).state
     save_file({k: v for k, v in tensors.items() if not k.startswith("buffer/")}, str(path))

@@ -85,11 +85,11 @@ def test_incompatible_checkpoint_is_refused_and_kept(corpus_file, cache_dir, tmp
     out = tmp_path / "run"
     assert main(["train", *_base(corpus_file, cache_dir, out), "--stop-at", "2"]) == 0
     ckpt = latest_checkpoint(out)
-    before = (ckpt / "state.safetensors").read_bytes()
+    before = (ckpt / "state-00000.safetensors").read_bytes()
     code = main(["train", *_base(corpus_file, cache_dir, out), "--set", "model.preset='mini'"])
     err = capsys.readouterr().err
     assert code == 2 and "different model/data setup" in err and err.count("\n") == 1
-    assert (ckpt / "state.safetensors").read_bytes() == before
+    assert (ckpt / "state-00000.safetensors").read_bytes() == before
 
 
 def test_subprocess_has_no_traceback(tmp_path):

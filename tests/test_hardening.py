@@ -271,7 +271,7 @@ def test_resume_clears_what_a_killed_checkpoint_write_left(make_cfg, tmp_path):
     root = out / "checkpoints"
     os.replace(root / "step_00000002", root / ".step_00000002.old")  # killed inside atomic_replace_dir
     (root / ".tmp_step_00000003").mkdir()
-    (root / ".tmp_step_00000003" / "state.safetensors").write_bytes(b"half")
+    (root / ".tmp_step_00000003" / "state-00000.safetensors").write_bytes(b"half")
     for leftover in (root / ".latest.x1.tmp", out / ".summary.json.x2.tmp", out / ".metrics.jsonl.x3.tmp"):
         leftover.write_text("half")
     summary = train(cfg)
@@ -320,13 +320,13 @@ def _rewrite_state(ckpt: Path, change) -> None:
 
     from stratum.atomic import file_digest
 
-    path = ckpt / "state.safetensors"
+    path = ckpt / "state-00000.safetensors"
     with safe_open(str(path), framework="pt") as f:
         header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     change(tensors)
     save_file(tensors, str(path), metadata=header)
     meta = json.loads((ckpt / "meta.json").read_text())
-    _edit_meta(ckpt, files={**meta["files"], "state.safetensors": file_digest(path)})
+    _edit_meta(ckpt, files={**meta["files"], "state-00000.safetensors": file_digest(path)})
 
 
 def _drop_a_moment(tensors: dict) -> None:
@@ -338,16 +338,19 @@ def _reshape_a_matrix(tensors: dict) -> None:
     tensors[name] = tensors[name].reshape(tensors[name].shape[1], tensors[name].shape[0]).contiguous()
 
 
+STATE = "state-00000.safetensors"
 CHECKPOINT_CORRUPTIONS = {
-    "flipped bit": (lambda d: _flip_bit(d / "state.safetensors"), "state.safetensors", "SHA-256"),
-    "truncated tensors": (lambda d: _truncate(d / "state.safetensors"), "state.safetensors", "bytes where"),
+    "flipped bit": (lambda d: _flip_bit(d / STATE), STATE, "SHA-256"),
+    "truncated tensors": (lambda d: _truncate(d / STATE), STATE, "bytes where"),
     "meta step disagrees": (lambda d: _edit_meta(d, step=3), "meta.json", "says step 3, its tensors are of step 2"),
     "garbage meta": (lambda d: (d / "meta.json").write_text("{\"step\": 2,"), "meta.json", "unreadable"),
     "meta nested too deeply": (lambda d: (d / "meta.json").write_text("[" * 100_000 + "]" * 100_000), "meta.json",
                                "unreadable"),
-    "meta without checksum": (lambda d: _edit_meta(d, files={}), "meta.json", "checksum is missing"),
-    "missing optimizer tensor": (lambda d: _rewrite_state(d, _drop_a_moment), "state.safetensors", "is missing"),
-    "reshaped parameter": (lambda d: _rewrite_state(d, _reshape_a_matrix), "state.safetensors", "has shape"),
+    "meta without state files": (lambda d: _edit_meta(d, files={}), "meta.json", "list of state files is empty"),
+    "meta naming a file outside": (lambda d: _edit_meta(d, files={"../../x.safetensors": {}}), "meta.json",
+                                   "names a file outside the checkpoint"),
+    "missing optimizer tensor": (lambda d: _rewrite_state(d, _drop_a_moment), STATE, "is missing"),
+    "reshaped parameter": (lambda d: _rewrite_state(d, _reshape_a_matrix), STATE, "has shape"),
 }
 
 

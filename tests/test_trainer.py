@@ -28,7 +28,7 @@ def test_train_writes_metrics_and_loss_falls(make_cfg, tmp_path):
     assert summary["final_loss"] == recs[-1]["loss"]
     assert json.loads((out / "summary.json").read_text())["steps_done"] == 20
     assert (out / "config.toml").is_file()
-    assert (out / "checkpoints" / "step_00000020" / "state.safetensors").is_file()
+    assert (out / "checkpoints" / "step_00000020" / "state-00000.safetensors").is_file()
 
 
 @pytest.mark.parametrize("source", ["sequential", "hf"])

@@ -51,7 +51,7 @@ def to_transformers(seq: BlockSeq):
     else:
         raise StratumError(f"a {source!r}-source model cannot be exported as a transformers model (only "
                            f"{', '.join(EXPORTABLE_SOURCES)} sources have a transformers architecture); its "
-                           "checkpoint's state.safetensors holds every parameter by name")
+                           "checkpoint's state files hold every parameter by name")
     _fill(model, values)
     model.config.use_cache = True
     return model.eval()

@@ -13,7 +13,7 @@ first occurrence of a shared tensor) so that a state saved under one placement l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -91,7 +91,7 @@ def buffers_to_cpu(model: nn.Module, blocks: Iterable[int] | None = None) -> dic
     return {n: t.detach().to("cpu", copy=True) for n, t in persistent_buffers(model, blocks).items()}
 
 
-def load_buffers(model: nn.Module, values: dict[str, Tensor]) -> None:
+def load_buffers(model: nn.Module, values: Mapping[str, Tensor]) -> None:
     """Copy ``values`` (canonical name → tensor) into the model's persistent buffers of those names. A buffer the
     values do not name keeps its own value (a state saved before buffers were saved), and names the model does
     not hold here are skipped (another pipeline rank's)."""

@@ -8,6 +8,8 @@ stay in the model, on the device, and are read and written there by canonical na
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -15,7 +17,7 @@ from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.offload.chunk_state import ChunkState
 from stratum.offload.engine_state import EngineState
 from stratum.offload.tiers import DISK, aligned_empty
-from stratum.runtime.engine import TrainState
+from stratum.runtime.engine import TrainState, merge_states
 
 
 class StateIO(EngineState):
@@ -40,26 +42,35 @@ class StateIO(EngineState):
         return m.detach().cpu().clone(), v.detach().cpu().clone()
 
     def state(self) -> TrainState:
+        return merge_states(self.state_parts())
+
+    def state_parts(self) -> Iterator[TrainState]:
+        """The state a chunk at a time (its parameters and AdamW state, read from wherever they live), then the
+        frozen parameters, buffers and loss scale: a checkpoint of a model larger than RAM holds one chunk's
+        tensors at a time."""
         self._flush_pending()
+        for c in self.chunks:
+            yield self._chunk_state(c)
+        managed = {e.name for c in self.chunks for e in c.spec.entries}
+        # parameters the engine does not manage (frozen) are read from the model
+        frozen = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if n not in managed}
+        yield TrainState(params=frozen, buffers=buffers_to_cpu(self.model),
+                         scaler=self.scaler.state() if self.scaler is not None else {})
+
+    def _chunk_state(self, c: ChunkState) -> TrainState:
+        flat = self.master_params(c)
+        # (another replica holds the AdamW state of the chunks this one does not own)
+        moments = self._moments(c) if self.owns(c.i) else None
         params: dict[str, Tensor] = {}
         optim: dict[str, dict[str, Tensor]] = {}
-        for c in self.chunks:
-            flat = self.master_params(c)
-            # (another replica holds the AdamW state of the chunks this one does not own)
-            moments = self._moments(c) if self.owns(c.i) else None
-            steps = c.step_counts().tolist()
-            for e, stepv in zip(c.spec.entries, steps):
-                sl = slice(e.offset, e.offset + e.numel)
-                params[e.name] = flat[sl].view(e.shape).clone()
-                if stepv > 0 and moments is not None:  # never updated: no optimizer state, as torch's AdamW
-                    m, v = moments
-                    optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
-                                     "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
-        # parameters the engine does not manage (frozen) are read from the model
-        for n, p in self.model.named_parameters():
-            params.setdefault(n, p.detach().cpu().clone())
-        return TrainState(params=params, optim=optim, buffers=buffers_to_cpu(self.model),
-                          scaler=self.scaler.state() if self.scaler is not None else {})
+        for e, stepv in zip(c.spec.entries, c.step_counts().tolist()):
+            sl = slice(e.offset, e.offset + e.numel)
+            params[e.name] = flat[sl].view(e.shape).clone()
+            if stepv > 0 and moments is not None:  # never updated: no optimizer state, as torch's AdamW
+                m, v = moments
+                optim[e.name] = {"step": torch.tensor(stepv, dtype=torch.float32),
+                                 "exp_avg": m[sl].view(e.shape).clone(), "exp_avg_sq": v[sl].view(e.shape).clone()}
+        return TrainState(params=params, optim=optim)
 
     def set_params(self, c: ChunkState, flat: Tensor) -> None:
         """Replace ``c``'s parameters (a CPU tensor of its capacity) in every copy of them: the device slot, the

@@ -17,7 +17,7 @@ Checkpoints use the whole model's names, so they move to and from every other pl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.parallel.reduce import Pending, Reducer
 from stratum.plan.partition import inflight_from_schedule
 from stratum.profile.profile import BlockProfile, Profile
-from stratum.runtime.engine import StepResult, TrainState
+from stratum.runtime.engine import Renamed, StepResult, TrainState, merge_states
 from stratum.runtime.optim import MakeOptimizer, Optimizer
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
 from stratum.runtime.stage import StageBlocks
@@ -108,7 +108,7 @@ class OffloadPipelineEngine(PipelineEngine):
         self.cfg = leaf_config(cfg, leaf)
         self.owns = owns
         """The chunks whose AdamW state and update are this rank's (a sharding parent's choice); None: all."""
-        self.gather_optim: Callable[[dict], dict] | None = None
+        self.gather_optim: Callable[[Mapping], Mapping] | None = None
         """A sharding parent's merge of the replicas' optimizer states before the pipeline gathers its ranks'."""
         super().__init__(model, **kw)
         check_schedule(self.plan.schedule)
@@ -215,16 +215,21 @@ class OffloadPipelineEngine(PipelineEngine):
         return super().eval_loss(batches)
 
     def _local_state(self) -> TrainState:
-        st = self.leaf.state()
-        optim = {self.to_global[n]: s for n, s in st.optim.items()}
-        return TrainState(params={self.to_global[n]: t for n, t in st.params.items()},
-                          optim=self.gather_optim(optim) if self.gather_optim is not None else optim,
-                          buffers={self.to_global[n]: t for n, t in st.buffers.items()})
+        return merge_states(self._local_parts())
+
+    def _local_parts(self) -> Iterator[TrainState]:
+        """The leaf's state a chunk at a time under the whole model's names (a sharding parent's replicas'
+        AdamW state merged part by part: every replica's rank runs the same layout's parts)."""
+        for st in self.leaf.state_parts():
+            optim = {self.to_global[n]: s for n, s in st.optim.items()}
+            yield TrainState(params={self.to_global[n]: t for n, t in st.params.items()},
+                             optim=self.gather_optim(optim) if self.gather_optim is not None else optim,
+                             buffers={self.to_global[n]: t for n, t in st.buffers.items()})
 
     def load_state(self, state: TrainState) -> None:
-        mine = TrainState(params={ln: state.params[gn] for gn, ln in self.to_local.items() if gn in state.params},
-                          optim={ln: state.optim[gn] for gn, ln in self.to_local.items() if gn in state.optim},
-                          buffers={ln: state.buffers[gn] for gn, ln in self.to_local.items() if gn in state.buffers})
+        # views under this rank's names: a checkpoint's tensors are read as the leaf asks for them
+        mine = TrainState(params=Renamed(state.params, self.to_local), optim=Renamed(state.optim, self.to_local),
+                          buffers=Renamed(state.buffers, self.to_local))
         self.leaf.load_state(mine)
 
     def memory_stats(self) -> dict[str, int]:

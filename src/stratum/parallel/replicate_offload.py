@@ -23,6 +23,8 @@ collective's packed copy is what it sends).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 import torch.distributed as dist
 
@@ -96,7 +98,7 @@ class OverReplicas(AroundChild):
             if self.world.rank != src:
                 leaf.set_params(c, buf.cpu())
 
-    def _gather_optim(self, optim: dict) -> dict:
+    def _gather_optim(self, optim: Mapping) -> Mapping:
         """Every replica's AdamW state of its own chunks, merged on replica 0 (the others keep their part)."""
         if self.group is None:
             return optim
@@ -148,6 +150,17 @@ class ReplicatedOffload(OverReplicas):
         if self.node.shard:
             st.optim = self._gather_optim(st.optim)
         return st
+
+    def state_parts(self) -> Iterator[TrainState]:
+        """The child's parts; sharded, each part's AdamW state gathered from every replica (collective over the
+        replicas: every rank runs it to its end). Replica 0's parts alone are the checkpoint's."""
+        if not self.node.shard and self.index != 0:
+            return  # every replica holds the same state: replica 0's is the checkpoint
+        for part in self.child.state_parts():
+            if self.node.shard:
+                part.optim = self._gather_optim(part.optim)
+            if self.index == 0:
+                yield part
 
 
 def chunk_owner(n: int, index: int):

@@ -13,6 +13,7 @@ stage, a local leaf) without touching how that executor runs its blocks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,7 @@ class ShardedAdamW(Optimizer):
         a, b = self.offsets[name], self.offsets[name] + p.numel()
         return a < (replica + 1) * self.shard_len and b > replica * self.shard_len
 
-    def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             self.exp_avg.zero_()
             self.exp_avg_sq.zero_()

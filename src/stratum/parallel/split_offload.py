@@ -24,7 +24,7 @@ Functions and methods marked *collective* must be called by every rank of the sp
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,7 +41,7 @@ from stratum.model.placement import param_like, replace_tensors
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.split import ModuleCut, check_split, layer_cuts, localize_heads, split_blocks
-from stratum.runtime.engine import AroundChild, Engine, TrainState
+from stratum.runtime.engine import AroundChild, Engine, Mapped, TrainState
 
 
 class SplitComm:
@@ -155,8 +155,18 @@ class ShardLayout:
         return self._map(state, self._whole)
 
     def cut(self, state: TrainState) -> TrainState:
-        """A whole (saved) state with this rank's shards cut from it (nothing communicated)."""
-        return self._map(state, self._cut)
+        """A whole (saved) state with this rank's shards cut from it as each is asked for (nothing communicated:
+        a checkpoint's tensors are read and cut one at a time)."""
+        return TrainState(params=Mapped(state.params, self._cut_param), optim=Mapped(state.optim, self._cut_optim),
+                          buffers=state.buffers, scaler=state.scaler)
+
+    def _cut_param(self, name: str, t: Tensor) -> Tensor:
+        return self._cut(name, t) if name in self.placements else t
+
+    def _cut_optim(self, name: str, st: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        if name not in self.placements:
+            return st
+        return {k: self._cut(name, v) if k != "step" else v for k, v in st.items()}
 
     def sq_norm(self, norms: list[tuple[str, Tensor]]) -> Tensor:
         """Squared global norm (float64, 1-element) from this rank's per-parameter norms (collective): the shards'
@@ -288,6 +298,11 @@ class SplitOffload(AroundChild):
     def state(self) -> TrainState:
         return self.layout.whole(self.child.state())
 
+    def state_parts(self) -> Iterator[TrainState]:
+        """The child's parts made whole (collective over the split group: every rank runs it to its end)."""
+        for part in self.child.state_parts():
+            yield self.layout.whole(part)
+
     def load_state(self, state: TrainState) -> None:
         self.child.load_state(self.layout.cut(state))
 
@@ -307,8 +322,9 @@ class SplitOffloadPipeline(OffloadPipelineEngine):
         mine = [(self.to_global[ln], n) for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
         return self.reduce_norm(self.layout.sq_norm(mine).sqrt())
 
-    def _local_state(self) -> TrainState:
-        return self.layout.whole(super()._local_state())
+    def _local_parts(self) -> Iterator[TrainState]:
+        for part in super()._local_parts():  # collective over the split group: every rank, part by part
+            yield self.layout.whole(part)
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(self.layout.cut(state))

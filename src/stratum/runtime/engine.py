@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -50,16 +52,77 @@ class StepResult:
 class TrainState:
     """Everything an engine must save and restore, independent of where tensors live."""
 
-    params: dict[str, torch.Tensor]
-    """Canonical parameter name → tensor (CPU)."""
-    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    params: Mapping[str, torch.Tensor]
+    """Canonical parameter name → tensor (CPU). A mapping: a loaded checkpoint's reads each tensor from its file
+    when asked for (train/checkpoint.py), so an engine restores a model larger than RAM a tensor at a time."""
+    optim: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
     """Canonical parameter name → AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``) on the CPU."""
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Canonical persistent-buffer name (``blocks.<i>.<name>``) → tensor (CPU), e.g. BatchNorm's running statistics;
     empty for a model without buffers or a state saved before buffers were (the model then keeps its own)."""
-    scaler: dict[str, torch.Tensor] = field(default_factory=dict)
+    scaler: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """The fp16 loss scaler's ``scale`` and ``growth_tracker`` (runtime/loss_scale.py); empty without loss scaling
     (a run resumed under fp16 from such a state starts from the configured initial scale)."""
+
+
+V = TypeVar("V")
+W = TypeVar("W")
+
+
+class Renamed(Mapping[str, V]):
+    """``source``'s entries under other names — ``names`` maps a name in ``source`` to its name here; entries
+    ``source`` lacks are absent — each read from ``source`` when asked for (a checkpoint's tensors stay in their
+    files until an engine takes them)."""
+
+    def __init__(self, source: Mapping[str, V], names: Mapping[str, str]):
+        self._source = source
+        self._old = {new: old for old, new in names.items() if old in source}
+
+    def __getitem__(self, name: str) -> V:
+        return self._source[self._old[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._old
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._old)
+
+    def __len__(self) -> int:
+        return len(self._old)
+
+
+class Mapped(Mapping[str, W]):
+    """``source``'s entries, each passed through ``fn(name, value)`` when asked for."""
+
+    def __init__(self, source: Mapping[str, V], fn: Callable[[str, V], W]):
+        self._source = source
+        self._fn = fn
+
+    def __getitem__(self, name: str) -> W:
+        return self._fn(name, self._source[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+
+def merge_states(parts: Iterable[TrainState]) -> TrainState:
+    """One TrainState of disjoint parts (:meth:`Engine.state_parts`)."""
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, Mapping[str, torch.Tensor]] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    scaler: dict[str, torch.Tensor] = {}
+    for part in parts:
+        params.update(part.params)
+        optim.update(part.optim)
+        buffers.update(part.buffers)
+        scaler.update(part.scaler)
+    return TrainState(params=params, optim=optim, buffers=buffers, scaler=scaler)
 
 
 class Engine(abc.ABC):
@@ -78,6 +141,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def state(self) -> TrainState:
         """The current parameters and optimizer state, on the CPU."""
+
+    def state_parts(self) -> Iterable[TrainState]:
+        """:meth:`state` in parts whose union is the whole state, for a checkpoint written part by part: an
+        engine holding more state than RAM yields it a piece at a time (lazily); the default is one part,
+        :meth:`state` (called now: a collective under a multi-process engine)."""
+        return [self.state()]
 
     @abc.abstractmethod
     def load_state(self, state: TrainState) -> None:

@@ -21,6 +21,7 @@ whose update is not a torch optimizer (the offload engine's AdamW over chunks, w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ class ScaledAdamW(LocalAdamW):
         sd = self.scaler.state_dict()
         return scaler_state(sd["scale"], sd["_growth_tracker"])
 
-    def load_scaler(self, state: dict[str, Tensor]) -> None:
+    def load_scaler(self, state: Mapping[str, Tensor]) -> None:
         """Take :meth:`scaler_state`'s tensors (from either engine); an empty dict keeps the current scale."""
         if state:
             sd = self.scaler.state_dict()
@@ -114,7 +115,7 @@ class LossScaler:
     def state(self) -> dict[str, Tensor]:
         return scaler_state(float(self.scale), int(self.growth_tracker))
 
-    def load(self, state: dict[str, Tensor]) -> None:
+    def load(self, state: Mapping[str, Tensor]) -> None:
         """Take :meth:`state`'s tensors (from either engine); an empty dict keeps the current scale."""
         if state:
             self.scale.fill_(float(state["scale"]))

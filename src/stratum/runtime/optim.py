@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def export_state(opt: torch.optim.Optimizer,
 
 
 def import_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]],
-                 state: dict[str, dict[str, torch.Tensor]]) -> None:
+                 state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
     """Load state saved by :func:`export_state` (from any engine) into ``opt``."""
     opt.state.clear()
     for name, p in named:
@@ -69,7 +69,7 @@ class Optimizer(abc.ABC):
         """The AdamW state by canonical parameter name, on the CPU (collective for a sharded optimizer)."""
 
     @abc.abstractmethod
-    def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Take the state :meth:`export` gave (from any engine); names this optimizer lacks are ignored."""
 
     @abc.abstractmethod
@@ -98,7 +98,7 @@ class LocalAdamW(Optimizer):
     def export(self) -> dict[str, dict[str, torch.Tensor]]:
         return export_state(self.opt, self.named)
 
-    def load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         import_state(self.opt, self.named, state)
 
     def state_bytes(self) -> int:

@@ -21,7 +21,7 @@ engines and between pipeline layouts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from stratum.model.placement import localize
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, merge_states
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.stage import StageBlocks, StageRuntime
 from stratum.runtime.tensors import full_tensor
@@ -253,26 +253,33 @@ class PipelineEngine(GradEngine):
         return TrainState(params={n: full_tensor(p) for n, p in self.named}, optim=self._opt().export(),
                           buffers=buffers_to_cpu(self.model, self.my_blocks))
 
+    def _local_parts(self) -> Iterable[TrainState]:
+        """:meth:`_local_state` in parts (one here; the memory engine's leaf gives a chunk at a time)."""
+        return [self._local_state()]
+
     def state(self) -> TrainState:
-        mine = self._local_state()
-        got: list | None = [None] * self.world if self.rank == 0 else None
-        try:  # to the first rank of this pipeline (each replica's pipeline holds a whole copy)
-            if self.group is None:
-                got = [mine]
-            else:
-                dist.gather_object(mine, got, dst=self.peers[0], group=self.group)
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.rank}: gathering the training state failed ({short_reason(e)}); "
-                            "a pipeline rank died or hung — stopping") from None
-        if self.rank != 0:
-            return TrainState(params={}, optim={})
-        assert got is not None
-        full = TrainState(params={}, optim={})
-        for st in got:
-            full.params.update(st.params)
-            full.optim.update(st.optim)
-            full.buffers.update(st.buffers)
-        return full
+        return merge_states(self.state_parts())
+
+    def state_parts(self) -> Iterator[TrainState]:
+        """Every rank's parts, gathered a part from each rank at a time to the first rank of this pipeline (each
+        replica's pipeline holds a whole copy), which yields them; the others yield nothing. Collective: every
+        rank of the pipeline runs it to its end, so the first rank holds one part of each rank at a time."""
+        mine = iter(self._local_parts())
+        if self.group is None:
+            yield from mine
+            return
+        while True:
+            part = next(mine, None)
+            more = torch.tensor([float(part is not None)], device=self.device)
+            if not self.mesh.all_reduce(more, "stage_rank", "the checkpoint's parts count").item():
+                return
+            got: list | None = [None] * self.world if self.rank == 0 else None
+            try:
+                dist.gather_object(part, got, dst=self.peers[0], group=self.group)
+            except RuntimeError as e:
+                raise PeerError(f"rank {self.rank}: gathering the training state failed ({short_reason(e)}); "
+                                "a pipeline rank died or hung — stopping") from None
+            yield from (p for p in got or [] if p is not None)
 
     def load_state(self, state: TrainState) -> None:
         load_params(self.named, state)

@@ -1,17 +1,20 @@
 """Checkpoints: placement-independent training state, written atomically, refused when they do not fit.
 
-Layout: ``<out_dir>/checkpoints/step_00000123/{state.safetensors, meta.json}`` and a ``latest`` file naming the
-newest. A checkpoint directory is written under a temporary name and renamed into place, and ``latest`` is
-replaced atomically afterwards, so a kill at any moment leaves the previous checkpoint usable.
+Layout: ``<out_dir>/checkpoints/step_00000123/{state-00000.safetensors, …, meta.json}`` and a ``latest`` file
+naming the newest. A checkpoint directory is written under a temporary name and renamed into place, and
+``latest`` is replaced atomically afterwards, so a kill at any moment leaves the previous checkpoint usable.
 
 Tensors (safetensors): ``param/<name>``, ``optim/<name>/<key>``, ``buffer/<name>`` (persistent buffers such as
 running statistics; a checkpoint without them loads, and the model keeps its own), ``scaler/scale`` and
-``scaler/growth_tracker`` (the fp16 loss scaler's; absent otherwise), ``rng/cpu``, ``rng/cuda<i>``.
+``scaler/growth_tracker`` (the fp16 loss scaler's; absent otherwise), ``rng/cpu``, ``rng/cuda<i>``, in files of
+about FILE_BYTES: an engine hands over its state in parts (:meth:`Engine.state_parts`; the memory engine a chunk
+at a time, read from its tier), each written before the next is asked for, and a load reads a tensor from its
+file only when the engine asks for it — so a model whose training state is larger than RAM is saved and resumed.
 ``meta.json`` holds the step, the full config, the model fingerprint (parameter names and shapes), which a
-resume compares against the current run, and the size and SHA-256 of ``state.safetensors``; the tensor file's
-own header repeats the step. A load verifies all of it, and that the tensors are the model's (every parameter in
-its shape, every AdamW moment beside it): a flipped bit, a truncated file, a hand-edited ``meta.json`` or a
-rewritten tensor file is a one-line error naming the file, never a silently wrong resume.
+resume compares against the current run, and every state file's size and SHA-256; each file's own header
+repeats the step. A load verifies all of it, and that the tensors are the model's (every parameter in its shape,
+every AdamW moment beside it, from the files' headers): a flipped bit, a truncated file, a hand-edited
+``meta.json`` or a rewritten tensor file is a one-line error naming the file, never a silently wrong resume.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +41,16 @@ from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
 from stratum.runtime.engine import TrainState
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-"""Format 1 had no checksums: it loads with the structural checks only."""
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+"""Format 1 had no checksums: it loads with the structural checks only; formats 1 and 2 hold one state file,
+STATE_FILE."""
 STATE_FILE = "state.safetensors"
+STATE_FILES = "state-{:05d}.safetensors"
+"""Format 3's state files, numbered from 0."""
+FILE_BYTES = 256 << 20
+"""About the tensor bytes of one state file: a checkpoint is written a file at a time, so a model larger than
+RAM is saved with one file's tensors in memory (and resumed a tensor at a time: :class:`StoredTensors`)."""
 CKPT_DIR = "checkpoints"
 # Fields whose change makes a resumed run a different run: refuse them. Others (steps, lr, intervals) may change.
 _MUST_MATCH = {
@@ -59,7 +69,59 @@ class Checkpoint:
     """Optimizer steps completed: the run continues with step ``step``."""
     meta: dict
     state: TrainState
+    """Parameters and optimizer state read from the files when asked for (:class:`StoredTensors`)."""
     rng: dict[str, torch.Tensor]
+    stored: dict[str, tuple[str, list[int]]]
+    """Every tensor's key → the file holding it and its shape (from the files' headers)."""
+
+
+def _read(file: Path, keys: list[str]) -> list[torch.Tensor]:
+    """Tensors ``keys`` of one state file. The file is opened for the read and closed after it: safetensors maps
+    the whole file, and a mapping held open would keep every page a resume touched resident."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return [f.get_tensor(k) for k in keys]
+
+
+class StoredTensors(Mapping[str, torch.Tensor]):
+    """Tensors of a checkpoint by name, each read from its file when asked for (anew each time): an engine
+    restores a model larger than RAM a tensor at a time."""
+
+    def __init__(self, where: dict[str, tuple[Path, str]]):
+        self._where = where  # name → (its state file, its key there)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, key = self._where[name]
+        return _read(file, [key])[0]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class StoredOptim(Mapping[str, Mapping[str, torch.Tensor]]):
+    """A checkpoint's AdamW state by parameter name: that parameter's tensors, read when asked for."""
+
+    def __init__(self, where: dict[str, dict[str, tuple[Path, str]]]):
+        self._where = where
+
+    def __getitem__(self, name: str) -> Mapping[str, torch.Tensor]:
+        return {k: _read(file, [key])[0] for k, (file, key) in self._where[name].items()}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -82,36 +144,29 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state_all(states)
 
 
-def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config, fingerprint: dict,
+def save_checkpoint(out_dir: Path, *, step: int, parts: Iterable[TrainState], cfg: Config, fingerprint: dict,
                     keep: int) -> Path:
-    """Write the checkpoint after ``step`` completed steps; keep the ``keep`` newest. Returns its directory."""
+    """Write the checkpoint after ``step`` completed steps from the state's ``parts`` (:meth:`Engine.state_parts`:
+    each is written before the next is asked for); keep the ``keep`` newest. Returns its directory."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
-    if (bad := _first_non_finite(state.params)) is not None:
-        raise StratumError(f"parameter {bad} holds NaN or inf after step {step}; this state is not saved (the last "
-                           "good checkpoint stays): lower optim.lr or raise optim.warmup_fraction")
     root = Path(out_dir) / CKPT_DIR
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
-    tensors = {f"param/{n}": t.contiguous() for n, t in state.params.items()}
-    for n, st in state.optim.items():
-        tensors.update({f"optim/{n}/{k}": v.contiguous() for k, v in st.items()})
-    tensors.update({f"buffer/{n}": t.contiguous() for n, t in state.buffers.items()})
-    tensors.update({f"scaler/{k}": t.contiguous() for k, t in state.scaler.items()})
-    tensors.update(_rng_state())
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / STATE_FILE), metadata={"step": str(step)})
+        files = _write_state_files(tmp, step, parts)
         atomic_write_json(tmp / "meta.json", {
             "format_version": FORMAT_VERSION, "step": step, "config": cfg.to_dict(),
-            "fingerprint": fingerprint, "fingerprint_hash": fingerprint_hash(fingerprint),
-            "files": {STATE_FILE: file_digest(tmp / STATE_FILE)},
+            "fingerprint": fingerprint, "fingerprint_hash": fingerprint_hash(fingerprint), "files": files,
         })
         atomic_replace_dir(tmp, final)
         atomic_write_text(root / "latest", final.name + "\n")
+    except StratumError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except (OSError, SafetensorError, WriteError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) else e.reason if isinstance(e, WriteError) else str(e)
@@ -123,7 +178,46 @@ def save_checkpoint(out_dir: Path, *, step: int, state: TrainState, cfg: Config,
     return final
 
 
-def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+def _write_state_files(tmp: Path, step: int, parts: Iterable[TrainState]) -> dict[str, dict]:
+    """The parts' tensors in files of about FILE_BYTES each (the RNG states in the first), every file's header
+    holding the step; their names → size and SHA-256."""
+    from safetensors.torch import save_file
+
+    files: dict[str, dict] = {}
+    group: dict[str, torch.Tensor] = dict(_rng_state())
+    size = 0
+
+    def flush() -> None:
+        name = STATE_FILES.format(len(files))
+        save_file(group, str(tmp / name), metadata={"step": str(step)})
+        files[name] = file_digest(tmp / name)
+
+    for part in parts:
+        if (bad := _first_non_finite(part.params)) is not None:
+            raise StratumError(f"parameter {bad} holds NaN or inf after step {step}; this state is not saved (the "
+                               "last good checkpoint stays): lower optim.lr or raise optim.warmup_fraction")
+        for key, t in _tensors(part).items():
+            group[key] = t
+            size += t.numel() * t.element_size()
+        if size >= FILE_BYTES:
+            flush()
+            group, size = {}, 0
+    if group or not files:
+        flush()
+    return files
+
+
+def _tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    """``state``'s tensors under their checkpoint keys (see the module docstring)."""
+    tensors = {f"param/{n}": t.contiguous() for n, t in state.params.items()}
+    for n, st in state.optim.items():
+        tensors.update({f"optim/{n}/{k}": v.contiguous() for k, v in st.items()})
+    tensors.update({f"buffer/{n}": t.contiguous() for n, t in state.buffers.items()})
+    tensors.update({f"scaler/{k}": t.contiguous() for k, t in state.scaler.items()})
+    return tensors
+
+
+def _first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity; None when there is none."""
     return next((n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
 
@@ -160,44 +254,52 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read and verify a checkpoint directory; an unreadable or corrupt one is a one-line error naming the file."""
+    """Open and verify a checkpoint directory (its parameters and optimizer state are read when the state is
+    asked for them); an unreadable or corrupt one is a one-line error naming the file."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     meta = _read_meta(path)
-    try:
-        for name, want in meta.get("files", {}).items():
-            if (why := digest_mismatch(path / name, want)) is not None:
-                raise _corrupt(path / name, why)
-        with safe_open(str(path / STATE_FILE), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError) as e:
-        raise _corrupt(path / STATE_FILE, f"unreadable: {e}") from None
-    if "step" in header and header["step"] != str(meta["step"]):
-        raise _corrupt(path / "meta.json", f"it says step {meta['step']}, its tensors are of step {header['step']}")
-    params: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    scaler: dict[str, torch.Tensor] = {}
-    rng: dict[str, torch.Tensor] = {}
-    for k, v in tensors.items():
+    where: dict[str, tuple[Path, str]] = {}
+    stored: dict[str, tuple[str, list[int]]] = {}
+    for name in meta.get("files") or [STATE_FILE]:
+        file = path / name
+        try:
+            if (why := digest_mismatch(file, meta["files"][name]) if "files" in meta else None) is not None:
+                raise _corrupt(file, why)
+            with safe_open(str(file), framework="pt") as f:
+                header = f.metadata() or {}
+                for key in f.keys():
+                    where[key] = (file, key)
+                    stored[key] = (name, list(f.get_slice(key).get_shape()))
+        except (OSError, SafetensorError) as e:
+            raise _corrupt(file, f"unreadable: {e}") from None
+        if "step" in header and header["step"] != str(meta["step"]):
+            raise _corrupt(path / "meta.json", f"it says step {meta['step']}, its tensors are of step {header['step']}")
+    if "rng/cpu" not in where:
+        raise _corrupt(path / stored_file(meta), "it has no rng/cpu tensor")
+    params: dict[str, tuple[Path, str]] = {}
+    optim: dict[str, dict[str, tuple[Path, str]]] = {}
+    small: dict[str, dict[str, torch.Tensor]] = {"buffer": {}, "scaler": {}, "rng": {}}
+    for k, at in where.items():
         kind, _, rest = k.partition("/")
         if kind == "param":
-            params[rest] = v
+            params[rest] = at
         elif kind == "optim":
             name, _, key = rest.rpartition("/")
-            optim.setdefault(name, {})[key] = v
-        elif kind == "buffer":
-            buffers[rest] = v
-        elif kind == "scaler":
-            scaler[rest] = v
+            optim.setdefault(name, {})[key] = at
+        elif kind in ("buffer", "scaler"):  # small: read now
+            small[kind][rest] = _read(at[0], [at[1]])[0]
         else:
-            rng[k] = v
-    if "rng/cpu" not in rng:
-        raise _corrupt(path / STATE_FILE, "it has no rng/cpu tensor")
-    state = TrainState(params=params, optim=optim, buffers=buffers, scaler=scaler)
-    return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=rng)
+            small["rng"][k] = _read(at[0], [at[1]])[0]
+    state = TrainState(params=StoredTensors(params), optim=StoredOptim(optim), buffers=small["buffer"],
+                       scaler=small["scaler"])
+    return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=small["rng"], stored=stored)
+
+
+def stored_file(meta: dict) -> str:
+    """The name of a checkpoint's first state file."""
+    return next(iter(meta.get("files") or [STATE_FILE]))
 
 
 def _corrupt(file: Path, why: str) -> StratumError:
@@ -221,35 +323,47 @@ def _read_meta(path: Path) -> dict:
     for key, kind in types.items():
         if (key in meta or key != "files") and not isinstance(meta.get(key), kind):
             raise _corrupt(file, f"its {key!r} is missing or not a {kind.__name__}")
-    if meta["step"] < 0 or (meta["format_version"] >= 2 and STATE_FILE not in meta.get("files", {})):
+    if meta["step"] < 0 or (meta["format_version"] == 2 and STATE_FILE not in meta.get("files", {})):
         raise _corrupt(file, "its step is negative or the state file's checksum is missing")
+    if meta["format_version"] >= 3 and (not meta.get("files") or any(
+            not isinstance(n, str) or Path(n).name != n or not n.endswith(".safetensors") for n in meta["files"])):
+        raise _corrupt(file, "its list of state files is empty or names a file outside the checkpoint")
     return meta
 
 
 def check_tensors(ckpt: Checkpoint, fingerprint: dict) -> None:
     """Refuse tensors that are not the model's: a parameter missing, extra or of another shape, or an AdamW
-    moment missing or of another shape than its parameter."""
+    moment missing or of another shape than its parameter (read from the files' headers: nothing loaded)."""
     want = {n: list(s) for n, s in fingerprint["params"].items()}
-    state = ckpt.state
-    file = ckpt.path / STATE_FILE
-    if missing := sorted(want.keys() - state.params.keys()):
-        raise _corrupt(file, f"parameter {missing[0]} is missing")
-    for name, t in state.params.items():
+    stored = ckpt.stored
+
+    def file(key: str) -> Path:
+        return ckpt.path / stored[key][0]
+
+    params = {k.removeprefix("param/"): k for k in stored if k.startswith("param/")}
+    if missing := sorted(want.keys() - params.keys()):
+        raise _corrupt(ckpt.path / stored_file(ckpt.meta), f"parameter {missing[0]} is missing")
+    for name, key in params.items():
         if name not in want:
-            raise _corrupt(file, f"it holds parameter {name}, which the model has not")
-        if list(t.shape) != want[name]:
-            raise _corrupt(file, f"parameter {name} has shape {list(t.shape)}, the model's is {want[name]}")
-    keys = {k for st in state.optim.values() for k in st}
-    for name, st in state.optim.items():  # a parameter that never had a gradient has no state: not checked
+            raise _corrupt(file(key), f"it holds parameter {name}, which the model has not")
+        if stored[key][1] != want[name]:
+            raise _corrupt(file(key), f"parameter {name} has shape {stored[key][1]}, the model's is {want[name]}")
+    optim: dict[str, dict[str, str]] = {}
+    for k in stored:
+        if k.startswith("optim/"):
+            name, _, part = k.removeprefix("optim/").rpartition("/")
+            optim.setdefault(name, {})[part] = k
+    parts = {p for st in optim.values() for p in st}
+    for name, st in optim.items():  # a parameter that never had a gradient has no state: not checked
+        first = next(iter(st.values()))
         if name not in want:
-            raise _corrupt(file, f"it holds optimizer state of {name}, a parameter the model has not")
-        if lacking := sorted(keys - st.keys()):
-            raise _corrupt(file, f"optimizer tensor optim/{name}/{lacking[0]} is missing")
-        for key, t in st.items():
-            shape = want[name]
-            if key != "step" and list(t.shape) != shape:
-                raise _corrupt(file, f"optimizer tensor optim/{name}/{key} has shape {list(t.shape)}, "
-                                     f"its parameter's is {shape}")
+            raise _corrupt(file(first), f"it holds optimizer state of {name}, a parameter the model has not")
+        if lacking := sorted(parts - st.keys()):
+            raise _corrupt(file(first), f"optimizer tensor optim/{name}/{lacking[0]} is missing")
+        for part, key in st.items():
+            if part != "step" and stored[key][1] != want[name]:
+                raise _corrupt(file(key), f"optimizer tensor {key} has shape {stored[key][1]}, its parameter's is "
+                                          f"{want[name]}")
 
 
 def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[str]:

@@ -246,10 +246,14 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
         # a signal or the clock may differ between ranks; the checkpoint is a collective: decide together
         by_time, stop = agree([clock.due(), signals.requested() is not None], run.world)
         if done == end or stop or by_time or (t.ckpt_interval and done % t.ckpt_interval == 0):
-            state = engine.state()  # collective under a multi-process engine; full state on rank 0
+            # the parts come as the checkpoint writes them (rank 0's), a part of every rank at a time
+            parts = engine.state_parts()
             if run.world.is_main:
-                last_ckpt = save_checkpoint(run.out_dir, step=done, state=state, cfg=cfg,
+                last_ckpt = save_checkpoint(run.out_dir, step=done, parts=parts, cfg=cfg,
                                             fingerprint=run.fingerprint, keep=t.keep_checkpoints)
+            else:
+                for _ in parts:  # a multi-process engine's parts are collectives every rank takes part in
+                    pass
             clock.saved()
         if stop:
             return done, True, last_ckpt
