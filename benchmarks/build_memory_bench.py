@@ -47,6 +47,9 @@ def train(plan: str, a: argparse.Namespace, out: Path, src: str) -> dict:
             f"data.cache_dir={a.cache_dir!r}", f"offload.disk_dir={a.disk_dir!r}", f"train.out_dir={str(out)!r}",
             f"parallel.plan={plan!r}"]
     argv = [sys.executable, "-m", "stratum", "train"] + [x for s in sets for x in ("--set", s)]
+    if a.as_limit:  # running out of memory is then an allocation error, not the kernel's OOM killer
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        argv = ["prlimit", f"--as={int(ram * a.as_limit)}", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", **({"PYTHONPATH": src} if src else {}))
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
@@ -114,6 +117,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--plans", nargs="+", default=PLANS)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--as-limit", type=float, default=0.0,
+                    help="limit every run's address space to this fraction of RAM (prlimit), e.g. 0.9")
     ap.add_argument("--baseline-src", default="", help="another checkout (its src/ is used) run beside this one")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "stratum-bench-cache"))
     ap.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "stratum-build-memory"))

@@ -34,7 +34,7 @@ from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.parallel.reduce import Pending, Reducer
 from stratum.plan.partition import inflight_from_schedule
 from stratum.profile.profile import BlockProfile, Profile
-from stratum.runtime.engine import Renamed, StepResult, TrainState, merge_states
+from stratum.runtime.engine import StepResult, TrainState, merge_states, renamed
 from stratum.runtime.optim import MakeOptimizer, Optimizer
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
 from stratum.runtime.stage import StageBlocks
@@ -228,8 +228,8 @@ class OffloadPipelineEngine(PipelineEngine):
 
     def load_state(self, state: TrainState) -> None:
         # views under this rank's names: a checkpoint's tensors are read as the leaf asks for them
-        mine = TrainState(params=Renamed(state.params, self.to_local), optim=Renamed(state.optim, self.to_local),
-                          buffers=Renamed(state.buffers, self.to_local))
+        mine = TrainState(params=renamed(state.params, self.to_local), optim=renamed(state.optim, self.to_local),
+                          buffers=renamed(state.buffers, self.to_local))
         self.leaf.load_state(mine)
 
     def memory_stats(self) -> dict[str, int]:

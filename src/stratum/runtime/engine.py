@@ -69,28 +69,6 @@ V = TypeVar("V")
 W = TypeVar("W")
 
 
-class Renamed(Mapping[str, V]):
-    """``source``'s entries under other names — ``names`` maps a name in ``source`` to its name here; entries
-    ``source`` lacks are absent — each read from ``source`` when asked for (a checkpoint's tensors stay in their
-    files until an engine takes them)."""
-
-    def __init__(self, source: Mapping[str, V], names: Mapping[str, str]):
-        self._source = source
-        self._old = {new: old for old, new in names.items() if old in source}
-
-    def __getitem__(self, name: str) -> V:
-        return self._source[self._old[name]]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._old
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._old)
-
-    def __len__(self) -> int:
-        return len(self._old)
-
-
 class Mapped(Mapping[str, W]):
     """``source``'s entries, each passed through ``fn(name, value)`` when asked for."""
 
@@ -109,6 +87,13 @@ class Mapped(Mapping[str, W]):
 
     def __len__(self) -> int:
         return len(self._source)
+
+
+def renamed(source: Mapping[str, V], names: Mapping[str, str]) -> Mapping[str, V]:
+    """``source``'s entries under other names — ``names`` maps a name in ``source`` to its name here; entries
+    ``source`` lacks are absent — each read from ``source`` when asked for (a checkpoint's tensors stay in their
+    files until an engine takes them)."""
+    return Mapped({new: old for old, new in names.items() if old in source}, lambda _new, old: source[old])
 
 
 def merge_states(parts: Iterable[TrainState]) -> TrainState:

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from stratum.atomic import (
 )
 from stratum.config import Config, config_from_dict
 from stratum.errors import StratumError
-from stratum.runtime.engine import TrainState
+from stratum.runtime.engine import Mapped, TrainState
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
@@ -50,7 +50,7 @@ STATE_FILES = "state-{:05d}.safetensors"
 """Format 3's state files, numbered from 0."""
 FILE_BYTES = 256 << 20
 """About the tensor bytes of one state file: a checkpoint is written a file at a time, so a model larger than
-RAM is saved with one file's tensors in memory (and resumed a tensor at a time: :class:`StoredTensors`)."""
+RAM is saved with one file's tensors in memory (and resumed a tensor at a time: :func:`stored_tensors`)."""
 CKPT_DIR = "checkpoints"
 # Fields whose change makes a resumed run a different run: refuse them. Others (steps, lr, intervals) may change.
 _MUST_MATCH = {
@@ -69,59 +69,30 @@ class Checkpoint:
     """Optimizer steps completed: the run continues with step ``step``."""
     meta: dict
     state: TrainState
-    """Parameters and optimizer state read from the files when asked for (:class:`StoredTensors`)."""
+    """Parameters and optimizer state read from the files when asked for (:func:`stored_tensors`)."""
     rng: dict[str, torch.Tensor]
     stored: dict[str, tuple[str, list[int]]]
     """Every tensor's key → the file holding it and its shape (from the files' headers)."""
 
 
-def _read(file: Path, keys: list[str]) -> list[torch.Tensor]:
-    """Tensors ``keys`` of one state file. The file is opened for the read and closed after it: safetensors maps
+def _read(file: Path, key: str) -> torch.Tensor:
+    """Tensor ``key`` of one state file. The file is opened for the read and closed after it: safetensors maps
     the whole file, and a mapping held open would keep every page a resume touched resident."""
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as f:
-        return [f.get_tensor(k) for k in keys]
+        return f.get_tensor(key)
 
 
-class StoredTensors(Mapping[str, torch.Tensor]):
-    """Tensors of a checkpoint by name, each read from its file when asked for (anew each time): an engine
-    restores a model larger than RAM a tensor at a time."""
-
-    def __init__(self, where: dict[str, tuple[Path, str]]):
-        self._where = where  # name → (its state file, its key there)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        file, key = self._where[name]
-        return _read(file, [key])[0]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
+def stored_tensors(where: dict[str, tuple[Path, str]]) -> Mapping[str, torch.Tensor]:
+    """Tensors of a checkpoint by name (``where``: name → its state file and key there), each read from its file
+    when asked for, anew each time: an engine restores a model larger than RAM a tensor at a time."""
+    return Mapped(where, lambda _name, at: _read(*at))
 
 
-class StoredOptim(Mapping[str, Mapping[str, torch.Tensor]]):
+def stored_optim(where: dict[str, dict[str, tuple[Path, str]]]) -> Mapping[str, Mapping[str, torch.Tensor]]:
     """A checkpoint's AdamW state by parameter name: that parameter's tensors, read when asked for."""
-
-    def __init__(self, where: dict[str, dict[str, tuple[Path, str]]]):
-        self._where = where
-
-    def __getitem__(self, name: str) -> Mapping[str, torch.Tensor]:
-        return {k: _read(file, [key])[0] for k, (file, key) in self._where[name].items()}
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
+    return Mapped(where, lambda _name, keys: {k: _read(*at) for k, at in keys.items()})
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -289,10 +260,10 @@ def load_checkpoint(path: Path) -> Checkpoint:
             name, _, key = rest.rpartition("/")
             optim.setdefault(name, {})[key] = at
         elif kind in ("buffer", "scaler"):  # small: read now
-            small[kind][rest] = _read(at[0], [at[1]])[0]
+            small[kind][rest] = _read(*at)
         else:
-            small["rng"][k] = _read(at[0], [at[1]])[0]
-    state = TrainState(params=StoredTensors(params), optim=StoredOptim(optim), buffers=small["buffer"],
+            small["rng"][k] = _read(*at)
+    state = TrainState(params=stored_tensors(params), optim=stored_optim(optim), buffers=small["buffer"],
                        scaler=small["scaler"])
     return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=small["rng"], stored=stored)
 
