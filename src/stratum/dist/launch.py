@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import ForkedRank
@@ -140,7 +141,6 @@ def from_backend(e: BaseException) -> bool:
     """Whether ``e`` is the process group's report of a failed exchange (a peer gone, a wait past the group's
     timeout) rather than a fault of this rank's own: torch's ``DistError`` family (NCCL, the store), or gloo's
     transport errors, which reach Python as plain ``RuntimeError`` with gloo's source file as their prefix."""
-    import torch.distributed as dist
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError)
                                              and re.match(r"\[[^\]]*/gloo/", _first_line(e)) is not None)
 

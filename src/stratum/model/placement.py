@@ -56,13 +56,23 @@ def localize(model: BlockSeq, keep: set[int], device: torch.device) -> BlockSeq:
             if t.device == device or t.is_meta:  # a lazily built block: its engine gives it storage later
                 return None
             return param_like(t, t.detach().to(device), is_param)
-        if t.device.type == "meta":
-            return None
-        return param_like(t, torch.empty_like(t, device="meta"), is_param)
+        return on_meta(t, is_param)
 
     with torch.no_grad():
         replace_tensors(model, make)
     return model
+
+
+def on_meta(t: torch.Tensor, is_param: bool) -> torch.Tensor | None:
+    """``t`` moved to ``meta`` (its memory freed), for :func:`replace_tensors`; None where it is there already."""
+    return None if t.is_meta else param_like(t, torch.empty_like(t, device="meta"), is_param)
+
+
+def drop_to_meta(module: nn.Module, keep: frozenset[int] = frozenset()) -> None:
+    """Every tensor of ``module`` back to ``meta`` but those whose ``id`` is in ``keep`` (shared with blocks that
+    stay)."""
+    with torch.no_grad():
+        replace_tensors(module, lambda t, is_param: None if id(t) in keep else on_meta(t, is_param))
 
 
 def materialize_gpt(model: BlockSeq, keep: set[int], seed: int, device: torch.device) -> BlockSeq:
@@ -121,11 +131,9 @@ def stage_block_init(whole: BlockSeq, mine: list[int]) -> Callable[[BlockSeq, in
     def block_init(_sub: BlockSeq, k: int) -> None:
         g = mine[k]
         init(whole, g)
-        shared = {id(t) for t in whole.blocks[g].parameters()}
+        shared = frozenset(id(t) for t in whole.blocks[g].parameters())
         for o in sorted(owners.get(g, ())):
             whole.allocate(o)
             init(whole, o)
-            with torch.no_grad():
-                replace_tensors(whole.blocks[o], lambda t, is_param: None if id(t) in shared or t.is_meta else
-                                param_like(t, torch.empty_like(t, device="meta"), is_param))
+            drop_to_meta(whole.blocks[o], shared)
     return block_init

@@ -24,7 +24,7 @@ from stratum.errors import StratumError
 from stratum.ir.plan import Offload, Plan, render
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
-from stratum.model.placement import build_blocks, localize
+from stratum.model.placement import build_blocks
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.setup import offload_engine, placement_for
 from stratum.parallel.burst import check_burst_model
@@ -82,13 +82,11 @@ def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int,
     if plan.pipeline is None:
         return build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                            lazy=lazy), None
-    if lazy:  # the stage's blocks get their values as the memory engine packs them
+    if lazy:  # the stage's blocks get their values as the memory engine packs them (the pipeline engine keeps
+        # only its stages of a source that cannot be built block by block)
         model = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                             lazy=True)
-        pplan = plan_pipeline(plan.pipeline, model, t.grad_accum, stage_speeds(speeds, plan))
-        if model.block_init is None:  # a source that cannot be built block by block came whole: keep the stages
-            localize(model, set(pplan.blocks_of(world.coord.stage_rank)), world.device)
-        return model, pplan
+        return model, plan_pipeline(plan.pipeline, model, t.grad_accum, stage_speeds(speeds, plan))
     meta = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=t.seed,
                        device="meta")
     pplan = plan_pipeline(plan.pipeline, meta, t.grad_accum, stage_speeds(speeds, plan))

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 
 from stratum.dist.world import World
 from stratum.model.blockseq import BlockSeq
-from stratum.model.placement import param_like, replace_tensors
+from stratum.model.placement import drop_to_meta
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.split import ModuleCut, check_split, layer_cuts, localize_heads, split_blocks
@@ -258,8 +258,7 @@ def _shard_block_init(whole: BlockSeq, layout: ShardLayout) -> Callable[[BlockSe
             for name, p in seq.owned_parameters(i):
                 src = values[name]
                 p.copy_(layout._cut(name, src) if name in layout.placements else src)
-            replace_tensors(whole, lambda t, is_param: None if t.is_meta else
-                            param_like(t, torch.empty_like(t, device="meta"), is_param))
+        drop_to_meta(whole)
     return block_init
 
 
