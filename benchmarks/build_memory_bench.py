@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 # budgets near the smallest each plan's ranks fit at gpt2-355m, 1 × 64 tokens, 2 micro-batches: the rest of a
 # rank's training state goes to disk
 PLANS = ["offload(device_budget=800MB, host_budget=400MB)",
-         "pipeline(2, offload(device_budget=900MB, host_budget=1.2GB))",
+         "pipeline(2, offload(device_budget=800MB, host_budget=400MB))",
          "split(2, offload(device_budget=800MB, host_budget=400MB))"]
 
 

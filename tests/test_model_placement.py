@@ -9,7 +9,6 @@ import torch
 from stratum.config import ModelConfig
 from stratum.model.build import build_model
 from stratum.model.placement import localize, stage_block_init
-from stratum.parallel.pipeline_offload import stage_seq
 
 
 @pytest.mark.parametrize("mine", [[0, 1], [3, 4, 5], [5]])
@@ -20,7 +19,7 @@ def test_a_lazy_stage_gets_the_eager_values_block_by_block(mine):
     localize(whole, set(mine), torch.device("cpu"))  # a lazy rank's blocks stay on meta
     assert all(p.is_meta for p in whole.parameters())
     alias = {n: g.owner for g in whole.tied for n in g.names}  # the head's weight is the embedding's
-    sub = stage_seq(whole, mine)
+    sub = whole.part(mine)
     sub.block_init = stage_block_init(whole, mine)
     for k, g in enumerate(mine):
         sub.allocate(k)

@@ -8,7 +8,7 @@ import torch
 from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
 from stratum.offload.belady import NextUse, Traffic, simulate_step
-from stratum.offload.chunks import pack
+from stratum.offload.chunks import pack, pinned_names
 from stratum.units import fmt_bytes, parse_budget, parse_bytes
 
 
@@ -50,6 +50,23 @@ def test_pack_first_use_order_decay_first_and_tied_private_chunk():
     firsts = [min(c for c in cs if c != 0) for cs in lay.block_chunks if [c for c in cs if c != 0]]
     assert firsts == sorted(firsts)
     assert lay.ready_block[0] == 0
+
+
+def test_a_pipeline_ranks_tie_to_another_rank_is_pinned_only_where_chunks_are_smaller_than_it():
+    """Block 0 alone (GPT's embedding, tied to the head in the last block): its embedding is tied elsewhere. It
+    streams in a chunk that holds it; with smaller chunks it is pinned, so the chunk size is not bound to it."""
+    whole = build_gpt("tiny", vocab_size=4096, seed=0, device="meta")
+    first, last = whole.part([0]), whole.part([len(whole) - 1])
+    emb = "blocks.0." + whole.tied[0].owner.split(".", 2)[2]
+    assert first.tied == [] and first.tied_elsewhere == {emb} and len(last.tied_elsewhere) == 1
+    assert whole.part([0, len(whole) - 1]).tied_elsewhere == frozenset()  # both holders: a tie of its own
+    n_emb = dict(first.named_parameters())[emb].numel()
+    big = pack(first, n_emb)
+    assert not any(c.tied for c in big.chunks) and pinned_names(first, n_emb) == set()
+    small = pack(first, n_emb // 4)
+    assert small.chunks[0].tied and [e.name for e in small.chunks[0].entries] == [emb]
+    assert [e.name for c in small.chunks[1:] for e in c.entries] == [n for n in dict(first.named_parameters())
+                                                                      if n != emb]
 
 
 def test_chunk_smaller_than_a_parameter_is_refused():

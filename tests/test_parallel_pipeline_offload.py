@@ -57,6 +57,21 @@ def test_pipelined_offload_matches_plain(make_cfg, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_tie_to_another_rank_pinned_matches_plain(make_cfg, tmp_path):
+    """An embedding (1024 × 128) larger than the chunks (64 Ki elements, the largest other parameter): each
+    rank pins its holder of the tied tensor (BlockSeq.tied_elsewhere) instead of streaming it, sums it with
+    the other rank's after the schedule, and the run equals the plain engine's."""
+    common = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'", "model.vocab_size=1024",
+              "train.grad_accum=2", DROPOUT]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=6MB))'",
+                   *common, f"offload.chunk_size='{64 * 1024 * 4}B'", f"offload.disk_dir={str(tmp_path)!r}")
+    assert out.count("offload plan:") == 2 and out.count("+ tied tensors pinned (512.00 KiB)") == 2
+    _same_run(tmp_path / "po", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_wave_over_offload_resumes_and_matches_plain(make_cfg, tmp_path):
     """The wave schedule puts the embedding and the head (one tied tensor) on rank 0; no clipping (chunks update
     inside the backward), AdamW's moments on disk, the in-flight micro-batches' block inputs spilled to the host

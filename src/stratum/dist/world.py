@@ -9,10 +9,12 @@ from the plan alone, and a rank keeps the ones it belongs to.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import functools
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -93,6 +95,39 @@ class World:
         self.wait(dist.broadcast(buf, src=src, group=grp, async_op=True), f"sharing {what}")
         return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
 
+    def gather_to_first(self, obj: _T, dim: str, what: str) -> list[_T] | None:
+        """Every member's ``obj`` along ``dim`` (a structure of mappings and dataclasses holding CPU tensors, or
+        None), in member order, on the first member; None on the others. The structure around the tensors is
+        pickled; each tensor travels by itself, point to point, received into a tensor of its own — so the first
+        member holds what it gathers once, not also as pickled bytes and their copies (which ``gather_object``
+        makes). Every message is waited on up to the timeout."""
+        grp = self.group(dim)
+        if grp is None:
+            return [obj]
+        first = self.members[dim][0]
+        if self.rank != first:
+            tensors: list[torch.Tensor] = []
+            skeleton = pickle.dumps(_strip(obj, tensors))
+            size = torch.tensor([len(skeleton)], dtype=torch.int64)
+            for t in (size, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), *tensors):
+                self.wait(dist.isend(t.contiguous().to(self.device), dst=first), f"sending {what}")
+            return None
+        got: list = [obj]
+        for src in self.members[dim][1:]:
+            size = self._recv(torch.empty(1, dtype=torch.int64), src, what)
+            skeleton = pickle.loads(self._recv(torch.empty(int(size), dtype=torch.uint8), src, what).numpy().tobytes())
+            got.append(_fill(skeleton, functools.partial(self._recv_slot, src=src, what=what)))
+        return got
+
+    def _recv_slot(self, slot: _Slot, *, src: int, what: str) -> torch.Tensor:
+        return self._recv(torch.empty(slot.shape, dtype=slot.dtype), src, what)
+
+    def _recv(self, buf: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        """``buf`` filled by rank ``src``'s next message (on the CPU)."""
+        dev = buf.to(self.device)
+        self.wait(dist.irecv(dev, src=src), f"receiving {what} from rank {src}")
+        return dev.cpu()
+
     def subgroup(self, dim: str, positions: list[int]):
         """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),
         created for every slice of the mesh so that every rank takes part; this rank's, or None."""
@@ -103,6 +138,40 @@ class World:
             if self.rank in ranks:
                 mine = grp
         return mine
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a structure :meth:`World.gather_to_first` sends: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(obj, tensors: list[torch.Tensor]):
+    """``obj`` with every tensor replaced by its _Slot (the tensors appended to ``tensors``, in order)."""
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(tuple(t.shape), t.dtype)
+    return _replaced(obj, torch.Tensor, slot)
+
+
+def _fill(obj, tensor: Callable[[_Slot], torch.Tensor]):
+    """:func:`_strip`'s structure with each _Slot replaced by ``tensor(slot)``, in the order _strip met them."""
+    return _replaced(obj, _Slot, tensor)
+
+
+def _replaced(obj, kind: type, leaf: Callable):
+    """``obj`` (mappings and dataclasses, nested) with every value of type ``kind`` replaced by ``leaf(value)``,
+    depth first in the structure's order."""
+    if isinstance(obj, kind):
+        return leaf(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _replaced(getattr(obj, f.name), kind, leaf)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, Mapping):
+        return {k: _replaced(v, kind, leaf) for k, v in obj.items()}
+    return obj
 
 
 @contextlib.contextmanager

@@ -112,10 +112,29 @@ def _finish(spec: ChunkSpec, items: list[tuple[str, nn.Parameter]]) -> ChunkSpec
     return spec
 
 
+def pinned_names(seq: BlockSeq, chunk_elems: int) -> set[str]:
+    """Parameters packed into the pinned chunk (ChunkSpec.tied), never streamed: tied ones (their gradient has
+    contributions from several blocks at different times), and those tied to blocks outside ``seq``
+    (BlockSeq.tied_elsewhere) that are larger than ``chunk_elems``. Those complete after the other holders' part
+    is summed in, and stream as well as any other where a chunk holds them; pinned, they no longer set the
+    smallest chunk — GPT-2's 50k × d embedding, tied to the head on another pipeline rank, would make every
+    chunk of its rank as large as it."""
+    return {g.owner for g in seq.tied} | {n for n, p in param_order(seq)
+                                           if n in seq.tied_elsewhere and p.numel() > chunk_elems}
+
+
+def streamed_sizes(seq: BlockSeq) -> tuple[list[int], list[int]]:
+    """Element counts of the parameters a layout may stream: those every layout streams, and those tied to
+    blocks outside ``seq``, which it streams where its chunks hold them (:func:`pinned_names`)."""
+    tied = {g.owner for g in seq.tied}
+    order = [(n, p.numel()) for n, p in param_order(seq) if n not in tied]
+    return ([k for n, k in order if n not in seq.tied_elsewhere], [k for n, k in order if n in seq.tied_elsewhere])
+
+
 def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     """The chunk layout of ``seq`` with chunks of ``chunk_elems`` fp32 elements, rounded up to a multiple of
     ALIGN_ELEMS (works on meta models)."""
-    tied_names = {g.owner for g in seq.tied}
+    tied_names = pinned_names(seq, chunk_elems)
     order = param_order(seq)
     biggest = max((p.numel() for n, p in order if n not in tied_names), default=0)
     if chunk_elems < biggest:

@@ -21,7 +21,7 @@ from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import RING
-from stratum.offload.chunks import Layout, pack, param_order
+from stratum.offload.chunks import Layout, pack, param_order, streamed_sizes
 from stratum.offload.grad_handoff import per_chunk
 from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
 from stratum.offload.step_model import half_chunks, predict, predict_placement, slot_bytes
@@ -111,18 +111,21 @@ def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool, bw: 
 
 
 def _chunk_candidates(seq: BlockSeq) -> list[int]:
-    tied = {g.owner for g in seq.tied}
-    params = [p.numel() for n, p in param_order(seq) if n not in tied]
-    if not params:
-        return [1]
-    biggest = max(params)
-    total = sum(params)
-    cands = {biggest}
-    for n in (2, 4, 8, 16, 32, 64, 128):
-        cands.add(max(biggest, -(-total // n)))
-    for f in (1.02, 1.1, 1.5, 2.0, 3.0):  # a little slack lets small params (norms, biases) share a big one's chunk
-        cands.add(int(biggest * f))
-    return sorted(cands)
+    """Chunk sizes to try: from the largest streamed parameter up to an eighth of them all; with parameters tied
+    to blocks outside ``seq`` both streamed (chunks at least their size) and pinned (:func:`pinned_names`)."""
+    always, apart = streamed_sizes(seq)
+    cands: set[int] = set()
+    for params in {tuple(always), tuple(always + apart)}:
+        if not params:
+            continue
+        biggest = max(params)
+        total = sum(params)
+        cands.add(biggest)
+        for n in (2, 4, 8, 16, 32, 64, 128):
+            cands.add(max(biggest, -(-total // n)))
+        for f in (1.02, 1.1, 1.5, 2.0, 3.0):  # a little slack lets small params (norms, biases) share a big one's chunk
+            cands.add(int(biggest * f))
+    return sorted(cands) or [1]
 
 
 def choose(fits: list[tuple[float, tuple, Placement]], slow=None):
@@ -245,6 +248,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
+        pinned_elems=sum(c.capacity for c in t.layout.chunks if c.tied),
         inflight=job.inflight, half_params=t.half, chunk_grads=job.chunks_down(t.half),
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 

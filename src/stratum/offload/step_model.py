@@ -194,7 +194,9 @@ def _peaks(c: _Candidate, act: float) -> dict[str, float]:
     # a pinned chunk: parameters and gradients, or (``half``) its 16-bit parameters only
     dev: float = (sum((HALF if c.half else 8) * ch.capacity for ch in pinned)
                   + c.slots * slot_bytes(C, c.opt, c.ptier, c.bw, c.half) + act)
-    if c.n_micro > 1 and not c.half:  # a tied chunk's per-micro-batch gradient buffer (same rounding as plain)
+    # a tied chunk's per-micro-batch gradient buffer (same rounding as plain; a pipeline rank's stages accumulate
+    # in place)
+    if c.n_micro > 1 and not c.half and not c.inflight:
         dev += sum(4 * ch.capacity for ch in chunks if ch.tied)
     host: float = 0
     disk: float = 0

@@ -47,10 +47,6 @@ def leaf_config(cfg: Config, leaf: Offload) -> Config:
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets))
 
 
-def stage_seq(model: BlockSeq, mine: list[int]) -> BlockSeq:
-    """A pipeline rank's blocks (``mine``, global indices) as a BlockSeq of their own."""
-    return BlockSeq([model.blocks[g] for g in mine], model.loss_fn, model.info,
-                    block_names=[model.block_names[g] for g in mine])
 
 
 def stage_inflight(plan: PipelinePlan, mine: list[int]) -> tuple[int, ...]:
@@ -87,7 +83,7 @@ def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[
     """The placement of a pipeline rank's blocks ``mine`` under ``cfg.offload``, from the whole model's profile:
     its in-flight micro-batches' activations kept, checkpointed or spilled, as the planner finds fastest within
     the budgets (Placement.inflight)."""
-    sub = stage_seq(model, mine)
+    sub = model.part(mine)
     return placement_for(cfg, sub, device, profile=stage_profile(prof, plan, mine, sub),
                          inflight=stage_inflight(plan, mine))
 
@@ -122,7 +118,7 @@ class OffloadPipelineEngine(PipelineEngine):
     def _stage_runner(self) -> StageBlocks:
         model, plan = self.model, self.plan
         mine = self.my_blocks
-        sub = self.sub = stage_seq(model, mine)
+        sub = self.sub = model.part(mine)
         if model.block_init is not None:  # built lazily: each block gets its values as the engine packs it
             sub.block_init = stage_block_init(model, mine)
         alias = {n: g.owner for g in model.tied for n in g.names}

@@ -29,9 +29,7 @@ import torch
 import torch.distributed as dist
 
 from stratum.data.tokens import Batch
-from stratum.dist.launch import short_reason
 from stratum.dist.world import World
-from stratum.errors import PeerError
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
@@ -102,13 +100,8 @@ class OverReplicas(AroundChild):
         """Every replica's AdamW state of its own chunks, merged on replica 0 (the others keep their part)."""
         if self.group is None:
             return optim
-        got: list | None = [None] * self.n if self.index == 0 else None
-        try:
-            dist.gather_object(optim, got, dst=self.world.members["replica"][0], group=self.group)
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.world.rank}: gathering the optimizer state failed ({short_reason(e)}); "
-                            "a replica died or hung — stopping") from None
-        if self.index != 0:
+        got = self.world.gather_to_first(optim, "replica", "the optimizer state")
+        if got is None:
             return optim
         merged: dict = {}
         for part in got or []:

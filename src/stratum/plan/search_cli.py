@@ -42,7 +42,6 @@ from stratum.model.build import build_model
 from stratum.offload.plan_inputs import planning_profile
 from stratum.offload.planner import make_placement
 from stratum.offload.setup import placement_inputs
-from stratum.parallel.pipeline_offload import stage_seq
 from stratum.parallel.split import check_split, split_blocks
 from stratum.parallel.split_offload import shard_shapes
 from stratum.plan.fidelity import recorded, write_prediction
@@ -204,7 +203,7 @@ def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[Le
             shard_shapes(shards[ask.splits], ask.splits)
         seq, costs = shards[ask.splits], ask.profile
         if ask.blocks:
-            seq = stage_seq(seq, list(ask.blocks))
+            seq = seq.part(list(ask.blocks))
             costs = replace(costs, tied=[list(t.names) for t in seq.tied])
         p = make_placement(seq, **{**inputs, "profile": costs, "n_micro": ask.microbatches, "inflight": ask.inflight,
                                    "device_budget": ask.device_budget, "host_budget": ask.host_budget})

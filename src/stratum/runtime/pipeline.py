@@ -31,9 +31,8 @@ from torch import nn
 
 from stratum.config import PIPELINE_PARTITIONS as PARTITIONS
 from stratum.data.tokens import Batch
-from stratum.dist.launch import short_reason
 from stratum.dist.world import World
-from stratum.errors import PeerError, StratumError
+from stratum.errors import StratumError
 from stratum.ir.plan import Pipeline
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
@@ -273,12 +272,7 @@ class PipelineEngine(GradEngine):
             more = torch.tensor([float(part is not None)], device=self.device)
             if not self.mesh.all_reduce(more, "stage_rank", "the checkpoint's parts count").item():
                 return
-            got: list | None = [None] * self.world if self.rank == 0 else None
-            try:
-                dist.gather_object(part, got, dst=self.peers[0], group=self.group)
-            except RuntimeError as e:
-                raise PeerError(f"rank {self.rank}: gathering the training state failed ({short_reason(e)}); "
-                                "a pipeline rank died or hung — stopping") from None
+            got = self.mesh.gather_to_first(part, "stage_rank", "a part of the training state")
             yield from (p for p in got or [] if p is not None)
 
     def load_state(self, state: TrainState) -> None:
