@@ -4,8 +4,20 @@ plain engine's losses and state — real gloo processes through ``stratum train`
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
+import torch
+
+from stratum.errors import StratumError
+from stratum.model.gpt import build_gpt
+from stratum.offload.planner import make_placement
+from stratum.offload.setup import quick_profile
+from stratum.offload.tiers import HOST, Bandwidths
+from stratum.parallel.pipeline_offload import stage_block_costs
+from stratum.profile.profile import BlockProfile, Profile
+from stratum.runtime.pipeline import PipelinePlan
+from stratum.schedule.generators import generate
 from stratum.train.trainer import read_metrics, train
 
 from test_parallel_replicate import _same_run, _stratum, hf_config  # noqa: F401 (a fixture)
@@ -19,6 +31,50 @@ COMMON = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'", "trai
 ONE_F_ONE_B = [*COMMON, "data.seq_len=64"]
 BUDGET = 2_200_000
 PLAN = f"parallel.plan='pipeline(2, offload(device_budget={BUDGET}B))'"
+
+
+def _block(i: int, act: int, out: int, half: tuple[int, int] | None) -> BlockProfile:
+    return BlockProfile(index=i, name=f"b{i}", kind="x", n_params=1, param_bytes=4, grad_bytes=4, optim_bytes=8,
+                        act_saved_bytes=act, out_bytes=out, fwd_s=1.0, bwd_s=2.0, bwd_input_s=1.0, spill_bytes=act,
+                        half_act_saved_bytes=half and half[0], half_out_bytes=half and half[1],
+                        half_spill_bytes=half and half[0])
+
+
+def test_a_stage_blocks_bytes_count_its_input_and_a_stage_end_its_output_in_both_precisions():
+    """Rank 1 of two stages over four blocks holds blocks 2 and 3: each block's saved activations and checkpoint
+    carry its input (block 1's output), the stage's last block also its output; the 16-bit columns (measured on
+    16-bit chunks) are cut the same way from the 16-bit outputs."""
+    prof = Profile(model="m", device="cpu", dtype="float32", precision="bf16", micro_batch=1, seq_len=4, runs=1,
+                   blocks=[_block(i, 100 * (i + 1), 10 * (i + 1), (50 * (i + 1), 5 * (i + 1))) for i in range(4)])
+    plan = PipelinePlan(schedule=generate("1f1b", ranks=2, microbatches=2), stages=[range(0, 2), range(2, 4)])
+    got = [(b.index, b.act_saved_bytes, b.out_bytes, b.spill_bytes, b.half_act_saved_bytes, b.half_out_bytes,
+            b.half_spill_bytes) for b in stage_block_costs(prof, plan, [2, 3])]
+    #       index  act        out      spill  half act  half out  half spill
+    assert got == [(0, 300 + 20, 20, 20, 150 + 10, 10, 10),
+                   (1, 400 + 30, 30 + 40, 30, 200 + 15, 15 + 20, 15)]
+    first = stage_block_costs(prof, plan, [0])[0]  # its input is the token ids (8 bytes each)
+    assert (first.act_saved_bytes, first.out_bytes, first.half_act_saved_bytes) == (100 + 32, 32, 50 + 32)
+    fp32 = dataclasses.replace(prof, blocks=[_block(i, 100, 10, None) for i in range(4)])
+    assert stage_block_costs(fp32, plan, [2])[0].half_act_saved_bytes is None
+
+
+def test_a_pipeline_ranks_16_bit_chunks_hand_gradients_over_a_tensor_at_a_time():
+    """bf16 with the masters off the device: a pipeline rank's chunks are 16-bit working copies too, its
+    gradients going home a tensor at a time even where copies run beside compute; the per-chunk hand-off, which
+    a rank running several stages would interleave, is refused on one."""
+    m = build_gpt("tiny", vocab_size=256, seed=0)
+    prof = quick_profile(m, micro_batch=1, seq_len=16, device=torch.device("cpu"), precision="bf16")
+    gpu = Bandwidths(h2d=20e9, d2h=20e9, disk_read=2e9, disk_write=1e9, adam_params_per_s=1e9, async_copies=True)
+    inflight = (2,) * len(m)
+
+    def plan(**kw):
+        return make_placement(m, device_budget=None, host_budget=None, disk_free=None, profile=prof, n_micro=2,
+                              precision="bf16", optimizer_tier=HOST, **kw)
+    rank = plan(bandwidths=gpu, inflight=inflight)
+    assert rank.half_params and not rank.chunk_grads and rank.inflight == inflight
+    assert plan(bandwidths=gpu).chunk_grads  # (not a pipeline rank)
+    with pytest.raises(StratumError, match="grad_handoff = 'chunk' does not run on a pipeline rank"):
+        plan(bandwidths=None, grad_handoff="chunk", inflight=inflight)
 
 
 def test_dry_run_fits_a_budget_that_cannot_keep_the_in_flight_activations(make_cfg, capsys):
@@ -68,6 +124,32 @@ def test_tie_to_another_rank_pinned_matches_plain(make_cfg, tmp_path):
                    *common, f"offload.chunk_size='{64 * 1024 * 4}B'", f"offload.disk_dir={str(tmp_path)!r}")
     assert out.count("offload plan:") == 2 and out.count("+ tied tensors pinned (512.00 KiB)") == 2
     _same_run(tmp_path / "po", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pipeline,budget,extra", [
+    # 1F1B, chunks streamed from the host, AdamW on the host, clipped
+    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'"]),
+    # wave (the tied embedding and head on rank 0), AdamW on disk, block inputs spilled, unclipped
+    ("pipeline(2, schedule=wave, {})", "40%", ["offload.optimizer_tier='disk'", "offload.activations='offload'",
+                                               "optim.grad_clip=0.0"]),
+], ids=["1f1b", "wave"])
+def test_16_bit_chunks_on_pipeline_ranks_match_the_memory_engines_own(make_cfg, tmp_path, pipeline, budget, extra):
+    """bf16: each rank's chunks are 16-bit working copies of fp32 masters on the host or disk, and the run
+    equals the single memory engine's with 16-bit chunks (itself held to the plain engine's mixed-precision
+    recipe in test_offload_mixed.py), losses within 1e-5. Under 1F1B the tied embedding and head are on two
+    ranks: their gradients reach the fp32 accumulators apart, where the single engine's autograd first sums the
+    two in bf16 — the embedding's AdamW moments differ by up to 4.3e-7 and, through it, parameters whose
+    gradients are tiny (Adam's update is near lr·sign(g) there) by up to 1.6e-5 (tolerances: 1e-6, 5e-5)."""
+    common = ["train.steps=6", "train.eval_interval=3", "model.preset='mini'", "train.precision='bf16'",
+              "train.grad_accum=4", DROPOUT, *extra, f"offload.disk_dir={str(tmp_path)!r}"]
+    leaf = f"offload(device_budget={budget})"
+    out = _stratum(make_cfg(*common, out=tmp_path / "one"), f"parallel.plan={leaf!r}", *common)
+    assert "16-bit working copies on the device" in out
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), f"parallel.plan={pipeline.format(leaf)!r}", *common)
+    assert out.count("16-bit working copies on the device") == 2
+    _same_run(tmp_path / "po", tmp_path / "one", param_atol=5e-5, moment_atol=1e-6)
 
 
 @pytest.mark.slow

@@ -161,20 +161,23 @@ class _Job:
     inflight: tuple[int, ...]
     """Placement.inflight (empty: not a pipeline rank)."""
     precision: str
-    """train.precision: bf16 places 16-bit chunks on the device where the tiers allow (``half_chunks``; not on a
-    pipeline rank, whose stage runner keeps fp32 chunks); fp16 only places 16-bit chunks (its loss scaling is
-    built on them), its updates all after the backward (``deferred``: they wait for the overflow check)."""
+    """train.precision: bf16 places 16-bit chunks on the device where the tiers allow (``half_chunks``); fp16 only
+    places 16-bit chunks (its loss scaling is built on them), its updates all after the backward (``deferred``:
+    they wait for the overflow check)."""
 
     chunk_grads: bool
     """offload.grad_handoff resolved for this machine (``grad_handoff.per_chunk``): 16-bit placements hand their
-    gradients to the host a chunk at a time (Placement.chunk_grads)."""
+    gradients to the host a chunk at a time (Placement.chunk_grads). Never on a pipeline rank: a chunk's buffer
+    gathers one micro-batch's gradients from the chunk's last block's backward to its first's, and a rank
+    running several stages runs other micro-batches' backwards in between (its gradients go a tensor at a
+    time)."""
 
     def halves(self, opt: str, ptier: str) -> tuple[bool, ...]:
         """Placement.half_params to try with these tiers: 16-bit chunks where the tiers allow them (``half_chunks``;
         fp16: nothing else). Under bf16 with the parameters' home on disk fp32 chunks are tried too: their
         gradients go to disk, so the host holds no 16-bit copies of the masters and no fp32 gradient accumulators
         (6 bytes per parameter) — a host budget too small for those still trains."""
-        half = not self.inflight and half_chunks(self.precision, opt, ptier)
+        half = half_chunks(self.precision, opt, ptier)
         if self.precision == "fp16":
             return (True,) if half else ()
         return (True, False) if half and ptier == DISK else (half,)
@@ -352,6 +355,9 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     fp16: only such placements, every update after the backward). ``grad_handoff``: offload.grad_handoff (16-bit
     placements' gradients a chunk at a time — auto: where copies are asynchronous, unless the chunks' buffers
     leave no placement that fits — or a tensor at a time)."""
+    if inflight and grad_handoff == "chunk":
+        raise StratumError("offload.grad_handoff = 'chunk' does not run on a pipeline rank (its stages' backwards "
+                           "interleave micro-batches); use 'auto' or 'tensor' under pipeline(…, offload(…))")
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
@@ -359,7 +365,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
                kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision,
-               chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies))
+               chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies) and not inflight)
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     search = _search(job, opts, recs, chunk_elems)

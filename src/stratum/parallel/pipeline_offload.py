@@ -71,11 +71,22 @@ def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> lis
     tokens = prof.micro_batch * prof.seq_len * 8  # int64 token ids
     blocks = []
     for k, g in enumerate(mine):
-        b = prof.blocks[g]
-        inp = prof.blocks[g - 1].out_bytes if g else tokens
-        blocks.append(dataclasses.replace(b, index=k, act_saved_bytes=b.act_saved_bytes + inp,
-                                          out_bytes=inp + (b.out_bytes if g in last else 0), spill_bytes=inp))
+        b, before = prof.blocks[g], prof.blocks[g - 1] if g else None
+        act, out, spill = _stage_bytes(b.act_saved_bytes, before.out_bytes if before else tokens, b.out_bytes,
+                                       g in last)
+        cut = dataclasses.replace(b, index=k, act_saved_bytes=act, out_bytes=out, spill_bytes=spill)
+        if b.half_act_saved_bytes is not None:  # the same columns measured on 16-bit chunks (Placement.half_params)
+            inp = (before.half_out_bytes or before.out_bytes) if before else tokens
+            act, out, spill = _stage_bytes(b.half_act_saved_bytes, inp, b.half_out_bytes or 0, g in last)
+            cut = dataclasses.replace(cut, half_act_saved_bytes=act, half_out_bytes=out, half_spill_bytes=spill)
+        blocks.append(cut)
     return blocks
+
+
+def _stage_bytes(saved: int, inp: int, out: int, last: bool) -> tuple[int, int, int]:
+    """(saved activations, checkpoint, spilled) of a stage's block whose own saved tensors are ``saved``, its
+    input ``inp`` and its output ``out`` bytes; ``last``: the stage's last block (its output is held too)."""
+    return saved + inp, inp + (out if last else 0), inp
 
 
 def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[int], device: torch.device,
