@@ -134,7 +134,9 @@ def test_tie_to_another_rank_pinned_matches_plain(make_cfg, tmp_path):
     # wave (the tied embedding and head on rank 0), AdamW on disk, block inputs spilled, unclipped
     ("pipeline(2, schedule=wave, {})", "40%", ["offload.optimizer_tier='disk'", "offload.activations='offload'",
                                                "optim.grad_clip=0.0"]),
-], ids=["1f1b", "wave"])
+    # the one-step-delayed update (each step's AdamW beside the next; evaluation reads the published copies)
+    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'", "offload.delayed_update=true"]),
+], ids=["1f1b", "wave", "delayed"])
 def test_16_bit_chunks_on_pipeline_ranks_match_the_memory_engines_own(make_cfg, tmp_path, pipeline, budget, extra):
     """bf16: each rank's chunks are 16-bit working copies of fp32 masters on the host or disk, and the run
     equals the single memory engine's with 16-bit chunks (itself held to the plain engine's mixed-precision

@@ -634,11 +634,17 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
                 f"CUDA allocator holds {held} bytes for the offload engine, "
                 f"over its budget {self.placement.device_budget}")
 
+    def ready_for_eval(self) -> None:
+        """The work in flight finished and the chunks holding the parameters the next step computes with (under
+        the delayed update, the published copies of the updates run beside the last step): what an evaluation
+        of the model reads, here or by a pipeline rank's stage runner."""
+        self.drain()
+        if self._dpu:
+            self._publish_delayed()
+
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self.drain()
-        if self._dpu:  # the parameters the next step computes with
-            self._publish_delayed()
+        self.ready_for_eval()
         self.model.eval()
         total = 0.0
         for b in batches:

@@ -218,7 +218,7 @@ class OffloadPipelineEngine(PipelineEngine):
     # ---- Engine -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self.leaf.drain()
+        self.leaf.ready_for_eval()
         return super().eval_loss(batches)
 
     def _local_state(self) -> TrainState:
