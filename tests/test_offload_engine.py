@@ -635,6 +635,31 @@ def test_a_lazily_built_sequential_model_trains_like_the_eager_one():
         eng.close()
 
 
+def test_an_untied_embedding_and_head_larger_than_the_chunks_are_pinned_and_train_as_plain():
+    """The sequential example with a vocabulary of 1024 (its embedding and head four times any other matrix), in
+    chunks smaller than them: both go to one pinned chunk — not a tied one: each has its own gradient —, the rest
+    streams, and the losses and gradient norms (2 micro-batches a step, clipped) are plain's."""
+    from stratum.model.sequential import example_lm, from_sequential
+
+    from offload_helpers import LAYERS, T
+
+    def model():
+        torch.manual_seed(0)
+        return from_sequential(example_lm(vocab_size=1024, seq_len=T, d_model=64, n_layer=LAYERS["sequential"]))
+    m = model()
+    p = plan(m, profile(m), chunk_elems=2 * 64 * 256, device_budget=state_bytes(m) // 3, optimizer_tier=HOST)
+    eng = _engine(m, p)
+    try:
+        pinned = [c.spec for c in eng.chunks if c.pinned]
+        assert len(pinned) == 1 and not pinned[0].tied and p.param_tier == HOST
+        assert [e.name for e in pinned[0].entries] == ["blocks.0.weight", f"blocks.{len(m) - 1}.weight"]
+        got, ref = run(eng, 3), run(plain(model()), 3)
+        assert_same([r.loss for r in got], [r.loss for r in ref])
+        assert_same([r.grad_norm for r in got], [r.grad_norm for r in ref], rel=1e-6)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("optimizer_tier,param_tier", [(HOST, HOST), (DISK, HOST), (DISK, DISK)])
 def test_deferred_updates_run_beside_the_next_forward_and_match(optimizer_tier, param_tier, shared_tmp):
     """Without clipping, the plan's deferred chunks send their gradients home and update beside the next

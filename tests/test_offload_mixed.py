@@ -207,7 +207,7 @@ def test_planner_counts_16_bit_chunks_only_where_the_masters_are_off_the_device(
     assert half.half_params and not full.half_params and full.param_tier == HOST
     assert "16-bit working copies on the device" in half.describe()
     C, R = half.chunk_elems, half.resident_chunks
-    pinned = sum(c.capacity for c in pack(m, C).chunks if c.tied)
+    pinned = sum(c.capacity for c in pack(m, C).chunks if c.pinned)
     assert pinned > 0  # (the tied embedding)
     # fp32: a slot's parameters (its gradients go to the host), a pinned chunk's parameters and gradients, and
     # the tied chunk's per-micro-batch gradient; bf16: the parameters in 16 bits, nothing else

@@ -292,7 +292,7 @@ def test_deferred_updates_move_traffic_from_the_backward_to_the_forward(gpt):
     options = _deferral_options(lay, DISK, DISK, False, bw)
     assert options[0] == frozenset() and len(options) > 2
     first = options[1]
-    stream = [c.index for c in lay.chunks if not c.tied]
+    stream = [c.index for c in lay.chunks if not c.pinned]
     # the deferred chunks are the first to complete their gradients: the highest blocks'
     assert min(lay.ready_block[i] for i in first) >= max(lay.ready_block[i] for i in set(stream) - first)
     assert _deferral_options(lay, DISK, DISK, True, bw) == [frozenset()]  # clipping defers every update anyway

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from stratum.errors import StratumError
+from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
 from stratum.model.gpt import build_gpt
 from stratum.offload.belady import NextUse, Traffic, simulate_step
-from stratum.offload.chunks import pack, pinned_names
+from stratum.offload.chunks import outliers, pack
 from stratum.units import fmt_bytes, parse_budget, parse_bytes
 
 
@@ -52,21 +54,30 @@ def test_pack_first_use_order_decay_first_and_tied_private_chunk():
     assert lay.ready_block[0] == 0
 
 
-def test_a_pipeline_ranks_tie_to_another_rank_is_pinned_only_where_chunks_are_smaller_than_it():
-    """Block 0 alone (GPT's embedding, tied to the head in the last block): its embedding is tied elsewhere. It
-    streams in a chunk that holds it; with smaller chunks it is pinned, so the chunk size is not bound to it."""
+def test_outliers_are_pinned_only_where_chunks_are_smaller_than_them():
+    """A pipeline rank's first block (GPT's embedding, its tie to the head elsewhere) and a model with an untied
+    embedding and head: the one or two parameters more than twice any other stream where a chunk holds them and
+    are pinned in a chunk of their own where the chunks are smaller; nothing else is an outlier."""
     whole = build_gpt("tiny", vocab_size=4096, seed=0, device="meta")
-    first, last = whole.part([0]), whole.part([len(whole) - 1])
+    first = whole.part([0])
     emb = "blocks.0." + whole.tied[0].owner.split(".", 2)[2]
-    assert first.tied == [] and first.tied_elsewhere == {emb} and len(last.tied_elsewhere) == 1
-    assert whole.part([0, len(whole) - 1]).tied_elsewhere == frozenset()  # both holders: a tie of its own
     n_emb = dict(first.named_parameters())[emb].numel()
-    big = pack(first, n_emb)
-    assert not any(c.tied for c in big.chunks) and pinned_names(first, n_emb) == set()
+    assert first.tied == [] and outliers(first) == {emb: n_emb}
+    assert not any(c.pinned for c in pack(first, n_emb).chunks)
     small = pack(first, n_emb // 4)
-    assert small.chunks[0].tied and [e.name for e in small.chunks[0].entries] == [emb]
+    assert small.chunks[0].pinned and not small.chunks[0].tied
+    assert [e.name for e in small.chunks[0].entries] == [emb]
     assert [e.name for c in small.chunks[1:] for e in c.entries] == [n for n in dict(first.named_parameters())
                                                                       if n != emb]
+    assert outliers(whole) == {}  # the tied embedding aside, no parameter is twice another
+    info = ModelInfo(name="untied")
+    untied = BlockSeq([nn.Embedding(1000, 16), nn.Linear(16, 16), nn.Linear(16, 1000)], lm_cross_entropy, info)
+    assert outliers(untied) == {"blocks.0.weight": 16000, "blocks.2.weight": 16000}
+    lay = pack(untied, 1000)
+    assert lay.chunks[0].pinned and [e.name for e in lay.chunks[0].entries] == ["blocks.0.weight", "blocks.2.weight"]
+    assert lay.ready_block[0] == 0 and lay.max_chunks_per_block() == 1
+    three = BlockSeq([nn.Embedding(1000, 16), nn.Linear(16, 1000), nn.Linear(1000, 16)], lm_cross_entropy, info)
+    assert outliers(three) == {}
 
 
 def test_chunk_smaller_than_a_parameter_is_refused():

@@ -33,27 +33,33 @@ BUDGET = 2_200_000
 PLAN = f"parallel.plan='pipeline(2, offload(device_budget={BUDGET}B))'"
 
 
-def _block(i: int, act: int, out: int, half: tuple[int, int] | None) -> BlockProfile:
+def _block(i: int, act: int, out: int, half: tuple[int, int] | None, logits: int | None = None) -> BlockProfile:
     return BlockProfile(index=i, name=f"b{i}", kind="x", n_params=1, param_bytes=4, grad_bytes=4, optim_bytes=8,
                         act_saved_bytes=act, out_bytes=out, fwd_s=1.0, bwd_s=2.0, bwd_input_s=1.0, spill_bytes=act,
                         half_act_saved_bytes=half and half[0], half_out_bytes=half and half[1],
-                        half_spill_bytes=half and half[0])
+                        half_spill_bytes=half and half[0], logits_bytes=logits)
 
 
 def test_a_stage_blocks_bytes_count_its_input_and_a_stage_end_its_output_in_both_precisions():
-    """Rank 1 of two stages over four blocks holds blocks 2 and 3: each block's saved activations and checkpoint
-    carry its input (block 1's output), the stage's last block also its output; the 16-bit columns (measured on
-    16-bit chunks) are cut the same way from the 16-bit outputs."""
+    """Two stages over four blocks. Each block's saved activations and checkpoint carry its input, a stage's
+    last block also its output (and its saved activations the output's gradient): on rank 0 block 1's output;
+    on rank 1, ending the model, the logits the runtime takes the loss over (the last block's ``out_bytes`` is
+    0: its profile ends with the loss). The 16-bit columns (measured on 16-bit chunks) are cut the same way."""
+    blocks = [_block(i, 100 * (i + 1), 10 * (i + 1), (50 * (i + 1), 5 * (i + 1))) for i in range(3)]
+    blocks.append(_block(3, 400, 0, (200, 0), logits=1000))
     prof = Profile(model="m", device="cpu", dtype="float32", precision="bf16", micro_batch=1, seq_len=4, runs=1,
-                   blocks=[_block(i, 100 * (i + 1), 10 * (i + 1), (50 * (i + 1), 5 * (i + 1))) for i in range(4)])
+                   blocks=blocks)
     plan = PipelinePlan(schedule=generate("1f1b", ranks=2, microbatches=2), stages=[range(0, 2), range(2, 4)])
-    got = [(b.index, b.act_saved_bytes, b.out_bytes, b.spill_bytes, b.half_act_saved_bytes, b.half_out_bytes,
-            b.half_spill_bytes) for b in stage_block_costs(prof, plan, [2, 3])]
-    #       index  act        out      spill  half act  half out  half spill
-    assert got == [(0, 300 + 20, 20, 20, 150 + 10, 10, 10),
-                   (1, 400 + 30, 30 + 40, 30, 200 + 15, 15 + 20, 15)]
-    first = stage_block_costs(prof, plan, [0])[0]  # its input is the token ids (8 bytes each)
-    assert (first.act_saved_bytes, first.out_bytes, first.half_act_saved_bytes) == (100 + 32, 32, 50 + 32)
+
+    def cut(mine):
+        return [(b.index, b.act_saved_bytes, b.out_bytes, b.spill_bytes, b.half_act_saved_bytes, b.half_out_bytes,
+                 b.half_spill_bytes) for b in stage_block_costs(prof, plan, mine)]
+    tokens = 1 * 4 * 8  # int64 token ids
+    #                   index  act                out           spill   half act           half out     half spill
+    assert cut([0, 1]) == [(0, 100 + tokens, tokens, tokens, 50 + tokens, tokens, tokens),
+                           (1, 200 + 10 + 20, 10 + 20, 10, 100 + 5 + 10, 5 + 10, 5)]
+    assert cut([2, 3]) == [(0, 300 + 20, 20, 20, 150 + 10, 10, 10),
+                           (1, 400 + 30 + 1000, 30 + 1000, 30, 200 + 15 + 1000, 15 + 1000, 15)]
     fp32 = dataclasses.replace(prof, blocks=[_block(i, 100, 10, None) for i in range(4)])
     assert stage_block_costs(fp32, plan, [2])[0].half_act_saved_bytes is None
 
@@ -114,15 +120,15 @@ def test_pipelined_offload_matches_plain(make_cfg, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tie_to_another_rank_pinned_matches_plain(make_cfg, tmp_path):
-    """An embedding (1024 × 128) larger than the chunks (64 Ki elements, the largest other parameter): each
-    rank pins its holder of the tied tensor (BlockSeq.tied_elsewhere) instead of streaming it, sums it with
-    the other rank's after the schedule, and the run equals the plain engine's."""
-    common = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'", "model.vocab_size=1024",
+    """An embedding (2048 × 128) larger than the chunks (64 Ki elements, the largest other parameter), tied to
+    the head on the other rank: each rank pins its holder (an outlier, chunks.outliers) instead of streaming it,
+    sums it with the other rank's after the schedule, and the run equals the plain engine's."""
+    common = ["train.steps=4", "train.eval_interval=2", "model.preset='mini'", "model.vocab_size=2048",
               "train.grad_accum=2", DROPOUT]
     train(make_cfg(*common, out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=6MB))'",
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=8MB))'",
                    *common, f"offload.chunk_size='{64 * 1024 * 4}B'", f"offload.disk_dir={str(tmp_path)!r}")
-    assert out.count("offload plan:") == 2 and out.count("+ tied tensors pinned (512.00 KiB)") == 2
+    assert out.count("offload plan:") == 2 and out.count("+ pinned 1.00 MiB") == 2
     _same_run(tmp_path / "po", tmp_path / "plain")
 
 

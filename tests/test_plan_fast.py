@@ -45,8 +45,8 @@ def test_shape_profile_gives_the_bytes_without_running_a_block(name, slack, tmp_
     assert torch.equal(torch.get_rng_state(), state)
     assert len(shapes.blocks) == len(measured.blocks)
     for s, m in zip(shapes.blocks, measured.blocks):
-        assert (s.n_params, s.param_bytes, s.grad_bytes, s.optim_bytes, s.out_bytes) == \
-               (m.n_params, m.param_bytes, m.grad_bytes, m.optim_bytes, m.out_bytes)
+        assert (s.n_params, s.param_bytes, s.grad_bytes, s.optim_bytes, s.out_bytes, s.logits_bytes) == \
+               (m.n_params, m.param_bytes, m.grad_bytes, m.optim_bytes, m.out_bytes, m.logits_bytes)
         # exact for GPT and GPT-2; a Llama layer counts more than it saves when run (an upper bound)
         assert m.act_saved_bytes <= s.act_saved_bytes <= slack * m.act_saved_bytes, s.name
         assert s.fwd_s == s.bwd_s == 0.0
@@ -66,7 +66,8 @@ def test_a_scaled_profile_has_the_full_batchs_bytes(monkeypatch):
     full = profile_blockseq(model, micro_batch=16, seq_len=64, device=CPU, runs=1)
     assert scaled.micro_batch == 16 and scaled.runs == fast.PROBE_RUNS
     for s, f in zip(scaled.blocks, full.blocks):
-        assert (s.out_bytes, s.param_bytes) == (f.out_bytes, f.param_bytes) and s.fwd_s > 0 and s.bwd_s > 0
+        assert (s.out_bytes, s.param_bytes, s.logits_bytes) == (f.out_bytes, f.param_bytes, f.logits_bytes)
+        assert s.fwd_s > 0 and s.bwd_s > 0
         if s.kind == "Layer":  # all of a layer's saved bytes grow with the batch
             assert (s.act_saved_bytes, s.spill_bytes) == (f.act_saved_bytes, f.spill_bytes)
         else:  # the embedding also saves its position ids, one copy whatever the batch: scaled, an upper bound

@@ -41,6 +41,7 @@ def test_profile_of_tiny_gpt_measures_every_block():
     assert [x.n_params for x in prof.blocks] == _analytic_gpt_block_params("tiny", 256)
     assert prof.n_params == seq.num_params()
     assert [x.out_bytes for x in prof.blocks] == [b * t * d * F32] * 3 + [0]
+    assert [x.logits_bytes for x in prof.blocks] == [None] * 3 + [b * t * 256 * F32]  # the head's, before the loss
     assert all(x.fwd_s > 0 and x.bwd_s > 0 and x.act_saved_bytes > 0 for x in prof.blocks)
     assert prof.blocks[0].bwd_input_s == 0 and prof.blocks[1].bwd_input_s > 0
     # a transformer layer saves at least its input, the attention inputs and the 4d-wide MLP activations

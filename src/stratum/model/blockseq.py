@@ -98,11 +98,6 @@ class BlockSeq(nn.Module):
         if len(self.block_names) != len(blocks):
             raise ValueError("block_names must name every block")
         self.tied = self._find_tied()
-        self.tied_elsewhere: frozenset[str] = frozenset()
-        """Canonical names of parameters that are one tensor with a parameter of blocks outside this BlockSeq (a
-        pipeline rank's part of a model whose embedding and head are one tensor, :meth:`part`): engines that
-        place parameters in chunks keep them in place as they do a tie of their own, since their gradient is
-        complete only once the other holders' part is summed in."""
         self.block_init: Callable[[BlockSeq, int], None] | None = None
         """Set by a lazy build (parameters on the meta device): ``block_init(seq, i)`` gives block i's parameters
         their values once an engine has given them storage — how a model larger than RAM is built one block at a
@@ -130,21 +125,11 @@ class BlockSeq(nn.Module):
         self.block_init(self, i)
 
     def part(self, mine: list[int]) -> BlockSeq:
-        """Blocks ``mine`` (indices into this sequence, in order) as a BlockSeq of their own: ``blocks.<k>``
-        there is block ``mine[k]`` here, the same modules; a tie to a block outside ``mine`` is recorded in
-        :attr:`tied_elsewhere`."""
-        sub = BlockSeq([self.blocks[g] for g in mine], self.loss_fn, self.info,
-                       block_names=[self.block_names[g] for g in mine])
-        local = {g: k for k, g in enumerate(mine)}
-        alias = {n: grp.owner for grp in sub.tied for n in grp.names}
-        apart = set()
-        for grp in self.tied:
-            held = [(int(n.split(".")[1]), n.split(".", 2)[2]) for n in grp.names]
-            inside = [f"blocks.{local[b]}.{rest}" for b, rest in held if b in local]
-            if inside and len(inside) < len(held):
-                apart.add(alias.get(inside[0], inside[0]))
-        sub.tied_elsewhere = frozenset(apart)
-        return sub
+        """Blocks ``mine`` (indices into this sequence, in order) as a BlockSeq of their own (a pipeline rank's):
+        ``blocks.<k>`` there is block ``mine[k]`` here, the same modules; a tensor tied to a block outside
+        ``mine`` is an ordinary parameter there."""
+        return BlockSeq([self.blocks[g] for g in mine], self.loss_fn, self.info,
+                        block_names=[self.block_names[g] for g in mine])
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -3,7 +3,9 @@
 Parameters are visited block by block (``BlockSeq.block_param_names``) and appended to the current chunk until
 the next one would not fit; then a new chunk starts. Within a chunk the weight-decayed parameters come first, so
 the chunk's AdamW runs as two calls over two contiguous ranges (decay, no decay). Tied parameters (one tensor in
-several blocks) go to a private chunk of their own, which stays on the device for the whole run. Gradients,
+several blocks) go to a private chunk of their own, which stays on the device for the whole run; so may the one
+or two parameters far larger than the rest (:func:`outliers`: an embedding and a head), where the chunks are
+smaller than them. Gradients,
 optimizer moments and (with a host optimizer) fp32 master copies follow the chunk: they are flat tensors of
 the same length, addressed with the same offsets.
 """
@@ -43,13 +45,17 @@ class Entry:
 class ChunkSpec:
     index: int
     capacity: int
-    """Elements of the chunk's flat buffers (the chunk size; the tied chunk is as large as its content); a
+    """Elements of the chunk's flat buffers (the chunk size; a pinned chunk is as large as its content); a
     multiple of ALIGN_ELEMS."""
     entries: list[Entry] = field(default_factory=list)
     n_decay: int = 0
     """Elements of the leading weight-decayed range."""
     used: int = 0
+    pinned: bool = False
+    """It never streams: it stays on the device for the whole run (the tied chunk, the outliers' chunk)."""
     tied: bool = False
+    """It holds the tied tensors (each in several blocks: a gradient contribution from each per micro-batch, which
+    the plain engine sums before accumulating them); such a chunk is pinned."""
 
     @property
     def nbytes(self) -> int:
@@ -80,11 +86,11 @@ class Layout:
 
     @property
     def streamable(self) -> list[int]:
-        return [c.index for c in self.chunks if not c.tied]
+        return [c.index for c in self.chunks if not c.pinned]
 
     def max_chunks_per_block(self) -> int:
-        tied = {c.index for c in self.chunks if c.tied}
-        return max((len([c for c in cs if c not in tied]) for cs in self.block_chunks), default=0)
+        pinned = {c.index for c in self.chunks if c.pinned}
+        return max((len([c for c in cs if c not in pinned]) for cs in self.block_chunks), default=0)
 
 
 def param_order(seq: BlockSeq) -> list[tuple[str, nn.Parameter]]:
@@ -112,48 +118,46 @@ def _finish(spec: ChunkSpec, items: list[tuple[str, nn.Parameter]]) -> ChunkSpec
     return spec
 
 
-def pinned_names(seq: BlockSeq, chunk_elems: int) -> set[str]:
-    """Parameters packed into the pinned chunk (ChunkSpec.tied), never streamed: tied ones (their gradient has
-    contributions from several blocks at different times), and those tied to blocks outside ``seq``
-    (BlockSeq.tied_elsewhere) that are larger than ``chunk_elems``. Those complete after the other holders' part
-    is summed in, and stream as well as any other where a chunk holds them; pinned, they no longer set the
-    smallest chunk — GPT-2's 50k × d embedding, tied to the head on another pipeline rank, would make every
-    chunk of its rank as large as it."""
-    return {g.owner for g in seq.tied} | {n for n, p in param_order(seq)
-                                           if n in seq.tied_elsewhere and p.numel() > chunk_elems}
-
-
-def streamed_sizes(seq: BlockSeq) -> tuple[list[int], list[int]]:
-    """Element counts of the parameters a layout may stream: those every layout streams, and those tied to
-    blocks outside ``seq``, which it streams where its chunks hold them (:func:`pinned_names`)."""
+def outliers(seq: BlockSeq) -> dict[str, int]:
+    """The untied parameters (name → elements) more than twice the size of every other, if there are at most
+    two: an embedding and a head far larger than any layer's matrix (a transformers model's untied pair, or on a
+    pipeline rank GPT's embedding tied to the head on another rank). Streamed, they would set the smallest chunk
+    — every chunk as large as a 50k-row embedding, its slots and staging in proportion — so a layout may pin
+    them instead (:func:`pack`)."""
     tied = {g.owner for g in seq.tied}
-    order = [(n, p.numel()) for n, p in param_order(seq) if n not in tied]
-    return ([k for n, k in order if n not in seq.tied_elsewhere], [k for n, k in order if n in seq.tied_elsewhere])
+    sizes = sorted(((p.numel(), n) for n, p in param_order(seq) if n not in tied), reverse=True)
+    for k in (1, 2):
+        rest = sizes[k][0] if len(sizes) > k else 0
+        if len(sizes) > k and sizes[k - 1][0] > 2 * rest:
+            return {n: size for size, n in sizes[:k]}
+    return {}
 
 
 def pack(seq: BlockSeq, chunk_elems: int) -> Layout:
     """The chunk layout of ``seq`` with chunks of ``chunk_elems`` fp32 elements, rounded up to a multiple of
-    ALIGN_ELEMS (works on meta models)."""
-    tied_names = pinned_names(seq, chunk_elems)
+    ALIGN_ELEMS (works on meta models): the tied parameters in a pinned chunk of their own, then the outliers
+    larger than a chunk in another, then the rest in first-use order."""
+    tied_names = {g.owner for g in seq.tied}
+    big = {n for n, size in outliers(seq).items() if size > chunk_elems}
     order = param_order(seq)
-    biggest = max((p.numel() for n, p in order if n not in tied_names), default=0)
+    biggest = max((p.numel() for n, p in order if n not in tied_names | big), default=0)
     if chunk_elems < biggest:
         raise StratumError(f"offload.chunk_size of {chunk_elems * 4:,} bytes is smaller than the largest parameter "
                            f"({biggest * 4:,} bytes); use at least that")
     chunk_elems = round_up(chunk_elems, ALIGN_ELEMS)
     chunks: list[ChunkSpec] = []
     where: dict[str, int] = {}
-    tied_items = [(n, p) for n, p in order if n in tied_names]
-    if tied_items:
-        size = sum(round_up(p.numel(), PARAM_ALIGN_ELEMS) for _, p in tied_items)
-        spec = _finish(ChunkSpec(0, round_up(size, ALIGN_ELEMS), tied=True), tied_items)
-        chunks.append(spec)
-        for n, _ in tied_items:
-            where[n] = 0
+    for names, tied in ((tied_names, True), (big, False)):
+        items = [(n, p) for n, p in order if n in names]
+        if items:
+            size = sum(round_up(p.numel(), PARAM_ALIGN_ELEMS) for _, p in items)
+            chunks.append(_finish(ChunkSpec(len(chunks), round_up(size, ALIGN_ELEMS), pinned=True, tied=tied),
+                                  items))
+            where.update((n, chunks[-1].index) for n, _ in items)
     cur: list[tuple[str, nn.Parameter]] = []
     fill = 0
     for n, p in order:
-        if n in tied_names:
+        if n in where:
             continue
         # padded sizes: with every start aligned, any order of the chunk's parameters fits in their sum
         if cur and fill + p.numel() > chunk_elems:

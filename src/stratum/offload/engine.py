@@ -326,8 +326,8 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         built: dict[int, ChunkState] = {}
         # Streamed chunks first: each frees its parameters' original storage as it goes, so the always-resident
         # (tied) chunk is built when little of the original model is left: peak RAM ≈ the model once.
-        for spec in sorted(self.layout.chunks, key=lambda sp: sp.tied or all_resident):
-            built[spec.index] = self._build_chunk(spec, pinned=spec.tied or all_resident)
+        for spec in sorted(self.layout.chunks, key=lambda sp: sp.pinned or all_resident):
+            built[spec.index] = self._build_chunk(spec, pinned=spec.pinned or all_resident)
         self.chunks: list[ChunkState] = [built[i] for i in range(len(self.layout.chunks))]
         self._build_staging(n_stream)
         R = 0 if all_resident else min(placement.resident_chunks, n_stream)

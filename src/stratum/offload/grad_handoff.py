@@ -9,7 +9,7 @@ thread. This path moves a chunk at a time:
   block to that of its first, ``Layout.ready_block``) it holds a flat 16-bit buffer on the device with its
   slot's offsets. The post-accumulate hook (:meth:`ChunkHandoff.take`) copies a parameter's first contribution of
   the micro-batch into it and adds later ones (a tied tensor's two blocks), in 16 bits, as autograd sums a
-  tensor's contributions. A tied chunk has a buffer of its own; the others share a pool of
+  tensor's contributions. A pinned chunk (tied tensors; outliers) has its own buffer; the others share a pool of
   :func:`open_chunks` + :data:`SPARE` chunk-sized buffers.
 - **one copy per chunk and micro-batch.** After the backward of the chunk's first block, its buffer's used
   elements go in one copy to a pinned 16-bit host staging buffer, on the transfer stream after an event recorded
@@ -61,20 +61,20 @@ def per_chunk(mode: str, async_copies: bool) -> bool:
 
 
 def open_chunks(layout: Layout) -> int:
-    """The most untied chunks receiving gradients at once in a backward: those whose blocks span block ``i``."""
-    tied = {c.index for c in layout.chunks if c.tied}
+    """The most streamed chunks receiving gradients at once in a backward: those whose blocks span block ``i``."""
+    pinned = {c.index for c in layout.chunks if c.pinned}
     last = layout.last_block
-    spans = [(layout.ready_block[c], last[c]) for c in last if c not in tied]
+    spans = [(layout.ready_block[c], last[c]) for c in last if c not in pinned]
     return max((sum(lo <= i <= hi for lo, hi in spans) for i in range(len(layout.block_chunks))), default=0)
 
 
 def buffer_elems(layout: Layout) -> tuple[list[int], list[int]]:
-    """Elements of each device buffer and each host staging buffer the hand-off allocates: a tied chunk's own of
-    its capacity, then the pooled chunk-sized ones (never more than there are untied chunks)."""
-    tied = [c.capacity for c in layout.chunks if c.tied]
-    untied = sum(not c.tied for c in layout.chunks)
+    """Elements of each device buffer and each host staging buffer the hand-off allocates: each pinned chunk's own
+    of its capacity, then the pooled chunk-sized ones (never more than there are streamed chunks)."""
+    pinned = [c.capacity for c in layout.chunks if c.pinned]
+    streamed = sum(not c.pinned for c in layout.chunks)
     C = layout.chunk_elems
-    return (tied + [C] * min(open_chunks(layout) + SPARE, untied), tied + [C] * min(STAGING, untied))
+    return (pinned + [C] * min(open_chunks(layout) + SPARE, streamed), pinned + [C] * min(STAGING, streamed))
 
 
 def handoff_bytes(layout: Layout) -> dict[str, int]:
@@ -95,16 +95,16 @@ class ChunkHandoff:
                  opt_pool: Executor):
         self.xfer, self.opt_pool = xfer, opt_pool
         dev, staging = buffer_elems(layout)
-        n_tied = sum(c.spec.tied for c in chunks)
+        n_pinned = sum(c.spec.pinned for c in chunks)
         bufs = [alloc(DEVICE, n, "gradient hand-off buffer", dtype) for n in dev]
         stage = [alloc(HOST, n, "staging: gradient hand-off", dtype) for n in staging]
-        tied = [c.i for c in chunks if c.spec.tied]
+        pinned = [c.i for c in chunks if c.spec.pinned]
         self.pool: dict[int | None, list[tuple[Tensor, Future | None]]] = {
-            None: [(b, None) for b in bufs[n_tied:]], **{i: [(bufs[k], None)] for k, i in enumerate(tied)}}
-        """Free device buffers — the pooled ones (key None), oldest released first, and each tied chunk's own (key:
+            None: [(b, None) for b in bufs[n_pinned:]], **{i: [(bufs[k], None)] for k, i in enumerate(pinned)}}
+        """Free device buffers — the pooled ones (key None), oldest released first, and each pinned chunk's own (key:
         the chunk) — each with its last copy to the host (or None)."""
         self.ring: dict[int | None, list[tuple[Tensor, Future | None]]] = {
-            None: [(s, None) for s in stage[n_tied:]], **{i: [(stage[k], None)] for k, i in enumerate(tied)}}
+            None: [(s, None) for s in stage[n_pinned:]], **{i: [(stage[k], None)] for k, i in enumerate(pinned)}}
         """Staging buffers, keyed as ``pool``, next to use first, each with the host's add that read it last (or
         None)."""
         last = layout.last_block
@@ -201,8 +201,8 @@ class ChunkHandoff:
 
     @staticmethod
     def _key(c: ChunkState) -> int | None:
-        """Which buffers ``c`` uses: a tied chunk its own, the others the pooled ones."""
-        return c.i if c.spec.tied else None
+        """Which buffers ``c`` uses: a pinned chunk its own, the others the pooled ones."""
+        return c.i if c.spec.pinned else None
 
     def held(self, c: ChunkState) -> list[Tensor | None]:
         """``c``'s step gradient as views of its accumulator, None for an entry without one (after the last

@@ -65,7 +65,8 @@ class Placement:
     host_budget: int | None = None
     n_chunks: int = 0
     pinned_elems: int = 0
-    """fp32 elements of the pinned chunk (tied tensors: ChunkSpec.tied), which stays on the device; 0: none."""
+    """fp32 elements of the pinned chunks (tied tensors; outliers larger than a chunk: ChunkSpec.pinned), which
+    stay on the device; 0: none."""
     act_bytes: float = 0
     predicted_peak: dict = field(default_factory=dict)
     """Tier → predicted peak bytes (device includes activations)."""
@@ -146,7 +147,7 @@ class Placement:
         tr = self.predicted_traffic
         res = "all" if self.param_tier == DEVICE else str(self.resident_chunks)
         if self.pinned_elems and self.param_tier != DEVICE:
-            res += f" + tied tensors pinned ({fmt_bytes(self.pinned_elems * F32)})"
+            res += f" + pinned {fmt_bytes(self.pinned_elems * F32)}"
         lines = [
             f"offload plan: {self.n_chunks} chunks of {fmt_bytes(self.chunk_elems * F32)}; device-resident chunks "
             f"{res}; parameters' home {self.param_tier}; optimizer state on {self.optimizer_tier}; prefetch depth "

@@ -21,7 +21,7 @@ from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.model.blockseq import BlockSeq
 from stratum.offload.act_ring import RING
-from stratum.offload.chunks import Layout, pack, param_order, streamed_sizes
+from stratum.offload.chunks import Layout, outliers, pack, param_order
 from stratum.offload.grad_handoff import per_chunk
 from stratum.offload.placement import ACTIVATIONS, SPILL, Placement
 from stratum.offload.step_model import half_chunks, predict, predict_placement, slot_bytes
@@ -105,17 +105,19 @@ def _deferral_options(layout: Layout, opt: str, ptier: str, deferred: bool, bw: 
     updates run on the host masters, never in a slot)."""
     if opt == DEVICE or ptier == DEVICE or deferred or half or (bw is not None and bw.async_copies):
         return [frozenset()]
-    order = sorted((c.index for c in layout.chunks if not c.tied), key=lambda i: -layout.ready_block[i])
+    order = sorted((c.index for c in layout.chunks if not c.pinned), key=lambda i: -layout.ready_block[i])
     sets = {frozenset(order[:round(len(order) * f)]) for f in (0, 1 / 8, 1 / 4, 3 / 8, 1 / 2)}
     return sorted(sets, key=len)
 
 
 def _chunk_candidates(seq: BlockSeq) -> list[int]:
-    """Chunk sizes to try: from the largest streamed parameter up to an eighth of them all; with parameters tied
-    to blocks outside ``seq`` both streamed (chunks at least their size) and pinned (:func:`pinned_names`)."""
-    always, apart = streamed_sizes(seq)
+    """Chunk sizes to try: from the largest streamed parameter up to an eighth of them all; where some parameters
+    are outliers, also the sizes below them (the outliers then pinned, chunks.pack)."""
+    tied = {g.owner for g in seq.tied}
+    big = outliers(seq)
+    every = [(n, p.numel()) for n, p in param_order(seq) if n not in tied]
     cands: set[int] = set()
-    for params in {tuple(always), tuple(always + apart)}:
+    for params in {tuple(k for _, k in every), tuple(k for n, k in every if n not in big)}:
         if not params:
             continue
         biggest = max(params)
@@ -251,7 +253,7 @@ def _placement(job: _Job, t: _Tiers, R: int, k: int, late: frozenset[int], predi
         disk_spill_blocks=tuple(sorted(t.disk_set - t.kept)), kept_blocks=tuple(sorted(t.kept)),
         recomputes_some=t.spill_set is not None and bool(frozenset(range(len(job.seq))) - t.spill_set - t.kept),
         deferred_chunks=tuple(sorted(late)), host_budget=job.host_budget, n_chunks=len(t.layout.chunks),
-        pinned_elems=sum(c.capacity for c in t.layout.chunks if c.tied),
+        pinned_elems=sum(c.capacity for c in t.layout.chunks if c.pinned),
         inflight=job.inflight, half_params=t.half, chunk_grads=job.chunks_down(t.half),
         act_bytes=act, predicted_peak=peak, predicted_traffic=tr, predicted_step_s=step, compute_s=comp)
 

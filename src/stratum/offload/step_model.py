@@ -118,11 +118,11 @@ class _Candidate:
 
     @property
     def stream(self) -> list[ChunkSpec]:
-        return [c for c in self.layout.chunks if not c.tied and self.ptier != DEVICE]
+        return [c for c in self.layout.chunks if not c.pinned and self.ptier != DEVICE]
 
     @property
     def pinned(self) -> list[ChunkSpec]:
-        return [c for c in self.layout.chunks if c.tied or self.ptier == DEVICE]
+        return [c for c in self.layout.chunks if c.pinned or self.ptier == DEVICE]
 
     @property
     def slots(self) -> int:
@@ -272,8 +272,8 @@ def _stream_traffic(c: _Candidate, t: _Traffic) -> None:
     slot_grads = not grads_to_host(c.opt, c.ptier, c.async_copies, c.half)  # else autograd's go to the host
     P = HALF if c.half else F32  # bytes of a fetched parameter
     acc = access_sequence(c.layout, c.n_micro, c.deferred, c.opt)
-    tied = {ch.index for ch in c.layout.chunks if ch.tied}
-    seq = [tuple(x for x in cs if x not in tied) for cs in acc.seq]
+    pinned = {ch.index for ch in c.layout.chunks if ch.pinned}
+    seq = [tuple(x for x in cs if x not in pinned) for cs in acc.seq]
     # A host/disk update outside the slot leaves the device copy stale: such chunks start a step not resident.
     # Gradients held in slots make round trips between micro-batches.
     stale = (frozenset(ch.index for ch in stream) if c.opt != DEVICE and not c.in_slot

@@ -64,20 +64,25 @@ def stage_profile(prof: Profile, plan: PipelinePlan, mine: list[int], sub: Block
 
 def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> list[BlockProfile]:
     """A pipeline rank's blocks (``mine``) renumbered from 0, per micro-batch (the planner multiplies by
-    :func:`stage_inflight`): a block's saved activations with its input (which the runner keeps), its checkpoint
-    (``out_bytes``: its input, and a stage's last block also its output, which the runtime holds until the
-    backward) and of that what a spill moves to the host (``spill_bytes``: the input; token ids for block 0)."""
+    :func:`stage_inflight`): a block's saved activations with its input (which the runner keeps) — a stage's last
+    block also with the gradient of its output, which its backward receives (the last stage's: of the logits) —,
+    its checkpoint (``out_bytes``: its input, and a stage's last block also its output, which the runtime holds
+    until the backward) and of that what a spill moves to the host (``spill_bytes``: the input; token ids for
+    block 0). Kept activations count a stage end's gradient once per micro-batch in flight, where only the one
+    in its backward holds it: an over-estimate of a hidden state's bytes per extra micro-batch."""
     last = {r[-1] for r in plan.stages}
     tokens = prof.micro_batch * prof.seq_len * 8  # int64 token ids
     blocks = []
     for k, g in enumerate(mine):
         b, before = prof.blocks[g], prof.blocks[g - 1] if g else None
-        act, out, spill = _stage_bytes(b.act_saved_bytes, before.out_bytes if before else tokens, b.out_bytes,
-                                       g in last)
+        # the model's last stage: its output is the logits (the runtime takes the loss over them)
+        end = b.logits_bytes or 0 if g == len(prof.blocks) - 1 else b.out_bytes
+        act, out, spill = _stage_bytes(b.act_saved_bytes, before.out_bytes if before else tokens, end, g in last)
         cut = dataclasses.replace(b, index=k, act_saved_bytes=act, out_bytes=out, spill_bytes=spill)
         if b.half_act_saved_bytes is not None:  # the same columns measured on 16-bit chunks (Placement.half_params)
             inp = (before.half_out_bytes or before.out_bytes) if before else tokens
-            act, out, spill = _stage_bytes(b.half_act_saved_bytes, inp, b.half_out_bytes or 0, g in last)
+            end = b.logits_bytes or 0 if g == len(prof.blocks) - 1 else b.half_out_bytes or 0
+            act, out, spill = _stage_bytes(b.half_act_saved_bytes, inp, end, g in last)
             cut = dataclasses.replace(cut, half_act_saved_bytes=act, half_out_bytes=out, half_spill_bytes=spill)
         blocks.append(cut)
     return blocks
@@ -85,8 +90,10 @@ def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> lis
 
 def _stage_bytes(saved: int, inp: int, out: int, last: bool) -> tuple[int, int, int]:
     """(saved activations, checkpoint, spilled) of a stage's block whose own saved tensors are ``saved``, its
-    input ``inp`` and its output ``out`` bytes; ``last``: the stage's last block (its output is held too)."""
-    return saved + inp, inp + (out if last else 0), inp
+    input ``inp`` and its output ``out`` bytes; ``last``: the stage's last block (its output is held, and its
+    output's gradient arrives for its backward)."""
+    end = out if last else 0
+    return saved + inp + end, inp + end, inp
 
 
 def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[int], device: torch.device,

@@ -156,11 +156,13 @@ def _shape_measure(model: BlockSeq, y: Tensor, mode: FakeTensorMode, device: tor
             counter = _StorageBytes({p.untyped_storage()._cdata for p in work.parameters()})
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast(device, precision):
                 out = work(inp)
+                logits_bytes = out.numel() * out.element_size() if last else None
                 if last:
                     out = model.loss_fn(out, y)
             nxt = x if last else out.detach()
         prof = BlockProfile(index=i, name=model.block_names[i], kind=type(work).__name__,
                             act_saved_bytes=counter.bytes, out_bytes=0 if last else out.numel() * out.element_size(),
+                            logits_bytes=logits_bytes,
                             fwd_s=0.0, bwd_s=0.0, bwd_input_s=0.0, **block_static_bytes(model, i))
         return prof, nxt
     return measure
@@ -191,7 +193,7 @@ def scale(block: BlockProfile, factor: float) -> BlockProfile:
         block, act_saved_bytes=round(block.act_saved_bytes * factor), out_bytes=round(block.out_bytes * factor),
         spill_bytes=round(block.spill_bytes * factor), fwd_s=block.fwd_s * factor, bwd_s=block.bwd_s * factor,
         bwd_input_s=block.bwd_input_s * factor,
-        **{k: round(v * factor) for k in ("half_act_saved_bytes", "half_spill_bytes", "half_out_bytes")
+        **{k: round(v * factor) for k in ("half_act_saved_bytes", "half_spill_bytes", "half_out_bytes", "logits_bytes")
            if (v := getattr(block, k)) is not None})
 
 
@@ -222,7 +224,7 @@ def cache_key(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.
     facts = {"model": model.fingerprint(), "device": describe(device), "threads": torch.get_num_threads(),
              "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
              "probe": probe_batch(model, micro_batch, seq_len), "runs": PROBE_RUNS, "torch": torch.__version__,
-             "format": FORMAT_VERSION, "measures": "half_bytes"}  # (BlockProfile.half_*: measured since)
+             "format": FORMAT_VERSION, "measures": "half_bytes,logits_bytes"}  # (fields measured since)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

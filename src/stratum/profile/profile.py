@@ -112,6 +112,10 @@ class BlockProfile:
     """``spill_bytes`` on 16-bit chunks (as ``half_act_saved_bytes``)."""
     half_out_bytes: int | None = None
     """``out_bytes`` on 16-bit chunks (as ``half_act_saved_bytes``)."""
+    logits_bytes: int | None = None
+    """The last block only: bytes of its output before the loss (a language model's logits), which a pipeline's
+    last stage holds outside the block, with its gradient, until the block's backward; None for the other blocks
+    and where not measured (older profiles)."""
 
     @property
     def bwd_weight_s(self) -> float:

@@ -167,6 +167,12 @@ def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.de
             out = forward()
         out_bytes = 0 if last else out.numel() * out.element_size()
         del out
+        logits_bytes = None
+        if last:
+            with torch.no_grad(), autocast(device, precision):
+                logits = block(inp)
+            logits_bytes = logits.numel() * logits.element_size()
+            del logits
         bwd_s = _time_backward(forward, inp, params, device, runs, input_only=False)
         bwd_input_s = (_time_backward(forward, inp, params, device, runs, input_only=True)
                        if inp.requires_grad else 0.0)
@@ -175,7 +181,7 @@ def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.de
         half = _half_saved(block, inp, lambda out: seq.loss_fn(out, y) if last else out, device, precision)
         prof = BlockProfile(index=i, name=seq.block_names[i], kind=type(block).__name__,
                             act_saved_bytes=counter.bytes, spill_bytes=counter.spill_bytes,
-                            out_bytes=out_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
+                            out_bytes=out_bytes, logits_bytes=logits_bytes, fwd_s=fwd_s, bwd_s=bwd_s,
                             bwd_input_s=bwd_input_s, **half, **block_static_bytes(seq, i))
         return prof, nxt.detach()
 
