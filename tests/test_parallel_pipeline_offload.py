@@ -212,3 +212,22 @@ def test_pipelined_offload_of_transformers_gpt2_matches_plain(make_cfg, tmp_path
                    *common)
     assert out.count("offload plan:") == 2
     _same_run(tmp_path / "po", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pipelined_offload_of_transformers_llama_pins_its_untied_embedding_and_head(make_cfg, tmp_path):
+    """Llama's embedding and head are two tensors, each four times any other: in chunks smaller than them (the
+    other chunks streamed), rank 0 pins the embedding and rank 1 the head, each an outlier of its rank, and the
+    run equals plain's."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64, vocab_size=256, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path / "llama")
+    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", "model.source='hf'",
+              f"model.hf_path={str(tmp_path / 'llama' / 'config.json')!r}"]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=1MB))'",
+                   *common, f"offload.chunk_size='{4096 * 4}B'", "offload.resident_chunks=4")
+    assert out.count("device-resident chunks 4 + pinned 32.00 KiB; parameters' home host") == 2
+    _same_run(tmp_path / "po", tmp_path / "plain")
