@@ -49,3 +49,19 @@ def test_unclipped_replicated_offload_with_moments_on_disk_matches_plain(make_cf
     out = _replicated(make_cfg, tmp_path, "rep", "replicate(2, shard=true, offload(device_budget=30%))", *extra,
                       "offload.optimizer_tier='disk'")
     assert "optimizer state on disk" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("shard", ["false", "true"])
+def test_replicated_16_bit_chunks_match_the_memory_engines_own(make_cfg, tmp_path, shard):
+    """bf16 with AdamW on the host: each replica's chunks are 16-bit working copies, the replicas reduce the fp32
+    gradients their hosts accumulate, and two replicas of 2 micro-batches equal one memory engine of 4 (its
+    16-bit chunks held to the plain engine's mixed-precision recipe in test_offload_mixed.py). Sharded, the
+    global gradient norm must be one engine's bit for bit (reduce.gathered_norm): a sum of squares over the
+    replicas' halves, a few fp32 ulps off, moved the third step's loss by 4.6e-5 through the 16-bit copies."""
+    extra = ["train.precision='bf16'", "offload.optimizer_tier='host'"]
+    train(make_cfg(*COMMON, *extra, "train.grad_accum=4", "parallel.plan='offload(device_budget=25%)'",
+                   out=tmp_path / "plain"))
+    out = _replicated(make_cfg, tmp_path, "rep", f"replicate(2, shard={shard}, offload(device_budget=25%))", *extra)
+    assert out.count("16-bit working copies on the device") == 2

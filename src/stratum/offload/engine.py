@@ -144,9 +144,9 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         """id(parameter) whose target already holds a contribution this step (see _take_grad)."""
         self._pending_after = None
         """The last host update queued before the updates left to the next fetches (ChunkState.pending)."""
-        self.combine_norm: Callable[[Tensor], Tensor] | None = None
-        """A sharded parent's global gradient norm from this engine's part of it (the chunks it owns); None: this
-        engine's norm is the norm."""
+        self.combine_norm: Callable[[list[tuple[str, Tensor]]], Tensor] | None = None
+        """A sharded parent's global gradient norm from this engine's per-parameter norms (of the chunks it owns,
+        in the plain engine's order); None: this engine's norm is the norm."""
         self.reducer: ChunkReducer | None = None
         """A parent's reduction of one chunk's gradients (names, gradients, what for messages → the reduction in
         flight, which leaves the result in those gradients when finished): over the replicas, or of a tensor tied

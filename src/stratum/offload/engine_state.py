@@ -90,7 +90,7 @@ class EngineState:
     _spill_futs: dict[int, Future | None]
     _opt_futs: list[Future]
     _pending_after: Future | None
-    combine_norm: Callable[[Tensor], Tensor] | None
+    combine_norm: Callable[[list[tuple[str, Tensor]]], Tensor] | None
     handoff: ChunkHandoff | None
 
     def _staged(self, k: int) -> Tensor:

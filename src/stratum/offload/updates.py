@@ -438,10 +438,13 @@ class Updates(EngineState):
     def _update_after_backward(self) -> Tensor:
         """After the last micro-batch's backward: the global gradient norm (returned, a 0-d tensor) from the
         per-parameter norms in the plain engine's order, then the updates that waited for it."""
-        norms = [n for _, n in self.grad_norms_now()]
-        total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=self.device)
+        named = self.grad_norms_now()
         if self.combine_norm is not None:
-            total_norm = self.combine_norm(total_norm)
+            total_norm = self.combine_norm(named)
+        elif named:
+            total_norm = torch.linalg.vector_norm(torch.stack([n for _, n in named]), 2.0)
+        else:
+            total_norm = torch.zeros((), device=self.device)
         if self.scaler is not None:
             return self._scaled_update(total_norm)
         coef = None

@@ -33,7 +33,7 @@ from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
-from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, sum_over
+from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, gathered_norm, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
@@ -132,9 +132,10 @@ class ReplicatedOffload(OverReplicas):
         total = self.world.all_reduce(loss_sum.double().reshape(1), "replica", "the loss all-reduce")
         return StepResult(loss=float(total) / len(micro_batches), grad_norm=float(norm))
 
-    def _global_norm(self, local: torch.Tensor) -> torch.Tensor:
-        """The norm over every replica's owned chunks from this replica's part."""
-        return self._replicas_sq(local).sqrt().float().reshape(())
+    def _global_norm(self, norms: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The norm over every replica's owned chunks from this replica's per-parameter norms, as one engine of
+        every chunk computes it."""
+        return gathered_norm(norms, self.leaf.names, self.world, "replica")
 
     # ---- Engine -------------------------------------------------------------------------------------------
     def state(self) -> TrainState:

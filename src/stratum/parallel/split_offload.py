@@ -291,8 +291,8 @@ class SplitOffload(AroundChild):
         self.layout = layout
         leaf.combine_norm = self._norm
 
-    def _norm(self, _local: Tensor) -> Tensor:
-        return self.layout.sq_norm(self.leaf.grad_norms_now()).sqrt().float().reshape(())
+    def _norm(self, norms: list[tuple[str, Tensor]]) -> Tensor:
+        return self.layout.sq_norm(norms).sqrt().float().reshape(())
 
     def state(self) -> TrainState:
         return self.layout.whole(self.child.state())
