@@ -191,12 +191,19 @@ def test_wave_over_offload_resumes_and_matches_plain(make_cfg, tmp_path):
     ["model.source='sequential'", "model.factory='stratum.model.sequential:example_lm_blocks'"],
 ], ids=["whole", "block-by-block"])
 def test_pipelined_offload_of_an_nn_sequential_matches_plain(make_cfg, tmp_path, source):
-    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", *source]
+    _pipelined_equals_plain(make_cfg, tmp_path, source, "2MB")
+
+
+def _pipelined_equals_plain(make_cfg, tmp_path, model: list[str], budget: str, *extra: str) -> str:
+    """6 steps of ``model`` under pipeline(2, offload(device_budget=``budget``)) and ``extra``: the plain engine's
+    run (losses, parameters, moments); what the ranks printed."""
+    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", *model]
     train(make_cfg(*common, out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=2MB))'",
-                   *common)
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), f"parallel.plan='pipeline(2, offload(device_budget={budget}))'",
+                   *common, *extra)
     assert out.count("offload plan:") == 2
     _same_run(tmp_path / "po", tmp_path / "plain")
+    return out
 
 
 @pytest.mark.slow
@@ -205,13 +212,7 @@ def test_pipelined_offload_of_an_nn_sequential_matches_plain(make_cfg, tmp_path,
 def test_pipelined_offload_of_transformers_gpt2_matches_plain(make_cfg, tmp_path, hf_config):  # noqa: F811
     """Built block by block on each rank: the head on rank 1 is tied to rank 0's embedding, whose values rank 1
     draws for the moment as its head's chunk is packed (model.placement.stage_block_init)."""
-    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", "model.source='hf'",
-              f"model.hf_path={hf_config!r}"]
-    train(make_cfg(*common, out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=2MB))'",
-                   *common)
-    assert out.count("offload plan:") == 2
-    _same_run(tmp_path / "po", tmp_path / "plain")
+    _pipelined_equals_plain(make_cfg, tmp_path, ["model.source='hf'", f"model.hf_path={hf_config!r}"], "2MB")
 
 
 @pytest.mark.slow
@@ -224,10 +225,7 @@ def test_pipelined_offload_of_transformers_llama_pins_its_untied_embedding_and_h
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=64, vocab_size=256, pad_token_id=0,
                              bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path / "llama")
-    common = ["train.steps=6", "train.eval_interval=3", "train.grad_accum=2", "model.source='hf'",
-              f"model.hf_path={str(tmp_path / 'llama' / 'config.json')!r}"]
-    train(make_cfg(*common, out=tmp_path / "plain"))
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), "parallel.plan='pipeline(2, offload(device_budget=1MB))'",
-                   *common, f"offload.chunk_size='{4096 * 4}B'", "offload.resident_chunks=4")
+    model = ["model.source='hf'", f"model.hf_path={str(tmp_path / 'llama' / 'config.json')!r}"]
+    out = _pipelined_equals_plain(make_cfg, tmp_path, model, "1MB", f"offload.chunk_size='{4096 * 4}B'",
+                                  "offload.resident_chunks=4")
     assert out.count("device-resident chunks 4 + pinned 32.00 KiB; parameters' home host") == 2
-    _same_run(tmp_path / "po", tmp_path / "plain")
