@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 import torch
 
+from stratum.config import load_config
 from stratum.errors import StratumError
 from stratum.model.gpt import build_gpt
 from stratum.offload.planner import make_placement
 from stratum.offload.setup import quick_profile
 from stratum.offload.tiers import HOST, Bandwidths
-from stratum.parallel.pipeline_offload import stage_block_costs
+from stratum.parallel.pipeline_offload import handoff_config, stage_block_costs
 from stratum.profile.profile import BlockProfile, Profile
 from stratum.runtime.pipeline import PipelinePlan
 from stratum.schedule.generators import generate
@@ -64,23 +65,27 @@ def test_a_stage_blocks_bytes_count_its_input_and_a_stage_end_its_output_in_both
     assert stage_block_costs(fp32, plan, [2])[0].half_act_saved_bytes is None
 
 
-def test_a_pipeline_ranks_16_bit_chunks_hand_gradients_over_a_tensor_at_a_time():
-    """bf16 with the masters off the device: a pipeline rank's chunks are 16-bit working copies too, its
-    gradients going home a tensor at a time even where copies run beside compute; the per-chunk hand-off, which
-    a rank running several stages would interleave, is refused on one."""
+def test_a_pipeline_ranks_16_bit_chunks_hand_gradients_over_per_chunk_on_one_stage_per_rank():
+    """bf16 with the masters off the device: a pipeline rank's chunks are 16-bit working copies, and where copies
+    run beside compute (a GPU) its gradients go home a chunk at a time, as one engine's do — except on a rank
+    running several stages (wave: rank 0 holds the first and the last), which hands them over a tensor at a time
+    and refuses the per-chunk hand-off."""
     m = build_gpt("tiny", vocab_size=256, seed=0)
     prof = quick_profile(m, micro_batch=1, seq_len=16, device=torch.device("cpu"), precision="bf16")
     gpu = Bandwidths(h2d=20e9, d2h=20e9, disk_read=2e9, disk_write=1e9, adam_params_per_s=1e9, async_copies=True)
     inflight = (2,) * len(m)
-
-    def plan(**kw):
-        return make_placement(m, device_budget=None, host_budget=None, disk_free=None, profile=prof, n_micro=2,
-                              precision="bf16", optimizer_tier=HOST, **kw)
-    rank = plan(bandwidths=gpu, inflight=inflight)
-    assert rank.half_params and not rank.chunk_grads and rank.inflight == inflight
-    assert plan(bandwidths=gpu).chunk_grads  # (not a pipeline rank)
-    with pytest.raises(StratumError, match="grad_handoff = 'chunk' does not run on a pipeline rank"):
-        plan(bandwidths=None, grad_handoff="chunk", inflight=inflight)
+    rank = make_placement(m, device_budget=None, host_budget=None, disk_free=None, profile=prof, n_micro=2,
+                          precision="bf16", optimizer_tier=HOST, bandwidths=gpu, inflight=inflight)
+    assert rank.half_params and rank.chunk_grads and rank.inflight == inflight
+    cfg = load_config(None, ["offload.grad_handoff='chunk'"])
+    one = PipelinePlan(schedule=generate("1f1b", ranks=2, microbatches=2), stages=[range(0, 2), range(2, 4)])
+    assert handoff_config(cfg, one, [0, 1]) is cfg
+    wave = PipelinePlan(schedule=generate("wave", ranks=2, microbatches=2),
+                        stages=[range(0, 1), range(1, 2), range(2, 3), range(3, 4)])
+    auto = load_config(None, [])
+    assert handoff_config(auto, wave, [0, 3]).offload.grad_handoff == "tensor"
+    with pytest.raises(StratumError, match="grad_handoff = 'chunk' does not run on a pipeline rank holding several"):
+        handoff_config(cfg, wave, [0, 3])
 
 
 def test_dry_run_fits_a_budget_that_cannot_keep_the_in_flight_activations(make_cfg, capsys):
@@ -134,16 +139,20 @@ def test_tie_to_another_rank_pinned_matches_plain(make_cfg, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pipeline,budget,extra", [
+@pytest.mark.parametrize("pipeline,budget,extra,ranks_only", [
     # 1F1B, chunks streamed from the host, AdamW on the host, clipped
-    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'"]),
+    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'"], []),
     # wave (the tied embedding and head on rank 0), AdamW on disk, block inputs spilled, unclipped
     ("pipeline(2, schedule=wave, {})", "40%", ["offload.optimizer_tier='disk'", "offload.activations='offload'",
-                                               "optim.grad_clip=0.0"]),
+                                               "optim.grad_clip=0.0"], []),
     # the one-step-delayed update (each step's AdamW beside the next; evaluation reads the published copies)
-    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'", "offload.delayed_update=true"]),
-], ids=["1f1b", "wave", "delayed"])
-def test_16_bit_chunks_on_pipeline_ranks_match_the_memory_engines_own(make_cfg, tmp_path, pipeline, budget, extra):
+    ("pipeline(2, {})", "1.8MB", ["offload.optimizer_tier='host'", "offload.delayed_update=true"], []),
+    # the per-chunk hand-off on each rank (against one engine's per-tensor one: each rank's tied tensor has one
+    # contribution a micro-batch, so both hand over the same sums)
+    ("pipeline(2, {})", "2.5MB", ["offload.optimizer_tier='host'"], ["offload.grad_handoff='chunk'"]),
+], ids=["1f1b", "wave", "delayed", "per-chunk"])
+def test_16_bit_chunks_on_pipeline_ranks_match_the_memory_engines_own(make_cfg, tmp_path, pipeline, budget, extra,
+                                                                      ranks_only):
     """bf16: each rank's chunks are 16-bit working copies of fp32 masters on the host or disk, and the run
     equals the single memory engine's with 16-bit chunks (itself held to the plain engine's mixed-precision
     recipe in test_offload_mixed.py), losses within 1e-5. Under 1F1B the tied embedding and head are on two
@@ -155,8 +164,10 @@ def test_16_bit_chunks_on_pipeline_ranks_match_the_memory_engines_own(make_cfg, 
     leaf = f"offload(device_budget={budget})"
     out = _stratum(make_cfg(*common, out=tmp_path / "one"), f"parallel.plan={leaf!r}", *common)
     assert "16-bit working copies on the device" in out
-    out = _stratum(make_cfg(*common, out=tmp_path / "po"), f"parallel.plan={pipeline.format(leaf)!r}", *common)
+    out = _stratum(make_cfg(*common, out=tmp_path / "po"), f"parallel.plan={pipeline.format(leaf)!r}", *common,
+                   *ranks_only)
     assert out.count("16-bit working copies on the device") == 2
+    assert out.count("gradients down a chunk at a time") == (2 if ranks_only else 0)
     _same_run(tmp_path / "po", tmp_path / "one", param_atol=5e-5, moment_atol=1e-6)
 
 

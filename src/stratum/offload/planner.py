@@ -169,10 +169,7 @@ class _Job:
 
     chunk_grads: bool
     """offload.grad_handoff resolved for this machine (``grad_handoff.per_chunk``): 16-bit placements hand their
-    gradients to the host a chunk at a time (Placement.chunk_grads). Never on a pipeline rank: a chunk's buffer
-    gathers one micro-batch's gradients from the chunk's last block's backward to its first's, and a rank
-    running several stages runs other micro-batches' backwards in between (its gradients go a tensor at a
-    time)."""
+    gradients to the host a chunk at a time (Placement.chunk_grads)."""
 
     def halves(self, opt: str, ptier: str) -> tuple[bool, ...]:
         """Placement.half_params to try with these tiers: 16-bit chunks where the tiers allow them (``half_chunks``;
@@ -357,9 +354,6 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
     fp16: only such placements, every update after the backward). ``grad_handoff``: offload.grad_handoff (16-bit
     placements' gradients a chunk at a time — auto: where copies are asynchronous, unless the chunks' buffers
     leave no placement that fits — or a tensor at a time)."""
-    if inflight and grad_handoff == "chunk":
-        raise StratumError("offload.grad_handoff = 'chunk' does not run on a pipeline rank (its stages' backwards "
-                           "interleave micro-batches); use 'auto' or 'tensor' under pipeline(…, offload(…))")
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
@@ -367,7 +361,7 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
                kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision,
-               chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies) and not inflight)
+               chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies))
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
     search = _search(job, opts, recs, chunk_elems)

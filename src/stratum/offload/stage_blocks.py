@@ -83,6 +83,8 @@ class OffloadBlocks:
         """Backwards run this step."""
         self._working = 0
         """Bytes of the saved tensors of the block being recomputed."""
+        self._first = False
+        """The backward running is its stage's first this step (the per-chunk hand-off casts, not adds)."""
 
     def begin_step(self, lr: float, microbatches: int) -> None:
         self.engine.begin_step(lr)
@@ -140,6 +142,7 @@ class OffloadBlocks:
         saved = self.saved.pop((s, mb))
         self.backwards[s] += 1
         final = self.backwards[s] == self.microbatches
+        self._first = self.backwards[s] == 1
         if isinstance(saved, _Checkpoint):
             self._backward_checkpointed(s, saved, out, grad, final)
         else:
@@ -151,14 +154,17 @@ class OffloadBlocks:
             self._fetch(ahead)
 
     def _block_access(self, i: int, final: bool) -> None:
-        """Block ``i``'s chunks resident for its backward, their gradients wanted; on the step's last
-        micro-batch its backward is noted as begun (what the reductions in flight overlap)."""
+        """Block ``i``'s chunks resident for its backward, their gradients wanted (under the per-chunk hand-off,
+        the chunks whose gradients start here take their device buffers); on the step's last micro-batch its
+        backward is noted as begun (what the reductions in flight overlap)."""
         eng = self.engine
         eng._access(eng._block_chunks(i), grads=True)
         for ci in eng._block_chunks(i):
             c = eng.chunks[ci]
             if c.grad is None:  # filled by _take_grad (a parameter without a gradient: skipped)
                 c.grad = "home" if eng._home_grads(c) else "dev"
+        if eng.handoff is not None:
+            eng.handoff.open_block(i)
         if final:
             eng._note_backward(i)
 
@@ -166,6 +172,8 @@ class OffloadBlocks:
         """Block ``i``'s backward is done: on the step's last micro-batch its chunks whose gradient is now
         complete go on to their reduction and update."""
         eng = self.engine
+        if eng.handoff is not None:  # the chunks whose gradients end here go to the host (the stage's first
+            eng._opt_futs += eng.handoff.close_block(i, self._first)  # backward this step: cast, not added)
         if final:
             for ci in eng._block_chunks(i):
                 if eng.layout.ready_block[ci] == i and ci not in self.late:

@@ -102,8 +102,23 @@ def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[
     its in-flight micro-batches' activations kept, checkpointed or spilled, as the planner finds fastest within
     the budgets (Placement.inflight)."""
     sub = model.part(mine)
-    return placement_for(cfg, sub, device, profile=stage_profile(prof, plan, mine, sub),
+    return placement_for(handoff_config(cfg, plan, mine), sub, device, profile=stage_profile(prof, plan, mine, sub),
                          inflight=stage_inflight(plan, mine))
+
+
+def handoff_config(cfg: Config, plan: PipelinePlan, mine: list[int]) -> Config:
+    """``cfg`` for a rank holding blocks ``mine``: on a rank running several stages (interleaved, wave) 16-bit
+    gradients go home a tensor at a time. The per-chunk hand-off gathers one micro-batch's gradients of a chunk
+    from its last block's backward to its first's, and such a rank runs other micro-batches' backwards in
+    between (a chunk, or the tied embedding and head, spanning two of its stages)."""
+    held = set(mine)
+    if sum(r[0] in held for r in plan.stages) < 2:
+        return cfg
+    if cfg.offload.grad_handoff == "chunk":
+        raise StratumError("offload.grad_handoff = 'chunk' does not run on a pipeline rank holding several stages "
+                           f"(schedule {plan.schedule.name}); use 'auto' or 'tensor' there, or a schedule with one "
+                           "stage per rank (gpipe, 1f1b)")
+    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, grad_handoff="tensor"))
 
 
 def check_schedule(schedule: Schedule) -> None:
