@@ -78,6 +78,8 @@ def test_outliers_are_pinned_only_where_chunks_are_smaller_than_them():
     assert lay.ready_block[0] == 0 and lay.max_chunks_per_block() == 1
     three = BlockSeq([nn.Embedding(1000, 16), nn.Linear(16, 1000), nn.Linear(1000, 16)], lm_cross_entropy, info)
     assert outliers(three) == {}
+    uneven = BlockSeq([nn.Embedding(1000, 16), nn.Linear(16, 16), nn.Linear(16, 100)], lm_cross_entropy, info)
+    assert outliers(uneven) == {"blocks.0.weight": 16000, "blocks.2.weight": 1600}  # a head 6× the rest too
 
 
 def test_chunk_smaller_than_a_parameter_is_refused():

@@ -126,9 +126,8 @@ def outliers(seq: BlockSeq) -> dict[str, int]:
     them instead (:func:`pack`)."""
     tied = {g.owner for g in seq.tied}
     sizes = sorted(((p.numel(), n) for n, p in param_order(seq) if n not in tied), reverse=True)
-    for k in (1, 2):
-        rest = sizes[k][0] if len(sizes) > k else 0
-        if len(sizes) > k and sizes[k - 1][0] > 2 * rest:
+    for k in (2, 1):  # both of a pair where the second is an outlier too (an embedding and a smaller head)
+        if len(sizes) > k and sizes[k - 1][0] > 2 * sizes[k][0]:
             return {n: size for size, n in sizes[:k]}
     return {}
 
