@@ -27,6 +27,9 @@ from stratum.errors import PeerError
 from stratum.ir.plan import Coord, Plan
 
 DIMS = ("replica", "stage_rank", "split")
+GATHER_TAG = 1 << 29
+"""Tag of :meth:`World.gather_to_first`'s messages: apart from the pipeline runtime's and burst's own tags (gloo
+matches a receive to a send by peer and tag)."""
 _T = TypeVar("_T")
 
 
@@ -110,7 +113,7 @@ class World:
             skeleton = pickle.dumps(_strip(obj, tensors))
             size = torch.tensor([len(skeleton)], dtype=torch.int64)
             for t in (size, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), *tensors):
-                self.wait(dist.isend(t.contiguous().to(self.device), dst=first), f"sending {what}")
+                self.wait(dist.isend(t.contiguous().to(self.device), dst=first, tag=GATHER_TAG), f"sending {what}")
             return None
         got: list = [obj]
         for src in self.members[dim][1:]:
@@ -125,7 +128,7 @@ class World:
     def _recv(self, buf: torch.Tensor, src: int, what: str) -> torch.Tensor:
         """``buf`` filled by rank ``src``'s next message (on the CPU)."""
         dev = buf.to(self.device)
-        self.wait(dist.irecv(dev, src=src), f"receiving {what} from rank {src}")
+        self.wait(dist.irecv(dev, src=src, tag=GATHER_TAG), f"receiving {what} from rank {src}")
         return dev.cpu()
 
     def subgroup(self, dim: str, positions: list[int]):
