@@ -206,6 +206,7 @@ def _streaming_planner(asked):
     def price(ask):
         asked[ask.splits] = ask.profile
         asked["inflight"] = ask.inflight
+        asked.setdefault("tensor_grads", []).append(ask.tensor_grads)
         prof = ask.profile
         n = ask.inflight or (1,) * len(prof.blocks)
         state, act = prof.train_state_bytes, sum(b.act_saved_bytes * k for b, k in zip(prof.blocks, n))
@@ -284,6 +285,12 @@ def test_a_pipeline_over_offload_plans_each_pipeline_ranks_blocks():
     assert pred.bubble == pytest.approx(plain.bubble) and pred.peak_bytes == (whole // 3,) * 2  # both stream
     with pytest.raises(StratumError, match="splits the backward"):
         predict(parse_plan(text.replace("gpipe", "zb-1f1b").replace("10**6", "1000000")), work, hw)
+    # a rank running one stage hands its 16-bit gradients over as the leaf's setting says; one running two (wave:
+    # the first and last stages on rank 0, the middle two on rank 1) a tensor at a time, as it trains
+    assert asked["tensor_grads"] == [False, False]
+    asked["tensor_grads"] = []
+    predict(parse_plan(text.replace("gpipe", "wave").replace("10**6", "1000000")), work, hw)
+    assert asked["tensor_grads"] == [True, True]
 
 
 def test_where_split_fits_in_memory_no_offload_tree_ranks_above_it_unless_faster():

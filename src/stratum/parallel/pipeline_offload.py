@@ -106,13 +106,18 @@ def rank_placement(cfg: Config, model: BlockSeq, plan: PipelinePlan, mine: list[
                          inflight=stage_inflight(plan, mine))
 
 
+def several_stages(plan: PipelinePlan, mine: list[int]) -> bool:
+    """The rank holding blocks ``mine`` runs several of the plan's stages (interleaved, wave)."""
+    held = set(mine)
+    return sum(r[0] in held for r in plan.stages) > 1
+
+
 def handoff_config(cfg: Config, plan: PipelinePlan, mine: list[int]) -> Config:
     """``cfg`` for a rank holding blocks ``mine``: on a rank running several stages (interleaved, wave) 16-bit
     gradients go home a tensor at a time. The per-chunk hand-off gathers one micro-batch's gradients of a chunk
     from its last block's backward to its first's, and such a rank runs other micro-batches' backwards in
     between (a chunk, or the tied embedding and head, spanning two of its stages)."""
-    held = set(mine)
-    if sum(r[0] in held for r in plan.stages) < 2:
+    if not several_stages(plan, mine):
         return cfg
     if cfg.offload.grad_handoff == "chunk":
         raise StratumError("offload.grad_handoff = 'chunk' does not run on a pipeline rank holding several stages "

@@ -62,7 +62,7 @@ from stratum.ir.hardware import Hardware, Link
 from stratum.ir.plan import Offload, Plan
 from stratum.ir.prices import allreduce_s, bucketed_allreduce_s, step_overhead_s, with_link
 from stratum.parallel.buckets import BUCKET_BYTES
-from stratum.parallel.pipeline_offload import check_schedule, stage_block_costs, stage_inflight
+from stratum.parallel.pipeline_offload import check_schedule, several_stages, stage_block_costs, stage_inflight
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.pipeline import PipelinePlan
@@ -98,6 +98,9 @@ class LeafAsk:
     inflight: tuple[int, ...] = ()
     """Under a pipeline: per held block, the micro-batches its stage holds at once (their activations kept,
     checkpointed or spilled as the rank's planner chooses, Placement.inflight)."""
+    tensor_grads: bool = False
+    """Under a pipeline: the rank runs several stages, so its 16-bit gradients go home a tensor at a time
+    (:func:`~stratum.parallel.pipeline_offload.handoff_config`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -395,7 +398,8 @@ def _offload_pipeline(plan: Plan, work: Workload, hw: Hardware, ask: LeafAsk) ->
     for q in range(plan.stage_ranks):
         mine = pplan.blocks_of(q)
         sub = replace(prof, blocks=stage_block_costs(prof, pplan, mine))
-        step, peak = work.offload(replace(ask, profile=sub, blocks=tuple(mine), inflight=stage_inflight(pplan, mine)))
+        step, peak = work.offload(replace(ask, profile=sub, blocks=tuple(mine), inflight=stage_inflight(pplan, mine),
+                                          tensor_grads=several_stages(pplan, mine)))
         busy = m * sum(b.fwd_s + b.bwd_s for b in sub.blocks)
         extra = max(extra, (step - busy) / _slowest(hw, plan, "stage_rank", q))
         peaks.append(peak)

@@ -206,7 +206,8 @@ def _offload_pricer(cfg: Config, model: BlockSeq, prof: Profile) -> Callable[[Le
             seq = seq.part(list(ask.blocks))
             costs = replace(costs, tied=[list(t.names) for t in seq.tied])
         p = make_placement(seq, **{**inputs, "profile": costs, "n_micro": ask.microbatches, "inflight": ask.inflight,
-                                   "device_budget": ask.device_budget, "host_budget": ask.host_budget})
+                                   "device_budget": ask.device_budget, "host_budget": ask.host_budget,
+                                   **({"grad_handoff": "tensor"} if ask.tensor_grads else {})})
         return p.predicted_step_s, int(p.predicted_peak.get("device", 0))
     return price
 
