@@ -172,8 +172,10 @@ class OffloadBlocks:
         """Block ``i``'s backward is done: on the step's last micro-batch its chunks whose gradient is now
         complete go on to their reduction and update."""
         eng = self.engine
-        if eng.handoff is not None:  # the chunks whose gradients end here go to the host (the stage's first
-            eng._opt_futs += eng.handoff.close_block(i, self._first)  # backward this step: cast, not added)
+        if eng.handoff is not None:
+            # the chunks whose gradients end here go to the host: cast into the accumulator on the stage's first
+            # backward this step, added after
+            eng._opt_futs += eng.handoff.close_block(i, self._first)
         if final:
             for ci in eng._block_chunks(i):
                 if eng.layout.ready_block[ci] == i and ci not in self.late:

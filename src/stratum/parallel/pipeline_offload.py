@@ -47,8 +47,6 @@ def leaf_config(cfg: Config, leaf: Offload) -> Config:
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **budgets))
 
 
-
-
 def stage_inflight(plan: PipelinePlan, mine: list[int]) -> tuple[int, ...]:
     """Per block of ``mine``: the micro-batches its stage holds at once under the plan's schedule."""
     inflight = inflight_from_schedule(plan.schedule)
@@ -76,12 +74,12 @@ def stage_block_costs(prof: Profile, plan: PipelinePlan, mine: list[int]) -> lis
     for k, g in enumerate(mine):
         b, before = prof.blocks[g], prof.blocks[g - 1] if g else None
         # the model's last stage: its output is the logits (the runtime takes the loss over them)
-        end = b.logits_bytes or 0 if g == len(prof.blocks) - 1 else b.out_bytes
+        end = (b.logits_bytes or 0) if g == len(prof.blocks) - 1 else b.out_bytes
         act, out, spill = _stage_bytes(b.act_saved_bytes, before.out_bytes if before else tokens, end, g in last)
         cut = dataclasses.replace(b, index=k, act_saved_bytes=act, out_bytes=out, spill_bytes=spill)
         if b.half_act_saved_bytes is not None:  # the same columns measured on 16-bit chunks (Placement.half_params)
             inp = (before.half_out_bytes or before.out_bytes) if before else tokens
-            end = b.logits_bytes or 0 if g == len(prof.blocks) - 1 else b.half_out_bytes or 0
+            end = (b.logits_bytes or 0) if g == len(prof.blocks) - 1 else (b.half_out_bytes or 0)
             act, out, spill = _stage_bytes(b.half_act_saved_bytes, inp, end, g in last)
             cut = dataclasses.replace(cut, half_act_saved_bytes=act, half_out_bytes=out, half_spill_bytes=spill)
         blocks.append(cut)
