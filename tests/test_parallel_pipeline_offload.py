@@ -240,3 +240,20 @@ def test_pipelined_offload_of_transformers_llama_pins_its_untied_embedding_and_h
     out = _pipelined_equals_plain(make_cfg, tmp_path, model, "1MB", f"offload.chunk_size='{4096 * 4}B'",
                                   "offload.resident_chunks=4")
     assert out.count("device-resident chunks 4 + pinned 32.00 KiB; parameters' home host") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("plan", ["pipeline(2)", "pipeline(2, offload(device_budget=2MB))"])
+def test_a_pipelines_gradient_norm_is_the_plain_engines_to_the_bit(make_cfg, tmp_path, plan):
+    """1F1B over an nn.Sequential (nothing tied; each stage accumulates its micro-batches in plain's order): the
+    ranks gather each parameter's norm in the whole model's order (World.gathered_norm), so every step's clipped
+    norm — and with it every update and evaluation — is the plain engine's bit for bit (a sum of squares over
+    the ranks in float64 differed in the last bit from the third step on)."""
+    common = ["train.steps=10", "train.eval_interval=5", "train.grad_accum=4", "train.micro_batch_size=2",
+              "model.source='sequential'", "model.factory='stratum.model.sequential:example_lm'"]
+    train(make_cfg(*common, out=tmp_path / "plain"))
+    _stratum(make_cfg(*common, out=tmp_path / "pipe"), f"parallel.plan={plan!r}", *common)
+    got, want = read_metrics(tmp_path / "pipe"), read_metrics(tmp_path / "plain")
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
+    assert [r.get("eval_loss") for r in got] == [r.get("eval_loss") for r in want]

@@ -131,6 +131,22 @@ class World:
         self.wait(dist.irecv(dev, src=src, tag=GATHER_TAG), f"receiving {what} from rank {src}")
         return dev.cpu()
 
+    def gathered_norm(self, norms: list[tuple[str, torch.Tensor]], order: list[str], dim: str) -> torch.Tensor:
+        """The plain engine's global gradient norm — ``torch.linalg.vector_norm`` over each parameter's norm, in
+        ``order`` — from this rank's part of them (``norms``: (name, 0-d norm)), where every parameter's norm is
+        on one rank of ``dim`` (a pipeline's stages, sharded replicas' chunks). The parts are summed into one
+        vector (each entry plus zeros: exact) with a flag per parameter that has one, so every rank norms the plain
+        engine's list and gets its number bit for bit — where a sum of squares over the ranks differs in the last
+        bits, which a 16-bit working copy of a weight can turn into a whole bf16 step."""
+        pos = {n: i for i, n in enumerate(order)}
+        vec = torch.zeros(2 * len(order), dtype=torch.float32)
+        for name, norm in norms:
+            vec[pos[name]] = norm
+            vec[len(order) + pos[name]] = 1.0
+        vec = self.all_reduce(vec.to(self.device), dim, "the gradient norms' all-reduce")
+        vals, has = vec[:len(order)], vec[len(order):] > 0
+        return torch.linalg.vector_norm(vals[has], 2.0)
+
     def subgroup(self, dim: str, positions: list[int]):
         """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),
         created for every slice of the mesh so that every rank takes part; this rank's, or None."""

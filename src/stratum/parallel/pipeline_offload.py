@@ -224,14 +224,19 @@ class OffloadPipelineEngine(PipelineEngine):
         self.runner.begin_step(lr, len(micro_batches))
         return super().train_step(micro_batches, lr)
 
-    def local_norms(self) -> torch.Tensor:
-        """The norms of this rank's counted gradients (of the chunks it owns, under a sharding parent)."""
+    def local_named_norms(self) -> list[tuple[str, torch.Tensor]]:
+        """(whole model's name, norm) of this rank's counted gradients (of the chunks it owns, under a sharding
+        parent)."""
         counted = self.norm_counted()
-        norms = [n for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
+        return [(self.to_global[ln], n) for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
+
+    def local_norms(self) -> torch.Tensor:
+        """The norms of :meth:`local_named_norms`, as a vector."""
+        norms = [n for _, n in self.local_named_norms()]
         return torch.stack(norms) if norms else torch.zeros(0, device=self.device)
 
     def grad_norm(self) -> torch.Tensor:
-        return self.reduce_norm(self.local_norms())
+        return self.mesh.gathered_norm(self.local_named_norms(), self.order, "stage_rank")
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.leaf.apply_updates(coef if self.leaf._deferred else None)

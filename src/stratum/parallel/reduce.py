@@ -122,20 +122,3 @@ def in_turn(first: ChunkReducer | None, then: Reducer) -> Reducer:
             first(names, grads, what).finish()
         return then(names, grads, what)
     return reduce
-
-
-def gathered_norm(norms: list[tuple[str, torch.Tensor]], order: list[str], world: World, dim: str) -> torch.Tensor:
-    """The plain engine's global gradient norm — ``torch.linalg.vector_norm`` over each parameter's norm, in
-    ``order`` — from this rank's part of them (``norms``: (name, 0-d norm)), where every parameter's norm is on
-    one rank of ``dim`` (sharded replicas: each updates its own chunks). The parts are summed into one vector
-    (each entry plus zeros: exact) with a flag per parameter that has one, so every rank norms the plain engine's
-    list and gets its number bit for bit — where a sum of squares over the ranks differs in the last bits, which
-    a 16-bit working copy of a weight can turn into a whole bf16 step."""
-    pos = {n: i for i, n in enumerate(order)}
-    vec = torch.zeros(2 * len(order), dtype=torch.float32)
-    for name, norm in norms:
-        vec[pos[name]] = norm
-        vec[len(order) + pos[name]] = 1.0
-    vec = world.all_reduce(vec.to(world.device), dim, "the gradient norms' all-reduce")
-    vals, has = vec[:len(order)], vec[len(order):] > 0
-    return torch.linalg.vector_norm(vals[has], 2.0)

@@ -33,7 +33,7 @@ from stratum.dist.world import World
 from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
-from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, gathered_norm, sum_over
+from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
@@ -135,7 +135,7 @@ class ReplicatedOffload(OverReplicas):
     def _global_norm(self, norms: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """The norm over every replica's owned chunks from this replica's per-parameter norms, as one engine of
         every chunk computes it."""
-        return gathered_norm(norms, self.leaf.names, self.world, "replica")
+        return self.world.gathered_norm(norms, self.leaf.names, "replica")
 
     # ---- Engine -------------------------------------------------------------------------------------------
     def state(self) -> TrainState:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from stratum.config import PIPELINE_PARTITIONS as PARTITIONS
 from stratum.data.tokens import Batch
@@ -43,7 +44,7 @@ from stratum.runtime.device import peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, merge_states
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.stage import StageBlocks, StageRuntime
-from stratum.runtime.tensors import full_tensor
+from stratum.runtime.tensors import full_tensor, grad_norms
 from stratum.schedule.generators import KINDS, generate, is_kind
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.textio import load
@@ -158,6 +159,8 @@ class PipelineEngine(GradEngine):
             for name, p in model.blocks[i].named_parameters(remove_duplicate=False):
                 named.setdefault(alias.get(f"blocks.{i}.{name}", f"blocks.{i}.{name}"), p)
         self.named = list(named.items())
+        self.order = [n for n, _ in model.named_parameters()]
+        """Every parameter's canonical name in the whole model's order (the plain engine's, for the norm)."""
 
         # tied tensors spread over several pipeline ranks: a sub-group each
         self.tied_sync: list[tuple[nn.Parameter, object]] = []
@@ -227,6 +230,17 @@ class PipelineEngine(GradEngine):
 
     def norm_counted(self) -> set[str]:
         return {n for n, _ in self.named if n not in self.not_counted}
+
+    def grad_norm(self) -> torch.Tensor:
+        """The plain engine's norm, bit for bit: each counted parameter's norm gathered over the pipeline ranks in
+        the whole model's order (World.gathered_norm) — except where a stage's gradients are split (DTensor:
+        their norms are collectives of their own), summed as squares over the ranks."""
+        counted = self.norm_counted()
+        live = [(n, p) for n, p in self.grad_params() if n in counted and p.grad is not None]
+        if any(isinstance(p.grad, DTensor) for _, p in live):
+            return super().grad_norm()
+        norms = grad_norms([p for _, p in live])  # (one zero entry where there are none: zip drops it)
+        return self.mesh.gathered_norm([(n, x) for (n, _), x in zip(live, norms)], self.order, "stage_rank")
 
     def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
         sq = norms.to(self.device, torch.float64).pow(2).sum()
