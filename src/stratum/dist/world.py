@@ -138,14 +138,15 @@ class World:
         vector (each entry plus zeros: exact) with a flag per parameter that has one, so every rank norms the plain
         engine's list and gets its number bit for bit — where a sum of squares over the ranks differs in the last
         bits, which a 16-bit working copy of a weight can turn into a whole bf16 step."""
-        pos = {n: i for i, n in enumerate(order)}
-        vec = torch.zeros(2 * len(order), dtype=torch.float32)
-        for name, norm in norms:
-            vec[pos[name]] = norm
-            vec[len(order) + pos[name]] = 1.0
-        vec = self.all_reduce(vec.to(self.device), dim, "the gradient norms' all-reduce")
-        vals, has = vec[:len(order)], vec[len(order):] > 0
-        return torch.linalg.vector_norm(vals[has], 2.0)
+        n = len(order)
+        vec = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
+        if norms:  # (one scatter: no per-parameter copies, each a device sync on a GPU)
+            pos = {name: i for i, name in enumerate(order)}
+            at = torch.tensor([pos[name] for name, _ in norms], device=self.device)
+            vec[at] = torch.stack([x for _, x in norms]).to(self.device, torch.float32)
+            vec[at + n] = 1.0
+        vec = self.all_reduce(vec, dim, "the gradient norms' all-reduce")
+        return torch.linalg.vector_norm(vec[:n][vec[n:] > 0], 2.0)
 
     def subgroup(self, dim: str, positions: list[int]):
         """A group of the ranks at ``positions`` along ``dim`` (e.g. the pipeline ranks holding a tied tensor),

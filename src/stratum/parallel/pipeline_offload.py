@@ -34,7 +34,7 @@ from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.parallel.reduce import Pending, Reducer
 from stratum.plan.partition import inflight_from_schedule
 from stratum.profile.profile import BlockProfile, Profile
-from stratum.runtime.engine import StepResult, TrainState, merge_states, renamed
+from stratum.runtime.engine import StepResult, TrainState, renamed
 from stratum.runtime.optim import MakeOptimizer, Optimizer
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
 from stratum.runtime.stage import StageBlocks
@@ -225,8 +225,8 @@ class OffloadPipelineEngine(PipelineEngine):
         return super().train_step(micro_batches, lr)
 
     def local_named_norms(self) -> list[tuple[str, torch.Tensor]]:
-        """(whole model's name, norm) of this rank's counted gradients (of the chunks it owns, under a sharding
-        parent)."""
+        """(whole model's name, norm) of this rank's counted gradients, from its memory engine (of the chunks it
+        owns, under a sharding parent)."""
         counted = self.norm_counted()
         return [(self.to_global[ln], n) for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
 
@@ -234,9 +234,6 @@ class OffloadPipelineEngine(PipelineEngine):
         """The norms of :meth:`local_named_norms`, as a vector."""
         norms = [n for _, n in self.local_named_norms()]
         return torch.stack(norms) if norms else torch.zeros(0, device=self.device)
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.mesh.gathered_norm(self.local_named_norms(), self.order, "stage_rank")
 
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.leaf.apply_updates(coef if self.leaf._deferred else None)
@@ -250,9 +247,6 @@ class OffloadPipelineEngine(PipelineEngine):
     def eval_loss(self, batches: list[Batch]) -> float:
         self.leaf.ready_for_eval()
         return super().eval_loss(batches)
-
-    def _local_state(self) -> TrainState:
-        return merge_states(self._local_parts())
 
     def _local_parts(self) -> Iterator[TrainState]:
         """The leaf's state a chunk at a time under the whole model's names (a sharding parent's replicas'

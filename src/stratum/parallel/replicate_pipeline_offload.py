@@ -23,8 +23,6 @@ new parameters after the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from stratum.data.tokens import Batch
@@ -35,7 +33,7 @@ from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.reduce import adasum_over, in_turn, sum_over
 from stratum.parallel.replicate import my_part
 from stratum.parallel.replicate_offload import OverReplicas
-from stratum.runtime.engine import StepResult, TrainState, clip_coef
+from stratum.runtime.engine import StepResult, clip_coef
 
 
 class ReplicatedOffloadPipeline(OverReplicas):
@@ -53,10 +51,6 @@ class ReplicatedOffloadPipeline(OverReplicas):
         self.leaf.reducer = in_turn(self.leaf.reducer, across)
         if node.shard:
             child.gather_optim = self._gather_optim
-
-    def state_parts(self) -> Iterable[TrainState]:
-        """The pipeline's parts (collective over it and, sharded, over the replicas, part by part)."""
-        return self.child.state_parts()
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         mine = my_part(micro_batches, self.n, self.index, self.speeds)

@@ -41,7 +41,7 @@ from stratum.model.placement import drop_to_meta
 from stratum.offload.engine import OffloadEngine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.split import ModuleCut, check_split, layer_cuts, localize_heads, split_blocks
-from stratum.runtime.engine import AroundChild, Engine, Mapped, TrainState
+from stratum.runtime.engine import AroundChild, Engine, Mapped, TrainState, merge_states
 
 
 class SplitComm:
@@ -295,7 +295,7 @@ class SplitOffload(AroundChild):
         return self.layout.sq_norm(norms).sqrt().float().reshape(())
 
     def state(self) -> TrainState:
-        return self.layout.whole(self.child.state())
+        return merge_states(self.state_parts())
 
     def state_parts(self) -> Iterator[TrainState]:
         """The child's parts made whole (collective over the split group: every rank runs it to its end)."""

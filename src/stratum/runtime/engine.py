@@ -175,6 +175,9 @@ class AroundChild(Engine):
     def state(self) -> TrainState:
         return self.child.state()
 
+    def state_parts(self) -> Iterable[TrainState]:
+        return self.child.state_parts()
+
     def load_state(self, state: TrainState) -> None:
         self.child.load_state(state)
 

@@ -231,16 +231,24 @@ class PipelineEngine(GradEngine):
     def norm_counted(self) -> set[str]:
         return {n for n, _ in self.named if n not in self.not_counted}
 
-    def grad_norm(self) -> torch.Tensor:
-        """The plain engine's norm, bit for bit: each counted parameter's norm gathered over the pipeline ranks in
-        the whole model's order (World.gathered_norm) — except where a stage's gradients are split (DTensor:
-        their norms are collectives of their own), summed as squares over the ranks."""
+    def local_named_norms(self) -> list[tuple[str, torch.Tensor]] | None:
+        """(canonical name, norm) of this rank's counted gradients; None where a stage's gradients are split
+        (DTensor: their norms are collectives of their own)."""
         counted = self.norm_counted()
         live = [(n, p) for n, p in self.grad_params() if n in counted and p.grad is not None]
         if any(isinstance(p.grad, DTensor) for _, p in live):
-            return super().grad_norm()
+            return None
         norms = grad_norms([p for _, p in live])  # (one zero entry where there are none: zip drops it)
-        return self.mesh.gathered_norm([(n, x) for (n, _), x in zip(live, norms)], self.order, "stage_rank")
+        return [(n, x) for (n, _), x in zip(live, norms)]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The plain engine's norm, bit for bit: each counted parameter's norm gathered over the pipeline ranks in
+        the whole model's order (World.gathered_norm) — except where a stage's gradients are split, summed as
+        squares over the ranks."""
+        named = self.local_named_norms()
+        if named is None:
+            return super().grad_norm()
+        return self.mesh.gathered_norm(named, self.order, "stage_rank")
 
     def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
         sq = norms.to(self.device, torch.float64).pow(2).sum()

@@ -249,23 +249,29 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise _corrupt(path / "meta.json", f"it says step {meta['step']}, its tensors are of step {header['step']}")
     if "rng/cpu" not in where:
         raise _corrupt(path / stored_file(meta), "it has no rng/cpu tensor")
-    params: dict[str, tuple[Path, str]] = {}
-    optim: dict[str, dict[str, tuple[Path, str]]] = {}
-    small: dict[str, dict[str, torch.Tensor]] = {"buffer": {}, "scaler": {}, "rng": {}}
-    for k, at in where.items():
+    keys = _grouped(where)
+    small = {kind: {name: _read(*where[k]) for name, k in keys[kind].items()} for kind in ("buffer", "scaler")}
+    state = TrainState(params=stored_tensors({n: where[k] for n, k in keys["param"].items()}),
+                       optim=stored_optim({n: {p: where[k] for p, k in st.items()} for n, st in keys["optim"].items()}),
+                       buffers=small["buffer"], scaler=small["scaler"])
+    rng = {k: _read(*where[k]) for k in keys["rng"].values()}
+    return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=rng, stored=stored)
+
+
+def _grouped(keys: Iterable[str]) -> dict[str, dict]:
+    """A checkpoint's tensor keys by kind (see the module docstring): ``param`` and ``buffer`` and ``scaler``
+    name → key, ``optim`` parameter name → {``step`` | ``exp_avg`` | ``exp_avg_sq`` → key}, ``rng`` key → key."""
+    out: dict[str, dict] = {"param": {}, "optim": {}, "buffer": {}, "scaler": {}, "rng": {}}
+    for k in keys:
         kind, _, rest = k.partition("/")
-        if kind == "param":
-            params[rest] = at
-        elif kind == "optim":
-            name, _, key = rest.rpartition("/")
-            optim.setdefault(name, {})[key] = at
-        elif kind in ("buffer", "scaler"):  # small: read now
-            small[kind][rest] = _read(*at)
+        if kind == "optim":
+            name, _, part = rest.rpartition("/")
+            out["optim"].setdefault(name, {})[part] = k
+        elif kind in ("param", "buffer", "scaler"):
+            out[kind][rest] = k
         else:
-            small["rng"][k] = _read(*at)
-    state = TrainState(params=stored_tensors(params), optim=stored_optim(optim), buffers=small["buffer"],
-                       scaler=small["scaler"])
-    return Checkpoint(path=path, step=meta["step"], meta=meta, state=state, rng=small["rng"], stored=stored)
+            out["rng"][k] = k
+    return out
 
 
 def stored_file(meta: dict) -> str:
@@ -311,7 +317,8 @@ def check_tensors(ckpt: Checkpoint, fingerprint: dict) -> None:
     def file(key: str) -> Path:
         return ckpt.path / stored[key][0]
 
-    params = {k.removeprefix("param/"): k for k in stored if k.startswith("param/")}
+    keys = _grouped(stored)
+    params, optim = keys["param"], keys["optim"]
     if missing := sorted(want.keys() - params.keys()):
         raise _corrupt(ckpt.path / stored_file(ckpt.meta), f"parameter {missing[0]} is missing")
     for name, key in params.items():
@@ -319,11 +326,6 @@ def check_tensors(ckpt: Checkpoint, fingerprint: dict) -> None:
             raise _corrupt(file(key), f"it holds parameter {name}, which the model has not")
         if stored[key][1] != want[name]:
             raise _corrupt(file(key), f"parameter {name} has shape {stored[key][1]}, the model's is {want[name]}")
-    optim: dict[str, dict[str, str]] = {}
-    for k in stored:
-        if k.startswith("optim/"):
-            name, _, part = k.removeprefix("optim/").rpartition("/")
-            optim.setdefault(name, {})[part] = k
     parts = {p for st in optim.values() for p in st}
     for name, st in optim.items():  # a parameter that never had a gradient has no state: not checked
         first = next(iter(st.values()))
