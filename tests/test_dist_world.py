@@ -1,6 +1,8 @@
 """The process world's gather of tensor structures to the first member: the structure (mappings, dataclasses)
 round-trips in one process, and over 3 real gloo processes every member's structure arrives whole, tensors
-equal, a member without one giving None. The workers are this file run as a script."""
+equal, a member without one giving None. The gathered gradient norm over 4 processes (2 replicas × 2 stages,
+each parameter's norm on one of them) is the one-process norm bit for bit. The workers are this file run as a
+script."""
 
 from __future__ import annotations
 
@@ -67,14 +69,55 @@ def gather_worker(job_path: str) -> None:
     (out / "ok").write_text("gathered")
 
 
+def _norms() -> list[tuple[str, torch.Tensor]]:
+    """101 parameters' norms of very different sizes, chosen so that another order or grouping shows in the bits
+    (asserted below)."""
+    g = torch.Generator().manual_seed(4)
+    return [(f"p{i}", torch.randn(64, generator=g).mul(10.0 ** (i % 5 - 2)).norm()) for i in range(101)]
+
+
+def test_the_test_norms_differ_in_any_other_order_or_grouping():
+    """Reversed, as per-rank norms normed, as a float64 sum of squares over 4 ranks: each differs from the
+    ordered norm, so the gathered norm's equality below can fail."""
+    xs = [x for _, x in _norms()]
+    want = torch.linalg.vector_norm(torch.stack(xs), 2.0)
+    parts = [torch.stack(xs[r::4]) for r in range(4)]
+    assert not torch.equal(torch.linalg.vector_norm(torch.stack(xs[::-1]), 2.0), want)
+    assert not torch.equal(torch.linalg.vector_norm(torch.stack([p.norm() for p in parts]), 2.0), want)
+    assert not torch.equal(sum(p.double().pow(2).sum() for p in parts).sqrt().float(), want)
+
+
+def norm_worker(job_path: str) -> None:
+    from stratum.dist.world import join_world
+
+    out = Path(json.loads(Path(job_path).read_text())["out"])
+    world = join_world(parse_plan("replicate(2, pipeline(2))"), torch.device("cpu"), backend="gloo", timeout_s=60)
+    named = _norms()
+    mine = named[world.rank::4]
+    got = world.gathered_norm(mine[::-1], [n for n, _ in named], ("replica", "stage_rank"))
+    want = torch.linalg.vector_norm(torch.stack([x for _, x in named]), 2.0)
+    assert torch.equal(got, want), (float(got), float(want))
+    (out / f"norm-{world.rank}").write_text("equal")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_members_structure_arrives_whole_at_the_first(tmp_path):
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"out": str(tmp_path)}))
+    job.write_text(json.dumps({"out": str(tmp_path), "case": "gather"}))
     run_workers(__file__, job, 3, timeout=100)
     assert (tmp_path / "ok").read_text() == "gathered"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_norm_gathered_over_replicas_and_stages_is_one_processs_bit_for_bit(tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path), "case": "norm"}))
+    run_workers(__file__, job, 4, timeout=100)
+    assert sorted(p.name for p in tmp_path.glob("norm-*")) == [f"norm-{r}" for r in range(4)]
+
+
 if __name__ == "__main__":
-    gather_worker(sys.argv[1])
+    case = json.loads(Path(sys.argv[1]).read_text())["case"]
+    {"gather": gather_worker, "norm": norm_worker}[case](sys.argv[1])

@@ -131,10 +131,12 @@ class World:
         self.wait(dist.irecv(dev, src=src, tag=GATHER_TAG), f"receiving {what} from rank {src}")
         return dev.cpu()
 
-    def gathered_norm(self, norms: list[tuple[str, torch.Tensor]], order: list[str], dim: str) -> torch.Tensor:
+    def gathered_norm(self, norms: list[tuple[str, torch.Tensor]], order: list[str],
+                      dims: tuple[str, ...]) -> torch.Tensor:
         """The plain engine's global gradient norm — ``torch.linalg.vector_norm`` over each parameter's norm, in
         ``order`` — from this rank's part of them (``norms``: (name, 0-d norm)), where every parameter's norm is
-        on one rank of ``dim`` (a pipeline's stages, sharded replicas' chunks). The parts are summed into one
+        on one rank of the ranks spanned by ``dims`` (a pipeline's stages, sharded replicas' chunks, both for
+        sharded replicas of a pipeline). The parts are summed along each dim in turn into one
         vector (each entry plus zeros: exact) with a flag per parameter that has one, so every rank norms the plain
         engine's list and gets its number bit for bit — where a sum of squares over the ranks differs in the last
         bits, which a 16-bit working copy of a weight can turn into a whole bf16 step."""
@@ -145,7 +147,8 @@ class World:
             at = torch.tensor([pos[name] for name, _ in norms], device=self.device)
             vec[at] = torch.stack([x for _, x in norms]).to(self.device, torch.float32)
             vec[at + n] = 1.0
-        vec = self.all_reduce(vec, dim, "the gradient norms' all-reduce")
+        for dim in dims:
+            vec = self.all_reduce(vec, dim, "the gradient norms' all-reduce")
         return torch.linalg.vector_norm(vec[:n][vec[n:] > 0], 2.0)
 
     def subgroup(self, dim: str, positions: list[int]):

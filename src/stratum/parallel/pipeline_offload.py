@@ -230,11 +230,6 @@ class OffloadPipelineEngine(PipelineEngine):
         counted = self.norm_counted()
         return [(self.to_global[ln], n) for ln, n in self.leaf.grad_norms_now() if self.to_global[ln] in counted]
 
-    def local_norms(self) -> torch.Tensor:
-        """The norms of :meth:`local_named_norms`, as a vector."""
-        norms = [n for _, n in self.local_named_norms()]
-        return torch.stack(norms) if norms else torch.zeros(0, device=self.device)
-
     def update(self, lr: float, coef: torch.Tensor) -> None:
         self.leaf.apply_updates(coef if self.leaf._deferred else None)
         self.leaf.end_step()

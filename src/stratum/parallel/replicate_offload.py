@@ -78,11 +78,6 @@ class OverReplicas(AroundChild):
         return Pending(works=[work], wait=self.world.wait, what=f"the gradient reduction of {what}",
                        then=(lambda: copy_back(grads, flat)) if mine else lambda: None, buffers=[flat])
 
-    def _replicas_sq(self, local: torch.Tensor) -> torch.Tensor:
-        """The sum of squares over every replica's owned chunks from this replica's part (norms, float64)."""
-        sq = local.double().pow(2).sum().reshape(1)
-        return self.world.all_reduce(sq, "replica", "the gradient-norm all-reduce")
-
     def _share_params(self) -> None:
         """After the updates: every chunk's parameters from its owner to the other replicas."""
         leaf = self.leaf
@@ -135,7 +130,7 @@ class ReplicatedOffload(OverReplicas):
     def _global_norm(self, norms: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """The norm over every replica's owned chunks from this replica's per-parameter norms, as one engine of
         every chunk computes it."""
-        return self.world.gathered_norm(norms, self.leaf.names, "replica")
+        return self.world.gathered_norm(norms, self.leaf.names, ("replica",))
 
     # ---- Engine -------------------------------------------------------------------------------------------
     def state(self) -> TrainState:

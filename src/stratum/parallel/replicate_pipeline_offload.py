@@ -17,7 +17,7 @@ each stage (shared at start-up), since each rank's planner measures its own band
 
 With ``shard=true`` a stage's chunks are shared out over its replicas as under ``replicate(n, shard=true,
 offload(…))``: replica ``i % n`` owns chunk i (its AdamW state and update), a chunk's gradient is reduced to its
-owner, the norm sums the owners' parts over the replicas and then the stages, and owners broadcast their chunks'
+owner, the norm gathers the owners' parameter norms over the replicas and the stages, and owners broadcast their chunks'
 new parameters after the step.
 """
 
@@ -69,8 +69,9 @@ class ReplicatedOffloadPipeline(OverReplicas):
 
     def _grad_norm(self) -> torch.Tensor:
         """The global norm. Unsharded every replica holds the same reduced chunks, so the pipeline's norm is it;
-        sharded, each replica holds its own chunks' part: summed over the replicas, then over the stages."""
+        sharded, each parameter's norm is on its chunk's owner in its stage: gathered over the replicas and the
+        stages, in the whole model's order, as the plain engine norms them."""
         if not self.node.shard:
             return self.child.grad_norm()
-        sq = self._replicas_sq(self.child.local_norms())
-        return self.child.reduce_norm(sq.sqrt().float())
+        child = self.child
+        return self.world.gathered_norm(child.local_named_norms(), child.order, ("replica", "stage_rank"))

@@ -248,7 +248,7 @@ class PipelineEngine(GradEngine):
         named = self.local_named_norms()
         if named is None:
             return super().grad_norm()
-        return self.mesh.gathered_norm(named, self.order, "stage_rank")
+        return self.mesh.gathered_norm(named, self.order, ("stage_rank",))
 
     def reduce_norm(self, norms: torch.Tensor) -> torch.Tensor:
         sq = norms.to(self.device, torch.float64).pow(2).sum()
