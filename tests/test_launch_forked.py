@@ -106,6 +106,6 @@ def test_a_killed_launcher_takes_its_forked_ranks_with_it(script, tmp_path):
 def test_more_local_processes_than_the_cores_can_take_are_refused_before_any_starts(script, tmp_path, capfd):
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(StratumError, match=rf"^{MAX_PER_CORE * cores + 1:,} local processes on {cores} usable "
-                                           rf"core\(s\) is more than {MAX_PER_CORE} a core; use fewer"):
+                                           rf"core\(s\) is more than {MAX_PER_CORE} a core; use at most"):
         spawn_local([str(script), "sleep", str(tmp_path)], MAX_PER_CORE * cores + 1, grace_s=5)
     assert not list(tmp_path.glob("pid*"))  # no rank started

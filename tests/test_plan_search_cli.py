@@ -147,6 +147,15 @@ def test_auto_is_refused_where_a_tree_is_needed(corpus_file, cache_dir, tmp_path
         load_config(None, ["parallel.plan='auto'", "parallel.hardware='/nope.toml'"])
 
 
+def test_probe_refuses_more_processes_than_the_cores_can_take_before_any_starts(tmp_path, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("stratum.plan.process_probe.run_forked", lambda *a, **k: started.append(a))
+    assert main(["hardware", "probe", "--devices", "100000", "--out", str(tmp_path / "hw.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "100,000 local processes on" in err and len(err.strip().splitlines()) == 1
+    assert not started and not (tmp_path / "hw.toml").exists()
+
+
 def test_flags_that_would_do_nothing_are_refused(capsys):
     assert main(["plan", "--devices", "2"]) == 2
     assert "--devices and --hardware go with --parallel" in capsys.readouterr().err

@@ -260,14 +260,16 @@ copy of the runtime in memory, so a larger count (replicate(1000) on a laptop) i
 process starts rather than left to exhaust the machine."""
 
 
-def _check_local_count(nprocs: int) -> None:
+def check_local_count(nprocs: int) -> None:
+    """Refuse ``nprocs`` local processes where that is more than :data:`MAX_PER_CORE` a usable core."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     if nprocs > MAX_PER_CORE * cores:
         raise StratumError(f"{nprocs:,} local processes on {cores} usable core(s) is more than {MAX_PER_CORE} a core; "
-                           "use fewer processes here, or spread the run over machines (torchrun --nnodes)")
+                           f"use at most {MAX_PER_CORE * cores:,} here, or spread a run over machines "
+                           "(torchrun --nnodes)")
 
 
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None,
@@ -278,7 +280,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     Returns 0 when every worker succeeded, else the exit code of the first worker that failed. When one fails,
     the others get ``grace_s`` seconds to notice (they stop with their own one-line error), then are killed.
     """
-    _check_local_count(nprocs)
+    check_local_count(nprocs)
     port = free_port()
     procs: list[ForkedRank | subprocess.Popen] = []
     errors = _ErrorDedup(log)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stratum.dist.launch import free_port
+from stratum.dist.launch import check_local_count, free_port
 from stratum.errors import StratumError
 from stratum.runtime.device import compute_rate
 
@@ -89,6 +89,7 @@ def probe_processes(n: int, *, threads: int, sizes: tuple[int, ...], timeout_s: 
     """Start ``n`` (>= 2) processes of ``threads`` threads each; their rates and all-reduce times."""
     if n < 2:
         raise StratumError(f"the process probe needs at least 2 processes, got {n}")
+    check_local_count(n)
     items = run_forked(_worker, n, (n, free_port(), threads, sizes, timeout_s), timeout_s=timeout_s,
                        what="the process probe")
     rates = {rank: value for kind, rank, value in items if kind == "rate"}
