@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import shutil
 
 import pytest
@@ -186,6 +187,21 @@ def test_keep_checkpoints_and_no_temp_leftovers(make_cfg, tmp_path):
     train(make_cfg("train.steps=8", "train.ckpt_interval=2", "train.keep_checkpoints=2", out=out))
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["latest", "step_00000006", "step_00000008"]
+
+
+def test_every_file_a_run_writes_has_the_umasks_permissions(make_cfg, tmp_path):
+    """Files written through a temp file (0o600) and safetensors' own (0o600) get what ``open`` would give: a
+    team sharing a run directory can read its results and checkpoints."""
+    out = tmp_path / "r"
+    old = os.umask(0o027)
+    try:
+        train(make_cfg("train.steps=2", out=out))
+    finally:
+        os.umask(old)
+    paths = [p for p in out.rglob("*")]
+    assert any(p.suffix == ".safetensors" for p in paths) and any(p.name == "summary.json" for p in paths)
+    for p in paths:
+        assert p.stat().st_mode & 0o777 == (0o750 if p.is_dir() else 0o640), p
 
 
 def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkeypatch):

@@ -152,6 +152,22 @@ def test_asha_asynchronous_promotions_follow_the_rule_as_a_table():
     assert sorted(j for j in "abcde" if asha.is_paused(j)) == ["a", "c", "e"]
 
 
+def test_asha_at_the_end_the_best_of_each_rung_goes_on_however_few_reached_it():
+    # 3 jobs, eta = 2, rungs at 5 and 10 of 20 steps: ⌊3/2⌋ = 1 goes on from rung 5, ⌊1/2⌋ = 0 from rung 10 while
+    # jobs may still report; once none can, each rung keeps max(1, ⌊n/2⌋): the sweep's best job trains to its end
+    asha = Asha(min_steps=5, eta=2)
+    for job, loss in [("j0", 3.0), ("j1", 2.5), ("j2", 2.0)]:
+        asha.report(job, 5, loss)
+    assert asha.promotable() == ("j2", 5)
+    asha.promote("j2", 5)
+    asha.report("j2", 10, 1.5)
+    assert asha.promotable() is None and asha.promotable_at_end() == ("j2", 10)
+    asha.promote("j2", 10)
+    assert asha.promotable_at_end() is None  # rung 5's one place is j2's: j0 and j1 stop there
+    assert sorted(j for j in ("j0", "j1", "j2") if asha.is_paused(j)) == ["j0", "j1"]
+    assert asha.why_at_end(5) == "among the best 1 of the 3 job(s) there, no other job being left to report"
+
+
 def test_the_live_table_reads_running_jobs_last_complete_record(tmp_path):
     state = SweepState(tmp_path)
     state.add_jobs([("j000", 0, "lr=0.001", 10), ("j001", 1, "lr=0.003", 10)])

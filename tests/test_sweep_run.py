@@ -27,6 +27,7 @@ from stratum.sweep.launched import LaunchedWorker
 from stratum.sweep.local import start_process
 from stratum.sweep.plain_calibrate import measure
 from stratum.sweep.predict import job_profiles
+from stratum.sweep.results import makespan_line
 from stratum.sweep.runner import open_sweep, run_sweep, wait_for_an_end
 from stratum.sweep.segment import Segment
 from stratum.sweep.shape_cost import shape_key
@@ -226,10 +227,14 @@ def test_results_table_csv_png_and_status_command(four_jobs, capsys):
 def test_a_finished_sweep_run_again_reruns_nothing(four_jobs):
     path, tmp, _ = four_jobs
     before = {j: (tmp / "sw" / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in rows(tmp / "sw")}
+    makespan = (tmp / "sw" / "makespan.json").read_text()
     lines: list[str] = []
     run_sweep(path, say=lines.append)
     assert not any("started" in ln for ln in lines)
     assert before == {j: (tmp / "sw" / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in rows(tmp / "sw")}
+    # the measured makespan is the sweep's, not this no-op's
+    assert (tmp / "sw" / "makespan.json").read_text() == makespan
+    assert lines[-1] == makespan_line(json.loads(makespan)) and " s measured, 22.0 s predicted" in lines[-1]
 
 
 def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(tmp_path, corpus_file, cache_dir):
@@ -261,7 +266,7 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
     assert job_losses(sweep_dir, "j002") == standalone_losses(path, "j002", tmp_path)
 
 
-def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpus_file, cache_dir):
+def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpus_file, cache_dir, capsys):
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="",
                       grid='"optim.lr" = [1e-3, 3e-3]\n"train.seed" = [1, 2]', steps=24,
                       extra="eval_interval = 12\nckpt_interval = 4")
@@ -284,6 +289,12 @@ def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpu
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     done_before = {j: (sweep_dir / "jobs" / j / "metrics.jsonl").stat().st_mtime_ns for j in done}
+    # the state still records jobs as running; status tells they are not (the sweep holds no lock)
+    assert main(["sweep", "status", str(sweep_dir)]) == 0
+    out = capsys.readouterr().out
+    rows_out = out.splitlines()[1:-2]
+    assert any(" interrupted " in ln for ln in rows_out) and not any(" running " in ln for ln in rows_out), out
+    assert out.splitlines()[-1].startswith("the sweep is not running"), out
     lines, got = run_and_read(path)
     assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert any(f"{mid[0]}: was running when the sweep stopped" in ln for ln in lines)
@@ -360,6 +371,10 @@ def test_lrtf_slices_by_pausing_workers_keep_state_in_memory_and_parity(tmp_path
     lines, got = run_and_read(path)
     assert all(r["status"] == "done" for r in got.values()), (got, lines)
     assert any(": paused at step" in ln for ln in lines) and any(": continued on slot" in ln for ln in lines)
+    # a worker stops itself at a slice's end (SliceGate), never past it, and never at its job's end
+    paused = [(ln.split(":")[0], int(ln.split("paused at step ")[1].split(",")[0])) for ln in lines
+              if ": paused at step" in ln]
+    assert all(step % 20 == 0 and step < got[job]["steps"] for job, step in paused), paused
     for job_id in got:
         assert sum(ln.startswith(f"{job_id}: started") for ln in lines) == 1  # one process for the whole job
         ckpts = sorted(p.name for p in (tmp_path / "sw" / "jobs" / job_id / "checkpoints").glob("step_*"))
@@ -384,6 +399,9 @@ def test_a_spent_time_budget_stops_running_and_paused_workers_with_a_checkpoint_
     assert any(ln.startswith("time budget of 1e-09 s spent") for ln in lines), lines
     assert all(r["status"] == "pending" and 0 < r["step"] < 2000 for r in got.values()), (
         [(r["id"], r["status"], r["step"]) for r in got.values()], lines)
+    # an unfinished sweep has no measured makespan
+    assert json.loads((tmp_path / "sw" / "makespan.json").read_text())["measured_s"] is None
+    assert lines[-1].startswith("makespan: not measured yet")
     for job_id, r in got.items():  # each stopped after its step in progress, with a checkpoint there
         assert (tmp_path / "sw" / "jobs" / job_id / "checkpoints" / f"step_{r['step']:08d}").is_dir(), (
             job_id, r["step"], sorted(p.name for p in (tmp_path / "sw" / "jobs" / job_id / "checkpoints").iterdir()), lines)

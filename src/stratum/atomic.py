@@ -48,6 +48,44 @@ def write_error(path: str | os.PathLike, err: OSError, what: str = "") -> WriteE
                       reason)
 
 
+def _umask() -> int:
+    """This process's umask, read where Linux shows it: setting it to read it back would change it for every
+    thread for that moment."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The permissions ``open`` gives a new file: 0o666 less the umask. Files written through a temp file (0o600)
+    get them, so that a run's results are not hidden from the rest of a team."""
+    return 0o666 & ~_umask()
+
+
+def default_modes(root: Path) -> None:
+    """Give ``root`` and everything under it the permissions ``open`` and ``mkdir`` give (0o666 / 0o777 less the
+    umask), where a library wrote them owner-only (``tempfile.mkdtemp``'s 0o700, safetensors' 0o600)."""
+    files = new_file_mode()
+    dirs = 0o777 & ~_umask()
+    root.chmod(dirs)
+    for p in root.rglob("*"):
+        p.chmod(dirs if p.is_dir() else files)
+
+
+def _mode_for(path: Path) -> int:
+    """The permissions of the file ``path`` replaces, or a new file's."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        return new_file_mode()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``); a refused write is a
     :class:`StratumError` naming ``path``."""
@@ -58,6 +96,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except OSError as e:
         raise write_error(path, e) from None
     try:
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

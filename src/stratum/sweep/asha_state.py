@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from stratum.sweep.asha import Asha
 from stratum.sweep.segment import result_values
-from stratum.sweep.state import PAUSED, STOPPED, SweepState
+from stratum.sweep.state import PAUSED, PENDING, STOPPED, SweepState
 
 
 def asha_from_state(state: SweepState, *, min_steps: int, eta: int) -> Asha:
@@ -35,9 +35,25 @@ def report_rung(state: SweepState, asha: Asha, job: str, rung: int, records: lis
     return metric
 
 
-def stop_paused(state: SweepState, eta: int, say: Callable[[str], None]) -> None:
-    """Nothing left to run: the jobs still paused at a rung were never among its best; they stop there."""
+def promote_at_end(state: SweepState, asha: Asha, say: Callable[[str], None]) -> str | None:
+    """Nothing left to start or run: the next job a rung's final count promotes (:meth:`Asha.promotable_at_end`),
+    made pending (it resumes from its checkpoint at the rung: sharded-lrtf's worker takes it so); its id, or None.
+    """
+    promo = asha.promotable_at_end()
+    if promo is None:
+        return None
+    job, rung = promo
+    asha.promote(job, rung)
+    state.update(job, status=PENDING)
+    say(f"{job}: promoted at step {rung} ({asha.why_at_end(rung)})")
+    return job
+
+
+def stop_paused(state: SweepState, asha: Asha, say: Callable[[str], None]) -> None:
+    """Nothing left to run or promote: the jobs still paused at a rung were not among its best; they stop there."""
     for row in state.jobs():
         if row.status == PAUSED:
-            state.update(row.id, status=STOPPED, reason=f"asha: not in the best 1/{eta} at step {row.step}")
+            n = len(asha.results.get(row.step, {}))
+            state.update(row.id, status=STOPPED,
+                         reason=f"asha: not in the best {asha.kept_at_end(n)} of {n} at step {row.step}")
             say(f"{row.id}: stopped at step {row.step} (asha)")

@@ -27,19 +27,26 @@ def run(args: argparse.Namespace) -> int:
     """The exit code: 0 when every job is done (or stopped by ASHA), 1 when one failed or is unfinished."""
     # imported here, as every subcommand's engine is in stratum/cli.py: the parser and `status` stay free of torch
     if args.action == "status":
-        from stratum.sweep.live import with_progress
+        from stratum.sweep.dir_lock import held
+        from stratum.sweep.live import as_interrupted, with_progress
         from stratum.sweep.results import makespan_line, read_makespan, table
-        from stratum.sweep.state import SweepState
+        from stratum.sweep.state import RUNNING, SweepState
 
         if not args.dir:
             raise StratumError("stratum sweep status needs the sweep directory, e.g. stratum sweep status runs/sweep")
-        if not (Path(args.dir) / "state.db").is_file():
+        sweep_dir = Path(args.dir)
+        if not (sweep_dir / "state.db").is_file():
             raise StratumError(f"{args.dir} holds no sweep (no state.db); give the sweep's sweep.out_dir")
-        state = SweepState.read_only(Path(args.dir))
-        print(table(with_progress(state.jobs(), Path(args.dir))))  # running jobs: their latest step
-        if (doc := read_makespan(Path(args.dir))) is not None:
-            print(makespan_line(doc))
+        state = SweepState.read_only(sweep_dir)
+        rows = with_progress(state.jobs(), sweep_dir)  # running jobs: their latest step
         state.close()
+        stopped = held(sweep_dir) is False and any(r.status == RUNNING for r in rows)
+        print(table(as_interrupted(rows) if stopped else rows))
+        if stopped:
+            print("the sweep is not running (it was stopped while these jobs ran): run the same `stratum sweep "
+                  "--config …` to resume them from their last checkpoints")
+        elif (doc := read_makespan(sweep_dir)) is not None:
+            print(makespan_line(doc))
         return 0
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")

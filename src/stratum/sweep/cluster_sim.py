@@ -23,7 +23,7 @@ from stratum.sweep.gang_plan import GangPlan, Option
 from stratum.sweep.shard_lrtf import sharded_lrtf
 from stratum.sweep.shard_size import AUTO, device_shard_blocks
 from stratum.sweep.simulate import SimResult, plan_schedule, simulate
-from stratum.sweep.strategies import job_options, streamed_tasks_s
+from stratum.sweep.strategies import check_host_holds, job_options, streamed_tasks_s
 
 CLUSTER_SCHEDULERS = ("fifo", "sharded-lrtf", "planned")
 
@@ -68,6 +68,8 @@ def simulate_cluster(jobs: dict[str, ClusterJob], hw: Hardware, *, shard_blocks:
                                "one device: give the devices more memory or the job a smaller micro-batch")
     one = {j: min(o.seconds for o in opts.values() if o.devices == 1) for j, opts in options.items()}
     fifo = simulate("fifo", {j: 1 for j in jobs}, one, slots=n)
+    for c in jobs.values():  # (every job streams from the host under sharded-lrtf)
+        check_host_holds(c.profile, hw)
     chains = {j: streamed_tasks_s(c.profile, hw, blocks[j]) * (c.microbatches * c.steps) for j, c in jobs.items()}
     tasks = sharded_lrtf(chains, n)
     span = max((t.end for t in tasks), default=0.0)

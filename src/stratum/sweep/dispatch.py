@@ -12,7 +12,7 @@ from stratum.sweep.job_strategy import job_toml, pin, pinned, strategy_config, w
 from stratum.sweep.live import last_record
 from stratum.sweep.local import LocalWorker
 from stratum.sweep.schedulers import Policy, Start
-from stratum.sweep.segment import Segment, checkpoint_step
+from stratum.sweep.segment import PAUSE_FLAG, Segment, checkpoint_step
 from stratum.sweep.setup import Sweep, slot_devices
 from stratum.sweep.spec import job_threads, plan_slots
 from stratum.sweep.state import PENDING, RUNNING
@@ -38,13 +38,14 @@ def fill(sweep: Sweep, policy: Policy, expect: Expect | None, now: float) -> Non
     """Start work on the free slots: ASHA promotions first (a promotion needing more slots than are free holds
     them until it has its slots), then the scheduler's starts."""
     free = [s for s in range(sweep.spec.settings.slots) if s not in sweep.running]
-    while free and sweep.asha is not None and (promo := sweep.asha.promotable()) is not None:
-        job_id, rung = promo
+    while free and (promo := _next_promotion(sweep)) is not None:
+        job_id, rung, why = promo
         plan = pinned(sweep.state, job_id) or "local"
         if plan_slots(plan) > len(free):
             return
+        assert sweep.asha is not None  # (a promotion is ASHA's)
         sweep.asha.promote(job_id, rung)
-        sweep.say(f"{job_id}: promoted at step {rung} (among the best 1/{sweep.asha.eta} there)")
+        sweep.say(f"{job_id}: promoted at step {rung} ({why})")
         start = Start(job=job_id, slots=tuple(free[:plan_slots(plan)]), strategy=plan)
         launch(sweep, start, expect, now)
         free = free[len(start.slots):]
@@ -53,6 +54,19 @@ def fill(sweep: Sweep, policy: Policy, expect: Expect | None, now: float) -> Non
     running = {sl: (seg.job, sweep.predicted_end.get(sl, now)) for sl, seg in sweep.running.items()}
     for start in policy.starts(free, pending(sweep), running, now):
         launch(sweep, start, expect, now)
+
+
+def _next_promotion(sweep: Sweep) -> tuple[str, int, str] | None:
+    """The next ASHA promotion (job, rung, why); once nothing runs and nothing is left to start, by the rungs'
+    final counts (:meth:`~stratum.sweep.asha.Asha.promotable_at_end`)."""
+    asha = sweep.asha
+    if asha is None:
+        return None
+    if (promo := asha.promotable()) is not None:
+        return *promo, f"among the best 1/{asha.eta} there"
+    if sweep.running or pending(sweep) or (promo := asha.promotable_at_end()) is None:
+        return None
+    return *promo, asha.why_at_end(promo[1])
 
 
 def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> None:
@@ -70,7 +84,8 @@ def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> Non
     assert sweep.backend is not None  # (run_sweep starts one before it schedules)
     seg = sweep.backend.start(job=start.job, slots=start.slots, config_path=out / "job.toml", start_step=from_step,
                               stop_at=stop_at, devices=slot_devices(sweep, start.slots),
-                              threads=job_threads(sweep.spec.settings), log_path=out / "worker.log")
+                              threads=job_threads(sweep.spec.settings), log_path=out / "worker.log",
+                              slice_steps=_slice_steps(sweep))
     _occupy(sweep, start, seg, expect, now)
     sweep.state.update(start.job, status=RUNNING, slot=start.slots[0], pid=seg.worker.pid)
     seg.slice_from = from_step
@@ -106,6 +121,7 @@ def _continue(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> 
     assert seg.paused_at is not None  # (set by pause)
     seg.paused_s += time.monotonic() - seg.paused_at
     seg.paused_at = None
+    (Path(sweep.configs[job].train.out_dir) / PAUSE_FLAG).unlink(missing_ok=True)  # (until the next poll asks)
     paused_worker(seg).resume()
     _occupy(sweep, start, seg, expect, now)
     sweep.state.update(job, status=RUNNING, slot=seg.slot)
@@ -126,15 +142,29 @@ def _stop_at(sweep: Sweep, step: int, steps: int) -> int:
     return min(stop, step + seg) if seg else stop
 
 
-def slice_over(sweep: Sweep, seg: Segment) -> bool:
-    """slice_by = pause: the segment has run its slice and another job waits for a slot."""
+def _slice_steps(sweep: Sweep) -> int:
+    """The steps of a time slice its worker stops itself after (slice_by = pause), or 0."""
     s = sweep.spec.settings
-    if s.slice_by != "pause" or not s.segment_steps:
-        return False
-    if current_step(sweep, seg) < seg.slice_from + s.segment_steps:
-        return False
-    return any(j != seg.job for j in pending(sweep)) or (sweep.asha is not None
-                                                         and sweep.asha.promotable() is not None)
+    return s.segment_steps if s.slice_by == "pause" else 0
+
+
+def ask_to_pause(sweep: Sweep, seg: Segment) -> None:
+    """slice_by = pause: the flag that stops ``seg``'s worker at its next slice end is there exactly while another
+    job waits for a slot (a pending job, or an ASHA promotion)."""
+    if not _slice_steps(sweep):
+        return
+    flag = Path(sweep.configs[seg.job].train.out_dir) / PAUSE_FLAG
+    waits = any(j != seg.job for j in pending(sweep)) or (sweep.asha is not None
+                                                          and sweep.asha.promotable() is not None)
+    if waits:
+        flag.touch()
+    else:
+        flag.unlink(missing_ok=True)
+
+
+def paused_itself(sweep: Sweep, seg: Segment) -> bool:
+    """``seg``'s worker stopped itself at a slice end (:class:`~stratum.sweep.segment.SliceGate`)."""
+    return bool(_slice_steps(sweep)) and paused_worker(seg).stopped()
 
 
 def paused_worker(seg: Segment) -> LocalWorker:
@@ -144,8 +174,8 @@ def paused_worker(seg: Segment) -> LocalWorker:
     return seg.worker
 
 
-def pause(sweep: Sweep, seg: Segment) -> None:
-    paused_worker(seg).pause()
+def record_pause(sweep: Sweep, seg: Segment) -> None:
+    """``seg``'s worker stopped at its slice's end: its slot is free, its job pending with its state resident."""
     seg.paused_at = time.monotonic()
     release(sweep, seg)
     sweep.resident[seg.job] = seg

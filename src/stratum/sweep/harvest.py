@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stratum.sweep.dispatch import pause, release, slice_over, unique
+from stratum.sweep.dispatch import ask_to_pause, paused_itself, record_pause, release, unique
 from stratum.sweep.live import last_record
 from stratum.sweep.segment import (
     INTERRUPTED_EXIT,
+    PAUSE_FLAG,
     Segment,
     diverged,
     failure_reason,
@@ -23,13 +24,15 @@ STOP_GRACE_S = 60.0
 
 
 def harvest(sweep: Sweep) -> None:
-    """Record every segment that ended, ran past sweep.job_timeout_s or stalled; pause those whose slice is
-    over."""
+    """Record every segment that ended, ran past sweep.job_timeout_s or stalled, or paused itself at its slice's
+    end; ask the others to pause at theirs where another job waits."""
     for seg in unique(sweep.running.values()):
         rc = seg.poll()
-        if rc is None and slice_over(sweep, seg):
-            pause(sweep, seg)
+        if rc is None and paused_itself(sweep, seg):
+            record_pause(sweep, seg)
             continue
+        if rc is None:
+            ask_to_pause(sweep, seg)
         reason = _overdue(sweep, seg) if rc is None else None
         if rc is None and reason is None:
             continue
@@ -61,6 +64,7 @@ def _overdue(sweep: Sweep, seg: Segment) -> str | None:
 
 def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
     sweep.state.update(seg.job, pid=None)
+    (Path(sweep.configs[seg.job].train.out_dir) / PAUSE_FLAG).unlink(missing_ok=True)
     row = sweep.state.job(seg.job)
     records = segment_records(sweep.configs[seg.job])
     run_s = row.run_s + seg.run_s()

@@ -49,6 +49,11 @@ def with_progress(rows: list[JobRow], sweep_dir: Path) -> list[JobRow]:
     return out
 
 
+def as_interrupted(rows: list[JobRow]) -> list[JobRow]:
+    """``rows`` with the jobs recorded as running shown as interrupted: their sweep is no longer running."""
+    return [dataclasses.replace(r, status="interrupted") if r.status == RUNNING else r for r in rows]
+
+
 class LiveTable:
     """The table on a terminal, redrawn at most every REFRESH_S."""
 

@@ -26,9 +26,10 @@ PRELOAD = ("stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo")
 """torch.optim imports torch._dynamo on its first optimizer (≈1.5 s): once in the server, not in every worker."""
 
 
-def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> None:
+def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
+                slice_steps: int) -> None:
     """A segment's process: exits with :func:`run_segment`'s code."""
-    sys.exit(run_segment(config_path, stop_at, device, threads, log_path))
+    sys.exit(run_segment(config_path, stop_at, device, threads, log_path, slice_steps))
 
 
 def start_process(target, args: tuple, name: str) -> LocalWorker:
@@ -37,8 +38,9 @@ def start_process(target, args: tuple, name: str) -> LocalWorker:
 
 
 class LocalWorker:
-    """A forked worker process (the runner's :class:`~stratum.sweep.segment.Worker`); it can also be paused and
-    continued (sweep.slice_by = pause, local backend only)."""
+    """A forked worker process (the runner's :class:`~stratum.sweep.segment.Worker`); under sweep.slice_by = pause
+    (local backend only) it stops itself at a slice's end (:class:`~stratum.sweep.segment.SliceGate`), which
+    :meth:`stopped` tells, and is continued."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess):
         self.proc = proc
@@ -59,10 +61,16 @@ class LocalWorker:
     def join(self, timeout_s: float) -> None:
         self.proc.join(timeout_s)
 
-    def pause(self) -> None:
-        """Stop the process where it is (SIGSTOP): its state stays in memory, it uses no CPU."""
-        if self.proc.exitcode is None and self.proc.pid is not None:
-            os.kill(self.proc.pid, signal.SIGSTOP)
+    def stopped(self) -> bool:
+        """Stopped by a signal (SIGSTOP), its state in memory, using no CPU: /proc's state field, after the
+        command name's closing parenthesis (the name itself may hold any character)."""
+        if self.proc.exitcode is not None or self.proc.pid is None:
+            return False
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
 
     def resume(self) -> None:
         if self.proc.exitcode is None and self.proc.pid is not None:
@@ -77,7 +85,7 @@ class LocalBackend:
         forked.warm_up(PRELOAD)
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
+              devices: tuple[str, ...] | None, threads: int, log_path: Path, slice_steps: int) -> Segment:
         """Start a worker that trains the job of ``config_path`` from its last checkpoint to ``stop_at``: a forked
         worker, or for a plan of several processes a ``stratum train`` launcher of them
         (:mod:`stratum.sweep.launched`)."""
@@ -86,7 +94,7 @@ class LocalBackend:
             worker = launch_train(config_path, stop_at, threads, log_path, devices)
         else:
             worker = start_process(worker_main, (str(config_path), stop_at, devices[0] if devices else None, threads,
-                                                 str(log_path)), f"stratum-sweep-{job}")
+                                                 str(log_path), slice_steps), f"stratum-sweep-{job}")
         return Segment(job=job, slot=slots[0], start_step=start_step, stop_at=stop_at, worker=worker,
                        log_path=log_path, started=time.monotonic())
 

@@ -91,7 +91,8 @@ def restart_s(backend: LocalBackend, cfg: Config, out: Path, threads: int) -> fl
     more = with_items(cfg, ("train", "steps", 2 * SHAPE_STEPS), ("train", "out_dir", str(out)))
     (out / "job.toml").write_text(to_toml(more))
     seg = backend.start(job="cal-restart", slots=(0,), config_path=out / "job.toml", start_step=SHAPE_STEPS,
-                        stop_at=2 * SHAPE_STEPS, devices=None, threads=threads, log_path=out / "log.txt")
+                        stop_at=2 * SHAPE_STEPS, devices=None, threads=threads, log_path=out / "log.txt",
+                        slice_steps=0)
     wall = _wait([(seg, out)])[0] - seg.started
     recs = [r for r in read_metrics(out) if r.get("step", 0) > SHAPE_STEPS]
     step_s = median(recs, "step_s")
@@ -111,7 +112,7 @@ def _run(backend: LocalBackend, configs: list[Config], prof: Profile, root: Path
         (out / "job.toml").write_text(to_toml(job_cfg))
         segs.append((backend.start(job=f"cal{i}", slots=(i,), config_path=out / "job.toml", start_step=0,
                                    stop_at=cfg.train.steps, devices=None, threads=threads,
-                                   log_path=out / "log.txt"), out))
+                                   log_path=out / "log.txt", slice_steps=0), out))
     ended = _wait(segs)
     return [job_measured(out, ended[i] - seg.started, configs[i], prof) for i, (seg, out) in enumerate(segs)]
 

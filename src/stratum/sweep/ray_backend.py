@@ -218,7 +218,8 @@ class RayBackend:
         self.actors.pop(slot, None)
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
+              devices: tuple[str, ...] | None, threads: int, log_path: Path, slice_steps: int) -> Segment:
+        assert not slice_steps  # (spec.py refuses slice_by = pause on Ray: a paused actor holds its slot)
         worker: RayWorker | RayRanks
         if len(slots) > 1:
             worker = self._start_ranks(slots, config_path, stop_at, threads, log_path, devices)

@@ -36,10 +36,10 @@ def _fmt(v, spec: str) -> str:
 
 def table(rows: list[JobRow]) -> str:
     """The jobs as a plain-text table, best first."""
-    head = f"{'job':<6} {'status':<8} {'step':>11} {'loss':>8} {'eval':>8} {'tok/s':>9} {'slot':>4}  values"
+    head = f"{'job':<6} {'status':<11} {'step':>11} {'loss':>8} {'eval':>8} {'tok/s':>9} {'slot':>4}  values"
     lines = [head]
     for r in ranked(rows):
-        lines.append(f"{r.id:<6} {r.status:<8} {f'{r.step}/{r.steps}':>11} {_fmt(r.loss, '.4f'):>8} "
+        lines.append(f"{r.id:<6} {r.status:<11} {f'{r.step}/{r.steps}':>11} {_fmt(r.loss, '.4f'):>8} "
                      f"{_fmt(r.eval_loss, '.4f'):>8} {_fmt(r.tokens_per_s, ',.0f'):>9} {_fmt(r.slot, 'd'):>4}  "
                      f"{r.label}" + (f"  ({_clip(r.reason, 90)})" if r.reason else ""))
     counts: dict[str, int] = {}

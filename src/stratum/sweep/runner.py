@@ -10,7 +10,6 @@ is retried from the job's checkpoint up to ``sweep.retries`` times; the other jo
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing.connection
 import os
 import time
@@ -21,7 +20,8 @@ from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.errors import StratumError
 from stratum.procs import pid_alive
 from stratum.sweep.asha_state import stop_paused
-from stratum.sweep.dispatch import Expect, fill, paused_worker, pending, unique
+from stratum.sweep.dir_lock import hold
+from stratum.sweep.dispatch import Expect, fill, paused_itself, paused_worker, pending, unique
 from stratum.sweep.gang_plan import Option
 from stratum.sweep.harvest import STOP_GRACE_S, harvest
 from stratum.sweep.job_strategy import options_of
@@ -31,13 +31,13 @@ from stratum.sweep.plot import loss_png
 from stratum.sweep.predict import make_alone_share, make_predict
 from stratum.sweep.predicted_makespan import predicted_makespan, write_makespan
 from stratum.sweep.ray_backend import RayBackend
-from stratum.sweep.results import makespan_line, results_csv, table
+from stratum.sweep.results import makespan_line, read_makespan, results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
 from stratum.sweep.segment import Backend, await_stop, checkpoint_step
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
 from stratum.sweep.shard_run import device_memory, run_sharded
 from stratum.sweep.spec import job_threads
-from stratum.sweep.state import PAUSED, PENDING, JobRow
+from stratum.sweep.state import FINAL, PAUSED, PENDING, JobRow
 from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
 
 POLL_S = 0.2
@@ -50,7 +50,7 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
     """Run (or resume) the sweep in ``path`` to the end (or its time budget); returns the finished Sweep.
     ``tick`` is called at every poll (a live display); ``retry_failed`` gives failed jobs their retries again."""
     sweep = open_sweep(path, say=say)
-    lock = _lock(sweep.dir)
+    lock = hold(sweep.dir)
     try:
         if retry_failed:
             for job_id in sweep.state.reset_failed():
@@ -61,6 +61,10 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
         _wait_gone(interrupted)
         write_job_configs(sweep)
+        if not _left_to_run(sweep):  # a finished sweep run again: its results and its measured makespan stand
+            write_results(sweep.dir, sweep.state.jobs(), say=say)
+            say(makespan_line(read_makespan(sweep.dir) or {}))
+            return sweep
         sweep.backend.warm_up()  # workers import torch while the planner profiles
         s = sweep.spec.settings
         predict = _predict(sweep)
@@ -88,7 +92,8 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             elif predict is not None:
                 expect = lambda st: min(predict(st.job).values())  # noqa: E731
             _loop(sweep, policy, expect, tick)
-        sweep.makespan_s = time.monotonic() - t0
+        # a makespan is measured only where the sweep ended, not where its time budget stopped it
+        sweep.makespan_s = None if _left_to_run(sweep) else time.monotonic() - t0
         write_results(sweep.dir, sweep.state.jobs(), say=say)
         say(makespan_line(write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted,
                                          measured_s=sweep.makespan_s)))
@@ -97,6 +102,11 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
             sweep.backend.close()
         lock.close()
     return sweep
+
+
+def _left_to_run(sweep: Sweep) -> bool:
+    """Some job is not yet done, stopped or failed."""
+    return any(r.status not in FINAL for r in sweep.state.jobs())
 
 
 def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
@@ -130,18 +140,6 @@ def make_backend(sweep: Sweep) -> Backend:
         gpu_slots = {i for i, d in enumerate(s.devices) if d.startswith("cuda")}
         return RayBackend(address=s.ray_address, slots=s.slots, threads=job_threads(s), gpu_slots=gpu_slots)
     return LocalBackend()
-
-
-def _lock(sweep_dir: Path):
-    """Hold an exclusive lock on the sweep directory: two sweeps must not run the same jobs."""
-    fh = open(sweep_dir / ".lock", "w")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fh.close()
-        raise StratumError(f"another sweep is running in {sweep_dir}; wait for it, or use "
-                           "`stratum sweep status DIR` to watch it") from None
-    return fh
 
 
 def _wait_gone(pids: dict[str, int | None], timeout_s: float = 30.0) -> None:
@@ -201,8 +199,9 @@ def _stop_all(sweep: Sweep) -> None:
     segs = unique(sweep.running.values()) + list(sweep.resident.values())
     for seg in segs:
         seg.worker.terminate()
-    for seg in sweep.resident.values():
-        paused_worker(seg).resume()  # a stopped process acts on SIGTERM once continued
+    for seg in segs:
+        if paused_itself(sweep, seg):  # (paused, or stopped at a slice end since the last poll)
+            paused_worker(seg).resume()  # a stopped process acts on SIGTERM once continued
     for seg in segs:
         await_stop(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)
@@ -216,7 +215,7 @@ def _stop_all(sweep: Sweep) -> None:
 
 def _stop_paused(sweep: Sweep) -> None:
     if sweep.asha is not None:
-        stop_paused(sweep.state, sweep.asha.eta, sweep.say)
+        stop_paused(sweep.state, sweep.asha, sweep.say)
 
 
 def write_results(sweep_dir: Path, rows: list[JobRow], *, say: Callable[[str], None]) -> None:

@@ -44,12 +44,35 @@ def _lock_job_dir(job_dir: Path, timeout_s: float) -> int:
             time.sleep(0.1)
 
 
-def run_segment(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str) -> int:
+PAUSE_FLAG = ".pause-at-slice-end"
+"""In a job's directory while the sweep wants its worker (slice_by = pause) to stop at its next slice end."""
+
+
+class SliceGate:
+    """After each step of a segment under slice_by = pause: at the end of each slice of ``slice_steps`` steps,
+    counted from the segment's first step, the worker stops itself (SIGSTOP) where the sweep asks for it
+    (:data:`PAUSE_FLAG`) — so a slice is exactly ``slice_steps`` steps, where a stop sent when the sweep's poll
+    sees the step would land a step or more later. Not at the segment's end: the job is done there."""
+
+    def __init__(self, job_dir: Path, slice_steps: int, stop_at: int):
+        self.flag, self.slice_steps, self.stop_at = job_dir / PAUSE_FLAG, slice_steps, stop_at
+        self.first: int | None = None
+
+    def __call__(self, done: int) -> None:
+        if self.first is None:
+            self.first = done - 1
+        if done < self.stop_at and (done - self.first) % self.slice_steps == 0 and self.flag.exists():
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def run_segment(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
+                slice_steps: int = 0) -> int:
     """Train the job of ``config_path`` from its last checkpoint to ``stop_at``, as ``stratum train --config
-    config_path --stop-at stop_at`` does, with output to ``log_path`` and ``threads`` torch threads. Returns the
-    exit code ``stratum train`` would have: 0, 2 (bad input, NaN loss) or 130 (stopped by a signal after a
-    checkpoint). Leaves the process as it found it (output, threads, lock), so a long-lived worker can run
-    another segment next."""
+    config_path --stop-at stop_at`` does, with output to ``log_path`` and ``threads`` torch threads; with
+    ``slice_steps``, ready to stop itself at the end of each slice of that many steps (:class:`SliceGate`).
+    Returns the exit code ``stratum train`` would have: 0, 2 (bad input, NaN loss) or 130 (stopped by a signal
+    after a checkpoint). Leaves the process as it found it (output, threads, lock), so a long-lived worker can
+    run another segment next."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
@@ -64,7 +87,8 @@ def run_segment(config_path: str, stop_at: int, device: str | None, threads: int
     try:
         lock = _lock_job_dir(Path(config_path).parent, LOCK_TIMEOUT_S)
         cfg = load_config(config_path, [f"train.device={device!r}"] if device is not None else [])
-        train(cfg, stop_at=stop_at)
+        gate = SliceGate(Path(config_path).parent, slice_steps, stop_at) if slice_steps else None
+        train(cfg, stop_at=stop_at, after_step=gate)
     except StratumError as e:
         print(f"stratum: error: {e}", file=sys.stderr)
         code = e.exit_code
@@ -149,10 +173,11 @@ class Backend(Protocol):
         """Get workers ready (imports, actors) before the first segment."""
 
     def start(self, *, job: str, slots: tuple[int, ...], config_path: Path, start_step: int, stop_at: int,
-              devices: tuple[str, ...] | None, threads: int, log_path: Path) -> Segment:
+              devices: tuple[str, ...] | None, threads: int, log_path: Path, slice_steps: int) -> Segment:
         """Start a segment of ``job`` on ``slots`` (on ``devices``, one per slot; None: the job's own
         train.device): one process, or for a plan over several slots one rank on each (``threads`` threads
-        each); the segment sits on the first."""
+        each); the segment sits on the first. ``slice_steps`` (slice_by = pause; 0: none): the worker stops
+        itself at each slice end the sweep asks for (:class:`SliceGate`)."""
 
     def start_shard_worker(self, spec_path: Path, cpus: int, gpus: int) -> Worker:
         """Start sharded-lrtf's one worker (:func:`stratum.sweep.shard_worker.run_shard_worker` over

@@ -62,8 +62,9 @@ class Sweep:
     calibration: ShapeCalibration | None = None
     """What the predictions go through beyond the profiles (sweep.calibration): the file it names, read when the
     sweep opens; "auto"'s, measured or read from the sweep directory when it runs; None = "off"."""
-    makespan_s: float = 0.0
-    """Wall seconds of this invocation's scheduling loop: first segment start to last segment end."""
+    makespan_s: float | None = None
+    """Wall seconds of this invocation's scheduling loop, first segment start to last segment end, where it ran
+    every job to its end (None: it did not run, or its time budget stopped it)."""
 
 
 def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -> Sweep:

@@ -20,7 +20,7 @@ from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha, rung_steps
-from stratum.sweep.asha_state import asha_from_state, report_rung, stop_paused
+from stratum.sweep.asha_state import asha_from_state, promote_at_end, report_rung, stop_paused
 from stratum.sweep.expand import device_capacity, named_slot_devices
 from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
 from stratum.sweep.shard_lrtf import tasks_per_step
@@ -99,6 +99,9 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
         if asha is not None:
             report_missed(state, configs, asha)
         if not (jobs := shard_jobs(state, configs, profiles, predict, shard_blocks, asha)):
+            if asha is not None and promote_at_end(state, asha_from_state(state, min_steps=asha.min_steps,
+                                                                           eta=asha.eta), say):
+                continue
             break
         deadline = t0 + time_budget_s if time_budget_s else None
         spent = _one_worker(jobs, backend=backend, state=state, configs=configs, sweep_dir=sweep_dir, slots=slots,
@@ -109,7 +112,7 @@ def run_sharded(*, backend: Backend, state: SweepState, configs: dict[str, Confi
                 "checkpoint; run the same command to go on")
             return
     if asha is not None:
-        stop_paused(state, asha.eta, say)
+        stop_paused(state, asha_from_state(state, min_steps=asha.min_steps, eta=asha.eta), say)
 
 
 def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, configs: dict[str, Config],

@@ -30,11 +30,15 @@ from stratum.plan.predict import Workload, predict
 from stratum.profile.profile import Profile
 from stratum.sweep.gang_plan import Option
 from stratum.sweep.spec import SweepSettings
+from stratum.units import fmt_bytes
 
 
-def candidate_plans(max_devices: int) -> list[str]:
-    """The plan expressions tried: local, then replicate(k) and pipeline(k) for k = 2..max_devices."""
-    return ["local"] + [f"{kind}({k})" for k in range(2, max_devices + 1) for kind in ("replicate", "pipeline")]
+def candidate_plans(max_devices: int, *, microbatches: int | None = None, blocks: int | None = None) -> list[str]:
+    """The plan expressions tried: local, then replicate(k) and pipeline(k) for k = 2..max_devices — replicas
+    no more than the step's micro-batches, stages no more than the model's blocks, where they are given (a
+    thousand-device cluster offers a job no more than it can use)."""
+    most = {"replicate": microbatches or max_devices, "pipeline": blocks or max_devices}
+    return ["local"] + [f"{kind}({k})" for k in range(2, max_devices + 1) for kind in most if k <= most[kind]]
 
 
 def job_options(profile: Profile, *, microbatches: int, steps: int, hw: Hardware, max_devices: int,
@@ -43,7 +47,8 @@ def job_options(profile: Profile, *, microbatches: int, steps: int, hw: Hardware
     its end and peak bytes per device, for every candidate that fits; raises StratumError when none does."""
     work = Workload(profile=profile, microbatches=microbatches)
     out: dict[str, Option] = {}
-    for text in candidate_plans(min(max_devices, hw.num_devices)):
+    for text in candidate_plans(min(max_devices, hw.num_devices), microbatches=microbatches,
+                                blocks=len(profile.blocks)):
         plan = parse_plan(text)
         try:
             pred = predict(plan, work, hw)
@@ -65,6 +70,7 @@ def offload_option(profile: Profile, *, microbatches: int, steps: int, hw: Hardw
     """One device streaming the job's shards from the host (:func:`streamed_step_s`); an error if even that does
     not fit."""
     dev = hw.devices[0]
+    check_host_holds(profile, hw)
     peak = sum(b.act_saved_bytes for b in profile.blocks) + 2 * max(
         sum(b.param_bytes + b.grad_bytes for b in profile.blocks[i:i + shard_blocks])
         for i in range(0, len(profile.blocks), shard_blocks))
@@ -73,6 +79,16 @@ def offload_option(profile: Profile, *, microbatches: int, steps: int, hw: Hardw
                            f"{dev.memory_bytes}")
     step = sum(streamed_tasks_s(profile, hw, shard_blocks)) * microbatches
     return Option(seconds=step * steps, devices=1, peak_bytes=peak)
+
+
+def check_host_holds(profile: Profile, hw: Hardware) -> None:
+    """A job streamed from the host keeps its training state there (parameters, gradients, optimizer state):
+    an error where the host cannot hold it."""
+    state = sum(b.param_bytes + b.grad_bytes + b.optim_bytes for b in profile.blocks)
+    if state > hw.host_bytes:
+        raise StratumError(f"{profile.model}: streamed from the host it keeps {fmt_bytes(state)} of training state "
+                           f"there, and the hardware's host holds {fmt_bytes(hw.host_bytes)}: give [hardware] "
+                           "host_bytes its real size")
 
 
 def streamed_tasks_s(profile: Profile, hw: Hardware, shard_blocks: int) -> list[float]:

@@ -34,6 +34,7 @@ from stratum.atomic import (
     atomic_replace_dir,
     atomic_write_json,
     atomic_write_text,
+    default_modes,
     digest_mismatch,
     file_digest,
 )
@@ -133,6 +134,7 @@ def save_checkpoint(out_dir: Path, *, step: int, parts: Iterable[TrainState], cf
             "format_version": FORMAT_VERSION, "step": step, "config": cfg.to_dict(),
             "fingerprint": fingerprint, "fingerprint_hash": fingerprint_hash(fingerprint), "files": files,
         })
+        default_modes(tmp)  # (safetensors writes its files 0o600)
         atomic_replace_dir(tmp, final)
         atomic_write_text(root / "latest", final.name + "\n")
     except StratumError:

@@ -62,7 +62,7 @@ def export_dir(model, tokenizer, out: Path, *, max_len: int) -> None:
     """``model.save_pretrained`` and, for a BPE tokenizer, ``tokenizer.json`` into ``out``, all or nothing."""
     from safetensors import SafetensorError
 
-    from stratum.atomic import atomic_replace_dir
+    from stratum.atomic import atomic_replace_dir, default_modes
     from stratum.model.export import save_pretrained
 
     try:
@@ -76,6 +76,7 @@ def export_dir(model, tokenizer, out: Path, *, max_len: int) -> None:
             (tmp / "tokenizer.json").write_text(tokenizer.to_json())
             (tmp / "tokenizer_config.json").write_text(json.dumps(
                 {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}, indent=2) + "\n")
+        default_modes(tmp)  # (mkdtemp makes it 0o700)
         if out.exists():
             out.rmdir()  # checked empty above
         atomic_replace_dir(tmp, out)

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,11 +91,13 @@ class _Quiet:
 
 
 @removes_new_empty_out_dir
-def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = None) -> dict:
+def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = None,
+          after_step: Callable[[int], None] | None = None) -> dict:
     """Run (or resume) the configured training; returns the summary also written to ``summary.json``.
 
     ``stop_at`` ends this invocation after that many completed steps, with a checkpoint, so the run can be
-    resumed later (time-sliced jobs, tests of resume).
+    resumed later (time-sliced jobs, tests of resume). ``after_step`` is called with each completed step's
+    number once its checkpoint (if due) is written (a sweep's worker stops there at the end of a time slice).
 
     A plan over several processes (``parallel.plan``): every rank runs this same loop on the same batches (the
     process groups are joined here, from the launcher's environment); only rank 0 prints and writes metrics,
@@ -118,12 +121,13 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         if world.is_main:
             prepare_out_dir(out_dir)
         with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext(), peers_checked(world):
-            summary = _train(cfg, stop_at=stop_at, console=console, world=world)
+            summary = _train(cfg, stop_at=stop_at, console=console, world=world, after_step=after_step)
         leave_world(world)
     return summary
 
 
-def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World) -> dict:
+def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World,
+           after_step: Callable[[int], None] | None) -> dict:
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
     main, device = world.is_main, world.device
@@ -162,7 +166,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     _log_start(cfg, model=model, engine=engine, world=world, stages=stages, data=data,
                start=start, end=end)
     run = _Run(cfg=cfg, engine=engine, model=model, data=data, world=world, out_dir=out_dir,
-               fingerprint=fingerprint, start=start, end=end)
+               fingerprint=fingerprint, start=start, end=end, after_step=after_step)
     return _run_steps(run, console or make_console())
 
 
@@ -192,6 +196,8 @@ class _Run:
     """The first step this invocation runs (the checkpoint's, or 0)."""
     end: int
     """The step it stops after (train.steps, or --stop-at)."""
+    after_step: Callable[[int], None] | None = None
+    """Called with each completed step (see :func:`train`)."""
 
 
 def _run_steps(run: _Run, console: Console) -> dict:
@@ -257,6 +263,8 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
             clock.saved()
         if stop:
             return done, True, last_ckpt
+        if run.after_step is not None:
+            run.after_step(done)
     return end, False, last_ckpt
 
 
