@@ -15,6 +15,7 @@ from stratum.profile.profile import BlockProfile, Profile
 from stratum.sweep.cluster_sim import ClusterJob, simulate_cluster
 from stratum.sweep.gang import greedy_gang, plan_gang
 from stratum.sweep.gang_plan import GangPlan, Option, gang_table, list_schedule
+from stratum.sweep.strategies import job_options
 
 pytest.importorskip("pulp")
 
@@ -125,6 +126,21 @@ def test_a_cluster_simulation_by_hand_and_a_job_no_device_holds():
     big = {"big": ClusterJob(profile=_profile(0.5, 2_000, 1_000), microbatches=1, steps=1)}
     with pytest.raises(StratumError, match=r"big: fits no single device.*only as pipeline\(2\)"):
         simulate_cluster(big, hw, shard_blocks=2, time_limit_s=5)
+
+
+def test_a_big_cluster_offers_a_job_only_the_plans_it_can_use_and_a_streamed_job_must_fit_the_host():
+    # 1,000 devices: replicas up to the step's 4 micro-batches, stages up to the 3 blocks — not 2 × 999 plans
+    hw = Hardware.uniform(1000, memory_bytes=10_000, host_link=Link(bandwidth=1e12, latency=0.0))
+    opts = job_options(_profile(0.25, 400, 100, blocks=3), microbatches=4, steps=10, hw=hw, max_devices=1000)
+    assert set(opts) <= {"local", "replicate(2)", "replicate(3)", "replicate(4)", "pipeline(2)", "pipeline(3)",
+                         "offload"}
+    assert {"local", "replicate(4)", "pipeline(3)", "offload"} <= set(opts)
+    # streamed (offload, sharded-lrtf), a job keeps 2 × (400 + 400 + 800) B of state on the host: 3,200 > 3,000
+    small = Hardware.uniform(2, memory_bytes=10_000, host_bytes=3_000)
+    with pytest.raises(StratumError, match=r"made-up: streamed from the host it keeps 3.12 KiB of training state "
+                                           r"there, and the hardware's host holds 2.93 KiB"):
+        simulate_cluster({"j": ClusterJob(profile=_profile(0.25, 400, 100), microbatches=1, steps=1)}, small,
+                         shard_blocks=1, time_limit_s=5)
 
 
 def test_a_gap_stops_the_solver_once_its_plan_is_proved_close_enough():
