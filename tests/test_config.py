@@ -74,6 +74,8 @@ def test_toml_round_trip():
     (["data.val_fraction=0.9"], "data.val_fraction must be in [0, 0.5]"),
     (["data.val_fraction=0"], "leaves nothing to evaluate"),
     (["steps=3"], "must look like section.key=value"),
+    *[(["parallel.plan='replicate(2)'", f"parallel.speeds='{v}'"], "must give 2 positive finite numbers")
+      for v in ("1,0", "1,nan", "inf,1", "1")],
 ])
 def test_bad_overrides_are_one_line_errors(overrides, message):
     with pytest.raises(StratumError) as e:
@@ -85,6 +87,8 @@ def test_bad_overrides_are_one_line_errors(overrides, message):
 def test_bad_files(tmp_path):
     with pytest.raises(StratumError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    with pytest.raises(StratumError, match="is a directory; give a .toml file"):
+        load_config(tmp_path)
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\nsteps = 3")
     with pytest.raises(StratumError, match="not valid TOML"):

@@ -257,3 +257,28 @@ def test_a_pipelines_gradient_norm_is_the_plain_engines_to_the_bit(make_cfg, tmp
     got, want = read_metrics(tmp_path / "pipe"), read_metrics(tmp_path / "plain")
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
     assert [r.get("eval_loss") for r in got] == [r.get("eval_loss") for r in want]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_budget_no_rank_fits_stops_every_rank_with_one_line_naming_the_budget_that_fits_them_all(make_cfg,
+                                                                                                   tmp_path):
+    """Each rank's planner finds its own smallest budget; the ranks agree on one line with the largest of them, and
+    that budget trains."""
+    from cli_in_process import run_main
+    cfg = make_cfg(out=tmp_path / "small")
+    base = ["train", "--set", f"data.corpus={cfg.data.corpus!r}", "--set", f"data.cache_dir={cfg.data.cache_dir!r}",
+            "--set", "model.preset='tiny'", "--set", "data.seq_len=32", "--set", "train.steps=2", "--set",
+            "train.grad_accum=2", "--set", "train.eval_interval=0"]
+    code, out = run_main([*base, "--set", f"train.out_dir={str(tmp_path / 'small')!r}", "--set",
+                          "parallel.plan='pipeline(2, offload(device_budget=1MB))'"])
+    lines = {ln for ln in out.splitlines() if ln.startswith("stratum: error:")}
+    assert code == 2 and len(lines) == 1, out
+    line = lines.pop()
+    assert "no placement fits pipeline rank(s) 0, 1 under device_budget = 1MB" in line, line
+    need = int(line.split("every rank at this host budget is ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+    per_rank = [int(x.split(": ")[1].replace(",", "")) for x in line.split("per rank: ")[1].rstrip(")").split(", ")]
+    assert need == max(per_rank) and len(per_rank) == 2
+    code, out = run_main([*base, "--set", f"train.out_dir={str(tmp_path / 'fits')!r}", "--set",
+                          f"parallel.plan='pipeline(2, offload(device_budget={need}B))'"])
+    assert code == 0, out

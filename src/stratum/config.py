@@ -435,9 +435,9 @@ class Config:
             raise StratumError(f"parallel.speeds = {text!r} must be \"\", \"auto\" or numbers separated by "
                                "commas, e.g. \"1,0.5\"") from None
         n = self.plan.world_size()
-        if len(speeds) != n or min(speeds) <= 0:
-            raise StratumError(f"parallel.speeds = {text!r} must give {n} positive numbers, one per process of "
-                               f"the plan")
+        if len(speeds) != n or not all(0 < v < math.inf for v in speeds):  # (NaN compares false)
+            raise StratumError(f"parallel.speeds = {text!r} must give {n} positive finite numbers, one per process "
+                               f"of the plan")
 
     def _validate_offload(self) -> None:
         o = self.offload
@@ -549,6 +549,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise StratumError(f"config file {p} is a directory; give a .toml file (e.g. configs/default.toml)")
         if not p.is_file():
             raise StratumError(f"config file {p} does not exist")
         try:

@@ -304,7 +304,16 @@ def _tier_options(job: _Job, layout: Layout, opts: list[str], recs: list[str]) -
                         yield _Tiers(layout, opt, ptier, rc, spill_set, disk_set, kept, half), i == 0
 
 
-def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None) -> StratumError:
+class NoFit(StratumError):
+    """No placement fits the budgets; ``smallest_device``: the smallest device budget that fits at this host
+    budget, where one does (a pipeline's ranks compare theirs)."""
+
+    def __init__(self, message: str, smallest_device: int | None):
+        super().__init__(message)
+        self.smallest_device = smallest_device
+
+
+def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None) -> NoFit:
     """The error when no candidate fits: the smallest budgets that would."""
     parts = []
     low_dev, low_host = search.smallest[DEVICE], search.smallest[HOST]
@@ -317,9 +326,9 @@ def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None)
     if not parts:
         parts.append("no placement fits even with the largest chunks on disk; raise both budgets "
                      "or free disk space under offload.disk_dir")
-    return StratumError(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
-                        f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); "
-                        + "; ".join(parts))
+    return NoFit(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
+                 f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); " + "; ".join(parts),
+                 low_dev)
 
 
 def _pick(job: _Job, search: _Search) -> Placement:

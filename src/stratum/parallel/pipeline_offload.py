@@ -39,6 +39,7 @@ from stratum.runtime.optim import MakeOptimizer, Optimizer
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan
 from stratum.runtime.stage import StageBlocks
 from stratum.schedule.ir import Schedule
+from stratum.units import fmt_at_least
 
 
 def leaf_config(cfg: Config, leaf: Offload) -> Config:
@@ -184,19 +185,31 @@ class OffloadPipelineEngine(PipelineEngine):
         return self.runner
 
     def _agreed(self, make_placement):
-        """``make_placement()`` on every rank; a rank whose budget cannot fit says why and every other rank stops
-        with one line too, instead of waiting for it."""
+        """``make_placement()`` on every rank. Where some rank's budget cannot fit, every rank stops with one line,
+        the same on each where only the device budget is short: the smallest device budget that fits every rank
+        (each rank's planner finds its own; the largest of them fits them all) — rather than each rank its own
+        figure, or the others waiting for it."""
         try:
             placement, failure = make_placement(), None
         except StratumError as e:
             placement, failure = None, e
-        failed = [r for r, f in enumerate(self.mesh.gather_floats(float(failure is not None))) if f]
+        # per rank: 0 fits, else the smallest device budget it needs (-1: not known, or another error)
+        need = 0.0 if failure is None else float(getattr(failure, "smallest_device", None) or -1)
+        needs = self.mesh.gather_floats(need)
+        failed = [r for r, x in enumerate(needs) if x]
+        if not failed:
+            return placement
+        if all(needs[r] > 0 for r in failed):
+            low, o = int(max(needs)), self.cfg.offload
+            raise StratumError(f"offload: no placement fits pipeline rank(s) {', '.join(map(str, failed))} under "
+                               f"device_budget = {o.device_budget or 'unlimited'} and host_budget = "
+                               f"{o.host_budget or 'unlimited'}; the smallest device budget that fits every rank "
+                               f"at this host budget is {fmt_at_least(low, None)} ({low:,} bytes; per rank: "
+                               + ", ".join(f"{r}: {int(needs[r]):,}" for r in failed) + ")")
         if failure is not None:
             raise failure
-        if failed:
-            raise StratumError(f"process(es) {', '.join(map(str, failed))} found no offload placement for their "
-                               "pipeline stages (their message says why); stopping")
-        return placement
+        raise StratumError(f"process(es) {', '.join(map(str, failed))} found no offload placement for their "
+                           "pipeline stages (their message says why); stopping")
 
     def _profile(self, cfg: Config) -> Profile:
         return quick_profile(self.model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
