@@ -97,11 +97,14 @@ def write_hw(tmp_path, bandwidth: str = '"100GB/s"'):
     ("too big", "asks for 8 devices but the cluster has 4"),
     ("policy", "unknown policy 'fastest'"),
     ("no trace", "cannot read the trace"),
+    ("past the context", "job 'a' (tiny, seq_len 1024): seq_len 1024 is outside 1..256, tiny's context; set the "
+                         "trace's seq_len column"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, message):
     hw = write_hw(tmp_path, "-1e9" if case == "negative bandwidth" else '"100GB/s"')
     trace = tmp_path / "jobs.csv"
-    row = {"unknown model": "a,0,gpt9,8,1,1", "too big": "a,0,tiny,8,1,8"}.get(case, "a,0,tiny,8,1,1")
+    row = {"unknown model": "a,0,gpt9,8,1,1", "too big": "a,0,tiny,8,1,8", "past the context": "a,0,tiny,8,1,1"}.get(
+        case, "a,0,tiny,8,1,1")
     if case != "no trace":
         trace.write_text(HEAD + row + "\n")
     args = ["cluster", "simulate", "--hardware", str(hw), "--jobs", str(trace)]

@@ -245,6 +245,18 @@ def test_disk_tier_on_a_full_or_read_only_disk_is_one_line(where, full_fs, ro_fs
     _one_error_line(capsys, "offload.disk_dir")
 
 
+@pytest.mark.parametrize("setting, said", [("train.micro_batch_size=4", "micro_batch 2 (the config's: 4)"),
+                                            ("data.seq_len=64", "seq_len 32 (the config's: 64)"),
+                                            ("train.precision='bf16'", "precision fp32 (the config's: bf16)")])
+def test_a_profile_of_another_batch_shape_is_refused_by_both_planners(setting, said, small, profile, capsys):
+    """Its bytes and seconds are another shape's: the plans would approve budgets the run refuses."""
+    capsys.readouterr()
+    for argv in (["plan", *small, "--profile", str(profile), "--set", setting],
+                 ["plan", "--parallel", "--devices", "2", *small, "--profile", str(profile), "--set", setting]):
+        assert main(argv) == 2
+        _one_error_line(capsys, f"was taken with {said}")
+
+
 def test_a_held_out_dir_is_refused_in_one_line(make_cfg, tmp_path):
     from stratum.errors import StratumError
     from stratum.train.lock import hold_out_dir

@@ -80,6 +80,7 @@ def test_dry_run_prints_each_pipeline_ranks_offload_placement_under_the_leafs_bu
     ("pipeline(2, schedule=zb-1f1b, split(2, offload))", "splits the backward"),
     ("pipeline(2, schedule=zb-1f1b, offload)", "splits the backward"),
     ("replicate(2, shard=true, split(2))", "cannot shard split"),
+    ("pipeline(2, schedule=1f1b, partition=profiled)", "names a cut from a profile: give the profile's file"),
 ])
 def test_bad_plans_are_one_line_errors_before_any_process(make_cfg, capsys, plan, message):
     from stratum.cli import main

@@ -156,6 +156,11 @@ def test_probe_refuses_more_processes_than_the_cores_can_take_before_any_starts(
     assert not started and not (tmp_path / "hw.toml").exists()
 
 
+def test_zero_devices_is_refused_not_taken_for_the_default(capsys):
+    assert main(["plan", "--parallel", "--devices", "0", "--set", "model.preset='tiny'"]) == 2
+    assert "--devices must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_flags_that_would_do_nothing_are_refused(capsys):
     assert main(["plan", "--devices", "2"]) == 2
     assert "--devices and --hardware go with --parallel" in capsys.readouterr().err

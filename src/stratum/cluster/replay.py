@@ -69,8 +69,16 @@ def make_policy(name: str, cluster: Cluster, config: PolicyConfig) -> Policy:
 
 def trace_costs(jobs: Sequence[Job], cache_dir: Path) -> dict[tuple[str, int], ModelCosts]:
     """Model costs for every (model, seq_len) the jobs name, measured once and cached (:mod:`.models`)."""
-    return {key: preset_costs(key[0], seq_len=key[1], cache_dir=cache_dir)
-            for key in dict.fromkeys((j.model, j.seq_len) for j in jobs)}
+    out = {}
+    for job in jobs:
+        key = (job.model, job.seq_len)
+        if key not in out:
+            try:
+                out[key] = preset_costs(key[0], seq_len=key[1], cache_dir=cache_dir)
+            except StratumError as e:
+                raise StratumError(f"job {job.id!r} ({job.model}, seq_len {job.seq_len}): {e}; set the trace's "
+                                   "seq_len column or choose another model") from None
+    return out
 
 
 def replay(hw: Hardware, jobs: Sequence[Job], costs: Mapping[tuple[str, int], ModelCosts], policies: Sequence[str],

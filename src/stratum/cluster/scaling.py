@@ -41,12 +41,14 @@ def device_need(mc: ModelCosts) -> float:
 
 
 def check_fits(mc: ModelCosts, devices: Sequence[Device], what: str) -> None:
-    """A one-line error when ``what`` (a job) does not fit the smallest of ``devices``."""
+    """A one-line error when ``what`` (a job) does not fit the smallest of ``devices``: the policies place a job
+    on any free device, so every device must hold every job."""
     small = min(devices, key=lambda d: d.memory_bytes)
     if device_need(mc) > small.memory_bytes:
         raise StratumError(f"{what} needs {device_need(mc) / 2**30:.1f} GiB per device (training state and one "
                            f"sequence's activations) but device {small.name!r} holds {small.memory_bytes / 2**30:.1f} "
-                           "GiB")
+                           "GiB; the policies place a job on any device, so each must hold it: leave it out of the "
+                           "trace or give the hardware larger devices")
 
 
 def at_batch(costs: Costs, sequences: int) -> Costs:

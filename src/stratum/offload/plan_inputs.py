@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
-from stratum.errors import StratumError
 from stratum.model.build import build_model
 from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.setup import placement_inputs
@@ -36,10 +35,8 @@ def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False
     model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")
     if profile_path:
-        prof = Profile.load(profile_path)
-        if len(prof.blocks) != len(model):
-            raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has {len(model)}; "
-                               "re-run `stratum profile` with this config")
+        prof = Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
+                                seq_len=cfg.data.seq_len, precision=cfg.train.precision)
     else:
         prof = planning_profile(cfg, model, device, estimate=estimate)
     return placement_inputs(cfg, model, device, profile=prof, always_profile=True), model

@@ -78,7 +78,7 @@ def run_search(args: argparse.Namespace) -> int:
         raise StratumError("--parallel ranks Plan trees; --sweep, --estimate and --json are the offload plan's")
     cfg = load_config(args.config, args.overrides)
     hw = load_hardware(args.hardware) if args.hardware else None
-    n = args.devices or (hw.num_devices if hw else _default_devices())
+    n = args.devices if args.devices is not None else (hw.num_devices if hw else _default_devices())
     res, work = plan_search(cfg, n, hw, args.profile)
     print(res.table(SHOWN, label=lambda p: _label(p, work)))
     return 0
@@ -114,10 +114,8 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
     shards and the split sizes the layers divide into, the weights the balanced cut uses."""
     device = resolve_device(cfg.train.device)
     if profile_path:
-        prof = Profile.load(profile_path)
-        if len(prof.blocks) != len(model):
-            raise StratumError(f"profile {profile_path} has {len(prof.blocks)} blocks but the model has "
-                               f"{len(model)}; re-run `stratum profile` with this config")
+        prof = Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
+                                seq_len=cfg.data.seq_len, precision=cfg.train.precision)
     else:
         prof = planning_profile(cfg, model, device)
         t = cfg.train

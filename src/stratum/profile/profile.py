@@ -214,6 +214,21 @@ class Profile:
             raise StratumError(f"profile {p} is not a Stratum profile; re-run `stratum profile`")
         return cls.from_dict(d)
 
+    @classmethod
+    def load_for(cls, path: str | os.PathLike, *, blocks: int, micro_batch: int, seq_len: int,
+                 precision: str) -> Profile:
+        """The profile at ``path``, refused unless it was taken of a model of ``blocks`` blocks at this micro-batch,
+        sequence length and precision: a planner reading its bytes and seconds for another batch shape would
+        approve budgets the run then refuses."""
+        prof = cls.load(path)
+        want = {"blocks": blocks, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision}
+        got = {"blocks": len(prof.blocks), "micro_batch": prof.micro_batch, "seq_len": prof.seq_len,
+               "precision": prof.precision}
+        if diff := [f"{k} {got[k]} (the config's: {want[k]})" for k in want if got[k] != want[k]]:
+            raise StratumError(f"profile {path} was taken with {', '.join(diff)}; re-run `stratum profile` with "
+                               "this config, or leave --profile out to have it measured")
+        return prof
+
     def table(self) -> str:
         """The profile as a fixed-width text table, one row per block plus a total."""
         head = f"{'#':>3} {'block':<12} {'params':>12} {'param B':>12} {'optim B':>12} {'act B':>12} " \

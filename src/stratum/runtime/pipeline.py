@@ -89,6 +89,10 @@ def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int,
     """Schedule and stage partition for ``model`` (may live on ``meta``) with ``microbatches`` per step on each
     pipeline; ``speeds`` (one per pipeline rank) makes the balanced and profiled cuts give faster ranks more.
     One-line errors for what cannot run."""
+    if p.partition == "profiled":  # how `stratum plan --parallel` shows the cut it made from its profile
+        raise StratumError("pipeline partition 'profiled' names a cut from a profile: give the profile's file "
+                           "(partition=p.json, from `stratum profile --out p.json`), or set parallel.plan = \"auto\" "
+                           "to train the search's choice")
     if p.partition not in PARTITIONS and not p.partition.endswith(".json"):
         raise StratumError(f"pipeline partition {p.partition!r} is not one of: {', '.join(PARTITIONS)}, or a "
                            "profile .json file")
