@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -75,4 +76,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except stratum.StratumError as e:  # bad input (a plan, a process count): one line, not a traceback
+        sys.exit(f"stratum: error: {e}")

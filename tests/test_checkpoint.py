@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 
 import pytest
 import torch
@@ -142,6 +143,19 @@ def test_resume_drops_metrics_of_a_killed_run_past_the_checkpoint(make_cfg, tmp_
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_resumed_runs_summary_gives_its_own_steps_speed_and_the_whole_runs_losses(make_cfg, tmp_path):
+    """Resumed under another engine, the summary's medians, peak and step time are the new engine's steps'."""
+    out = tmp_path / "r"
+    first = train(make_cfg("train.steps=8", out=out), stop_at=4)
+    summary = train(make_cfg("train.steps=8", "train.engine='offload'", out=out))
+    recs = read_metrics(out)
+    later = [r for r in recs if r["step"] > 4]
+    assert summary["first_loss"] == first["first_loss"] == recs[0]["loss"] and summary["engine"] == "offload"
+    assert summary["median_tokens_per_s"] == statistics.median([r["tokens_per_s"] for r in later][1:])
+    assert summary["peak_device_bytes"] == max(r["peak_device_bytes"] for r in later)
+    assert summary["median_step_s"] == statistics.median([r["step_s"] for r in later][1:])
+
+
 def test_completed_run_is_not_repeated(make_cfg, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="stratum")
     out = tmp_path / "r"
@@ -202,6 +216,15 @@ def test_every_file_a_run_writes_has_the_umasks_permissions(make_cfg, tmp_path):
     assert any(p.suffix == ".safetensors" for p in paths) and any(p.name == "summary.json" for p in paths)
     for p in paths:
         assert p.stat().st_mode & 0o777 == (0o750 if p.is_dir() else 0o640), p
+
+
+def test_a_stray_directory_does_not_count_towards_keep_checkpoints(make_cfg, tmp_path):
+    out = tmp_path / "r"
+    train(make_cfg("train.steps=6", "train.ckpt_interval=2", "train.keep_checkpoints=2", out=out), stop_at=4)
+    (out / "checkpoints" / "step_00000009").mkdir()  # no meta.json: not a checkpoint
+    train(make_cfg("train.steps=6", "train.ckpt_interval=2", "train.keep_checkpoints=2", out=out))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000004", "step_00000006", "step_00000009"]
 
 
 def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkeypatch):

@@ -125,6 +125,18 @@ def test_plan_estimate_answers_from_shapes_alone(corpus_file, tmp_path, monkeypa
     assert peaks["fp16"] == peaks["bf16"]
 
 
+def test_plan_takes_an_offload_leafs_budgets_and_refuses_a_plan_of_several_processes(corpus_file, tmp_path,
+                                                                                      monkeypatch, capsys):
+    monkeypatch.setattr(fast, "_measure_block", _no_measuring)
+    out = tmp_path / "leaf.json"
+    assert main([*_plan_args(corpus_file, tmp_path, "parallel.plan='offload(device_budget=3MB)'"), "--estimate",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["device_budget"] == 3_000_000  # the leaf's, not [offload]'s 2MB
+    capsys.readouterr()
+    assert main([*_plan_args(corpus_file, tmp_path, "parallel.plan='pipeline(2, offload)'"), "--estimate"]) == 2
+    assert "runs several processes: `stratum train --dry-run` prints each rank's placement" in capsys.readouterr().err
+
+
 def test_plan_measures_once_with_a_line_per_block_then_reads_the_cache(corpus_file, tmp_path, capsys):
     assert main(_plan_args(corpus_file, tmp_path)) == 0
     out = capsys.readouterr().out

@@ -54,6 +54,8 @@ REFUSED = [
     ("offload(2)", "offload takes no positional value"),
     ("foo(2)", "'foo' is not a plan node"),
     ("replicate(2", "ends too early"),
+    ("offload(host_budget=)", "host_budget= has no value"),
+    ("offload(device_budget=, host_budget=1GB)", "device_budget= has no value"),
     ("replicate(x)", "must be a whole number"),
     ("replicate(2, reduce=sum)", "replicate(reduce=sum) is not one of: mean, adasum"),
     ("pipeline()", "pipeline needs its size"),

@@ -78,6 +78,10 @@ def test_lr_schedule():
     assert lr_at(19, **kw) == pytest.approx(0.1)
     vals = [lr_at(s, **kw) for s in range(4, 20)]
     assert all(x >= y for x, y in zip(vals, vals[1:]))
+    # warm-up leaves only the last step, or no warm-up at all in a run this short: the last step is at min_lr
+    assert [lr_at(s, lr=1.0, min_lr=0.1, warmup_steps=1, total_steps=2) for s in range(2)] == [1.0, 0.1]
+    assert [lr_at(s, lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=2) for s in range(2)] == [1.0, 0.1]
+    assert lr_at(0, lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=1) == 1.0
 
 
 def test_plain_engine_state_round_trip_continues_identically(make_cfg):

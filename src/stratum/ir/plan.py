@@ -354,6 +354,8 @@ class _Reader:
             self.take()
             if key in keywords:
                 raise self.fail(f"{key} is given twice")
+            if self.peek() in (",", ")"):
+                raise self.fail(f"{key}= has no value")
             keywords[key] = self.take()
         elif self.peek() in NAMES or self.peek() == "plain":
             positional.append(self.node())

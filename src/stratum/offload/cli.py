@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 
 from stratum.atomic import atomic_write_json
-from stratum.config import load_config
+from stratum.config import Config, load_config
 from stratum.errors import StratumError
+from stratum.ir.plan import Local, Offload
 from stratum.offload.cli_args import DEFAULT_SWEEP
 from stratum.offload.plan_inputs import planning_inputs
 from stratum.offload.planner import make_placement
 from stratum.offload.tiers import DEVICE
+from stratum.parallel.pipeline_offload import leaf_config
 from stratum.plan.search_cli import run_search
 from stratum.units import Size, fmt_bytes, parse_bytes, parse_percent
 
@@ -70,12 +72,25 @@ def untimed(plan) -> str:
     return "\n".join(lines)
 
 
+def _one_engine(cfg: Config) -> Config:
+    """``cfg`` as the one offload engine this command plans: a parallel.plan of the offload leaf alone lends it
+    the leaf's budgets; a plan over several processes is refused (each rank plans its own part)."""
+    plan = cfg.plan
+    if isinstance(plan.root, Offload):
+        return leaf_config(cfg, plan.root)
+    if not isinstance(plan.root, Local):
+        raise StratumError(f"stratum plan plans one offload engine; parallel.plan = {cfg.parallel.plan!r} runs "
+                           "several processes: `stratum train --dry-run` prints each rank's placement, and "
+                           "`stratum plan --parallel` ranks plan trees")
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     if args.parallel:
         return run_search(args)
     if args.devices is not None or args.hardware:
         raise StratumError("--devices and --hardware go with --parallel (the plan search)")
-    cfg = load_config(args.config, args.overrides)
+    cfg = _one_engine(load_config(args.config, args.overrides))
     if args.estimate and args.profile:
         raise StratumError("--estimate plans from the model's shapes and --profile from measured costs; give one")
     if args.sweep is not None:

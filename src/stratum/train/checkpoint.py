@@ -146,7 +146,9 @@ def save_checkpoint(out_dir: Path, *, step: int, parts: Iterable[TrainState], cf
         raise StratumError(f"cannot write checkpoint to {root} ({reason}); free disk space or change "
                            "train.out_dir, then run the same command to resume — the previous checkpoint is "
                            "untouched") from None
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+    # only whole checkpoints count towards keep: a directory without meta.json (a stray copy, a hand-made one) is
+    # no checkpoint, and counting it would remove one that is
+    for old in sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -332,21 +332,24 @@ def _log_start(cfg: Config, *, model, engine, world: World, stages, data, start:
 
 def _summary(recs: list[dict], *, model, engine, world: World, cfg: Config, start: int, end: int, wall: float,
              checkpoint: Path | None) -> dict:
-    """The run's summary (``summary.json``) from its metrics records."""
+    """The run's summary (``summary.json``) from its metrics records: the losses the whole run's, its speed,
+    memory and data movement this invocation's steps' (``start`` on) — a resumed run may run another engine or
+    plan, whose figures its name must not be put beside."""
     evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
+    mine = [r for r in recs if r["step"] > start]
     summary = {
         "model": model.info.name, "params": model.num_params(), "engine": engine.name,
         "device": describe(world.device), "steps_done": end, "steps_total": cfg.train.steps,
         "steps_this_run": end - start,
         "first_loss": recs[0]["loss"] if recs else None, "final_loss": recs[-1]["loss"] if recs else None,
         "final_eval_loss": evals[-1] if evals else None,
-        "median_tokens_per_s": median(recs, "tokens_per_s"), "median_tflops": median(recs, "tflops"),
-        "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in recs), default=0),
+        "median_tokens_per_s": median(mine, "tokens_per_s"), "median_tflops": median(mine, "tflops"),
+        "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in mine), default=0),
         "wall_s": wall, "checkpoint": str(checkpoint) if checkpoint else None,
         "out_dir": str(Path(cfg.train.out_dir).expanduser()),
     }
-    summary.update(_io_summary(recs, engine.predicted_step_s))
-    searched = beside(Path(cfg.train.out_dir).expanduser(), str(world.plan), median(recs, "step_s"),
+    summary.update(_io_summary(mine, engine.predicted_step_s))
+    searched = beside(Path(cfg.train.out_dir).expanduser(), str(world.plan), median(mine, "step_s"),
                       summary["peak_device_bytes"])
     if searched is not None:  # the plan search chose this tree: its prediction beside the measurement
         summary["plan_search"] = searched
