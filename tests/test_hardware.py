@@ -83,6 +83,8 @@ BAD = [
     ('latency = "10us"', 'latency = "3 fortnights"', "is not a time"),
     ('bandwidth = "16GB/s"', 'bandwidth = "16 parsecs/s"', "is not a size"),
     ('bandwidth = "16GB/s"', 'bandwidth = "16GB"', "is not a bandwidth"),
+    ('bandwidth = "16GB/s"', 'bandwidth = "200Gb/s"', "= '200Gb/s' is in bits; write bytes: 25GB/s"),
+    ('bandwidth = "16GB/s"', 'bandwidth = "-300GB/s"', "= '-300GB/s' must be a positive bandwidth"),
     ('host_bytes = "64GB"', 'host_bytes = "64 lots"', "hardware.host_bytes = '64 lots' is not a size"),
     ('host_bytes = "64GB"', 'host_bytes = "64GB"\nfloppy = 1', "unknown key 'floppy'"),
     ('count = 2', 'count = 2\ncolour = "red"', "hardware.devices[0]: unknown key 'colour'"),

@@ -186,12 +186,25 @@ _PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 _TIME_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+)\s*([a-zµ]*)\s*$")
 
 
+_BITS = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgGtT])b\s*$")
+"""A rate in bits: a decimal prefix and a lower-case b (Gb, Mb …), as network links are quoted."""
+
+
+def _as_bytes(m: re.Match) -> str:
+    return f"{float(m.group(1)) / 8:g}{m.group(2).upper() if m.group(2) != 'k' else 'k'}B"
+
+
 def parse_bandwidth(value: Any, key: str) -> float:
     """``"16GB/s"`` → 16e9 bytes/s; a number is bytes/s. Refuses anything else and non-positive values."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         bw = float(value)
     elif isinstance(value, str) and value.strip().lower().endswith("/s"):
-        bw = float(parse_bytes(value.strip()[:-2], key))
+        rate = value.strip()[:-2]
+        if _BITS.match(rate):  # links are quoted in bits (200 Gb/s); read as bytes it would be 8x too fast
+            raise StratumError(f"{key} = {value!r} is in bits; write bytes: {_BITS.sub(_as_bytes, rate)}/s")
+        if rate.lstrip().startswith("-"):
+            raise StratumError(f"{key} = {value!r} must be a positive bandwidth")
+        bw = float(parse_bytes(rate, key))
     else:
         raise StratumError(f"{key} = {value!r} is not a bandwidth; write e.g. \"16GB/s\" or a number of bytes/s")
     if not bw > 0:
