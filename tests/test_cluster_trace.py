@@ -134,9 +134,19 @@ def test_cli_simulates_every_policy_and_writes_json_and_png(tmp_path, capsys, ca
     ([], "--jobs must be a number of jobs"),
     (["--jobs", "0"], "jobs must be >= 1"),
     (["--jobs", "5", "--load", "0"], "load must be a positive number"),
+    (["--jobs", "5", "--models", "tiny", "--seq-len", "0"], "seq_len must be >= 1"),
+    (["--jobs", "5", "--models", "gpt9"], "unknown model 'gpt9'"),
 ])
 def test_cli_trace_bad_input_exits_2(tmp_path, capsys, extra, message):
     args = ["cluster", "trace", "--hardware", str(write_hw(tmp_path)), "--out", str(tmp_path / "t.csv")]
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "t.csv").exists()
+
+
+def test_cli_trace_draws_the_models_asked_for(tmp_path, cache_dir):
+    out = tmp_path / "t.csv"
+    assert main(["cluster", "trace", "--hardware", str(write_hw(tmp_path)), "--out", str(out), "--jobs", "6",
+                 "--models", "tiny", "--seq-len", "16", "--cache-dir", str(cache_dir)]) == 0
+    rows = out.read_text().splitlines()[1:]
+    assert len(rows) == 6 and all(r.split(",")[2] == "tiny" and r.split(",")[-1] == "16" for r in rows)

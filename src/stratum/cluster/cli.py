@@ -70,14 +70,20 @@ def _trace(args, hw) -> int:
         n = int(args.jobs or "")
     except ValueError:
         raise StratumError(f"stratum cluster trace: --jobs must be a number of jobs, got {args.jobs!r}") from None
-    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load)
+    shape = {"models": tuple(m.strip() for m in args.models.split(",") if m.strip())} if args.models else {}
+    if args.seq_len is not None:
+        shape["seq_len"] = args.seq_len
+    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load, **shape)
     costs = {}
 
     def step_s(job) -> float:
         key = (job.model, job.seq_len)
         if key not in costs:
             costs.update(trace_costs([job], _cache_dir(args)))
-            check_fits(costs[key], hw.devices, f"model {job.model}")
+            try:
+                check_fits(costs[key], hw.devices, f"model {job.model}")
+            except StratumError as e:
+                raise StratumError(f"{e} (stratum cluster trace --models chooses the models)") from None
         ranks = pick(hw, range(hw.num_devices), job.devices)
         return dp_step(costs[key], batch=job.batch, ranks=ranks, hw=hw).step_s
 
