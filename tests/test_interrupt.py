@@ -78,17 +78,19 @@ def test_a_signal_checkpoints_and_the_same_command_resumes_there(corpus_file, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("send", [to_group(signal.SIGINT), to_launcher(signal.SIGTERM)],
+@pytest.mark.parametrize("send, said", [(to_group(signal.SIGINT), "SIGINT"), (to_launcher(signal.SIGTERM), "SIGTERM")],
                          ids=["ctrl-c-to-every-process", "sigterm-to-the-launcher"])
-def test_a_signal_to_a_pipeline_run_checkpoints_every_rank_consistently(corpus_file, cache_dir, tmp_path, send):
+def test_a_signal_to_a_pipeline_run_checkpoints_every_rank_consistently(corpus_file, cache_dir, tmp_path, send,
+                                                                        said):
     """Ctrl-C reaches the launcher and both ranks (and the launcher forwards it once more); SIGTERM to the
-    launcher alone is forwarded. The ranks agree on the step, rank 0 writes one checkpoint, every process exits
+    launcher alone is forwarded as SIGTERM. The ranks agree on the step, rank 0 writes one checkpoint, every process exits
     cleanly, and the run resumes from it."""
     out = tmp_path / "run"
     argv = _args(corpus_file, cache_dir, out, "train.engine='pipeline'", "pipeline.ranks=2", "train.grad_accum=2")
     res, _ = _run_until_steps(argv, out, 2, send)
     assert res.returncode == 130, res.stderr
     assert "Traceback" not in res.stderr
+    assert f"stopped by {said} at step" in res.stdout + res.stderr, res.stdout + res.stderr
     done = len(read_metrics(out))
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and load_checkpoint(ckpt).step == done

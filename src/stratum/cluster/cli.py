@@ -17,6 +17,7 @@ errors (exit 2).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from stratum.cluster.cluster import pick
@@ -70,10 +71,11 @@ def _trace(args, hw) -> int:
         n = int(args.jobs or "")
     except ValueError:
         raise StratumError(f"stratum cluster trace: --jobs must be a number of jobs, got {args.jobs!r}") from None
-    shape = {"models": tuple(m.strip() for m in args.models.split(",") if m.strip())} if args.models else {}
+    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load)
+    if args.models:
+        spec = replace(spec, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
     if args.seq_len is not None:
-        shape["seq_len"] = args.seq_len
-    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load, **shape)
+        spec = replace(spec, seq_len=args.seq_len)
     costs = {}
 
     def step_s(job) -> float:

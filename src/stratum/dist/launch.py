@@ -236,9 +236,13 @@ class _ErrorDedup:
             t.join(timeout_s)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM reached the launcher: the job stops as on Ctrl-C, and the ranks are told it was SIGTERM."""
+
+
 def _interrupt(signum: int, frame) -> None:
     """The launcher's SIGTERM handler: stop the job as Ctrl-C does (below)."""
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 PEER_GRACE_S = 5.0
@@ -316,10 +320,11 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
                     p.wait()
                 break
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT  # (each rank says which stopped it)
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.send_signal(sig)
         for p in procs:  # the ranks finish their step and write a checkpoint before they exit
             try:
                 p.wait(timeout=grace_s)
