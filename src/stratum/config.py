@@ -391,6 +391,10 @@ class Config:
 
     def _validate_auto(self) -> None:
         pl = self.parallel
+        if pl.plan.strip() and self.train.engine != "plain":  # the plan's leaf is the engine; one name per choice
+            raise StratumError(f"train.engine = {self.train.engine!r} and parallel.plan = {pl.plan.strip()!r} both "
+                               "choose how to train: put the engine in the plan (its leaf, e.g. replicate(2, "
+                               "offload)) and leave train.engine at 'plain'")
         _check("parallel.devices", pl.devices >= 0, "must be ≥ 0 (0 = the hardware spec's devices)")
         if pl.plan.strip() != "auto" and (pl.devices or pl.hardware.strip()):
             raise StratumError("parallel.devices and parallel.hardware are the plan search's; they go with "
