@@ -44,6 +44,7 @@ def test_rows_parse_in_arrival_order_with_defaults_and_round_trip():
     (HEAD.strip() + ",colour\n", "unknown column(s) colour"),
     (HEAD, "no jobs"),
     (HEAD + "a,0,gpt9,4,1,1\n", "unknown model 'gpt9'"),
+    ("job,job,arrival_s,model,batch,steps,devices\na,b,0,tiny,4,1,1\n", "column 'job' appears twice"),
     (HEAD + "a,0,tiny,64,1,16\n", "asks for 16 devices but the cluster has 4"),
     (HEAD + "a,-1,tiny,4,1,1\n", "arrival_s = '-1' is negative"),
     (HEAD + "a,0,tiny,4,-3,1\n", "steps = '-3' is negative"),
@@ -97,6 +98,9 @@ def write_hw(tmp_path, bandwidth: str = '"100GB/s"'):
     ("too big", "asks for 8 devices but the cluster has 4"),
     ("policy", "unknown policy 'fastest'"),
     ("no trace", "cannot read the trace"),
+    ("policy twice", "policy 'static-dp' is given twice"),
+    ("trace flags", "--seed, --load shape a generated trace"),
+    ("jpg", "must end in .png"),
     ("past the context", "job 'a' (tiny, seq_len 1024): seq_len 1024 is outside 1..256, tiny's context; set the "
                          "trace's seq_len column"),
 ])
@@ -108,7 +112,9 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, message):
     if case != "no trace":
         trace.write_text(HEAD + row + "\n")
     args = ["cluster", "simulate", "--hardware", str(hw), "--jobs", str(trace)]
-    assert main(args + (["--policy", "fastest"] if case == "policy" else [])) == 2
+    extra = {"policy": ["--policy", "fastest"], "policy twice": ["--policy", "static-dp,burst,static-dp"],
+             "trace flags": ["--seed", "1", "--load", "2"], "jpg": ["--png", str(tmp_path / "u.jpg")]}
+    assert main(args + extra.get(case, [])) == 2
     err = capsys.readouterr().err
     assert err.startswith("stratum: error: ") and message in err and err.count("\n") == 1
 

@@ -174,7 +174,8 @@ def test_infeasible_trees_are_listed_with_what_does_not_fit():
     assert all(max(p.peak_bytes) <= 2 * MiB for p in res.ranked)
     with pytest.raises(StratumError, match="no plan for 4 devices fits"):
         _ = search(_work(), _hw(4, memory=10_000), 4).best
-    with pytest.raises(StratumError, match="--devices 8 but the hardware spec has 4 devices"):
+    with pytest.raises(StratumError, match=r"8 devices asked for \(--devices or parallel.devices\) but the "
+                                           r"hardware spec has 4;"):
         search(_work(), _hw(4), 8)
 
 

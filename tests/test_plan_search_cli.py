@@ -81,7 +81,7 @@ def test_plan_parallel_ranks_the_trees(corpus_file, cache_dir, tmp_path, spec, c
     ranked = [x.split()[1] for x in lines[top + 3:] if x.strip()[:1].isdigit()]
     assert {"replicate(2)", "replicate(2,", "pipeline(2,", "split(2)"} == set(ranked)
     assert main(argv[:3] + ["3"] + argv[4:]) == 2
-    assert "--devices 3 but the hardware spec has 2 devices" in capsys.readouterr().err
+    assert "3 devices asked for (--devices or parallel.devices) but the hardware spec has 2;" in capsys.readouterr().err
 
 
 def test_auto_dry_run_names_the_choice_and_a_run_records_prediction_beside_measurement(corpus_file, cache_dir,

@@ -47,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
 def _simulate(args, hw) -> int:
     if not args.jobs:
         raise StratumError("stratum cluster simulate needs --jobs TRACE.csv")
+    if given := [f for f, v in (("--out", args.out), ("--seed", args.seed), ("--load", args.load),
+                                ("--models", args.models), ("--seq-len", args.seq_len)) if v is not None]:
+        raise StratumError(f"{', '.join(given)} shape a generated trace (stratum cluster trace); simulate reads "
+                           "its trace from --jobs")
+    if args.png and Path(args.png).suffix.lower() != ".png":
+        raise StratumError(f"--png {args.png!r} must end in .png (the chart is written as a PNG)")
     if not args.until > 0:
         raise StratumError(f"--until must be > 0 seconds, got {args.until}")
     policies = parse_policies(args.policy)
@@ -71,7 +77,8 @@ def _trace(args, hw) -> int:
         n = int(args.jobs or "")
     except ValueError:
         raise StratumError(f"stratum cluster trace: --jobs must be a number of jobs, got {args.jobs!r}") from None
-    spec = TraceSpec(jobs=n, seed=args.seed, devices=hw.num_devices, load=args.load)
+    spec = TraceSpec(jobs=n, seed=args.seed or 0, devices=hw.num_devices,
+                     load=1.0 if args.load is None else args.load)
     if args.models:
         spec = replace(spec, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
     if args.seq_len is not None:
@@ -91,6 +98,6 @@ def _trace(args, hw) -> int:
 
     jobs = generate(spec, step_s)
     write_trace(args.out, jobs)
-    print(f"wrote {args.out}: {len(jobs)} jobs over {jobs[-1].arrival_s / 3600:.1f} h (seed {args.seed}, "
-          f"load {args.load:g})")
+    print(f"wrote {args.out}: {len(jobs)} jobs over {jobs[-1].arrival_s / 3600:.1f} h (seed {spec.seed}, "
+          f"load {spec.load:g})")
     return 0

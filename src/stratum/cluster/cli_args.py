@@ -28,11 +28,11 @@ def add_parser(sub) -> None:
                    help="burst+multiplex: the share both sides lose when background work shares a foreground "
                         "job's devices (default 0.1)")
     p.add_argument("--out", metavar="FILE.csv", help="trace: where to write it")
-    p.add_argument("--seed", type=int, default=0, help="trace: the generator's seed (default 0)")
+    p.add_argument("--seed", type=int, help="trace: the generator's seed (default 0)")
     p.add_argument("--models", metavar="M[,M]", help="trace: the presets jobs are drawn from (default: "
                                                      "gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b)")
     p.add_argument("--seq-len", type=int, metavar="N", help="trace: tokens per sequence (default 1024)")
-    p.add_argument("--load", type=float, default=1.0,
+    p.add_argument("--load", type=float,
                    help="trace: device-hours asked for per cluster device-hour (default 1.0)")
     p.add_argument("--cache-dir", metavar="DIR", help="where measured model costs are kept (default: Stratum's "
                                                        "cache directory)")

@@ -50,6 +50,8 @@ def parse_policies(text: str) -> list[str]:
     if bad or not names:
         raise StratumError(f"unknown policy {bad[0] if bad else text!r}; choose from {', '.join(POLICIES)} "
                            "(comma-separated) or all")
+    if twice := sorted({p for p in names if names.count(p) > 1}):
+        raise StratumError(f"policy {twice[0]!r} is given twice in --policy {text!r}")
     return names
 
 

@@ -128,6 +128,8 @@ def parse_trace(text: str, *, models: Collection[str], devices: int, name: str =
         raise StratumError(f"{name} is empty; it needs a header row ({','.join(REQUIRED)}) and a job a row")
     reader = csv.DictReader(io.StringIO("\n".join(lines)))
     header = [h.strip() for h in reader.fieldnames or []]
+    if twice := sorted({h for h in header if header.count(h) > 1}):
+        raise StratumError(f"{name}: column {twice[0]!r} appears twice in the header")
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise StratumError(f"{name}: missing column(s) {', '.join(missing)}; the header needs {','.join(REQUIRED)}")

@@ -178,7 +178,8 @@ def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAUL
     """Price every candidate tree for ``n`` devices of ``hw`` (at most ``time_limit_s`` seconds) and rank them;
     where none fits in memory and the workload offers the offload leaf, the memory engine's trees too."""
     if n > hw.num_devices:
-        raise StratumError(f"--devices {n} but the hardware spec has {hw.num_devices} devices")
+        raise StratumError(f"{n} devices asked for (--devices or parallel.devices) but the hardware spec has "
+                           f"{hw.num_devices}; ask for at most that many, or describe more in the spec")
     deadline = time.perf_counter() + time_limit_s
     t = _Priced()
     complete = t.price(candidates(work, n), work, hw, deadline)
