@@ -75,6 +75,7 @@ def test_toml_round_trip():
     (["data.val_fraction=0"], "leaves nothing to evaluate"),
     (["steps=3"], "must look like section.key=value"),
     (["train.engine=offload", "parallel.plan='replicate(2)'"], "both choose how to train: put the engine in the plan"),
+    (["parallel.plan='replicate(2, offload(device_budget=abc))'"], "offload(device_budget=…) = 'abc' is not"),
     *[(["parallel.plan='replicate(2)'", f"parallel.speeds='{v}'"], "must give 2 positive finite numbers")
       for v in ("1,0", "1,nan", "inf,1", "1")],
 ])

@@ -447,6 +447,10 @@ class Config:
         o = self.offload
         parse_budget(o.device_budget, "offload.device_budget")
         parse_budget(o.host_budget, "offload.host_budget")
+        if self.parallel.plan.strip() not in ("", "auto") and isinstance(leaf := self.plan.leaf, Offload):
+            # the leaf's own budgets, checked here with the rest of the config, before any run state is read
+            parse_budget(leaf.device_budget, "parallel.plan's offload(device_budget=…)")
+            parse_budget(leaf.host_budget, "parallel.plan's offload(host_budget=…)")
         if o.chunk_size.strip():
             _check("offload.chunk_size", parse_bytes(o.chunk_size, "offload.chunk_size") >= 4,
                    "must be at least 4 bytes (one fp32 element), or \"\" for the planner's choice")
