@@ -4,6 +4,7 @@ labelled as units, a dry run that says when the plain engine cannot fit, and a w
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,7 +66,13 @@ def test_dry_run_of_a_model_too_big_for_the_plain_engine_says_so(capsys, monkeyp
     assert main(["train", "--dry-run", "--set", "model.preset='tiny'"]) == 0
     assert "fits in the 14.90 GiB of RAM available" in capsys.readouterr().out
     cpu = torch.device("cpu")
-    assert "unknown" in plain_fit(10, None, cpu) and "cannot fit" in plain_fit(10, 10, cpu)
+    assert "unknown" in plain_fit(10, None, cpu, "") and "cannot fit" in plain_fit(10, 10, cpu, "")
+    # where the disk cannot take what the suggested budgets leave for it, the advice says so
+    monkeypatch.setattr(dryrun.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**9))
+    assert "more than the 953.67 MiB free under /some/disk: free space there or set offload.disk_dir" in \
+        plain_fit(100 * 10**9, 16 * 10**9, cpu, "/some/disk")
+    monkeypatch.setattr(dryrun.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
+    assert "free space there" not in plain_fit(100 * 10**9, 16 * 10**9, cpu, "/some/disk")
     assert dryrun.device_memory_bytes(cpu) > 0  # this Linux machine reports MemAvailable
 
 

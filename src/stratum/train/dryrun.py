@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -41,9 +43,10 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def plain_fit(state_bytes: int, available: int | None, device: torch.device) -> str:
+def plain_fit(state_bytes: int, available: int | None, device: torch.device, disk_dir: str) -> str:
     """Whether the plain engine can hold the training state on ``device`` (activations come on top), and what to
-    do when it cannot: the offload engine under byte budgets."""
+    do when it cannot: the offload engine under byte budgets, with the rest on the disk under ``disk_dir`` (the
+    offload engine's; "" = the temp directory) — or, where that disk is too small for it, freeing space there."""
     if available is None:
         return f"fit: unknown (the memory of {device.type} cannot be read)"
     where = "GPU memory free" if device.type == "cuda" else "RAM available"
@@ -51,10 +54,20 @@ def plain_fit(state_bytes: int, available: int | None, device: torch.device) -> 
         return (f"fit: the training state ({fmt_bytes(state_bytes)}) fits in the {fmt_bytes(available)} of "
                 f"{where} (activations come on top)")
     dev_gb, host_gb = max(1, available // 2 // 10**9), max(1, available // 4 // 10**9)
-    return (f"fit: the training state alone ({fmt_bytes(state_bytes)}) cannot fit in the {fmt_bytes(available)} "
-            f"of {where} on this device; train it with the offload engine under byte budgets (what fits in "
-            f"neither goes to disk), e.g. --set train.engine=offload --set offload.device_budget={dev_gb}GB --set "
-            f"offload.host_budget={host_gb}GB; `stratum plan` with the same settings checks them")
+    advice = (f"fit: the training state alone ({fmt_bytes(state_bytes)}) cannot fit in the {fmt_bytes(available)} "
+              f"of {where} on this device; train it with the offload engine under byte budgets (what fits in "
+              f"neither goes to disk), e.g. --set train.engine=offload --set offload.device_budget={dev_gb}GB --set "
+              f"offload.host_budget={host_gb}GB; `stratum plan` with the same settings checks them")
+    where_disk = disk_dir or tempfile.gettempdir()
+    try:
+        free = shutil.disk_usage(where_disk).free
+    except OSError:
+        return advice
+    on_disk = state_bytes - (dev_gb + host_gb) * 10**9
+    if on_disk > free:
+        advice += (f" — but the {fmt_bytes(on_disk)} left for the disk is more than the {fmt_bytes(free)} free under "
+                   f"{where_disk}: free space there or set offload.disk_dir to a larger disk")
+    return advice
 
 
 def dry_run(cfg: Config) -> dict:
@@ -84,7 +97,7 @@ def dry_run(cfg: Config) -> dict:
           f"{' × '.join(map(str, plan.mesh_shape))})")
     print(plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))))
     if isinstance(plan.root, Local):
-        print(plain_fit(state, device_memory_bytes(device), device))
+        print(plain_fit(state, device_memory_bytes(device), device, cfg.offload.disk_dir))
     if isinstance(plan.leaf, Offload):
         _print_placements(leaf_config(cfg, plan.leaf), model, device, stages, split=plan.split is not None)
     return {"params": n, "train_state_bytes": state}

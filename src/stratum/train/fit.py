@@ -82,7 +82,7 @@ def check_fits(cfg: Config, device: torch.device, *, tokenizer_vocab: int) -> No
     if available is None:
         return
     if state >= available:
-        raise StratumError(plain_fit(state, available, device).removeprefix("fit: "))
+        raise StratumError(plain_fit(state, available, device, cfg.offload.disk_dir).removeprefix("fit: "))
     need = state + logits_bytes(cfg, model.info.vocab_size or 0)
     if need > available:
         raise StratumError(f"the training state ({fmt_bytes(state)}) and one micro-batch's logits need "
