@@ -45,6 +45,7 @@ def test_rows_parse_in_arrival_order_with_defaults_and_round_trip():
     (HEAD, "no jobs"),
     (HEAD + "a,0,gpt9,4,1,1\n", "unknown model 'gpt9'"),
     ("job,job,arrival_s,model,batch,steps,devices\na,b,0,tiny,4,1,1\n", "column 'job' appears twice"),
+    (HEAD + "a,1e300,tiny,4,1,1\n", "arrival_s = 1e300 is past the simulator's horizon"),
     (HEAD + "a,0,tiny,64,1,16\n", "asks for 16 devices but the cluster has 4"),
     (HEAD + "a,-1,tiny,4,1,1\n", "arrival_s = '-1' is negative"),
     (HEAD + "a,0,tiny,4,-3,1\n", "steps = '-3' is negative"),

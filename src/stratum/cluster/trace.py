@@ -10,7 +10,7 @@ Format (UTF-8 CSV, a header row, one job a row, ``#`` lines are comments)::
 column      required meaning
 =========== ======== ==============================================================================================
 job         yes      a unique name
-arrival_s   yes      seconds from the trace's start when the job is submitted (>= 0)
+arrival_s   yes      seconds from the trace's start when the job is submitted (0 to 1e9)
 model       yes      a GPT preset (``gpt2-124m`` … ``gpt2-1.5b``, ``gpt-2.7b`` …; ``stratum config`` lists them)
 batch       yes      global batch, sequences per optimizer step (>= devices: data parallelism splits it)
 steps       yes      optimizer steps at ``batch``; the job's work is batch × steps sequences
@@ -35,6 +35,9 @@ from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
 
 REQUIRED = ("job", "arrival_s", "model", "batch", "steps", "devices")
+MAX_ARRIVAL_S = 1e9
+"""Later arrivals are refused: a float clock of 1e9 s still resolves microseconds; at 1e300 a job's whole run is
+below its resolution and would end as it starts."""
 OPTIONAL = ("priority", "max_batch", "seq_len")
 PRIORITIES = ("foreground", "background")
 DEFAULT_SEQ_LEN = 1024
@@ -116,7 +119,11 @@ def _job(row: dict[str, str], where: str, models: Collection[str], devices: int)
     seq_len = int(_number(get["seq_len"], where, "seq_len", int)) if get["seq_len"] else DEFAULT_SEQ_LEN
     if seq_len < 1:
         raise StratumError(f"{where}: seq_len must be >= 1")
-    return Job(id=get["job"], arrival_s=_number(get["arrival_s"], where, "arrival_s", float), model=get["model"],
+    arrival = _number(get["arrival_s"], where, "arrival_s", float)
+    if arrival > MAX_ARRIVAL_S:
+        raise StratumError(f"{where}: arrival_s = {get['arrival_s']} is past the simulator's horizon of "
+                           f"{MAX_ARRIVAL_S:.0e} s (~30 years), where its clock loses whole steps")
+    return Job(id=get["job"], arrival_s=arrival, model=get["model"],
                priority=prio, max_batch=max_batch, seq_len=seq_len, **ints)
 
 

@@ -136,7 +136,7 @@ def _cpus(n: int, threads: int, rates: tuple[float, ...], notes: list[str]) -> l
     speeds = [1.0] if n == 1 else [r / here for r in rates[:n]]
     notes.append(f"cpu: {usable_cores()} usable cores as {n} process(es) of {threads} thread(s); matmul GFLOP/s "
                  f"alone in this process ({torch.get_num_threads()} thread(s)): {here:.1f}; per process, measured "
-                 f"together: {', '.join(f'{r:.1f}' for r in rates)}")
+                 f"together: {', '.join(f'{r:.1f}' for r in rates[:n])}")
     ram = device_memory_bytes(torch.device("cpu")) or 0
     return [Device(name="cpu", memory_bytes=max(1, ram // n), speed=x) for x in speeds]
 
