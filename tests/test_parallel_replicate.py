@@ -69,7 +69,7 @@ def test_speeds_come_from_the_config_or_the_measurement(make_cfg, monkeypatch):
     assert replica_speeds(rank_speeds(cfg, world), cfg.plan) == [2.0, 1.5]
     cfg.parallel.speeds = ""
     assert rank_speeds(cfg, world) is None
-    with pytest.raises(StratumError, match="must give 4 positive numbers"):
+    with pytest.raises(StratumError, match="must give 4 positive finite numbers"):
         make_cfg("parallel.plan='replicate(2, pipeline(2))'", "parallel.speeds='1,2'")
 
 
