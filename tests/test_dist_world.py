@@ -100,21 +100,24 @@ def norm_worker(job_path: str) -> None:
     (out / f"norm-{world.rank}").write_text("equal")
 
 
+def _run(tmp_path: Path, case: str, world: int) -> None:
+    """This file's ``case`` worker as ``world`` gloo processes, writing into ``tmp_path``."""
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path), "case": case}))
+    run_workers(__file__, job, world, timeout=100)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_members_structure_arrives_whole_at_the_first(tmp_path):
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"out": str(tmp_path), "case": "gather"}))
-    run_workers(__file__, job, 3, timeout=100)
+    _run(tmp_path, "gather", 3)
     assert (tmp_path / "ok").read_text() == "gathered"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_norm_gathered_over_replicas_and_stages_is_one_processs_bit_for_bit(tmp_path):
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"out": str(tmp_path), "case": "norm"}))
-    run_workers(__file__, job, 4, timeout=100)
+    _run(tmp_path, "norm", 4)
     assert sorted(p.name for p in tmp_path.glob("norm-*")) == [f"norm-{r}" for r in range(4)]
 
 
