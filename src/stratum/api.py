@@ -19,7 +19,9 @@ Runbook
 Every process builds the model the same way; the replicas start from rank 0's values (broadcast here), and each
 process keeps only what the plan gives it (its pipeline stages, its split shards). ``engine.step`` cuts the
 global batch into ``micro_batches × replicas`` micro-batches along the first dimension; the step equals the plain
-engine's on the whole batch (mean reduction).
+engine's on the whole batch (mean reduction). Dropout masks are drawn per (``seed``, step, micro-batch, block), as
+under ``stratum train``, so every plan draws the same ones: ``engine.steps_done`` counts the steps (set it to the
+step a loaded state was saved at to continue the same masks).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratum.config import Config, ParallelConfig, TrainConfig
-from stratum.data.tokens import Batch
+from stratum.data.tokens import TRAIN, VAL, Batch
 from stratum.dist.world import World, join_world, leave_world
 from stratum.errors import StratumError
 from stratum.ir.plan import Offload
@@ -42,6 +44,7 @@ from stratum.model.sequential import from_sequential
 from stratum.parallel.compose import build_engine, rank_speeds
 from stratum.runtime.device import resolve_device
 from stratum.runtime.engine import Engine, TrainState
+from stratum.seeds import mix
 
 
 def as_blockseq(model: nn.Module, loss_fn: LossFn | None = None) -> BlockSeq:
@@ -64,6 +67,10 @@ class Parallel:
     world: World
     micro_batches: int
     lr: float
+    seed: int = 0
+    """Seeds the dropout masks' streams (with the step and the micro-batch)."""
+    steps_done: int = 0
+    """Optimizer steps taken: the step the next one's masks are drawn for."""
 
     @property
     def rank(self) -> int:
@@ -74,19 +81,24 @@ class Parallel:
         """Rank 0: the process that should print and save."""
         return self.world.is_main
 
-    def _split(self, x: torch.Tensor, y: torch.Tensor) -> list[Batch]:
+    def _split(self, x: torch.Tensor, y: torch.Tensor, split: int) -> list[Batch]:
+        """The global batch's micro-batches, each with its dropout stream (as the trainer's data gives them)."""
         n = self.micro_batches * self.world.plan.replicas
         if x.shape[0] % n:
             raise StratumError(f"a batch of {x.shape[0]} rows cannot be cut into {n} equal micro-batches "
                                f"(micro_batches × replicas); use a multiple of {n}")
-        return [Batch(x=a, y=b) for a, b in zip(x.chunk(n), y.chunk(n))]
+        return [Batch(x=a, y=b, stream=mix(self.seed, split, self.steps_done, i))
+                for i, (a, b) in enumerate(zip(x.chunk(n), y.chunk(n)))]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
-        return self.engine.train_step(self._split(x, y), self.lr if lr is None else lr).loss
+        loss = self.engine.train_step(self._split(x, y, TRAIN), self.lr if lr is None else lr).loss
+        self.steps_done += 1
+        return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.engine.eval_loss(self._split(x, y))
+        """The mean loss of ``(x, y)`` without training (every process calls it: a collective on most plans)."""
+        return self.engine.eval_loss(self._split(x, y, VAL))
 
     def state_dict(self) -> TrainState:
         """Parameters and AdamW state by canonical name, whole, on rank 0 (call it on every process)."""
@@ -115,11 +127,12 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
                 loss_fn: LossFn | None = None, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                 eps: float = 1e-8, grad_clip: float = 1.0, precision: str = "fp32", device: str = "auto",
                 backend: str = "auto", timeout_s: float = 30.0, speeds: str = "",
-                batch_shape: tuple[int, int] | None = None) -> Parallel:
+                batch_shape: tuple[int, int] | None = None, seed: int = 0) -> Parallel:
     """``model`` on ``plan`` with AdamW (``lr`` unless a step passes its own); see the module docstring.
     ``speeds``: hardware-aware shares, as ``parallel.speeds`` ("" even, "auto" measured, or one per process).
     ``batch_shape``: (rows, sequence length) of one micro-batch — an offload leaf plans its device memory for the
-    activations of that shape, so a plan with one needs it."""
+    activations of that shape, so a plan with one needs it. ``seed``: the dropout masks' (see the module
+    docstring)."""
     cfg = Config()
     cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
     cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
@@ -136,4 +149,4 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     seq.to(world.device)
     _same_start(seq, world)
     engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
-    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr)
+    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, seed=seed)
