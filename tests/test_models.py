@@ -168,3 +168,14 @@ def test_blockseq_rejects_empty_and_misnamed():
         BlockSeq([], lm_cross_entropy, ModelInfo(name="x"))
     with pytest.raises(ValueError):
         BlockSeq([nn.Linear(2, 2)], lm_cross_entropy, ModelInfo(name="x"), ["a", "b"])
+
+
+def test_a_sequential_block_returning_a_tuple_is_a_one_line_error():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    seq = from_sequential(nn.Sequential(nn.Embedding(16, 8), Pair(), nn.Linear(8, 16)))
+    with pytest.raises(StratumError, match=r"^block 1 \(1:Pair\) returned a tuple; the blocks of an nn.Sequential "
+                                           r"pass one tensor each"):
+        seq(torch.zeros(2, 4, dtype=torch.long))

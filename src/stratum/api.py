@@ -35,7 +35,7 @@ from torch import nn
 
 from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import TRAIN, VAL, Batch
-from stratum.dist.world import World, join_world, leave_world
+from stratum.dist.world import World, join_world, peers_checked
 from stratum.errors import StratumError
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
@@ -92,24 +92,34 @@ class Parallel:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
-        loss = self.engine.train_step(self._split(x, y, TRAIN), self.lr if lr is None else lr).loss
+        with peers_checked(self.world):  # a peer gone mid-exchange: one PeerError, not the backend's traceback
+            loss = self.engine.train_step(self._split(x, y, TRAIN), self.lr if lr is None else lr).loss
         self.steps_done += 1
         return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The mean loss of ``(x, y)`` without training (every process calls it: a collective on most plans)."""
-        return self.engine.eval_loss(self._split(x, y, VAL))
+        with peers_checked(self.world):
+            return self.engine.eval_loss(self._split(x, y, VAL))
 
     def state_dict(self) -> TrainState:
-        """Parameters and AdamW state by canonical name, whole, on rank 0 (call it on every process)."""
-        return self.engine.state()
+        """Parameters and AdamW state by canonical name, whole, on rank 0 (call it on every process; give rank
+        0's to every process's :meth:`load_state_dict`)."""
+        with peers_checked(self.world):
+            return self.engine.state()
 
     def load_state_dict(self, state: TrainState) -> None:
-        self.engine.load_state(state)
+        with peers_checked(self.world):
+            self.engine.load_state(state)
 
     def close(self) -> None:
-        self.engine.close()
-        leave_world(self.world)
+        """Release the engine once every process has finished its steps. The process group stays (it ends with
+        the process): a launcher's rendezvous cannot be repeated, so another :func:`parallelize` in this
+        process joins the same group."""
+        with peers_checked(self.world):
+            self.engine.close()
+            if self.world.backend != "none":
+                self.world.wait(dist.barrier(async_op=True), "the closing barrier")
 
 
 def _same_start(model: BlockSeq, world: World) -> None:

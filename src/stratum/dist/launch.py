@@ -97,7 +97,8 @@ def init_process_group(*, world: int, backend: str, device: torch.device, timeou
     if not under_torchrun():
         if world != 1:
             raise StratumError(f"the plan needs {world} processes: run it with `stratum train` (which spawns them) "
-                               f"or `torchrun --nproc_per_node {world} -m stratum train ...`")
+                               f"or `torchrun --nproc_per_node {world} -m stratum train ...`; a script of your own "
+                               f"with `stratum run --nproc {world} script.py`")
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return True

@@ -33,7 +33,20 @@ def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: 
     children = list(model.named_children())
     info = ModelInfo(name=name, vocab_size=vocab_size, max_seq_len=max_seq_len,
                      extra={"source": "sequential", "factory": name})
+    for i, (n, m) in enumerate(children[:-1]):  # (the last one's output goes to the loss, which takes anything)
+        m.register_forward_hook(_one_tensor(i, f"{n}:{type(m).__name__}"))
     return BlockSeq([m for _, m in children], loss_fn, info, [f"{n}:{type(m).__name__}" for n, m in children])
+
+
+def _one_tensor(i: int, name: str):
+    """A forward hook refusing a block output that is not one tensor: every engine hands one tensor from a
+    block to the next (a pipeline sends it between processes), so a tuple fails there with an error of its own."""
+    def check(module: nn.Module, args, out) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise StratumError(f"block {i} ({name}) returned a {type(out).__name__}; the blocks of an nn.Sequential "
+                               "pass one tensor each to the next: return one (keep masks and the like inside the "
+                               "blocks that use them)")
+    return check
 
 
 class _Residual(nn.Module):

@@ -39,6 +39,17 @@ def overrides(cfg: Config) -> dict:
                 activations=None if o.activations == "auto" else o.activations)
 
 
+def _measure_first(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str):
+    """Block 0 measured on token ids; a model that takes other inputs refuses them, in one line."""
+    try:
+        return _measure_block(model, 0, x, y, device, precision, 3)
+    except (RuntimeError, TypeError, IndexError) as e:
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise StratumError(f"the offload leaf plans from the model's blocks run on token ids ({tuple(x.shape)} "
+                           f"int64, a language model's input), and block 0 ({model.block_names[0]}) refused them "
+                           f"({reason}); a model of other inputs runs on the plans without offload") from None
+
+
 def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
                   precision: str = "fp32", seed: int = 0):
     """A Profile measuring each *distinct* block once (same class and parameter shapes = same costs).
@@ -59,7 +70,8 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
                    tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
             if sig not in cache:
                 # the median of 3 runs: a single run is at the mercy of whatever else shares the cores
-                cache[sig] = _measure_block(model, i, x, y, device, precision, 3)
+                cache[sig] = _measure_first(model, x, y, device, precision) if i == 0 else \
+                    _measure_block(model, i, x, y, device, precision, 3)
             prof, out = cache[sig]
             blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **block_static_bytes(model, i)))
             x = out
