@@ -227,6 +227,14 @@ def test_a_stray_directory_does_not_count_towards_keep_checkpoints(make_cfg, tmp
     assert names == ["latest", "step_00000004", "step_00000006", "step_00000009"]
 
 
+@pytest.mark.parametrize("latest", ["", ".", "../x", "garbage"])
+def test_a_latest_file_naming_no_checkpoint_falls_back_to_the_newest(make_cfg, tmp_path, latest):
+    out = tmp_path / "r"
+    train(make_cfg("train.steps=4", "train.ckpt_interval=2", "train.keep_checkpoints=5", out=out))
+    (out / "checkpoints" / "latest").write_text(latest)
+    assert latest_checkpoint(out) == out / "checkpoints" / "step_00000004"
+
+
 def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkeypatch):
     out = tmp_path / "r"
     train(make_cfg("train.steps=4", out=out), stop_at=2)

@@ -257,6 +257,22 @@ def test_a_profile_of_another_batch_shape_is_refused_by_both_planners(setting, s
         _one_error_line(capsys, f"was taken with {said}")
 
 
+@pytest.mark.parametrize("out", ["", "DIR"])
+def test_profile_refuses_an_unwritable_out_before_measuring(out, small, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("stratum.profile.profiler.profile_from_config",
+                        lambda *a, **k: pytest.fail("measured before checking --out"))
+    capsys.readouterr()
+    assert main(["profile", *small, "--out", str(tmp_path) if out == "DIR" else out]) == 2
+    _one_error_line(capsys, "the profile")
+
+
+def test_output_piped_to_a_reader_that_leaves_is_no_traceback():
+    """`stratum … | head -1`: the reader closes the pipe; the command stops quietly."""
+    res = subprocess.run(f"{sys.executable} -m stratum schedule show --kind 1f1b --ranks 64 --microbatches 64 | head -1",
+                         shell=True, capture_output=True, text=True, timeout=120)
+    assert res.stdout.startswith("1f1b: 64 stages") and "Traceback" not in res.stderr, res.stderr
+
+
 def test_a_held_out_dir_is_refused_in_one_line(make_cfg, tmp_path):
     from stratum.errors import StratumError
     from stratum.train.lock import hold_out_dir

@@ -3,6 +3,9 @@ the seed, exported directories load in transformers with the trained model's log
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -153,6 +156,18 @@ def test_a_bpe_run_whose_corpus_is_gone_says_so(runs, capsys):
         corpus.write_text(saved)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bpe tokenizer cannot be rebuilt" in err and "does not exist" in err
+
+
+def test_a_checkpoint_whose_config_was_edited_to_nonsense_is_one_line(runs, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(runs["gpt"], copy)
+    for meta in copy.glob("checkpoints/step_*/meta.json"):
+        doc = json.loads(meta.read_text())
+        doc["config"]["model"]["preset"] = "tinyy"
+        meta.write_text(json.dumps(doc))
+    assert main(["sample", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "meta.json's config is not valid (model.preset = 'tinyy'" in err, err
 
 
 def test_a_model_that_changed_since_the_checkpoint_is_refused(runs):

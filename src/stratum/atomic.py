@@ -86,6 +86,23 @@ def _mode_for(path: Path) -> int:
         return new_file_mode()
 
 
+def check_writable(path: str | os.PathLike, what: str = "") -> None:
+    """Refuse, before any work that ends in writing it, a ``path`` that cannot be written: empty, a directory,
+    or in a directory that cannot take a file (one-line :class:`WriteError`, as the write itself would give)."""
+    if not str(path).strip():
+        raise WriteError(f"no file given for {what or 'the output'}: name one", "empty path")
+    path = Path(path)
+    if path.is_dir():
+        raise write_error(path, OSError(errno.EISDIR, "Is a directory"), what)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e, what) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``); a refused write is a
     :class:`StratumError` naming ``path``."""

@@ -31,6 +31,7 @@ import os
 import sys
 from typing import NoReturn
 
+from stratum.atomic import check_writable
 from stratum.dist.roles import HF_PRELOAD, is_worker, warm_up
 from stratum.errors import PeerError, StratumError
 from stratum.log import console
@@ -162,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
             raise StratumError(f"--runs must be in [1, {MAX_PROFILE_RUNS}] (the median of a few is stable)")
         from stratum.train.fit import check_batches
         check_batches(cfg)
+        check_writable(args.out, "the profile")  # before the measuring, which can take long
         from stratum.profile.profiler import profile_from_config
         prof = profile_from_config(cfg, runs=args.runs)
         prof.save(args.out)
@@ -235,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",
               file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more is wanted, and nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
+        return 0
 
 
 if __name__ == "__main__":

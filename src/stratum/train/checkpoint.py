@@ -220,10 +220,10 @@ def remove_partial_writes(out_dir: Path) -> None:
 def latest_checkpoint(out_dir: Path) -> Path | None:
     root = Path(out_dir) / CKPT_DIR
     latest = root / "latest"
-    if latest.is_file():
-        p = root / latest.read_text().strip()
-        if p.is_dir():
-            return p
+    if latest.is_file():  # (a name that is no checkpoint's — empty, edited — falls back to the newest one)
+        name = latest.read_text().strip()
+        if name.startswith("step_") and "/" not in name and (root / name).is_dir():
+            return root / name
     found = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
     return found[-1] if found else None
 

@@ -63,6 +63,10 @@ def load_trained(path: str | Path) -> Trained:
         raise StratumError(f"checkpoint {ckpt.path} has no readable config in meta.json; it was not written by "
                            "`stratum train`") from None
     try:
+        cfg.validate()
+    except StratumError as e:  # (a hand-edited meta.json: its model cannot be rebuilt)
+        raise StratumError(f"checkpoint {ckpt.path}: meta.json's config is not valid ({e})") from None
+    try:
         tokenizer = make_tokenizer(cfg)
     except StratumError as e:  # a BPE is found by its corpus: a moved corpus loses it
         raise StratumError(f"checkpoint {ckpt.path}: its {cfg.data.tokenizer} tokenizer cannot be rebuilt ({e})") from e
