@@ -138,8 +138,9 @@ def test_every_output_flag_fails_cleanly(tmp_path, full_fs, ro_fs, small, profil
         for flag, argv in commands.items():
             if flag in costly and kind not in costly[flag]:
                 continue
-            assert main([*argv, str(target)]) == 2, (flag, kind)
-            _one_error_line(capsys, "cannot write", str(target))
+            path = target.with_suffix(".png") if flag == "--png" and target.suffix else target  # (a PNG's name)
+            assert main([*argv, str(path)]) == 2, (flag, kind)
+            _one_error_line(capsys, "cannot write", str(path))
     assert not [p for p in tmp_path.rglob("*.tmp")]
 
 
@@ -255,6 +256,19 @@ def test_a_profile_of_another_batch_shape_is_refused_by_both_planners(setting, s
                  ["plan", "--parallel", "--devices", "2", *small, "--profile", str(profile), "--set", setting]):
         assert main(argv) == 2
         _one_error_line(capsys, f"was taken with {said}")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["simulate", "--png", "x.svg"], "--png 'x.svg' must end in .png"),
+    (["simulate", "--trace", "same.png", "--png", "same.png"], "two output flags name the same file"),
+    (["show", "--save", ""], "no file given for --save"),
+])
+def test_schedule_outputs_are_checked_before_any_work(argv, said, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["schedule", *argv, "--kind", "1f1b", "--ranks", "2", "--microbatches", "2"]) == 2
+    _one_error_line(capsys, said)
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("out", ["", "DIR"])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
+from stratum.atomic import check_writable
 from stratum.errors import StratumError
 from stratum.plan.partition import even_partition, inflight_from_schedule, partition, stage_costs
 from stratum.profile.profile import Profile
@@ -87,8 +89,25 @@ def _schedule(args) -> Schedule:
     return s
 
 
+def _check_outputs(args) -> None:
+    """The output flags given, refused before any work where they cannot be written as asked."""
+    given: dict[str, str] = {flag: path for flag, name in (("--save", "save"), ("--trace", "trace"), ("--png", "png"))
+                             if (path := getattr(args, name, None)) is not None}
+    for flag, path in given.items():
+        check_writable(path, flag)
+    if (png := given.get("--png")) and Path(png).suffix.lower() != ".png":
+        raise StratumError(f"--png {png!r} must end in .png (the chart is written as a PNG)")
+    paths = [str(Path(p).resolve()) for p in given.values()]
+    if len(set(paths)) < len(paths):
+        raise StratumError("two output flags name the same file; give each its own")
+    save_to, read_from = given.get("--save"), getattr(args, "file", None)
+    if save_to and read_from and Path(read_from).resolve() == Path(save_to).resolve():
+        raise StratumError("--save would overwrite the --file it reads (and its comments); save to another file")
+
+
 def run(args) -> int:
     """Execute ``stratum schedule show|simulate``; returns the exit code."""
+    _check_outputs(args)
     sched = _schedule(args)
     if args.schedule_cmd == "show":
         print(sched.describe())

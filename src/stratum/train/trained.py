@@ -45,8 +45,8 @@ def find_checkpoint(path: str | Path) -> Path:
     if (p / "meta.json").is_file():
         return p
     if not p.is_dir():
-        raise StratumError(f"{str(p)!r} does not exist; give a run's out_dir (train.out_dir) or one of its "
-                           f"{CKPT_DIR}/step_* directories")
+        raise StratumError(f"{str(p)!r} {'is a file' if p.exists() else 'does not exist'}; give a run's out_dir "
+                           f"(train.out_dir) or one of its {CKPT_DIR}/step_* directories")
     found = latest_checkpoint(p)
     if found is None:
         raise StratumError(f"{str(p)!r} holds no checkpoint; give a run's out_dir after `stratum train` has "
