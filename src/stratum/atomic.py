@@ -86,12 +86,15 @@ def _mode_for(path: Path) -> int:
         return new_file_mode()
 
 
-def check_writable(path: str | os.PathLike, what: str = "") -> None:
+def check_writable(path: str | os.PathLike, what: str = "", suffix: str = "") -> None:
     """Refuse, before any work that ends in writing it, a ``path`` that cannot be written: empty, a directory,
-    or in a directory that cannot take a file (one-line :class:`WriteError`, as the write itself would give)."""
+    in a directory that cannot take a file (one-line :class:`WriteError`, as the write itself would give), or
+    not ending in ``suffix`` where one is asked for (a chart written as PNG data under another name)."""
     if not str(path).strip():
         raise WriteError(f"no file given for {what or 'the output'}: name one", "empty path")
     path = Path(path)
+    if suffix and path.suffix.lower() != suffix:
+        raise WriteError(f"{what} {str(path)!r} must end in {suffix} (it is written as that format)", "suffix")
     if path.is_dir():
         raise write_error(path, OSError(errno.EISDIR, "Is a directory"), what)
     try:

@@ -20,6 +20,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from stratum.atomic import check_writable
 from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
 from stratum.cluster.models import known_models
@@ -51,8 +52,8 @@ def _simulate(args, hw) -> int:
                                 ("--models", args.models), ("--seq-len", args.seq_len)) if v is not None]:
         raise StratumError(f"{', '.join(given)} shape a generated trace (stratum cluster trace); simulate reads "
                            "its trace from --jobs")
-    if args.png and Path(args.png).suffix.lower() != ".png":
-        raise StratumError(f"--png {args.png!r} must end in .png (the chart is written as a PNG)")
+    if args.png is not None:
+        check_writable(args.png, "--png", ".png")
     if not args.until > 0:
         raise StratumError(f"--until must be > 0 seconds, got {args.until}")
     policies = parse_policies(args.policy)

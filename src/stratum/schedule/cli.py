@@ -94,9 +94,7 @@ def _check_outputs(args) -> None:
     given: dict[str, str] = {flag: path for flag, name in (("--save", "save"), ("--trace", "trace"), ("--png", "png"))
                              if (path := getattr(args, name, None)) is not None}
     for flag, path in given.items():
-        check_writable(path, flag)
-    if (png := given.get("--png")) and Path(png).suffix.lower() != ".png":
-        raise StratumError(f"--png {png!r} must end in .png (the chart is written as a PNG)")
+        check_writable(path, flag, ".png" if flag == "--png" else "")
     paths = [str(Path(p).resolve()) for p in given.values()]
     if len(set(paths)) < len(paths):
         raise StratumError("two output flags name the same file; give each its own")
