@@ -93,10 +93,10 @@ def check_writable(path: str | os.PathLike, what: str = "", suffix: str = "") ->
     if not str(path).strip():
         raise WriteError(f"no file given for {what or 'the output'}: name one", "empty path")
     path = Path(path)
-    if suffix and path.suffix.lower() != suffix:
-        raise WriteError(f"{what} {str(path)!r} must end in {suffix} (it is written as that format)", "suffix")
     if path.is_dir():
         raise write_error(path, OSError(errno.EISDIR, "Is a directory"), what)
+    if suffix and path.suffix.lower() != suffix:
+        raise WriteError(f"{what} {str(path)!r} must end in {suffix} (it is written as that format)", "suffix")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
