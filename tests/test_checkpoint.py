@@ -235,6 +235,19 @@ def test_a_latest_file_naming_no_checkpoint_falls_back_to_the_newest(make_cfg, t
     assert latest_checkpoint(out) == out / "checkpoints" / "step_00000004"
 
 
+def test_resuming_a_bpe_run_whose_corpus_changed_is_refused(make_cfg, corpus_file, tmp_path):
+    """The changed corpus trains another BPE: the checkpoint's model would read other ids."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    bpe = [f"data.corpus={str(corpus)!r}", "data.tokenizer='bpe'", "data.bpe_vocab_size=300", "train.steps=4"]
+    out = tmp_path / "r"
+    train(make_cfg(*bpe, out=out), stop_at=2)
+    with corpus.open("a") as f:
+        f.write(" xylophone flarb wibble snork glorp" * 500)
+    with pytest.raises(StratumError, match=r"was trained with tokenizer bpe:\w+, and its corpus now gives bpe:"):
+        train(make_cfg(*bpe, out=out))
+
+
 def test_interrupted_write_leaves_previous_checkpoint(make_cfg, tmp_path, monkeypatch):
     out = tmp_path / "r"
     train(make_cfg("train.steps=4", out=out), stop_at=2)

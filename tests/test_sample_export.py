@@ -170,6 +170,19 @@ def test_a_checkpoint_whose_config_was_edited_to_nonsense_is_one_line(runs, tmp_
     assert err.count("\n") == 1 and "meta.json's config is not valid (model.preset = 'tinyy'" in err, err
 
 
+def test_a_bpe_run_whose_corpus_changed_is_refused_not_decoded_with_another_tokenizer(runs, capsys):
+    corpus = runs["gpt"].parent / "small-corpus.txt"
+    saved = corpus.read_text()
+    corpus.write_text(saved + " xylophone flarb wibble snork glorp" * 2000)
+    try:  # the BPE is found by the corpus's contents: a changed corpus trains another one
+        assert main(["sample", str(runs["gpt"])]) == 2
+    finally:
+        corpus.write_text(saved)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was trained with tokenizer bpe:" in err and "restore the corpus" in err, err
+    assert main(["sample", str(runs["gpt"]), "--tokens", "3"]) == 0  # the corpus as it was: its tokenizer again
+
+
 def test_a_model_that_changed_since_the_checkpoint_is_refused(runs):
     config = runs["gpt2"].parent / "gpt2-config" / "config.json"
     saved = config.read_text()

@@ -81,3 +81,11 @@ class BPETokenizer:
     def to_json(self) -> str:
         """The trained tokenizer in the ``tokenizers`` JSON format (a ``tokenizer.json`` transformers reads)."""
         return self._tok.to_str()
+
+
+def tokenizer_id(tok: Tokenizer) -> str:
+    """What identifies a tokenizer's mapping of text to ids: its name, and for a trained one the hash of its saved
+    form (a BPE trained again on a changed corpus maps text to other ids under the same vocabulary size)."""
+    if isinstance(tok, BPETokenizer):
+        return f"bpe:{hashlib.sha256(tok.to_json().encode()).hexdigest()[:16]}"
+    return tok.name

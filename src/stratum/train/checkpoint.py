@@ -117,9 +117,10 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(out_dir: Path, *, step: int, parts: Iterable[TrainState], cfg: Config, fingerprint: dict,
-                    keep: int) -> Path:
+                    keep: int, tokenizer: str) -> Path:
     """Write the checkpoint after ``step`` completed steps from the state's ``parts`` (:meth:`Engine.state_parts`:
-    each is written before the next is asked for); keep the ``keep`` newest. Returns its directory."""
+    each is written before the next is asked for), with the identity of the ``tokenizer`` it was trained with
+    (:func:`~stratum.data.tokenizer.tokenizer_id`); keep the ``keep`` newest. Returns its directory."""
     from safetensors import SafetensorError
 
     root = Path(out_dir) / CKPT_DIR
@@ -133,6 +134,7 @@ def save_checkpoint(out_dir: Path, *, step: int, parts: Iterable[TrainState], cf
         atomic_write_json(tmp / "meta.json", {
             "format_version": FORMAT_VERSION, "step": step, "config": cfg.to_dict(),
             "fingerprint": fingerprint, "fingerprint_hash": fingerprint_hash(fingerprint), "files": files,
+            "tokenizer": tokenizer,
         })
         default_modes(tmp)  # (safetensors writes its files 0o600)
         atomic_replace_dir(tmp, final)
@@ -341,6 +343,16 @@ def check_tensors(ckpt: Checkpoint, fingerprint: dict) -> None:
             if part != "step" and stored[key][1] != want[name]:
                 raise _corrupt(file(key), f"optimizer tensor {key} has shape {stored[key][1]}, its parameter's is "
                                           f"{want[name]}")
+
+
+def check_tokenizer(ckpt: Checkpoint, tokenizer: str) -> None:
+    """Refuse a checkpoint trained with another tokenizer than ``tokenizer`` (a BPE the changed corpus trained
+    anew): its model would read other ids. A checkpoint that records none (older) passes."""
+    saved = ckpt.meta.get("tokenizer")
+    if saved and saved != tokenizer:
+        raise StratumError(f"checkpoint {ckpt.path} was trained with tokenizer {saved}, and its corpus now gives "
+                           f"{tokenizer} (a BPE is trained on the corpus: it changed since); restore the corpus as "
+                           "it was, or train anew in a new train.out_dir")
 
 
 def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[str]:

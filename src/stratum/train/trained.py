@@ -15,14 +15,14 @@ import torch
 
 from stratum.config import Config, config_from_dict
 from stratum.data.prepare import make_tokenizer
-from stratum.data.tokenizer import Tokenizer
+from stratum.data.tokenizer import Tokenizer, tokenizer_id
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.model.neutral import load_buffers
 from stratum.runtime.engine import TrainState
 from stratum.runtime.optim import load_params
-from stratum.train.checkpoint import CKPT_DIR, fingerprint_hash, latest_checkpoint, load_checkpoint
+from stratum.train.checkpoint import CKPT_DIR, check_tokenizer, fingerprint_hash, latest_checkpoint, load_checkpoint
 
 
 @dataclass
@@ -70,6 +70,7 @@ def load_trained(path: str | Path) -> Trained:
         tokenizer = make_tokenizer(cfg)
     except StratumError as e:  # a BPE is found by its corpus: a moved corpus loses it
         raise StratumError(f"checkpoint {ckpt.path}: its {cfg.data.tokenizer} tokenizer cannot be rebuilt ({e})") from e
+    check_tokenizer(ckpt, tokenizer_id(tokenizer))
     model = build_model(cfg.model, tokenizer_vocab=tokenizer.vocab_size, seq_len=cfg.data.seq_len,
                         seed=cfg.train.seed, device="cpu")
     if fingerprint_hash(model.fingerprint()) != ckpt.meta.get("fingerprint_hash"):

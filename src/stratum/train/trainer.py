@@ -22,6 +22,7 @@ from rich.console import Console
 from stratum.atomic import atomic_write_json, atomic_write_text
 from stratum.config import Config, to_toml
 from stratum.data.prepare import Dataset, prepare_data
+from stratum.data.tokenizer import tokenizer_id
 from stratum.data.tokens import TRAIN, VAL
 from stratum.dist.world import World, join_world, leave_world, peers_checked
 from stratum.errors import StratumError
@@ -35,6 +36,7 @@ from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.runtime.engine import Engine
 from stratum.train.checkpoint import (
     check_compatible,
+    check_tokenizer,
     latest_checkpoint,
     load_checkpoint,
     remove_partial_writes,
@@ -141,7 +143,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
-    ckpt = _resume_from(ckpt_path, cfg, fingerprint)
+    ckpt = _resume_from(ckpt_path, cfg, fingerprint, tokenizer_id(data.tokenizer))
     start = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
         if start >= t.steps:
@@ -239,6 +241,7 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
     per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
     clock = CheckpointClock(t.ckpt_minutes)
     last_ckpt = None
+    tok_id = tokenizer_id(data.tokenizer)  # recorded with every checkpoint
     for step in range(run.start, end):
         rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
                         flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
@@ -256,7 +259,8 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
             parts = engine.state_parts()
             if run.world.is_main:
                 last_ckpt = save_checkpoint(run.out_dir, step=done, parts=parts, cfg=cfg,
-                                            fingerprint=run.fingerprint, keep=t.keep_checkpoints)
+                                            fingerprint=run.fingerprint, keep=t.keep_checkpoints,
+                                            tokenizer=tok_id)
             else:
                 for _ in parts:  # a multi-process engine's parts are collectives every rank takes part in
                     pass
@@ -303,11 +307,13 @@ def _one_step(cfg: Config, engine, data, step: int, *, per_step: int, tokens: in
     return rec
 
 
-def _resume_from(ckpt_path: Path | None, cfg: Config, fingerprint: dict):
-    """The checkpoint a run continues from (refused if it is another model's), noting settings that changed."""
+def _resume_from(ckpt_path: Path | None, cfg: Config, fingerprint: dict, tokenizer: str):
+    """The checkpoint a run continues from (refused if it is another model's, or another tokenizer's), noting
+    settings that changed."""
     if ckpt_path is None:
         return None
     ckpt = load_checkpoint(ckpt_path)
+    check_tokenizer(ckpt, tokenizer)
     for change in check_compatible(ckpt, cfg, fingerprint):
         logger.info(f"note: resuming with changed setting {change}")
     return ckpt
