@@ -4,7 +4,6 @@ labelled as units, a dry run that says when the plain engine cannot fit, and a w
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,10 +67,10 @@ def test_dry_run_of_a_model_too_big_for_the_plain_engine_says_so(capsys, monkeyp
     cpu = torch.device("cpu")
     assert "unknown" in plain_fit(10, None, cpu, "") and "cannot fit" in plain_fit(10, 10, cpu, "")
     # where the disk cannot take what the suggested budgets leave for it, the advice says so
-    monkeypatch.setattr(dryrun.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**9))
+    monkeypatch.setattr(dryrun, "disk_free_bytes", lambda path: 10**9)
     assert "more than the 953.67 MiB free under /some/disk: free space there or set offload.disk_dir" in \
         plain_fit(100 * 10**9, 16 * 10**9, cpu, "/some/disk")
-    monkeypatch.setattr(dryrun.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
+    monkeypatch.setattr(dryrun, "disk_free_bytes", lambda path: 10**12)
     assert "free space there" not in plain_fit(100 * 10**9, 16 * 10**9, cpu, "/some/disk")
     assert dryrun.device_memory_bytes(cpu) > 0  # this Linux machine reports MemAvailable
 

@@ -71,8 +71,8 @@ def new_file_mode() -> int:
 def default_modes(root: Path) -> None:
     """Give ``root`` and everything under it the permissions ``open`` and ``mkdir`` give (0o666 / 0o777 less the
     umask), where a library wrote them owner-only (``tempfile.mkdtemp``'s 0o700, safetensors' 0o600)."""
-    files = new_file_mode()
-    dirs = 0o777 & ~_umask()
+    mask = _umask()
+    files, dirs = 0o666 & ~mask, 0o777 & ~mask
     root.chmod(dirs)
     for p in root.rglob("*"):
         p.chmod(dirs if p.is_dir() else files)
@@ -97,24 +97,26 @@ def check_writable(path: str | os.PathLike, what: str = "", suffix: str = "") ->
         raise write_error(path, OSError(errno.EISDIR, "Is a directory"), what)
     if suffix and path.suffix.lower() != suffix:
         raise WriteError(f"{what} {str(path)!r} must end in {suffix} (it is written as that format)", "suffix")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise write_error(path, e, what) from None
+    fd, tmp = _temp_beside(path, what)
     os.close(fd)
     os.unlink(tmp)
+
+
+def _temp_beside(path: Path, what: str = "") -> tuple[int, str]:
+    """A new temp file in ``path``'s directory (created as needed): (its descriptor, its name); where the
+    directory cannot take it, the one-line error a write of ``path`` gives."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e, what) from None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``); a refused write is a
     :class:`StratumError` naming ``path``."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise write_error(path, e) from None
+    fd, tmp = _temp_beside(path)
     try:
         os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:

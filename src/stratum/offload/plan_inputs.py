@@ -26,6 +26,13 @@ def planning_profile(cfg, model, device, *, estimate: bool = False):
                           cache_dir=cfg.cache_dir, precision=t.precision, seed=t.seed)
 
 
+def profile_for(cfg, model, profile_path: str) -> Profile:
+    """The profile at ``profile_path``, refused unless it was taken of ``model`` at ``cfg``'s batch shape and
+    precision (:meth:`Profile.load_for`)."""
+    return Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
+                            seq_len=cfg.data.seq_len, precision=cfg.train.precision)
+
+
 def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False):
     """(``make_placement``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
     once and the block costs from ``profile_path``, from the model's shapes (``estimate``: bytes only), or measured
@@ -35,8 +42,7 @@ def planning_inputs(cfg, profile_path: str | None = None, estimate: bool = False
     model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")
     if profile_path:
-        prof = Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
-                                seq_len=cfg.data.seq_len, precision=cfg.train.precision)
+        prof = profile_for(cfg, model, profile_path)
     else:
         prof = planning_profile(cfg, model, device, estimate=estimate)
     return placement_inputs(cfg, model, device, profile=prof, always_profile=True), model

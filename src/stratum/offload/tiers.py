@@ -249,9 +249,14 @@ def _measure_adam_beside(device: torch.device, n: int) -> float:
         pool.shutdown()
 
 
+def disk_base(disk_dir: str) -> Path:
+    """The directory offload.disk_dir names (``""`` = the system temp dir), as it is: not created."""
+    return Path(disk_dir).expanduser() if disk_dir else Path(tempfile.gettempdir())
+
+
 def resolve_disk_dir(disk_dir: str) -> Path:
-    """The configured directory (``""`` = the system temp dir), created and proven writable."""
-    base = Path(disk_dir).expanduser() if disk_dir else Path(tempfile.gettempdir())
+    """The configured directory (:func:`disk_base`), created and proven writable."""
+    base = disk_base(disk_dir)
     try:
         base.mkdir(parents=True, exist_ok=True)
         fd = anonymous_file(base, direct=False)

@@ -29,6 +29,7 @@ from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq
 from stratum.model.placement import stage_block_init
 from stratum.offload.placement import Placement
+from stratum.offload.planner import NoFit
 from stratum.offload.setup import offload_engine, placement_for, quick_profile
 from stratum.offload.stage_blocks import OffloadBlocks
 from stratum.parallel.reduce import Pending, Reducer
@@ -194,7 +195,8 @@ class OffloadPipelineEngine(PipelineEngine):
         except StratumError as e:
             placement, failure = None, e
         # per rank: 0 fits, else the smallest device budget it needs (-1: not known, or another error)
-        need = 0.0 if failure is None else float(getattr(failure, "smallest_device", None) or -1)
+        need = 0.0 if failure is None else float(failure.smallest_device or -1) if isinstance(failure, NoFit) \
+            else -1.0
         needs = self.mesh.gather_floats(need)
         failed = [r for r, x in enumerate(needs) if x]
         if not failed:

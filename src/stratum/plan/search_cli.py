@@ -39,7 +39,7 @@ from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
 from stratum.ir.prices import allreduce_s
 from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
-from stratum.offload.plan_inputs import planning_profile
+from stratum.offload.plan_inputs import planning_profile, profile_for
 from stratum.offload.planner import make_placement
 from stratum.offload.setup import placement_inputs
 from stratum.parallel.split import check_split, split_blocks
@@ -114,8 +114,7 @@ def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload
     shards and the split sizes the layers divide into, the weights the balanced cut uses."""
     device = resolve_device(cfg.train.device)
     if profile_path:
-        prof = Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
-                                seq_len=cfg.data.seq_len, precision=cfg.train.precision)
+        prof = profile_for(cfg, model, profile_path)
     else:
         prof = planning_profile(cfg, model, device)
         t = cfg.train

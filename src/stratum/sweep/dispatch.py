@@ -148,18 +148,19 @@ def _slice_steps(sweep: Sweep) -> int:
     return s.segment_steps if s.slice_by == "pause" else 0
 
 
-def ask_to_pause(sweep: Sweep, seg: Segment) -> None:
-    """slice_by = pause: the flag that stops ``seg``'s worker at its next slice end is there exactly while another
-    job waits for a slot (a pending job, or an ASHA promotion)."""
-    if not _slice_steps(sweep):
+def ask_to_pause(sweep: Sweep, segs: list[Segment]) -> None:
+    """slice_by = pause: the flag that stops a running segment's worker at its next slice end is there exactly
+    while another job waits for a slot (a pending job, or an ASHA promotion); the state read once for all."""
+    if not _slice_steps(sweep) or not segs:
         return
-    flag = Path(sweep.configs[seg.job].train.out_dir) / PAUSE_FLAG
-    waits = any(j != seg.job for j in pending(sweep)) or (sweep.asha is not None
-                                                          and sweep.asha.promotable() is not None)
-    if waits:
-        flag.touch()
-    else:
-        flag.unlink(missing_ok=True)
+    waiting = pending(sweep)
+    promotion = sweep.asha is not None and sweep.asha.promotable() is not None
+    for seg in segs:
+        flag = Path(sweep.configs[seg.job].train.out_dir) / PAUSE_FLAG
+        if promotion or any(j != seg.job for j in waiting):
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
 
 
 def paused_itself(sweep: Sweep, seg: Segment) -> bool:

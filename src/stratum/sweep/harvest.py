@@ -31,13 +31,12 @@ def harvest(sweep: Sweep) -> None:
         if rc is None and paused_itself(sweep, seg):
             record_pause(sweep, seg)
             continue
-        if rc is None:
-            ask_to_pause(sweep, seg)
         reason = _overdue(sweep, seg) if rc is None else None
         if rc is None and reason is None:
             continue
         release(sweep, seg)
         _record(sweep, seg, reason)
+    ask_to_pause(sweep, unique(sweep.running.values()))
     for job, seg in list(sweep.resident.items()):
         if seg.poll() is not None:  # a paused worker was killed
             del sweep.resident[job]

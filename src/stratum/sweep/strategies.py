@@ -84,7 +84,7 @@ def offload_option(profile: Profile, *, microbatches: int, steps: int, hw: Hardw
 def check_host_holds(profile: Profile, hw: Hardware) -> None:
     """A job streamed from the host keeps its training state there (parameters, gradients, optimizer state):
     an error where the host cannot hold it."""
-    state = sum(b.param_bytes + b.grad_bytes + b.optim_bytes for b in profile.blocks)
+    state = profile.train_state_bytes
     if state > hw.host_bytes:
         raise StratumError(f"{profile.model}: streamed from the host it keeps {fmt_bytes(state)} of training state "
                            f"there, and the hardware's host holds {fmt_bytes(hw.host_bytes)}: give [hardware] "

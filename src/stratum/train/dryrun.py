@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -19,6 +17,7 @@ from stratum.model.build import build_model
 from stratum.offload.placement import Placement
 from stratum.offload.plan_inputs import planning_profile
 from stratum.offload.setup import placement_for
+from stratum.offload.tiers import disk_base, disk_free_bytes
 from stratum.parallel.compose import check_plan
 from stratum.parallel.pipeline_offload import leaf_config, rank_placement
 from stratum.runtime.device import describe, resolve_device
@@ -58,9 +57,9 @@ def plain_fit(state_bytes: int, available: int | None, device: torch.device, dis
               f"of {where} on this device; train it with the offload engine under byte budgets (what fits in "
               f"neither goes to disk), e.g. --set train.engine=offload --set offload.device_budget={dev_gb}GB --set "
               f"offload.host_budget={host_gb}GB; `stratum plan` with the same settings checks them")
-    where_disk = disk_dir or tempfile.gettempdir()
+    where_disk = disk_base(disk_dir)
     try:
-        free = shutil.disk_usage(where_disk).free
+        free = disk_free_bytes(where_disk)
     except OSError:
         return advice
     on_disk = state_bytes - (dev_gb + host_gb) * 10**9

@@ -143,7 +143,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
-    ckpt = _resume_from(ckpt_path, cfg, fingerprint, tokenizer_id(data.tokenizer))
+    tok_id = tokenizer_id(data.tokenizer)  # checked on resume, recorded with every checkpoint
+    ckpt = _resume_from(ckpt_path, cfg, fingerprint, tok_id)
     start = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
         if start >= t.steps:
@@ -168,7 +169,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     _log_start(cfg, model=model, engine=engine, world=world, stages=stages, data=data,
                start=start, end=end)
     run = _Run(cfg=cfg, engine=engine, model=model, data=data, world=world, out_dir=out_dir,
-               fingerprint=fingerprint, start=start, end=end, after_step=after_step)
+               fingerprint=fingerprint, tokenizer=tok_id, start=start, end=end, after_step=after_step)
     return _run_steps(run, console or make_console())
 
 
@@ -194,6 +195,8 @@ class _Run:
     world: World
     out_dir: Path
     fingerprint: dict
+    tokenizer: str
+    """The tokenizer's identity (:func:`~stratum.data.tokenizer.tokenizer_id`), recorded with every checkpoint."""
     start: int
     """The first step this invocation runs (the checkpoint's, or 0)."""
     end: int
@@ -241,7 +244,6 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
     per_step, tokens = cfg.micro_batches_per_step, cfg.tokens_per_step  # from the plan: once, not every step
     clock = CheckpointClock(t.ckpt_minutes)
     last_ckpt = None
-    tok_id = tokenizer_id(data.tokenizer)  # recorded with every checkpoint
     for step in range(run.start, end):
         rec = _one_step(cfg, engine, data, step, per_step=per_step, tokens=tokens,
                         flops_per_token=flops_per_token, eval_batches=eval_batches, device=device)
@@ -260,7 +262,7 @@ def _step_loop(run: _Run, log, display, signals: StopSignals) -> tuple[int, bool
             if run.world.is_main:
                 last_ckpt = save_checkpoint(run.out_dir, step=done, parts=parts, cfg=cfg,
                                             fingerprint=run.fingerprint, keep=t.keep_checkpoints,
-                                            tokenizer=tok_id)
+                                            tokenizer=run.tokenizer)
             else:
                 for _ in parts:  # a multi-process engine's parts are collectives every rank takes part in
                     pass
