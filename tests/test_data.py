@@ -94,3 +94,26 @@ def test_bpe_tokenizer_trains_locally_and_is_cached(corpus_file, tmp_path):
     assert len(tok.encode(text.encode())) < len(text)  # merges compress
     ds = prepare_data(cfg)
     assert ds.tokenizer.name == tok.name and ds.n_tokens < os.path.getsize(corpus_file)
+
+
+def test_the_bpe_trainer_gets_long_runs_without_whitespace_in_pieces():
+    """Its merge counting is quadratic in a word's length: a megabyte without a space would train for hours.
+    Text with no such run reaches it unchanged (the same merges as before the cut existed)."""
+    from stratum.data.tokenizer import LONGEST_WORD, bounded_words
+
+    plain = "def f(x):\n    return x  # " + "y" * LONGEST_WORD + "\n"
+    assert list(bounded_words([plain])) == [plain]
+    run = "A" * (2 * LONGEST_WORD + 5)
+    pieces = list(bounded_words([f"head {run} tail"]))
+    assert pieces == ["head ", "A" * LONGEST_WORD, "A" * LONGEST_WORD, "A" * 5, " tail"]
+    assert "".join(pieces) == f"head {run} tail"
+
+
+def test_bpe_trains_on_a_corpus_of_one_megabyte_word(tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("x" * 1_000_000 + " def f(): pass\n" * 100)
+    cfg = load_config(None, [f"data.corpus={str(tmp_path / 'corpus')!r}", f"data.cache_dir={str(tmp_path)!r}",
+                             "data.tokenizer='bpe'", "data.bpe_vocab_size=300"])
+    tok = make_tokenizer(cfg)
+    assert tok.decode(tok.encode(b"xxxx def f(): pass")) == "xxxx def f(): pass"

@@ -10,6 +10,7 @@ import torch
 
 from stratum.cli import main
 from stratum.config import load_config
+from stratum.sim.trace import write_chrome_trace
 from stratum.train.dryrun import plain_fit
 from stratum.train.trainer import read_metrics, train
 
@@ -51,7 +52,7 @@ def test_simulate_labels_unit_costs_as_units_and_profiled_costs_as_seconds(capsy
     text = simulate(one_f_one_b(2, 4), seconds).summary()
     assert "makespan 0.15 s" in text and "busy s" in text and "peak activation bytes" in text
     r = simulate(one_f_one_b(2, 4), Costs.unit(2))
-    r.write_trace(tmp_path / "t.json")
+    write_chrome_trace(r, tmp_path / "t.json")
     assert '"time_unit": "units"' in (tmp_path / "t.json").read_text()
 
 

@@ -150,9 +150,11 @@ def generate(env: Env, seed: int = SEED) -> list[list[str]]:
     cases.append(["plan", *base, "--json", str(files["dir"])])
 
     for sub in ("show", "validate", "simulate"):
-        for flag in ("--ranks", "--microbatches", "--virtual", "--waves"):
+        # (each knob with a kind that reads it: a kind ignores the knobs it does not read, whatever their size)
+        for flag, kind in (("--ranks", "1f1b"), ("--microbatches", "1f1b"), ("--virtual", "interleaved"),
+                           ("--waves", "wave")):
             for bad in rng.sample(["0", "-1", "x", "1.5", str(10**6), str(-(10**9)), ""], 3):
-                cases.append(["schedule", sub, flag, bad])
+                cases.append(["schedule", sub, "--kind", kind, flag, bad])
         cases.append(["schedule", sub, "--kind", _junk(rng)])
         for name in ("missing", "dir", "garbage", "binary", "emptyjson"):
             cases.append(["schedule", sub, "--file", str(files[name])])

@@ -248,7 +248,10 @@ def test_disk_tier_on_a_full_or_read_only_disk_is_one_line(where, full_fs, ro_fs
 
 @pytest.mark.parametrize("setting, said", [("train.micro_batch_size=4", "micro_batch 2 (the config's: 4)"),
                                             ("data.seq_len=64", "seq_len 32 (the config's: 64)"),
-                                            ("train.precision='bf16'", "precision fp32 (the config's: bf16)")])
+                                            ("train.precision='bf16'", "precision fp32 (the config's: bf16)"),
+                                            # another model of as many blocks (a BPE's vocabulary, say)
+                                            ("model.vocab_size=512", "block 0 (embed) of 32,768 parameters "
+                                                                     "(the config's: 49,152)")])
 def test_a_profile_of_another_batch_shape_is_refused_by_both_planners(setting, said, small, profile, capsys):
     """Its bytes and seconds are another shape's: the plans would approve budgets the run refuses."""
     capsys.readouterr()
@@ -285,6 +288,18 @@ def test_output_piped_to_a_reader_that_leaves_is_no_traceback():
     res = subprocess.run(f"{sys.executable} -m stratum schedule show --kind 1f1b --ranks 64 --microbatches 64 | head -1",
                          shell=True, capture_output=True, text=True, timeout=120)
     assert res.stdout.startswith("1f1b: 64 stages") and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_file_where_the_checkpoints_go_is_refused_before_any_step(make_cfg, tmp_path):
+    from stratum.errors import StratumError
+    from stratum.train.trainer import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("notes")
+    with pytest.raises(StratumError, match="checkpoints is a file, where the run keeps its checkpoints"):
+        train(make_cfg(out=out))
+    assert not (out / "metrics.jsonl").exists() and (out / "checkpoints").read_text() == "notes"
 
 
 def test_a_held_out_dir_is_refused_in_one_line(make_cfg, tmp_path):
@@ -457,7 +472,16 @@ NONSENSE = {
     "latency inf": (["schedule", "simulate", "--latency", "inf"], "--latency must be a finite number"),
     "bandwidth nan": (["schedule", "simulate", "--bandwidth", "nan"], "--bandwidth a number > 0"),
     "seed too large": (["train", "--set", f"train.seed={2**63}"], "train.seed must be in [0, 2**63 - 1"),
-    "huge schedule": (["schedule", "show", "--ranks", "2000", "--microbatches", "2000"], "use fewer ranks"),
+    "huge schedule": (["schedule", "show", "--ranks", "2000", "--microbatches", "2000"],
+                      "--ranks × --microbatches = 4,000,000 is more than the 100,000 a 1f1b schedule"),
+    "huge interleaved": (["schedule", "show", "--kind", "interleaved", "--ranks", "100", "--microbatches", "100",
+                          "--virtual", "20"], "--ranks × --microbatches × --virtual = 200,000"),
+    "path too long": (["train", "--set", f"train.out_dir='/tmp/{'a' * 300}/run'"], "is too long for the filesystem"),
+    "config path too long": (["sweep", "status", "/tmp/" + "b" * 300], "is too long for the filesystem"),
+    "balanced, no profile": (["schedule", "simulate", "--partition", "balanced"], "give --profile FILE"),
+    "no micro-batch": (["schedule", "validate", "--kind", "1f1b", "--microbatches", "0"], "--microbatches must be"),
+    "huge searched": (["schedule", "validate", "--kind", "zb-wave", "--ranks", "100", "--microbatches", "100",
+                       "--waves", "3"], "30,000 is more than the 20,000 a zb-wave schedule"),
     "undecodable out_dir": (["train", "--set", "train.out_dir=r\udcff"], "not valid UTF-8"),
     "undecodable cache_dir": (["plan", "--set", "data.cache_dir=c\udcfe"], "data.cache_dir holds bytes"),
     "undecodable disk_dir": (["train", "--set", "offload.disk_dir=d\udcfd"], "offload.disk_dir holds bytes"),
@@ -513,7 +537,7 @@ TOO_BIG = {
 
 @pytest.mark.parametrize("case", list(TOO_BIG))
 def test_what_cannot_fit_is_refused_before_work(case, small, tmp_path, capsys):
-    from stratum.train.dryrun import device_memory_bytes
+    from stratum.runtime.device import device_memory_bytes
 
     flags, text = TOO_BIG[case]
     if "gpt-6.7b" in str(flags) and (device_memory_bytes(torch.device("cpu")) or 0) > 99 * 2**30:

@@ -8,13 +8,16 @@ import logging
 import re
 
 import pytest
+import torch
 
 from stratum.cli import main
+from stratum.data.tokens import Batch
 from stratum.errors import StratumError
+from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import DEVICE, DISK, HOST
 from stratum.train.trainer import read_metrics, train
 
-from offload_helpers import build, fixed_times, plan, profile, state_bytes
+from offload_helpers import DEV, B, T, V, build, fixed_times, plan, profile, spec, state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,49 @@ def test_overrides_are_honoured(gpt):
     assert p.param_tier in (HOST, DISK)
 
 
+def test_the_smallest_budget_trains_micro_batches_cut_from_one_batch(gpt, tmp_path):
+    """The trainer's micro-batches are views of the step's batch: on a CPU the engine gives each its own storage,
+    so a block saving the ids is charged for its micro-batch (as profiled), not the whole batch — at the
+    planner's smallest budget the step runs within it."""
+    m, prof = gpt
+    with pytest.raises(StratumError) as e:
+        plan(m, prof, device_budget=10_000, n_micro=4, activations="keep")
+    smallest = int(re.search(r"\(([\d,]+) bytes\)", str(e.value)).group(1).replace(",", ""))
+    p = plan(m, prof, device_budget=smallest, n_micro=4, activations="keep")
+    eng = OffloadEngine(build("gpt", tmp_path), optim=spec(), device=DEV, placement=p)
+    data = torch.randint(0, V, (4 * B, T + 1), generator=torch.Generator().manual_seed(0))
+    x, y = data[:, :-1], data[:, 1:]
+    eng.train_step([Batch(x=x[k * B:(k + 1) * B], y=y[k * B:(k + 1) * B]) for k in range(4)], 1e-3)
+    assert eng.tiers[DEVICE].peak <= smallest
+    eng.close()
+
+
+def test_an_override_that_fits_nothing_is_named_and_budgets_never_blamed(gpt):
+    """Unlimited budgets cannot be what fails: the error names the override, and only the overrides given."""
+    m, prof = gpt
+    with pytest.raises(StratumError) as e:
+        plan(m, prof, resident_chunks=1, activations="recompute")
+    msg = str(e.value)
+    assert "(with offload.resident_chunks, offload.activations as given)" in msg
+    assert "unset the overrides" in msg and "raise both budgets" not in msg
+    with pytest.raises(StratumError) as e:
+        plan(m, prof, device_budget=10_000)
+    assert "as given" not in str(e.value)
+
+
+def test_the_delayed_update_is_planned_only_where_it_runs(gpt):
+    """offload.delayed_update: the planner offers bf16 chunks with masters and AdamW in host RAM alone (without it
+    the fastest plan keeps AdamW on the device, which the engine would refuse to run delayed)."""
+    m, prof = gpt
+    free = plan(m, prof, precision="bf16")
+    assert free.optimizer_tier == DEVICE and not free.half_params
+    for budget in (None, state_bytes(m) // 3):
+        p = plan(m, prof, precision="bf16", delayed_update=True, device_budget=budget)
+        assert p.half_params and p.optimizer_tier == HOST and p.param_tier != DISK
+    with pytest.raises(StratumError, match="offload.delayed_update keeps the fp32 masters and AdamW in host RAM"):
+        plan(m, prof, precision="bf16", delayed_update=True, host_budget=1000)
+
+
 def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
     m, prof = gpt
     text = plan(m, prof, device_budget=state_bytes(m) // 4).describe()
@@ -86,10 +132,13 @@ def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
     ("offload.chunk_size='1'", "offload.chunk_size"),
     ("offload.prefetch_depth=-2", "offload.prefetch_depth"),
     ("offload.resident_chunks=-1", "offload.resident_chunks"),
+    ("offload.delayed_update=true", "runs with bf16 chunks, not train.precision = 'fp32'"),
+    ("offload.delayed_update=true,train.precision='bf16',offload.optimizer_tier='disk'",
+     "runs the update in host RAM, not with offload.optimizer_tier = 'disk'"),
 ])
 def test_bad_offload_config_is_one_line_error(make_cfg, setting, match):
     with pytest.raises(StratumError, match=match) as e:
-        make_cfg("train.engine='offload'", setting)
+        make_cfg("train.engine='offload'", *setting.split(","))
     assert "\n" not in str(e.value)
 
 

@@ -97,7 +97,7 @@ def worker(job_path: str) -> None:
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
     cpu = torch.device("cpu")
-    init_process_group(world=int(os.environ["WORLD_SIZE"]), backend="gloo", device=cpu, timeout_s=60)
+    init_process_group(world=int(os.environ["WORLD_SIZE"]), plan="test", backend="gloo", device=cpu, timeout_s=60)
     results: dict = {}
     plain: dict = {}  # the reference of both sizes (same model, same batches), trained once per model
     plain_state: dict = {}

@@ -275,7 +275,7 @@ def test_a_budget_no_rank_fits_stops_every_rank_with_one_line_naming_the_budget_
     lines = {ln for ln in out.splitlines() if ln.startswith("stratum: error:")}
     assert code == 2 and len(lines) == 1, out
     line = lines.pop()
-    assert "no placement fits pipeline rank(s) 0, 1 under device_budget = 1MB" in line, line
+    assert "no placement fits the stages of rank(s) 0, 1 under device_budget = 1MB" in line, line
     need = int(line.split("every rank at this host budget is ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
     per_rank = [int(x.split(": ")[1].replace(",", "")) for x in line.split("per rank: ")[1].rstrip(")").split(", ")]
     assert need == max(per_rank) and len(per_rank) == 2

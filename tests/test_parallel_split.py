@@ -169,7 +169,7 @@ def worker(job_path: str) -> None:
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
-    init_process_group(world=int(os.environ["WORLD_SIZE"]), backend="gloo", device=torch.device("cpu"),
+    init_process_group(world=int(os.environ["WORLD_SIZE"]), plan="test", backend="gloo", device=torch.device("cpu"),
                        timeout_s=60)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # as the engines build it
     results = {}
@@ -308,6 +308,21 @@ def test_check_split_refuses_an_unknown_block_kind():
     with pytest.raises(StratumError, match=r"^split\(2\): block 0 \(Embedding\) is not a block kind split knows"):
         check_split(model, 2)
     assert split_blocks(model) == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_check_split_refuses_a_model_that_drops_out(hf_paths, case):
+    """A rank draws masks for its own heads, not its share of one process's: refused rather than run off parity
+    (Llama's attention holds its probability as a float, GPT-2's in nn.Dropout, Stratum's GPT both ways)."""
+    if case.startswith("gpt-"):
+        model = build_gpt(case[4:], vocab_size=V, seed=5, max_seq_len=64, dropout=0.1, device="meta")
+    else:
+        from stratum.model.hf import build_hf
+        model = build_hf(hf_paths[case], seed=5, dropout=0.1, device="meta")
+    with pytest.raises(StratumError) as e:
+        check_split(model, 2)
+    assert "drops out (p = 0.1)" in str(e.value) and "set model.dropout = 0" in str(e.value)
+    check_split(model, 1)  # one process draws the plain engine's masks
 
 
 def test_check_split_refuses_a_zero_split():

@@ -107,9 +107,10 @@ def test_the_burst_node_parses_renders_and_says_who_runs_what():
     assert str(plan) == "burst(4, widths=4:2:1:1, amplification=1.5)" and str(parse_plan(str(plan))) == str(plan)
     assert plan.world_size() == 4 and plan.mesh_shape == (4, 1, 1) and plan.replicas == 1  # micro-batches split
     assert plan.burst.width_list() == (4, 2, 1, 1)
-    assert [line.split("  ")[-1].strip() for line in plan.table(lambda r: [0, 1, 2, 3]).splitlines()[2:]] == [
-        "runs blocks 0-3 of widths 4:2:1:1", "runs blocks 0-1 of widths 4:2:1:1", "runs blocks 0 of widths 4:2:1:1",
-        "runs blocks 0 of widths 4:2:1:1"]
+    rows = [line.split() for line in plan.table(lambda r: [0, 1, 2, 3]).splitlines()[2:]]
+    assert [row[4] for row in rows] == ["0-3", "0-1", "0", "0"]  # rank r keeps the blocks wider than r
+    assert all(" ".join(row[5:]) == "its share of each micro-batch's samples in these blocks (widths 4:2:1:1)"
+               for row in rows)
     assert str(parse_plan("burst(2)")) == "burst(2)"
     for text, msg in [("burst(4, widths=5:1)", "every width must be in 1..4"),
                       ("burst(2, widths=a:b)", "must be whole numbers separated by ':'"),

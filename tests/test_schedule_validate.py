@@ -43,6 +43,15 @@ def test_deadlock_reports_stuck_ranks():
         _check("F0.0 B0.0 F0.1 B0.1", "F1.0 F1.1 B1.0 B1.1")
 
 
+def test_a_knob_the_kind_ignores_is_not_counted_against_its_size(capsys):
+    """1F1B reads neither --virtual nor --waves: a large value of either leaves it as small as it is."""
+    from stratum.cli import main
+
+    assert main(["schedule", "validate", "--kind", "1f1b", "--ranks", "4", "--microbatches", "8",
+                 "--virtual", "100000", "--waves", "100000"]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
 def test_rank_without_stage_is_refused():
     with pytest.raises(StratumError, match=r"rank\(s\) \[1\] hold no stage"):
         validate(loads("stages: 0\nranks: 2\nmicrobatches: 1\nrank 0: F0.0 B0.0", check=False))

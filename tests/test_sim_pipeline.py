@@ -11,6 +11,7 @@ from stratum.plan.partition import even_partition
 from stratum.profile import BlockProfile, Profile
 from stratum.schedule.generators import generate, gpipe, interleaved, one_f_one_b, wave, zb_1f1b
 from stratum.sim.pipeline import Costs, simulate
+from stratum.sim.trace import write_chrome_trace, write_png
 
 
 def _unit(s, **kw):
@@ -96,7 +97,7 @@ def test_costs_from_profile(tmp_path):
 def test_chrome_trace_one_event_per_action(tmp_path):
     r = _unit(interleaved(2, 4, 2))
     path = tmp_path / "trace.json"
-    r.write_trace(path)
+    write_chrome_trace(r, path)
     data = json.loads(path.read_text())
     xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == sum(len(a) for a in r.schedule.actions)
@@ -107,5 +108,5 @@ def test_chrome_trace_one_event_per_action(tmp_path):
 def test_png_timeline(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "t.png"
-    _unit(zb_1f1b(2, 3)).write_png(path)
+    write_png(_unit(zb_1f1b(2, 3)), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

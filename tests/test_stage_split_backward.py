@@ -344,7 +344,7 @@ def test_a_whole_split_schedule_on_one_rank():
         acts += [f"W2.{mb}", f"W1.{mb}"] + ([] if mb == 3 else [f"W0.{mb}"])
     sched = Schedule(name="split-one-rank", stage_to_rank=(0, 0, 0), num_microbatches=4,
                      actions=(tuple(Action.parse(a) for a in acts),))
-    init_process_group(world=1, backend="gloo", device=torch.device("cpu"), timeout_s=30)
+    init_process_group(world=1, plan="test", backend="gloo", device=torch.device("cpu"), timeout_s=30)
     try:
         rt = make_runtime(blocks, stages, loss_fn)
         loss = rt.run(sched, batches, training=True, scale=SCALE)

@@ -141,6 +141,24 @@ eval_interval = 3
         open_sweep(p2, say=lambda _: None)
 
 
+def test_a_damaged_state_is_named_as_damaged_not_unwritable(tmp_path, corpus_file, cache_dir):
+    from stratum.sweep.runner import open_sweep
+    p = write(tmp_path, f"""[sweep]
+out_dir = "{tmp_path / 'sw'}"
+[data]
+corpus = "{corpus_file}"
+cache_dir = "{cache_dir}"
+{BASE}
+[sweep.grid]
+"optim.lr" = [1e-3, 2e-3]
+""")
+    open_sweep(p, say=lambda _: None).state.close()
+    db = tmp_path / "sw" / "state.db"
+    db.write_bytes(db.read_bytes()[:5000])
+    with pytest.raises(StratumError, match=r"state.db is damaged \(.*\); restore it from a copy, or remove it"):
+        open_sweep(p, say=lambda _: None)
+
+
 def test_status_of_a_directory_without_a_sweep_is_an_error(tmp_path, capsys):
     assert main(["sweep", "status", str(tmp_path)]) == 2
     assert "holds no sweep" in capsys.readouterr().err

@@ -7,6 +7,7 @@ the filesystem refuses (full, read-only, the target a directory, a parent a file
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -171,3 +172,29 @@ def digest_mismatch(path: str | os.PathLike, want: dict) -> str | None:
     if file_digest(path)["sha256"] != want.get("sha256"):
         return "its SHA-256 differs from the one recorded when it was written"
     return None
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its ancestors that do not exist yet, outermost first."""
+    out = []
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out[::-1]
+
+
+def remove_empty_dirs(created: list[Path]) -> None:
+    """Remove the directories in ``created`` (made by the failed run) that hold nothing but empty directories;
+    anything with a file in it stays."""
+    if not created:
+        return
+    top = created[0]
+    if top.is_dir():
+        for root, dirs, _ in os.walk(top, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, d))
+    for made in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(made)

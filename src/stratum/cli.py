@@ -27,6 +27,7 @@ Bad input (unknown key, wrong type, missing corpus, unwritable out_dir, incompat
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import NoReturn
@@ -180,11 +181,11 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     warm_up(HF_PRELOAD if cfg.model.source == "hf" else ())
     from pathlib import Path
 
+    from stratum.atomic import missing_dirs, remove_empty_dirs
     from stratum.data.prepare import prepare_data
     from stratum.dist.launch import PEER_GRACE_S, spawn_local
     from stratum.parallel.compose import check_plan
     from stratum.train.lock import hold_out_dir, inherited_lock_env
-    from stratum.train.stopping import missing_dirs, remove_empty_dirs
     from stratum.train.trainer import prepare_out_dir
 
     check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
@@ -240,6 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): nothing more is wanted, and nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
         return 0
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        # (pathlib's exists/is_file/is_dir raise it, wherever a path given on the command line or in a config
+        # is first looked at: one place answers for all of them)
+        name = str(e.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:40]}…{name[-30:]} ({len(name):,} characters)"
+        sys.stderr.write(f"stratum: error: the path {shown} is too long for the filesystem (a name over 255 bytes "
+                         "or a path over 4096); give a shorter one\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import re
 import tomllib
 from collections.abc import Sequence
@@ -297,7 +298,6 @@ class Config:
     def cache_dir(self) -> Path:
         if self.data.cache_dir:
             return Path(self.data.cache_dir).expanduser()
-        import os
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         return Path(base) / "stratum"
 
@@ -418,9 +418,6 @@ class Config:
         if isinstance(self.plan.root, Offload) and self.offload.optimizer_tier == "device":
             raise StratumError("train.precision = 'fp16' on the offload engine keeps AdamW off the device: set "
                                "offload.optimizer_tier = 'auto', 'host' or 'disk'")
-        if isinstance(self.plan.root, Offload) and self.offload.delayed_update:
-            raise StratumError("offload.delayed_update runs with bf16 chunks, not train.precision = 'fp16': set it "
-                               "to false")
 
     def _validate_schedule(self) -> None:
         """pipeline.schedule names a kind or an existing file, checked whether or not a pipeline runs."""
@@ -460,6 +457,21 @@ class Config:
         _choice("offload.grad_handoff", o.grad_handoff, OFFLOAD_GRAD_HANDOFFS)
         _check("offload.prefetch_depth", -1 <= o.prefetch_depth <= MAX_PREFETCH_DEPTH,
                f"must be in [0, {MAX_PREFETCH_DEPTH}] (the planner tries up to 4), or -1 for the planner's choice")
+        self._validate_delayed()
+
+    def _validate_delayed(self) -> None:
+        """offload.delayed_update runs on bf16 chunks whose fp32 masters and AdamW state are in host RAM (the
+        planner places only such chunks when it is set): a run that can have none is refused before it starts."""
+        o = self.offload
+        if not o.delayed_update or not (self.parallel.plan.strip() == "auto" or isinstance(self.plan.leaf, Offload)):
+            return
+        if self.train.precision != "bf16":
+            raise StratumError(f"offload.delayed_update runs with bf16 chunks, not train.precision = "
+                               f"{self.train.precision!r}: set train.precision = 'bf16' or offload.delayed_update "
+                               "= false")
+        if o.optimizer_tier in ("device", "disk"):
+            raise StratumError(f"offload.delayed_update runs the update in host RAM, not with offload.optimizer_tier "
+                               f"= {o.optimizer_tier!r}: set it to 'auto' or 'host', or offload.delayed_update = false")
 
 
 def _check_home(key: str, value: str) -> None:

@@ -1,4 +1,5 @@
-"""Whether a process still lives, for files and locks that carry the pid of the process that made them."""
+"""Processes: whether one still lives (for files and locks that carry the pid of the process that made them), and
+the cores this one may run on."""
 
 from __future__ import annotations
 
@@ -19,3 +20,11 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; all cores where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

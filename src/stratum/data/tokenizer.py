@@ -7,7 +7,9 @@ so a second run (or a resumed one) reuses the same merges.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import logging
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +17,27 @@ import numpy as np
 
 from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
+
+logger = logging.getLogger(__name__)
+
+LONGEST_WORD = 1000
+"""Longest run without whitespace the BPE trainer is given whole. Counting a word's merges costs time quadratic in
+its length, so a megabyte without a space (base64, a hex dump, a DNA sequence) would train for hours; a longer
+run is given in pieces of this length. Words of text are far shorter, so their merges are those of the whole
+file."""
+_LONG_RUN = re.compile(rf"\S{{{LONGEST_WORD + 1},}}")
+
+
+def bounded_words(texts: Iterable[str]) -> Iterator[str]:
+    """``texts`` as the BPE trainer is given them: unchanged, except that a run of more than :data:`LONGEST_WORD`
+    characters without whitespace is cut into pieces of that length, each given as a text of its own."""
+    for text in texts:
+        pos = 0
+        for m in _LONG_RUN.finditer(text):
+            yield text[pos:m.start()]
+            yield from (m.group()[i:i + LONGEST_WORD] for i in range(0, len(m.group()), LONGEST_WORD))
+            pos = m.end()
+        yield text[pos:] if pos else text
 
 
 class Tokenizer(Protocol):
@@ -62,7 +85,8 @@ class BPETokenizer:
             tok.decoder = decoders.ByteLevel()
             trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-            tok.train_from_iterator(texts, trainer=trainer)
+            logger.info(f"training a BPE of {vocab_size:,} tokens on the corpus (once; cached in {path.parent})")
+            tok.train_from_iterator(bounded_words(texts), trainer=trainer)
             atomic_write_text(path, tok.to_str())
         try:
             loaded = HFTokenizer.from_file(str(path))

@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stratum.atomic import atomic_write_json, digest_mismatch, file_digest
+from stratum.atomic import atomic_write_json, digest_mismatch, file_digest, missing_dirs, remove_empty_dirs
 from stratum.data.corpus import Corpus
 from stratum.data.tokenizer import Tokenizer
 from stratum.errors import StratumError
 from stratum.seeds import mix
-from stratum.train.stopping import missing_dirs, remove_empty_dirs
 
 TRAIN, VAL = 0, 1
 

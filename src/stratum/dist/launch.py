@@ -38,6 +38,7 @@ from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import ForkedRank
 from stratum.dist.roles import WORKER_ENV, env_rank, forking, under_torchrun
 from stratum.errors import PeerError, StratumError
+from stratum.procs import usable_cores
 
 
 def rank() -> int:
@@ -78,17 +79,18 @@ def local_device(device: torch.device) -> torch.device:
     return torch.device("cuda", local)
 
 
-def init_process_group(*, world: int, backend: str, device: torch.device, timeout_s: float) -> bool:
+def init_process_group(*, world: int, plan: str, backend: str, device: torch.device, timeout_s: float) -> bool:
     """Create the default process group for this process unless one exists; True when this call created it.
 
     Under a launcher the group comes from ``env://``; without one only ``world = 1`` is possible (a private
-    in-memory store). ``world`` must equal the launcher's WORLD_SIZE.
+    in-memory store). ``world`` must equal the launcher's WORLD_SIZE; ``plan`` (the plan's expression) is named
+    in the errors, since the user may have set its sizes through a shorthand such as pipeline.ranks.
     """
     import torch.distributed as dist
 
     if dist.is_initialized():
         if dist.get_world_size() != world:
-            raise StratumError(f"the plan needs {world} processes but the process group has "
+            raise StratumError(f"the plan {plan} needs {world} processes but the process group has "
                                f"{dist.get_world_size()}")
         return False
     backend = resolve_backend(backend, device)
@@ -96,15 +98,16 @@ def init_process_group(*, world: int, backend: str, device: torch.device, timeou
     rk, ws, _ = env_rank()
     if not under_torchrun():
         if world != 1:
-            raise StratumError(f"the plan needs {world} processes: run it with `stratum train` (which spawns them) "
-                               f"or `torchrun --nproc_per_node {world} -m stratum train ...`; a script of your own "
-                               f"with `stratum run --nproc {world} script.py`")
+            raise StratumError(f"the plan {plan} needs {world} processes: run it with `stratum train` (which spawns "
+                               f"them) or `torchrun --nproc_per_node {world} -m stratum train ...`; a script of your "
+                               f"own with `stratum run --nproc {world} script.py`")
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return True
     if ws != world:
-        raise StratumError(f"the plan (parallel.plan) needs {world} processes but the launcher started "
-                           f"WORLD_SIZE = {ws}; change the plan's sizes or start {world} processes")
+        raise StratumError(f"the plan {plan} needs {world} processes but the launcher started WORLD_SIZE = {ws}; "
+                           f"start {world} processes or change the plan's sizes (parallel.plan, or pipeline.ranks "
+                           "under train.engine = pipeline)")
     try:
         dist.init_process_group(backend, init_method="env://", rank=rk, world_size=ws, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
@@ -267,10 +270,7 @@ process starts rather than left to exhaust the machine."""
 
 def check_local_count(nprocs: int) -> None:
     """Refuse ``nprocs`` local processes where that is more than :data:`MAX_PER_CORE` a usable core."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     if nprocs > MAX_PER_CORE * cores:
         raise StratumError(f"{nprocs:,} local processes on {cores} usable core(s) is more than {MAX_PER_CORE} a core; "
                            f"use at most {MAX_PER_CORE * cores:,} here, or spread a run over machines "
@@ -294,7 +294,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         e = dict(base, **rank_env(r, nprocs, local_rank=r, local_world=nprocs, master=("127.0.0.1", port)))
         # CPU workers share the cores: keep torch's intra-op pool from oversubscribing them
         if "OMP_NUM_THREADS" not in base:
-            e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+            e["OMP_NUM_THREADS"] = str(max(1, usable_cores() // nprocs))
         procs.append(_start_rank(argv, e, r))
         errors.follow(procs[-1].stderr, r)
     first_fail: tuple[int, int] | None = None

@@ -247,7 +247,8 @@ def join_world(plan: Plan, device: torch.device, *, backend: str, timeout_s: flo
     if plan.world_size() == 1 and not roles.under_torchrun():
         return single_world(plan, device)
     device = launch.local_device(device)
-    launch.init_process_group(world=plan.world_size(), backend=backend, device=device, timeout_s=timeout_s)
+    launch.init_process_group(world=plan.world_size(), plan=str(plan), backend=backend, device=device,
+                              timeout_s=timeout_s)
     return mesh_world(plan, device, timeout_s)
 
 

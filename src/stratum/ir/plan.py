@@ -248,13 +248,16 @@ class Plan:
         return list(seen.values())
 
     def table(self, blocks_of: Callable[[int], list[int]]) -> str:
-        """Which process holds what: one row per rank, with the blocks ``blocks_of(pipeline rank)`` returns."""
+        """Which process holds what: one row per rank, with the blocks ``blocks_of(pipeline rank)`` returns (under
+        burst with its widths given, the blocks wider than the rank, the only ones it keeps)."""
         head = f"{'rank':>4}  {'replica':>7}  {'stage rank':>10}  {'split':>5}  {'blocks':<16}  holds"
         rows = [head, "-" * len(head)]
+        widths = self.burst.width_list() if self.burst is not None else ()
         for rank in range(self.world_size()):
             c = self.coord(rank)
+            held = [i for i, w in enumerate(widths) if w > c.replica] if widths else blocks_of(c.stage_rank)
             rows.append(f"{rank:>4}  {c.replica:>7}  {c.stage_rank:>10}  {c.split:>5}  "
-                        f"{_ranges(blocks_of(c.stage_rank)):<16}  {self._holds(c)}")
+                        f"{_ranges(held) or 'none':<16}  {self._holds(c)}")
         return "\n".join(rows)
 
     def _holds(self, c: Coord) -> str:
@@ -266,10 +269,9 @@ class Plan:
         if isinstance(self.leaf, Offload):
             parts.append("training state over device, host and disk (offload)")
         if self.burst is not None:
-            widths = self.burst.width_list()
-            held = [i for i, w in enumerate(widths) if w > c.replica]
-            parts.append(f"runs blocks {_ranges(held) or 'none'} of widths {self.burst.widths}" if widths else
-                         f"runs the blocks wider than {c.replica} (widths planned at start)")
+            parts.append(f"its share of each micro-batch's samples in these blocks (widths {self.burst.widths})"
+                         if self.burst.width_list() else
+                         f"the blocks wider than {c.replica} (widths planned at start; the column lists every block)")
         return "; ".join(parts) or "whole parameters, gradients and AdamW state"
 
     def __str__(self) -> str:

@@ -22,6 +22,9 @@ from stratum.model.streams import block_stream
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
+ADAMW_STATE_BYTES_PER_PARAM = 8
+"""AdamW's two moments, fp32, per trainable parameter."""
+
 
 def lm_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T); fp32 for stability."""
@@ -153,6 +156,15 @@ class BlockSeq(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def owned_numel(self, i: int) -> int:
+        """Elements of the parameters block ``i`` owns (:meth:`owned_parameters`)."""
+        return sum(p.numel() for _, p in self.owned_parameters(i))
+
+    def train_state_bytes(self) -> int:
+        """Parameters, gradients and AdamW moments (fp32) of the whole model; works on ``meta``."""
+        param_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        return 2 * param_bytes + self.num_params() * ADAMW_STATE_BYTES_PER_PARAM
 
     # ---- compute -------------------------------------------------------------------------------------------
     def forward(self, x: Tensor, stream: int | None = None) -> Tensor:

@@ -10,6 +10,7 @@ from stratum.config import ModelConfig
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.gpt import build_gpt, init_gpt_block
+from stratum.model.hf import build_hf
 from stratum.model.meta_init import no_meta_init
 from stratum.model.presets import PRESETS
 from stratum.model.sequential import build_sequential
@@ -51,7 +52,6 @@ def _build(cfg: ModelConfig, *, tokenizer_vocab: int, seq_len: int, seed: int, d
             return build_sequential(cfg.factory, vocab_size=vocab, seq_len=seq_len, seed=seed, lazy=lazy,
                                     device=device)
     if cfg.source == "hf":
-        from stratum.model.hf import build_hf
         seq = build_hf(cfg.hf_path, seed=seed, dropout=cfg.dropout, device=device,
                        vocab_size=cfg.vocab_size or None, lazy=lazy)
         _check_vocab(seq.info.vocab_size, tokenizer_vocab)

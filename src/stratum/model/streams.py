@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from stratum.seeds import mix
 
@@ -36,6 +37,27 @@ def thread_draws_nothing() -> None:
     own generators): its forks are skipped — no copy of the generators, no wait for :data:`GLOBAL_RNG` — so it
     never touches the generators another thread's blocks draw from."""
     _thread.quiet = True
+
+
+DROPOUT_ATTRS = ("dropout", "attention_dropout", "dropout_p")
+"""Attributes that hold a float drop probability on modules that drop out without an ``nn.Dropout`` (Stratum's
+GPT layer and transformers' attention pass it to scaled_dot_product_attention)."""
+
+
+def dropout_site(model: nn.Module) -> tuple[str, float] | None:
+    """The first submodule of ``model`` that drops out in training, with its probability; None if none does.
+    Layouts that cut a micro-batch's tensors across processes (burst's samples, split's heads) draw other masks
+    than one process would, and refuse such a model."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            if mod.p > 0:
+                return name, float(mod.p)
+            continue
+        for attr in DROPOUT_ATTRS:
+            p = getattr(mod, attr, 0.0)
+            if isinstance(p, float) and p > 0:
+                return name, p
+    return None
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ backward runs; on a CPU the "device" is RAM under the device budget, so a spill 
 memory to host-budget memory (milliseconds per block, against a whole extra forward for recompute).
 
 Both sides copy into arenas allocated once, not into fresh tensors: a fresh buffer costs its page faults (CPU)
-or a pinned allocation (GPU) on every copy, which measured 5–8× slower than copying into memory already mapped.
+or a pinned allocation (GPU) on every copy, several times the cost of copying into memory already mapped.
 The host arena holds one micro-batch's spills (micro-batches run one after another); the device arena holds one
 block's restored activations (two with a GPU: one in use, one being filled) and exists only during a backward.
 A block's spills lie back to back in the host arena (or its disk buffer) in the layout they take on the device,

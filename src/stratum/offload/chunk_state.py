@@ -106,7 +106,7 @@ class ChunkState:
 
     def param_items(self, p: Tensor, grads: list, m: Tensor, v: Tensor, lo: int = 0,
                     hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``: :func:`count_steps` first), one per parameter of the chunk with a
+        """adamw_chunks items (:func:`count_steps` first), one per parameter of the chunk with a
         gradient (``grads[k]``: entry k's, any shape, or None), each with its own step count: its range of ``p``
         (the chunk's parameters) and of the moments ``m``/``v``, which hold the chunk's elements ``[lo, hi)`` (a
         piece of a disk chunk's moments; by default all of them)."""
@@ -135,7 +135,7 @@ class ChunkState:
 
     def flat_items(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, lo: int = 0,
                    hi: int | None = None) -> list[tuple]:
-        """adamw_chunks items (``count_step=False``: :func:`count_steps` first) of a chunk whose gradients are one
+        """adamw_chunks items (:func:`count_steps` first) of a chunk whose gradients are one
         flat range ``g`` (a slot's or home copy, like ``p``): the whole range as one item where every parameter has
         a gradient (at every step so far), else parameter by parameter (``param_items``); ``m`` and ``v`` hold
         elements ``[lo, hi)``."""
@@ -151,8 +151,8 @@ class ChunkState:
 def count_steps(chunks: list[ChunkState]) -> None:
     """Advance the step count of the entries of ``chunks`` that got a gradient (``live``), before their update's
     items are made; a chunk where one did not stops updating as one range (``uniform``). The chunks that update
-    as one range advance in one ``_foreach_add_`` (as torch's AdamW advances all its steps): a call per chunk was
-    a kernel launch per chunk on a GPU."""
+    as one range advance in one ``_foreach_add_`` (as torch's AdamW advances all its steps): a call per chunk
+    would be a kernel launch per chunk on a GPU."""
     whole = []
     for c in chunks:
         live = c.live_entries()

@@ -19,15 +19,13 @@ def adamw_flat(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, lr: 
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 count_step: bool = True) -> None:
+def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
     """Update several chunks (or parameters), each ``(p, g, m, v, step, n_decay, used)``: elements
     ``[0, n_decay)`` with weight decay, ``[n_decay, used)`` without (either may be empty), with two fused calls in
-    all (decayed ranges, the rest): a GPU pays a kernel launch per call, and GPT-2 774M in 110
-    chunks spent more time launching per-chunk updates than running them. ``count_step=False``: the steps are
-    already advanced."""
-    if count_step:  # each chunk's step once, however many of its ranges are listed
-        torch._foreach_add_(list({id(it[4]): it[4] for it in items}.values()), 1)
+    all (decayed ranges, the rest): a GPU pays a kernel launch per call, where a model of a hundred chunks would
+    launch more per-chunk updates than it runs. Each chunk's step must already be advanced
+    (``chunk_state.count_steps``), once however many of its ranges are listed."""
     for decay in (True, False):
         p, g, m, v, steps = [], [], [], [], []
         for it in items:
@@ -35,7 +33,7 @@ def adamw_chunks(items: list[tuple], *, lr: float, betas: tuple[float, float], e
             if hi <= lo:
                 continue
             if lo == 0 and hi == it[0].numel():  # a whole parameter: as it is (four fresh views per parameter
-                p.append(it[0])                   # and class cost 4 ms a step for GPT small's 150 parameters)
+                p.append(it[0])                   # and class are per-step Python work for nothing)
                 g.append(it[1])
                 m.append(it[2])
                 v.append(it[3])

@@ -55,7 +55,7 @@ from stratum.offload.tiers import DEVICE, DISK, F32, HALF, HOST, DiskStore, Tier
 from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
 from stratum.offload.vacate import Vacate
-from stratum.runtime.device import HALF_DTYPES, autocast, canonical
+from stratum.runtime.device import HALF_DTYPES, autocast, canonical, peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult
 from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
 
@@ -319,8 +319,8 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         """On a CPU with parameters and moments in host RAM, a streamed chunk's gradients are handed to the host
         optimizer as the tensors autograd made (charged to the host tier while held), as the plain engine's
         optimizer gets them: its slot holds parameters only (twice the slots in a budget), and no gradient is
-        copied into a slot, home, or back between micro-batches (those copies were ~4 % of a small model's
-        step at a 25 % budget). Under mixed-precision placement every chunk's gradients go to the host (``_half``)."""
+        copied into a slot, home, or back between micro-batches. Under mixed-precision placement every chunk's
+        gradients go to the host (``_half``)."""
         self._held: dict[int, Tensor] = {}
         """id(parameter) → its gradient of this step so far (``_grads_home`` chunks)."""
         built: dict[int, ChunkState] = {}
@@ -410,8 +410,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for j, b in enumerate(micro_batches):
-            mb = MicroBatch(y=b.y.to(self.device, non_blocking=True), stream=b.stream, n=n, first=j == 0,
-                            last=j == n - 1)
+            mb = MicroBatch(y=self._on_device(b.y), stream=b.stream, n=n, first=j == 0, last=j == n - 1)
             self._mb = mb
             self._act, self._act_seen = 0, set()
             self._boundary = set()
@@ -419,7 +418,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
                 self.spill.begin_microbatch()
             t_fwd = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                loss = self._forward_pass(mb, b.x.to(self.device, non_blocking=True))
+                loss = self._forward_pass(mb, self._on_device(b.x))
                 total += loss.detach().float()
                 t_bwd = time.perf_counter()
                 self.phase_s["forward"] += t_bwd - t_fwd
@@ -431,6 +430,13 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         total_norm = self._update_after_backward()
         self.end_step()
         return total, total_norm
+
+    def _on_device(self, t: Tensor) -> Tensor:
+        """A micro-batch's tensor on the device in a storage of its own. Where the device is the host the step's
+        micro-batches are views of one batch tensor, and a block saving a view is charged (and the plan's minimum
+        budget exceeded) for the whole batch's storage, not the micro-batch the profile measured."""
+        t = t.to(self.device, non_blocking=True)
+        return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
     def _forward_pass(self, mb: MicroBatch, x: Tensor) -> Tensor:
         """Every block's forward on ``x``, keeping, spilling or dropping (to recompute) what each one saves as
@@ -686,7 +692,6 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         return {name: t.peak for name, t in self.tiers.items()}
 
     def memory_stats(self) -> dict[str, int]:
-        from stratum.runtime.device import peak_memory_bytes
         return {"peak_device_bytes": peak_memory_bytes(self.device),
                 "offload_device_peak_bytes": self.tiers[DEVICE].peak,
                 "offload_host_peak_bytes": self.tiers[HOST].peak,

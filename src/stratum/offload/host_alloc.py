@@ -9,8 +9,7 @@ Two kinds of CPU allocation meet in an offload run and want opposite treatment:
 * Temporaries (the kernels' outputs in each block's forward and backward: 2-30 MB at typical sizes) are
   allocated and freed hundreds of times a step. They must be recycled from the heap: glibc's default sends any
   allocation above its mmap threshold to a fresh mapping, and every page of a fresh mapping costs a page fault
-  on first touch. With a 1 MiB threshold that was 2.3 million faults (≈ 9 GB zeroed) per step of GPT-2 774M at
-  512 tokens, and the plain engine's own forward + backward measured 21-25 s instead of 15 s.
+  on first touch: millions of faults a step for a large model, a large part of its time (docs/offload.md).
 
 :func:`tune_allocator` fixes the threshold above those temporaries (glibc's dynamic threshold would grow to the
 same value, but also its trim threshold, which kept up to 0.9 GB of freed heap resident), and
@@ -88,8 +87,8 @@ def release_free_heap(min_bytes: int = RELEASE_MIN) -> None:
 
 class HeapTrim:
     """Calls :func:`release_free_heap` at step ends while its own cost stays within ``share`` of the time between
-    calls. Asking glibc how much is free walks the heap's free lists: 3.7 ms a call on a 0.25 s step (1.5 %);
-    at 0.5 % it runs every third such step, and every step of a long one (where RSS matters most)."""
+    calls. Asking glibc how much is free walks the heap's free lists, milliseconds a call: on a short step it
+    runs every few steps, on a long one (where RSS matters most) every step."""
 
     def __init__(self, share: float = 0.005):
         self.share = share

@@ -95,10 +95,6 @@ class Placement:
     def uses_disk(self) -> bool:
         return self.param_tier == DISK or self.optimizer_tier == DISK or bool(self.disk_spill_blocks)
 
-    @property
-    def needs_staging(self) -> bool:
-        return self.optimizer_tier == DISK or (self.param_tier == DISK and self.optimizer_tier != DEVICE)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -27,9 +27,10 @@ def planning_profile(cfg, model, device, *, estimate: bool = False):
 
 
 def profile_for(cfg, model, profile_path: str) -> Profile:
-    """The profile at ``profile_path``, refused unless it was taken of ``model`` at ``cfg``'s batch shape and
-    precision (:meth:`Profile.load_for`)."""
-    return Profile.load_for(profile_path, blocks=len(model), micro_batch=cfg.train.micro_batch_size,
+    """The profile at ``profile_path``, refused unless it was taken of ``model`` (its blocks' parameter counts) at
+    ``cfg``'s batch shape and precision (:meth:`Profile.load_for`)."""
+    return Profile.load_for(profile_path, block_params=[model.owned_numel(i) for i in range(len(model))],
+                            micro_batch=cfg.train.micro_batch_size,
                             seq_len=cfg.data.seq_len, precision=cfg.train.precision)
 
 

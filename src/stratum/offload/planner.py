@@ -38,10 +38,9 @@ TIE = 0.01
 predicted a microsecond faster with the parameters on disk must not beat one with everything on the device
 (seen for a 2 ms step under a budget of ten times the training state)."""
 SLOW_DISK = 0.5
-"""Tied plans are first compared at this fraction of the probed disk bandwidths: a shared disk's rate moves
-(probed 1.1-2.65 GB/s read on this machine within one day). Beyond RAM, a probe at 2.65 GB/s tied a plan with no
-deferred updates (less traffic) with ones deferring 14-27 chunks; the first won, and at the disk's usual rate its
-backward was disk-bound (0.78x plain; backward 13.6-15.1 s against 11.5-12.2 s with 14 chunks deferred)."""
+"""Tied plans are first compared at this fraction of the probed disk bandwidths: a shared disk's rate moves by
+more than a factor of two from one probe to the next, and a plan tied at a fast probe (less traffic, nothing
+deferred) can be disk-bound at the disk's usual rate where one deferring updates is not (docs/offload.md)."""
 
 
 def _spill_choice(costs: Costs, room: float) -> frozenset[int]:
@@ -167,6 +166,8 @@ class _Job:
     places 16-bit chunks (its loss scaling is built on them), its updates all after the backward (``deferred``:
     they wait for the overflow check)."""
 
+    delayed: bool
+    """offload.delayed_update: only the placements it runs on (16-bit chunks, masters and moments in host RAM)."""
     chunk_grads: bool
     """offload.grad_handoff resolved for this machine (``grad_handoff.per_chunk``): 16-bit placements hand their
     gradients to the host a chunk at a time (Placement.chunk_grads)."""
@@ -175,8 +176,11 @@ class _Job:
         """Placement.half_params to try with these tiers: 16-bit chunks where the tiers allow them (``half_chunks``;
         fp16: nothing else). Under bf16 with the parameters' home on disk fp32 chunks are tried too: their
         gradients go to disk, so the host holds no 16-bit copies of the masters and no fp32 gradient accumulators
-        (6 bytes per parameter) — a host budget too small for those still trains."""
+        (6 bytes per parameter) — a host budget too small for those still trains. The delayed update runs on
+        16-bit chunks with masters and moments in host RAM alone."""
         half = half_chunks(self.precision, opt, ptier)
+        if self.delayed:
+            return (True,) if half and opt == HOST and ptier != DISK else ()
         if self.precision == "fp16":
             return (True,) if half else ()
         return (True, False) if half and ptier == DISK else (half,)
@@ -281,7 +285,7 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
             continue
         here = min(here, step)
         # ties (TIE): less traffic, faster tiers, then deeper prefetch (fetches ahead cost no memory: the slots
-        # are the plan's; depth 4 against 2 measured 1-2 % faster on a CPU where both predict full overlap)
+        # are the plan's, and a deeper queue absorbs the jitter a full-overlap prediction leaves out)
         key = (sum(tr.values()), TIERS.index(t.ptier), TIERS.index(t.opt), peak[DISK], peak[HOST], peak[DEVICE],
                -t.layout.chunk_elems, -k, step)
         search.fits.append((step, key, _placement(job, t, R, k, late, predicted)))
@@ -313,8 +317,9 @@ class NoFit(StratumError):
         self.smallest_device = smallest_device
 
 
-def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None) -> NoFit:
-    """The error when no candidate fits: the smallest budgets that would."""
+def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None, overrides: list[str]) -> NoFit:
+    """The error when no candidate fits: the smallest budgets that would (under the expert ``overrides`` given,
+    named since they narrow the search)."""
     parts = []
     low_dev, low_host = search.smallest[DEVICE], search.smallest[HOST]
     if low_dev is not None:
@@ -323,11 +328,14 @@ def _no_fit(search: _Search, device_budget: int | None, host_budget: int | None)
     if low_host is not None and (low_dev is None or host_budget is not None):
         parts.append(f"the smallest offload.host_budget that works with this device budget is "
                      f"{fmt_at_least(low_host, host_budget)} ({low_host:,} bytes)")
-    if not parts:
+    if not parts and overrides and device_budget is None and host_budget is None:
+        parts.append("the budgets are unlimited: unset the overrides to let the planner choose")
+    elif not parts:
         parts.append("no placement fits even with the largest chunks on disk; raise both budgets "
                      "or free disk space under offload.disk_dir")
     return NoFit(f"offload: no placement fits offload.device_budget = {fmt_bytes(device_budget)} and "
-                 f"offload.host_budget = {fmt_bytes(host_budget)} (with the overrides given); " + "; ".join(parts),
+                 f"offload.host_budget = {fmt_bytes(host_budget)}"
+                 + (f" (with {', '.join(overrides)} as given)" if overrides else "") + "; " + "; ".join(parts),
                  low_dev)
 
 
@@ -355,21 +363,23 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                    chunk_elems: int | None = None, resident_chunks: int | None = None,
                    optimizer_tier: str | None = None, prefetch_depth: int | None = None,
                    activations: str | None = None, kept_blocks: int | None = None,
-                   inflight: tuple[int, ...] = (), precision: str = "fp32", grad_handoff: str = "auto") -> Placement:
+                   inflight: tuple[int, ...] = (), precision: str = "fp32", grad_handoff: str = "auto",
+                   delayed_update: bool = False) -> Placement:
     """The fastest predicted placement under the budgets; ``None`` arguments are the planner's to choose
     (``kept_blocks``: how many of the last blocks keep their activations on the device, Placement.kept_blocks).
     ``inflight``: on a pipeline rank, Placement.inflight (the profile's blocks are then stage_profile's).
     ``precision``: train.precision (bf16: 16-bit chunks on the device where the tiers allow, Placement.half_params;
     fp16: only such placements, every update after the backward). ``grad_handoff``: offload.grad_handoff (16-bit
     placements' gradients a chunk at a time — auto: where copies are asynchronous, unless the chunks' buffers
-    leave no placement that fits — or a tensor at a time)."""
+    leave no placement that fits — or a tensor at a time). ``delayed_update``: offload.delayed_update (only the
+    placements it runs on)."""
     job = _Job(seq=seq, costs=Costs.blocks(profile) if profile is not None else Costs.zeros(len(seq)),
                n_params=sum(p.numel() for _, p in param_order(seq)), n_micro=n_micro,
                deferred=grad_clip > 0 or precision == "fp16",
                bw=bandwidths, device_budget=device_budget, host_budget=host_budget, disk_free=disk_free,
                resident_chunks=resident_chunks,
                depths=[prefetch_depth] if prefetch_depth is not None else list(PREFETCH_DEPTHS),
-               kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision,
+               kept_blocks=kept_blocks, inflight=tuple(inflight), precision=precision, delayed=delayed_update,
                chunk_grads=per_chunk(grad_handoff, bandwidths is not None and bandwidths.async_copies))
     opts = [optimizer_tier] if optimizer_tier else [DEVICE, HOST, DISK]
     recs = [activations] if activations is not None else list(ACTIVATIONS)
@@ -379,7 +389,13 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
         job = replace(job, chunk_grads=False)
         search = _search(job, opts, recs, chunk_elems)
     if not search.fits:
-        err = _no_fit(search, device_budget, host_budget)
+        given = {"offload.chunk_size": chunk_elems, "offload.resident_chunks": resident_chunks,
+                 "offload.optimizer_tier": optimizer_tier, "offload.prefetch_depth": prefetch_depth,
+                 "offload.activations": activations, "kept_blocks": kept_blocks}
+        err = _no_fit(search, device_budget, host_budget, [k for k, v in given.items() if v is not None])
+        if delayed_update:
+            raise StratumError(f"{err}; offload.delayed_update keeps the fp32 masters and AdamW in host RAM (set it "
+                               "to false for the other placements)")
         if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
             raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
         raise err

@@ -237,7 +237,7 @@ class Residency(EngineState):
         c = self._ptr2chunk.get(ptr)
         if c is not None:
             if c.pinned and not self._yielding:
-                # never moves: saved as is (an unpack per weight cost ~3 % of a small CPU step); a vacate moves it
+                # never moves: saved as is (no unpack per weight, per step); only a vacate moves it
                 return x
             # offset from the slot's start: the chunk may come back in another slot (aligned slots are views at
             # different offsets of their allocations)

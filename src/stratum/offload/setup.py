@@ -112,12 +112,8 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
                                 device=device, precision=cfg.train.precision, seed=cfg.train.seed)
     return dict(device_budget=dev_b, host_budget=host_b, disk_free=disk_free_bytes(disk), bandwidths=bw,
                 profile=profile, n_micro=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip,
-                precision=cfg.train.precision, grad_handoff=cfg.offload.grad_handoff, **kw)
-
-
-def make_offload_engine(cfg: Config, model: BlockSeq, device: torch.device):
-    """The offload engine of ``cfg`` over ``model``, planned here (the plan printed)."""
-    return offload_engine(cfg, model, device, placement_for(cfg, model, device, always_profile=True))
+                precision=cfg.train.precision, grad_handoff=cfg.offload.grad_handoff,
+                delayed_update=cfg.offload.delayed_update, **kw)
 
 
 def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement,

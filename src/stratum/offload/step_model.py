@@ -74,8 +74,8 @@ def grads_to_host(opt: str, ptier: str, async_copies: bool, half: bool = False) 
 def runs_inline(async_copies: bool, *tiers: str) -> bool:
     """Work that touches only ``tiers`` runs on the training thread (prefetch.Inline), not on a thread beside it:
     on a CPU, unless the work waits on the disk. There compute keeps every core busy, and a thread beside it adds
-    only contention: same-process A/B at a 25 % budget (GPT ``small``), chunk fetches 2 % and AdamW 1-2 % faster
-    in place than on their threads. A disk read or write waits on the device, and compute goes on beside it."""
+    only contention (docs/offload.md has the A/B). A disk read or write waits on the device, and compute goes on
+    beside it."""
     return not async_copies and DISK not in tiers
 
 
@@ -359,8 +359,7 @@ def _hidden_fraction(c: _Candidate) -> float:
         return 0.0  # no free slot to prefetch into while a block holds its chunks: transfers are not overlapped
     # prefetch overlaps transfers with compute, window by window; deeper prefetch hides more of the per-access
     # latency, and only as many chunks as there are slots beside the running block's can be in flight (adjacent
-    # blocks share a chunk): 5 slots for 4-chunk blocks measured 31 s/step with 10 s of waits where full overlap
-    # predicted 21 s
+    # blocks share a chunk), so few free slots overlap only part of the transfers
     need = need_max if n_stream else 1
     in_flight = 1.0 if not n_stream else min(1.0, (c.slots - need) / max(need - 1, 1))
     return min(1.0, 0.5 + 0.25 * c.k) * in_flight
@@ -383,8 +382,7 @@ def _step_seconds(c: _Candidate, t: _Traffic, n_params: int, bw: Bandwidths) -> 
         return disk + tr["h2d"] / max(bw.h2d, 1.0) + tr["d2h"] / max(bw.d2h, 1.0)
     if not c.async_copies:
         # On a CPU compute keeps every core busy: a memcpy (a spill, a chunk fetched from host RAM) takes its time
-        # from compute wherever it runs. Counted as overlapped, fetches looked free: the plan at a 25 % budget
-        # predicted 0.23 s for a 0.25 s step.
+        # from compute wherever it runs, so it is added to the step, never overlapped.
         rate_hd = max(min(bw.h2d, bw.d2h), 1.0)
         fwd += t.memcpy[False] / rate_hd
         bwd += t.memcpy[True] / rate_hd

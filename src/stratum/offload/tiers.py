@@ -154,9 +154,8 @@ MIN_DISK_PROBE = 64 << 10
 def _measure_disk(dirname: str, nbytes: int, pieces: int = 8) -> tuple[float, float]:
     """Sustained read and write bytes/s of the disk store's own I/O path (direct where the file system allows
     it): ``pieces`` requests of ``nbytes`` written (then synced) and read back one after another, as training
-    streams chunks. A single request measures the disk's burst rate instead: best-of-several 32 MiB writes gave
-    2.4-3.5 GB/s where 256 MiB streamed at 1.6-1.9 and training got about as much, and the planner then
-    expected a disk-bound backward to be compute-bound."""
+    streams chunks. A single request measures the disk's burst rate instead, well above what a stream of chunks
+    sustains, and the planner would then expect a disk-bound backward to be compute-bound."""
     base = Path(dirname)
     # a nearly full disk gets a smaller probe (at most half its free space), and none below MIN_DISK_PROBE: its
     # rate reads as 0, and the planner, which also sees the free bytes, keeps the training state off it
@@ -552,9 +551,6 @@ class DiskStore:
             if fd is not None:
                 os.close(fd)
             self.tier.release(n)
-
-    def write_async(self, key: str, t: torch.Tensor) -> Future:
-        return self.pool.submit(self.write, key, t)
 
     def read_async(self, key: str, into: torch.Tensor) -> Future:
         return self.pool.submit(self.read, key, into)

@@ -35,8 +35,8 @@ class Updates(EngineState):
     def _take_grad(self, param: Tensor) -> None:
         """Post-accumulate hook: autograd has left a gradient contribution in ``param.grad`` (usually the very
         tensor the backward produced, as in the plain engine); move it to the chunk: the first of a step is
-        copied, later ones added. A ``.grad`` that viewed the slot instead made every step zero all slots and
-        add every gradient into them: two extra passes over the gradients (about 3 % of a CPU step)."""
+        copied, later ones added. A ``.grad`` viewing the slot would make every step zero all slots and add every
+        gradient into them: two extra passes over the gradients."""
         k = id(param)
         grad = param.grad
         assert grad is not None  # a post-accumulate hook runs with the gradient in place
@@ -187,7 +187,7 @@ class Updates(EngineState):
         count_steps(chunks)
         items = [it for c in chunks for it in c.flat_items(c.p(), c.g(), *c.moments())]
         adamw_chunks(items, lr=self._lr, betas=self.spec.betas, eps=self.spec.eps,
-                     weight_decay=self.spec.weight_decay, count_step=False)
+                     weight_decay=self.spec.weight_decay)
         for c in chunks:
             c.grad = None
             if not c.pinned:
@@ -211,8 +211,7 @@ class Updates(EngineState):
         """AdamW over ``ChunkState.param_items`` (autograd's gradients, scaled by the clip ``coef`` first)."""
         if coef is not None:
             torch._foreach_mul_([it[1] for it in items], coef)
-        adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay,
-                     count_step=False)
+        adamw_chunks(items, lr=lr, betas=self.spec.betas, eps=self.spec.eps, weight_decay=self.spec.weight_decay)
 
     def _submit_host_update(self, c: ChunkState, coef: Tensor | None, src: Tensor | None = None,
                             lr: float | None = None, spill=None) -> None:
@@ -337,7 +336,7 @@ class Updates(EngineState):
         count_steps([c])
         if self.placement.optimizer_tier != DISK:
             arrived()
-            adamw_chunks(c.flat_items(p, g, *c.moments()), count_step=False, **self._adamw_kw(lr))
+            adamw_chunks(c.flat_items(p, g, *c.moments()), **self._adamw_kw(lr))
         else:
             p_written = self._adamw_disk_moments(c, lambda m, v, lo, hi: c.flat_items(p, g, m, v, lo, hi), lr,
                                                  arrived, p if on_disk else None)
@@ -377,7 +376,7 @@ class Updates(EngineState):
             self._disk.read_range(f"v{c.i}", lo, v)
             fm.result()
             arrived()
-            adamw_chunks(items(m, v, lo, hi), count_step=False, **kw)
+            adamw_chunks(items(m, v, lo, hi), **kw)
             outs = [self._disk.pool.submit(self._disk.write_range, f"m{c.i}", lo, m)]
             if master is not None and lo + piece >= c.spec.used:
                 outs.append(self._disk.pool.submit(self._disk.write, f"p{c.i}", master))

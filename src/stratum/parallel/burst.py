@@ -38,15 +38,12 @@ from stratum.ir.plan import Burst
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.model.placement import localize
-from stratum.model.streams import block_stream
+from stratum.model.streams import block_stream, dropout_site
 from stratum.plan.burst import BurstPlan, overlaps, spans
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import leaf_optimizer, load_params
-from stratum.runtime.tensors import full_tensor
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-_HEADER = 8  # dtype code, ndim, up to 6 dimensions
+from stratum.runtime.tensors import HEADER_LEN, WIRE_DTYPES, full_tensor, header_shape, tensor_header
 
 
 def check_burst_model(model: BlockSeq, node: Burst, micro_batch: int) -> None:
@@ -64,10 +61,9 @@ def check_burst_model(model: BlockSeq, node: Burst, micro_batch: int) -> None:
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             raise StratumError(f"{where}: {name} is a batch norm, whose statistics over a process's share of the "
                                "samples differ from the whole batch's; burst cannot run it")
-        p = mod.p if isinstance(mod, nn.modules.dropout._DropoutNd) else getattr(mod, "dropout", 0.0)
-        if isinstance(p, float) and p > 0:
-            raise StratumError(f"{where}: {name} drops out (p = {p:g}); burst splits a micro-batch's samples over "
-                               "processes, whose masks would differ from the plain engine's — set model.dropout = 0")
+    if site := dropout_site(model):
+        raise StratumError(f"{where}: {site[0]} drops out (p = {site[1]:g}); burst splits a micro-batch's samples "
+                           "over processes, whose masks would differ from the plain engine's — set model.dropout = 0")
 
 
 def prefix_groups(widths: tuple[int, ...], timeout_s: float) -> dict[int, object]:
@@ -125,21 +121,20 @@ class BurstEngine(GradEngine):
         tensors alive until the sends are waited for."""
         works = []
         for dst, t in pieces:
-            if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
-                raise StratumError(f"burst moves tensors of up to {_HEADER - 2} dimensions in {_DTYPES}; a block "
-                                   f"returned {t.dim()} dimensions of {t.dtype}")
-            head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
-                                dtype=torch.int64, device=self.device)
+            head = tensor_header(t)
+            if head is None:
+                raise StratumError(f"burst moves tensors of up to {HEADER_LEN - 2} dimensions in {WIRE_DTYPES}; a "
+                                   f"block returned {t.dim()} dimensions of {t.dtype}")
             t = t.contiguous()
             works += [(dist.isend(head, dst, tag=1), head), (dist.isend(t, dst, tag=2), t)]
         return works
 
     def _recv(self, src: int) -> torch.Tensor:
         """The next tensor from ``src``, shaped as the header that precedes it says."""
-        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        head = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(head, src, tag=1), f"a burst tensor header from rank {src}")
-        code, ndim, *dims = head.tolist()
-        buf = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
+        shape, dtype = header_shape(head)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         self._wait(dist.irecv(buf, src, tag=2), f"a burst boundary tensor from rank {src}")
         return buf
 

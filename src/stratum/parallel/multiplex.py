@@ -14,7 +14,6 @@ has now, and threads started afterwards inherit it from the thread that starts t
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from stratum.config import PRIORITIES
 from stratum.errors import StratumError
@@ -62,16 +61,3 @@ def apply_priority(priority: str) -> str:
     return "priority: background (nice 19; this OS refused SCHED_IDLE)"
 
 
-def thread_policies(pid: int) -> set[str]:
-    """The scheduling policies of ``pid``'s threads by name (``idle``, ``normal``, …), from /proc: what a test or
-    a benchmark checks a background job really runs under."""
-    names = {getattr(os, n): n.removeprefix("SCHED_").lower() for n in dir(os) if n.startswith("SCHED_")
-             and isinstance(getattr(os, n), int) and n not in ("SCHED_RESET_ON_FORK",)}
-    names[0] = "normal"  # SCHED_OTHER
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out.add(names.get(os.sched_getscheduler(int(task.name)), "other"))
-        except OSError:
-            continue
-    return out

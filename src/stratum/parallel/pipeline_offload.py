@@ -203,7 +203,7 @@ class OffloadPipelineEngine(PipelineEngine):
             return placement
         if all(needs[r] > 0 for r in failed):
             low, o = int(max(needs)), self.cfg.offload
-            raise StratumError(f"offload: no placement fits pipeline rank(s) {', '.join(map(str, failed))} under "
+            raise StratumError(f"offload: no placement fits the stages of rank(s) {', '.join(map(str, failed))} under "
                                f"device_budget = {o.device_budget or 'unlimited'} and host_budget = "
                                f"{o.host_budget or 'unlimited'}; the smallest device budget that fits every rank "
                                f"at this host budget is {fmt_at_least(low, None)} ({low:,} bytes; per rank: "

@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from stratum.errors import StratumError
 from stratum.model import gpt, hf
 from stratum.model.blockseq import BlockSeq
+from stratum.model.streams import dropout_site
 
 REPLICATED_KINDS = (gpt.Embed, gpt.Head, hf.GPT2Embed, hf.TokenEmbed, hf.Head)
 """Embedding and head blocks: split leaves them whole on every rank of the group."""
@@ -222,12 +223,17 @@ def _check_block(i: int, block: nn.Module, n: int) -> None:
 def check_split(model: BlockSeq, n: int) -> None:
     """Refuse ``split(n)`` for ``model`` with a one-line StratumError: a block kind split does not know (named
     by its class), or heads, KV heads or MLP width not divisible by ``n``. Reads only shapes and attributes, so
-    a model on the meta device will do."""
+    a model on the meta device will do. A model that drops out is refused too: a rank draws attention-dropout
+    masks for its heads alone, which are not its share of the masks one process draws for all of them (nor are
+    the draws after it), so the losses would leave the plain engine's."""
     if n < 1:
         raise StratumError(f"split({n}): the split size must be at least 1")
     for i, block in enumerate(model.blocks):
         if not isinstance(block, REPLICATED_KINDS):
             _check_block(i, block, n)
+    if n > 1 and (site := dropout_site(model)):
+        raise StratumError(f"split({n}): {site[0]} drops out (p = {site[1]:g}); each rank would draw masks for its "
+                           "own heads, not the plain engine's — set model.dropout = 0, or use a plan without split")
 
 
 @dataclass(frozen=True)

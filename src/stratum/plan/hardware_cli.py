@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -44,11 +43,11 @@ from stratum.atomic import atomic_write_text
 from stratum.errors import StratumError
 from stratum.ir.hardware import Device, Hardware, Link, dump_hardware, load_hardware
 from stratum.ir.prices import ring_link
-from stratum.offload.tiers import measure_bandwidths
+from stratum.offload.tiers import disk_free_bytes, measure_bandwidths
 from stratum.plan.process_probe import probe_processes
-from stratum.runtime.device import compute_rate
-from stratum.train.dryrun import device_memory_bytes
-from stratum.train.threads import threads_among, usable_cores
+from stratum.procs import usable_cores
+from stratum.runtime.device import compute_rate, device_memory_bytes
+from stratum.train.threads import threads_among
 from stratum.units import fmt_bytes
 
 PROBE_TIMEOUT_S = 120.0
@@ -117,7 +116,8 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
               f"GB/s, {intra.latency * 1e6:.3g} us",
               "inter_node: not measured (one node): a copy of intra_node; edit it for a cluster"]
     hw = Hardware(devices=tuple(devs), host_bytes=device_memory_bytes(torch.device("cpu")) or 0,
-                  disk_bytes=_free(disk_dir), host_link=host, disk_link=disk, intra_node=intra, inter_node=intra,
+                  disk_bytes=disk_free_bytes(Path(disk_dir)), host_link=host, disk_link=disk, intra_node=intra,
+                  inter_node=intra,
                   shared_cores=0 if torch.cuda.is_available() else usable_cores())
     return hw, notes
 
@@ -172,7 +172,3 @@ def _disk_latency(disk_dir: str) -> float:
     finally:
         os.close(fd)
         os.unlink(path)
-
-
-def _free(disk_dir: str) -> int:
-    return shutil.disk_usage(disk_dir).free

@@ -58,14 +58,14 @@ from stratum.plan.rank_probe import (
 )
 from stratum.plan.search import SearchResult, search
 from stratum.plan.step_probe import measure_step_costs, probe_batches
+from stratum.procs import usable_cores
 from stratum.profile import Profile
 from stratum.profile.fast import cache_key, cache_path
-from stratum.runtime.device import resolve_device, synchronize
+from stratum.runtime.device import device_memory_bytes, resolve_device, synchronize
 from stratum.runtime.engine import OptimSpec
 from stratum.runtime.optim import make_adamw, optim_spec
 from stratum.train.checkpoint import latest_checkpoint
-from stratum.train.dryrun import device_memory_bytes
-from stratum.train.threads import threads_among, usable_cores
+from stratum.train.threads import threads_among
 from stratum.units import fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,8 @@ def machine_ranks(cfg: Config, n: int, work: Workload) -> tuple[Hardware, Worklo
     split_ids = work.splittable if SPLIT_PROBE in work.split_sizes and n % SPLIT_PROBE == 0 else ()
     probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
                         timeout_s=PROBE_TIMEOUT_S, split_ids=tuple(split_ids))
-    ranks = replace(as_ranks_run(hw, probe), shared_cores=hw.shared_cores or usable_cores())  # (an older cache)
+    # (a spec written without shared_cores: the ranks share this machine's cores)
+    ranks = replace(as_ranks_run(hw, probe), shared_cores=hw.shared_cores or usable_cores())
     logger.info(f"{n} ranks of this model, probed: {probe.alone_s * 1e3:.2f} ms a micro-batch alone, "
                 f"{', '.join(f'{x * 1e3:.2f}' for x in probe.rank_s)} ms together → speeds "
                 f"{', '.join(f'{d.speed:.2f}' for d in ranks.devices[:n])} (matrix multiply: "

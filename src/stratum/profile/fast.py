@@ -224,7 +224,7 @@ def cache_key(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.
     facts = {"model": model.fingerprint(), "device": describe(device), "threads": torch.get_num_threads(),
              "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
              "probe": probe_batch(model, micro_batch, seq_len), "runs": PROBE_RUNS, "torch": torch.__version__,
-             "format": FORMAT_VERSION, "measures": "half_bytes,logits_bytes"}  # (fields measured since)
+             "format": FORMAT_VERSION, "measures": "half_bytes,logits_bytes"}  # (the optional fields it holds)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -215,16 +215,20 @@ class Profile:
         return cls.from_dict(d)
 
     @classmethod
-    def load_for(cls, path: str | os.PathLike, *, blocks: int, micro_batch: int, seq_len: int,
+    def load_for(cls, path: str | os.PathLike, *, block_params: list[int], micro_batch: int, seq_len: int,
                  precision: str) -> Profile:
-        """The profile at ``path``, refused unless it was taken of a model of ``blocks`` blocks at this micro-batch,
-        sequence length and precision: a planner reading its bytes and seconds for another batch shape would
-        approve budgets the run then refuses."""
+        """The profile at ``path``, refused unless it was taken of a model whose blocks own ``block_params``
+        parameters each, at this micro-batch, sequence length and precision: a planner reading its bytes and
+        seconds for another model or batch shape would approve budgets the run then refuses."""
         prof = cls.load(path)
-        want = {"blocks": blocks, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision}
+        want = {"blocks": len(block_params), "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision}
         got = {"blocks": len(prof.blocks), "micro_batch": prof.micro_batch, "seq_len": prof.seq_len,
                "precision": prof.precision}
-        if diff := [f"{k} {got[k]} (the config's: {want[k]})" for k in want if got[k] != want[k]]:
+        diff = [f"{k} {got[k]} (the config's: {want[k]})" for k in want if got[k] != want[k]]
+        if not diff:
+            diff = [f"block {b.index} ({b.name}) of {b.n_params:,} parameters (the config's: {n:,})"
+                    for b, n in zip(prof.blocks, block_params) if b.n_params != n][:1]
+        if diff:
             raise StratumError(f"profile {path} was taken with {', '.join(diff)}; re-run `stratum profile` with "
                                "this config, or leave --profile out to have it measured")
         return prof

@@ -21,13 +21,11 @@ from torch import Tensor, nn
 
 from stratum.config import Config
 from stratum.data.prepare import make_tokenizer
-from stratum.model.blockseq import BlockSeq
+from stratum.model.blockseq import ADAMW_STATE_BYTES_PER_PARAM, BlockSeq
 from stratum.model.build import build_model
 from stratum.model.neutral import neutral
 from stratum.profile.profile import BlockProfile, Profile, spill_key
 from stratum.runtime.device import HALF_DTYPES, autocast, describe, resolve_device, synchronize
-
-ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32
 
 
 def block_static_bytes(seq: BlockSeq, i: int) -> dict[str, int]:

@@ -51,16 +51,6 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def current_rss_bytes() -> int:
-    """Resident set size now, bytes (Linux /proc; falls back to the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            import os
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return peak_rss_bytes()
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of the training device: CUDA allocator peak on a GPU, peak process RSS on the CPU."""
     if device.type == "cuda":
@@ -96,3 +86,18 @@ def compute_rate(device: torch.device, seconds: float = 0.3, n: int = 256, dtype
         synchronize(device)
         done += 8
     return done * 2 * n**3 / (time.perf_counter() - t0) / 1e9
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory a run could take on ``device`` now: free GPU memory, or on a CPU the RAM Linux reports available
+    (MemAvailable); ``None`` where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

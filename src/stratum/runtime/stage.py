@@ -46,12 +46,10 @@ from stratum.errors import PeerError
 from stratum.model.neutral import neutral
 from stratum.model.streams import block_stream
 from stratum.runtime.device import autocast
+from stratum.runtime.tensors import HEADER_LEN, header_shape, tensor_header
 from stratum.schedule.ir import Action, Schedule
 from stratum.schedule.validate import ActionComm, Transfer, comm_plan
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8)
-_HDR_LEN = 10  # dtype code, ndim, up to 8 dims
 _HDR_TAG = 1 << 30
 FAULT_ENV = "STRATUM_TEST_FAULT"
 """Test hook: ``RANK:STEP:ACTION`` makes that rank SIGKILL itself before that action (index in its list) of that
@@ -333,12 +331,11 @@ class StageRuntime:
                     inp = x.to(self.device)
                 else:
                     if where[s - 1] != self.rank:
-                        hdr = torch.zeros(_HDR_LEN, dtype=torch.int64, device=self.device)
+                        hdr = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
                         w = dist.irecv(hdr, self.peers[where[s - 1]], tag=_HDR_TAG + s - 1)
                         self._wait(w, f"the shape of stage {s - 1}'s output from rank {where[s - 1]}",
                                    self._deadline())
-                        h = hdr.tolist()
-                        shapes[s - 1] = (torch.Size(h[2:2 + h[1]]), _DTYPES[h[0]])
+                        shapes[s - 1] = header_shape(hdr)
                     shp, dt = shapes[s - 1]
                     inp = torch.zeros(shp, dtype=dt, device=self.device)
                 if s == self.S - 1:
@@ -347,12 +344,11 @@ class StageRuntime:
                     out = self.runner.forward(s, -1, inp, None, False)
                 shapes[s] = (out.shape, out.dtype)
                 if where[s + 1] != self.rank:
-                    if out.dim() > _HDR_LEN - 2 or out.dtype not in _DTYPES:
+                    head = tensor_header(out)
+                    if head is None:
                         raise PeerError(f"stage {s} outputs a {out.dim()}-d {out.dtype} tensor; the pipeline "
                                         "carries up to 8-d tensors of common dtypes")
-                    h = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
-                    hdr = torch.tensor(h + [0] * (_HDR_LEN - len(h)), dtype=torch.int64, device=self.device)
-                    w = dist.isend(hdr, self.peers[where[s + 1]], tag=_HDR_TAG + s)
+                    w = dist.isend(head, self.peers[where[s + 1]], tag=_HDR_TAG + s)
                     self._wait(w, f"rank {where[s + 1]} to take the shape of stage {s}'s output",
                                self._deadline())
         self._shapes[key] = shapes

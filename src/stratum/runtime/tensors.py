@@ -103,3 +103,25 @@ def shard_state(state: dict[str, Tensor], like: Tensor) -> dict[str, Tensor]:
     shards; ``step`` stays a plain scalar, as torch's AdamW keeps it for DTensor parameters too."""
     return {k: shard_like(v, like) if k != "step" and tuple(v.shape) == tuple(like.shape)
             else v.to(like.device, copy=True) for k, v in state.items()}
+
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
+               torch.uint8)
+"""Dtypes a tensor header describes (what a block hands the next one across processes)."""
+HEADER_LEN = 10
+"""A tensor header's int64 entries: dtype code, dimensions, up to 8 sizes."""
+
+
+def tensor_header(t: Tensor) -> Tensor | None:
+    """The header a receiver needs to post a receive for ``t`` (its dtype and shape, as int64 on ``t``'s device);
+    None for a tensor no header describes (over 8 dimensions, or a dtype not in :data:`WIRE_DTYPES`)."""
+    if t.dim() > HEADER_LEN - 2 or t.dtype not in WIRE_DTYPES:
+        return None
+    h = [WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(h + [0] * (HEADER_LEN - len(h)), dtype=torch.int64, device=t.device)
+
+
+def header_shape(header: Tensor) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype a :func:`tensor_header` describes."""
+    code, ndim, *dims = header.tolist()
+    return torch.Size(dims[:ndim]), WIRE_DTYPES[code]

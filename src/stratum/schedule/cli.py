@@ -14,14 +14,19 @@ from stratum.atomic import check_writable
 from stratum.errors import StratumError
 from stratum.plan.partition import even_partition, inflight_from_schedule, partition, stage_costs
 from stratum.profile.profile import Profile
-from stratum.schedule.generators import KINDS, TORCH_PREFIX, generate, is_kind
+from stratum.schedule.generators import KINDS, SEARCHED, TORCH_PREFIX, generate, is_kind, size_knob
 from stratum.schedule.ir import Schedule
 from stratum.schedule.textio import load, save
 from stratum.schedule.validate import validate
 from stratum.sim.pipeline import Costs, simulate
+from stratum.sim.trace import write_chrome_trace, write_png
 
 MAX_GENERATED = 100_000
-"""Largest ranks × micro-batches × virtual × waves generated: 200 × 200 × 2 takes seconds, 2000 × 2000 hours."""
+"""Largest ranks × micro-batches (× virtual or waves, for the kinds that read them) generated: a schedule of this
+size is generated and checked in about ten seconds."""
+MAX_SEARCHED = 20_000
+"""The same for the kinds whose generator searches several orders (generators.SEARCHED), which take as long at
+a fifth of the size."""
 VALID = "valid: every action present once, dependencies hold, no deadlock"
 
 
@@ -78,11 +83,13 @@ def _schedule(args) -> Schedule:
             raise StratumError(f"{flag} must be ≥ 1, got {value}")
     if args.file:
         return load(args.file)  # validates
-    size = args.ranks * args.microbatches * args.virtual * args.waves
-    if size > MAX_GENERATED:
-        raise StratumError(f"--ranks × --microbatches × --virtual × --waves = {size:,} is more than the "
-                           f"{MAX_GENERATED:,} a schedule is generated, checked and shown for in seconds; "
-                           "use fewer ranks or micro-batches")
+    knob = size_knob(args.kind)
+    size = args.ranks * args.microbatches * (getattr(args, knob) if knob else 1)
+    most = MAX_SEARCHED if args.kind in SEARCHED else MAX_GENERATED
+    if size > most:
+        product = "--ranks × --microbatches" + (f" × --{knob}" if knob else "")
+        raise StratumError(f"{product} = {size:,} is more than the {most:,} a {args.kind} schedule is generated and "
+                           "checked for in seconds; use fewer ranks or micro-batches")
     s = generate(args.kind, ranks=args.ranks, microbatches=args.microbatches, virtual=args.virtual,
                  waves=args.waves)
     validate(s)
@@ -106,6 +113,9 @@ def _check_outputs(args) -> None:
 def run(args) -> int:
     """Execute ``stratum schedule show|simulate``; returns the exit code."""
     _check_outputs(args)
+    if getattr(args, "partition", "even") == "balanced" and not args.profile:
+        raise StratumError("--partition balanced balances profiled block times: give --profile FILE (from "
+                           "`stratum profile`), or leave --partition out for unit costs")
     sched = _schedule(args)
     if args.schedule_cmd == "show":
         print(sched.describe())
@@ -128,7 +138,7 @@ def run(args) -> int:
         prof = Profile.load(args.profile)
         if len(prof.blocks) < S:
             raise StratumError(f"profile has {len(prof.blocks)} blocks, fewer than the schedule's {S} stages")
-        if getattr(args, "partition", "even") == "balanced":
+        if args.partition == "balanced":
             part = partition(prof, sched.stage_to_rank, inflight=inflight_from_schedule(sched))
             print(part.table())
             costs = stage_costs(prof, part, latency=args.latency, bandwidth=args.bandwidth)
@@ -141,9 +151,9 @@ def run(args) -> int:
     res = simulate(sched, costs)
     print(res.summary())
     if args.trace:
-        res.write_trace(args.trace)
+        write_chrome_trace(res, args.trace)
         print(f"wrote {args.trace}")
     if args.png:
-        res.write_png(args.png)
+        write_png(res, args.png)
         print(f"wrote {args.png}")
     return 0

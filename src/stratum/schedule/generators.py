@@ -420,6 +420,22 @@ def is_kind(kind: str) -> bool:
     return kind in KINDS or kind.startswith(TORCH_PREFIX)
 
 
+SEARCHED = ("zb-1f1b", "wave", "zb-wave")
+"""Kinds whose generator simulates several candidate orders and keeps the best: slower per action than the
+closed-form kinds."""
+
+
+def size_knob(kind: str) -> str | None:
+    """The knob that multiplies the size of a schedule of ``kind`` beyond ranks × micro-batches: ``"virtual"``
+    (interleaved, torch's classes), ``"waves"`` (wave, zb-wave) or ``None``. A size cap counts only this knob,
+    never one the kind ignores."""
+    if kind == "interleaved" or kind.startswith(TORCH_PREFIX):
+        return "virtual"
+    if kind in ("wave", "zb-wave"):
+        return "waves"
+    return None
+
+
 def _torch_schedule(name: str, ranks: int, microbatches: int, virtual: int) -> Schedule:
     # torch.distributed.pipelining takes seconds to import; only the torch: kinds pay for it
     from stratum.schedule.torch_import import from_torch

@@ -97,7 +97,7 @@ class Schedule:
         if not self.actions:
             raise StratumError("a schedule needs at least one rank")
         if self.num_microbatches < 1:
-            raise StratumError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+            raise StratumError(f"a schedule needs at least one micro-batch, got {self.num_microbatches}")
         for s, r in enumerate(self.stage_to_rank):
             if not 0 <= r < self.num_ranks:
                 raise StratumError(
@@ -118,11 +118,6 @@ class Schedule:
     def stages_of(self, rank: int) -> list[int]:
         """Stages held by ``rank``, ascending."""
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
-
-    @property
-    def uses_split_backward(self) -> bool:
-        """True when at least one backward is split into I and W."""
-        return any(a.kind in "IW" for acts in self.actions for a in acts)
 
     def all_actions(self) -> list[tuple[int, Action]]:
         """Every ``(rank, action)`` in rank-major order."""

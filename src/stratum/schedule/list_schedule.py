@@ -5,6 +5,8 @@ deadlock-free by construction, whatever the real costs (zb-1f1b, and inside the 
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from stratum.schedule.ir import Action, Schedule
@@ -15,33 +17,63 @@ POLICIES = ("b-first", "f-first", "alternate")
 
 
 class _ListScheduler:
-    """The simulation's state: what each rank may run next, what has run, and until when each rank is busy."""
+    """The simulation's state: what each rank may run next, what has run, and until when each rank is busy.
+
+    An action's inputs are all issued before it can run, and an issued action's end time is known at once, so
+    each candidate's ready time is fixed when its last input is issued. Candidates wait in a heap by ready time
+    and move, once the clock reaches it, to a heap by preference: a free rank's pick is a heap pop, not a scan
+    of every pending action (linear in the step's actions times log, where scanning is quadratic)."""
 
     def __init__(self, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limits: Sequence[int],
                  f_key: Callable[[Action], tuple], cost: dict[str, float], policy: str):
         S, P = len(stage_to_rank), max(stage_to_rank) + 1
-        self.S, self.P, self.limits, self.cost, self.policy = S, P, limits, cost, policy
+        self.S, self.P, self.m, self.limits, self.cost, self.policy = S, P, m, limits, cost, policy
+        self.stage_to_rank = stage_to_rank
         self.bk = "I" if split else "B"
-        self.pending_f = [sorted((Action("F", s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)),
-                                 key=f_key) for r in range(P)]
-        self.pending_b: list[list[Action]] = [[] for _ in range(P)]  # backwards whose stage forward was issued
-        self.pending_w: list[list[Action]] = [[] for _ in range(P)]  # weight grads whose I has been issued
-        self.done_at: dict[Action, float] = {}
         self.first_stage = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
+        # A forward's preference is its place in the rank's f_key order (ties keep the stage-major order).
+        self.f_rank: dict[Action, int] = {}
+        for r in range(P):
+            fs = sorted((Action("F", s, k) for s in range(S) if stage_to_rank[s] == r for k in range(m)), key=f_key)
+            self.f_rank.update((a, i) for i, a in enumerate(fs))
+        self.waiting: list[list[tuple[float, int, Action]]] = [[] for _ in range(P)]  # (ready time, seq, action)
+        self.ready_f_first: list[list[tuple[int, Action]]] = [[] for _ in range(P)]  # first-stage forwards
+        self.ready_f_rest: list[list[tuple[int, Action]]] = [[] for _ in range(P)]
+        self.ready_b: list[list[tuple[tuple[int, int], Action]]] = [[] for _ in range(P)]
+        self.pending_w: list[deque[Action]] = [deque() for _ in range(P)]  # weight grads whose I has been issued
+        self.done_at: dict[Action, float] = {}
         self.n_local = [sum(1 for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
         self.live = [0] * P  # admitted micro-batches per rank
         self.released: dict[tuple[int, int], int] = {}  # (rank, mb) -> stages whose activation is freed
         self.busy_until = [0.0] * P
         self.order: list[list[Action]] = [[] for _ in range(P)]
         self.total = S * m * (3 if split else 2)
-        self.n_issued, self.t = 0, 0.0
+        self.n_issued, self.t, self.seq = 0, 0.0, 0
+        for k in range(m):
+            self.wait(Action("F", 0, k), 0.0)
 
-    def ready(self, a: Action) -> bool:
-        s, k, t = a.stage, a.mb, self.t
-        if a.kind == "F":
-            return s == 0 or self.done_at.get(Action("F", s - 1, k), float("inf")) <= t
+    def wait(self, a: Action, ready_at: float) -> None:
+        """``a`` has every input issued; it can run from ``ready_at`` on its stage's rank."""
+        self.seq += 1
+        heapq.heappush(self.waiting[self.stage_to_rank[a.stage]], (ready_at, self.seq, a))
+
+    def backward_inputs_issued(self, s: int, k: int) -> None:
+        """Queue the backward of (s, k) once both its forward and the next stage's backward are issued."""
         need = [Action("F", s, k)] + ([Action(self.bk, s + 1, k)] if s + 1 < self.S else [])
-        return all(self.done_at.get(d, float("inf")) <= t for d in need)
+        if all(d in self.done_at for d in need):
+            self.wait(Action(self.bk, s, k), max(self.done_at[d] for d in need))
+
+    def admit(self, r: int) -> None:
+        """Move rank r's candidates whose ready time has come into the preference heaps."""
+        w = self.waiting[r]
+        while w and w[0][0] <= self.t:
+            a = heapq.heappop(w)[2]
+            if a.kind == "F":
+                heap = self.ready_f_first[r] if a.stage == self.first_stage[r] else self.ready_f_rest[r]
+                heapq.heappush(heap, (self.f_rank[a], a))
+            else:
+                # Smallest micro-batch, then the later stage: the one the ranks upstream are waiting on.
+                heapq.heappush(self.ready_b[r], ((a.mb, -a.stage), a))
 
     def issue(self, r: int, a: Action) -> None:
         self.order[r].append(a)
@@ -49,37 +81,39 @@ class _ListScheduler:
         self.n_issued += 1
         if a.kind == "F":
             self.live[r] += a.stage == self.first_stage[r]
-            self.pending_b[r].append(Action(self.bk, a.stage, a.mb))
+            if a.stage + 1 < self.S:
+                self.wait(Action("F", a.stage + 1, a.mb), self.done_at[a])
+            self.backward_inputs_issued(a.stage, a.mb)
         elif a.kind == "I":
             self.pending_w[r].append(Action("W", a.stage, a.mb))
+        if a.kind in "BI" and a.stage > 0:
+            self.backward_inputs_issued(a.stage - 1, a.mb)
         if a.kind in "BW":
             n = self.released[(r, a.mb)] = self.released.get((r, a.mb), 0) + 1
             self.live[r] -= n == self.n_local[r]
 
     def next_f(self, r: int, force: bool) -> Action | None:
         """The first ready forward of rank r that its activation limit admits (any ready one when forced)."""
-        for i, a in enumerate(self.pending_f[r]):
-            if self.ready(a) and (a.stage != self.first_stage[r] or self.live[r] < self.limits[r] or force):
-                return self.pending_f[r].pop(i)
-        return None
+        heaps = [self.ready_f_rest[r]]
+        if self.live[r] < self.limits[r] or force:
+            heaps.append(self.ready_f_first[r])
+        best = min((h for h in heaps if h), key=lambda h: h[0][0], default=None)
+        return heapq.heappop(best)[1] if best is not None else None
 
     def pick(self, r: int, force: bool) -> Action | None:
+        self.admit(r)
         order, policy = self.order[r], self.policy
-        bs = [a for a in self.pending_b[r] if self.ready(a)]
         if policy == "f-first" or (policy == "alternate" and order and order[-1].kind != "F"):
             f = self.next_f(r, force)
             if f is not None:
                 return f
-        if bs:
-            # Smallest micro-batch, then the later stage: the one the ranks upstream are waiting on.
-            a = min(bs, key=lambda a: (a.mb, -a.stage))
-            self.pending_b[r].remove(a)
-            return a
+        if self.ready_b[r]:
+            return heapq.heappop(self.ready_b[r])[1]
         f = self.next_f(r, force)
         if f is not None:
             return f
         if self.pending_w[r]:
-            return self.pending_w[r].pop(0)
+            return self.pending_w[r].popleft()
         return None
 
     def force_one(self) -> None:

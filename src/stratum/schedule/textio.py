@@ -97,8 +97,8 @@ def save(sched: Schedule, path: str | os.PathLike) -> None:
     atomic_write_text(path, dumps(sched))
 
 
-def load(path: str | os.PathLike, *, check: bool = True) -> Schedule:
-    """Read (and by default validate) a schedule file."""
+def load(path: str | os.PathLike) -> Schedule:
+    """Read and validate a schedule file."""
     p = Path(path)
     if not p.is_file():
         raise StratumError(f"schedule file {p} does not exist")
@@ -106,4 +106,4 @@ def load(path: str | os.PathLike, *, check: bool = True) -> Schedule:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise StratumError(f"schedule file {p} is not UTF-8 text") from None
-    return loads(text, source=str(p), check=check)
+    return loads(text, source=str(p))

@@ -12,7 +12,7 @@ marking hand-offs between stages on the same rank as local.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from stratum.errors import StratumError
@@ -72,25 +72,35 @@ def _local_order(sched: Schedule) -> None:
 
 
 def _deadlock(sched: Schedule) -> None:
-    """Run every rank's list in order with instant actions; report the ranks that can never proceed."""
+    """Run every rank's list in order with instant actions; report the ranks that can never proceed.
+
+    A rank that stops at a missing input is parked on that input and woken when it is produced, so each action
+    and each of its dependencies is looked at a bounded number of times: linear in the schedule's size, where
+    sweeping every rank until nothing moves is quadratic in the ranks."""
     done: set[Action] = set()
     ptr = [0] * sched.num_ranks
-    total = sum(len(a) for a in sched.actions)
-    while len(done) < total:
-        progressed = False
-        for r, acts in enumerate(sched.actions):
-            while ptr[r] < len(acts) and all(d in done for d in sched.deps(acts[ptr[r]])):
-                done.add(acts[ptr[r]])
-                ptr[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = []
-            for r, acts in enumerate(sched.actions):
-                if ptr[r] < len(acts):
-                    a = acts[ptr[r]]
-                    waits = [f"{d} on rank {sched.stage_to_rank[d.stage]}" for d in sched.deps(a) if d not in done]
-                    stuck.append(f"rank {r} at {a} waits for {', '.join(waits)}")
-            raise StratumError(f"schedule {sched.name}: deadlock: " + "; ".join(stuck))
+    parked: dict[Action, list[int]] = {}
+    ready = deque(range(sched.num_ranks))
+    while ready:
+        r = ready.popleft()
+        acts = sched.actions[r]
+        while ptr[r] < len(acts):
+            a = acts[ptr[r]]
+            missing = next((d for d in sched.deps(a) if d not in done), None)
+            if missing is not None:
+                parked.setdefault(missing, []).append(r)
+                break
+            done.add(a)
+            ptr[r] += 1
+            ready.extend(parked.pop(a, ()))
+    stuck = []
+    for r, acts in enumerate(sched.actions):
+        if ptr[r] < len(acts):
+            a = acts[ptr[r]]
+            waits = [f"{d} on rank {sched.stage_to_rank[d.stage]}" for d in sched.deps(a) if d not in done]
+            stuck.append(f"rank {r} at {a} waits for {', '.join(waits)}")
+    if stuck:
+        raise StratumError(f"schedule {sched.name}: deadlock: " + "; ".join(stuck))
 
 
 def validate(sched: Schedule) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,12 +49,15 @@ class _CappedSim:
         # ready[r]: [backwards, forwards into a later stage, forwards into the rank's first stage]
         self.ready: list[list[list[tuple]]] = [[[], [], []] for _ in range(P)]
         self.need: dict[tuple[int, int], int] = {}  # backward of (stage, mb): inputs still missing
-        self.pend_w: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+        self.pend_w: list[deque[tuple[int, int]]] = [deque() for _ in range(P)]
         self.live = [0] * P
         self.free = [0.0] * P
         self.order: list[list[Action]] = [[] for _ in range(P)]
         self.events: list[tuple[float, int, str, int, int]] = []  # (time, seq, what became ready, stage, mb)
         self.seq = 0
+        # Ranks whose pick may have changed: freed, or handed a ready action. A free rank that found nothing
+        # to run finds nothing again until one of those happens, so each time step looks only at these.
+        self.dirty: set[int] = set(range(P))
         self.total = S * m * (3 if split else 2)
         for k in range(m):
             heapq.heappush(self.ready[stage_to_rank[0]][2], (self.prio("F", 0, k), "F", 0, k))
@@ -72,6 +76,7 @@ class _CappedSim:
 
     def make_ready(self, kind: str, s: int, k: int) -> None:
         r = self.s2r[s]
+        self.dirty.add(r)
         if kind == "F":
             heapq.heappush(self.ready[r][2 if s == self.first[r] else 1], (self.prio("F", s, k), "F", s, k))
             return
@@ -98,7 +103,7 @@ class _CappedSim:
             _, kind, s, k = best
             return kind, s, k
         if self.pend_w[r]:
-            s, k = self.pend_w[r].pop(0)
+            s, k = self.pend_w[r].popleft()
             return "W", s, k
         return None
 
@@ -136,13 +141,14 @@ class _CappedSim:
     def run(self) -> list[list[Action]] | None:
         t, n_done = 0.0, 0
         while n_done < self.total:
-            for r in range(self.P):
+            for r in sorted(self.dirty):
                 if self.free[r] > t + EPS:
                     continue
                 picked = self.pick(r)
                 if picked is not None:
                     self.run_action(r, t, *picked)
                     n_done += 1
+            self.dirty.clear()
             if not self.events:
                 return None
             t = max(t, self.events[0][0])
@@ -150,6 +156,8 @@ class _CappedSim:
                 _, _, kind, s, k = heapq.heappop(self.events)
                 if kind:
                     self.make_ready(kind, s, k)
+                else:
+                    self.dirty.add(s)  # the event of a rank falling free carries the rank as its stage
         return self.order
 
 

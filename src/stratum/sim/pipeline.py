@@ -65,22 +65,6 @@ class SimResult:
             lines.append(f"{r:>4}   {b:<10.6g}  {p:.6g}")
         return "\n".join(lines)
 
-    def chrome_trace(self) -> dict:
-        """Chrome trace (chrome://tracing, Perfetto) object: one complete event per action, tid = rank."""
-        from stratum.sim.trace import chrome_trace
-
-        return chrome_trace(self)
-
-    def write_trace(self, path) -> None:
-        from stratum.sim.trace import write_chrome_trace
-
-        write_chrome_trace(self, path)
-
-    def write_png(self, path) -> None:
-        from stratum.sim.trace import write_png
-
-        write_png(self, path)
-
 
 def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Run ``schedule`` under ``costs`` (see the module docstring). The schedule must be valid."""

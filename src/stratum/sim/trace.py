@@ -10,11 +10,12 @@ import os
 
 from stratum.atomic import atomic_write_bytes, atomic_write_json
 from stratum.errors import StratumError
+from stratum.sim.pipeline import SimResult
 
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 
 
-def chrome_trace(result) -> dict:
+def chrome_trace(result: SimResult) -> dict:
     """One complete ("X") event per action, ``tid`` = rank, times in microseconds of simulated
     seconds (millionths of a unit under unit costs)."""
     sched = result.schedule
@@ -32,11 +33,11 @@ def chrome_trace(result) -> dict:
                           "time_unit": result.time_unit, "bubble": result.bubble}}
 
 
-def write_chrome_trace(result, path: str | os.PathLike) -> None:
+def write_chrome_trace(result: SimResult, path: str | os.PathLike) -> None:
     atomic_write_json(path, chrome_trace(result))
 
 
-def write_png(result, path: str | os.PathLike, *, dpi: int = 110) -> None:
+def write_png(result: SimResult, path: str | os.PathLike, *, dpi: int = 110) -> None:
     """Gantt-style timeline: one row per rank, one bar per action coloured by kind, labelled ``stage.mb``."""
     try:
         import matplotlib

@@ -25,8 +25,6 @@ from stratum.sweep.shard_size import AUTO, device_shard_blocks
 from stratum.sweep.simulate import SimResult, plan_schedule, simulate
 from stratum.sweep.strategies import check_host_holds, job_options, streamed_tasks_s
 
-CLUSTER_SCHEDULERS = ("fifo", "sharded-lrtf", "planned")
-
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterJob:

@@ -11,6 +11,7 @@ from stratum.sweep.live import last_record
 from stratum.sweep.segment import (
     INTERRUPTED_EXIT,
     PAUSE_FLAG,
+    STOP_GRACE_S,
     Segment,
     diverged,
     failure_reason,
@@ -19,8 +20,6 @@ from stratum.sweep.segment import (
 )
 from stratum.sweep.setup import Sweep
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING
-
-STOP_GRACE_S = 60.0
 
 
 def harvest(sweep: Sweep) -> None:

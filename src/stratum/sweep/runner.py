@@ -23,7 +23,7 @@ from stratum.sweep.asha_state import stop_paused
 from stratum.sweep.dir_lock import hold
 from stratum.sweep.dispatch import Expect, fill, paused_itself, paused_worker, pending, unique
 from stratum.sweep.gang_plan import Option
-from stratum.sweep.harvest import STOP_GRACE_S, harvest
+from stratum.sweep.harvest import harvest
 from stratum.sweep.job_strategy import options_of
 from stratum.sweep.launched import group_alive
 from stratum.sweep.local import LocalBackend
@@ -33,14 +33,12 @@ from stratum.sweep.predicted_makespan import predicted_makespan, write_makespan
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import makespan_line, read_makespan, results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
-from stratum.sweep.segment import Backend, await_stop, checkpoint_step
+from stratum.sweep.segment import POLL_S, STOP_GRACE_S, Backend, await_stop, checkpoint_step
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
 from stratum.sweep.shard_run import device_memory, run_sharded
 from stratum.sweep.spec import job_threads
 from stratum.sweep.state import FINAL, PAUSED, PENDING, JobRow
 from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
-
-POLL_S = 0.2
 
 __all__ = ["Sweep", "open_sweep", "run_sweep", "write_results"]
 

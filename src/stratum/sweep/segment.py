@@ -24,6 +24,10 @@ from stratum.train.trainer import read_metrics, train
 
 INTERRUPTED_EXIT = 130  # stopped by SIGINT/SIGTERM after a checkpoint, as `stratum train` exits then
 LOCK_TIMEOUT_S = 60.0
+POLL_S = 0.2
+"""Seconds between a sweep loop's looks at its workers."""
+STOP_GRACE_S = 60.0
+"""Seconds a worker asked to stop has to checkpoint and exit before it is killed."""
 
 
 def _lock_job_dir(job_dir: Path, timeout_s: float) -> int:

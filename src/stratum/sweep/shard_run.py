@@ -22,7 +22,17 @@ from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.asha_state import asha_from_state, promote_at_end, report_rung, stop_paused
 from stratum.sweep.expand import device_capacity, named_slot_devices
-from stratum.sweep.segment import Backend, checkpoint_step, diverged, failure_reason, result_values, segment_records
+from stratum.sweep.segment import (
+    INTERRUPTED_EXIT,
+    POLL_S,
+    STOP_GRACE_S,
+    Backend,
+    checkpoint_step,
+    diverged,
+    failure_reason,
+    result_values,
+    segment_records,
+)
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
 from stratum.sweep.shard_worker import ShardJob
@@ -30,10 +40,6 @@ from stratum.sweep.slot_scheduler import DeviceMemory
 from stratum.sweep.spec import SweepSettings
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 from stratum.units import parse_budget
-
-POLL_S = 0.2
-STOP_GRACE_S = 60.0
-INTERRUPTED = 130
 
 
 def check_shardable(configs: dict[str, Config]) -> None:
@@ -176,7 +182,7 @@ def _record(state: SweepState, job_id: str, code: int, cfg: Config, retries: int
     state.update(job_id, pid=None, run_s=row.run_s + run_s)
     if row.status == PAUSED:
         return
-    if code == INTERRUPTED:
+    if code == INTERRUPTED_EXIT:
         state.update(job_id, status=PENDING, step=checkpoint_step(out))
         return
     reason = failure_reason(code, out / "worker.log") if code != 0 else diverged(records)

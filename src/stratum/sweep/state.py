@@ -77,7 +77,14 @@ class SweepState:
             # one at a time (a sharded-lrtf worker's job threads, under its rung board's lock)
             self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0, check_same_thread=False)
             self._db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as e:
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError):  # (cannot open, read-only, locked: the place, not the file)
+                raise StratumError(f"cannot open the sweep state {self.path} ({e}); choose a writable "
+                                   "sweep.out_dir") from None
+            raise StratumError(f"the sweep state {self.path} is damaged ({e}); restore it from a copy, or remove "
+                               "it to start the sweep's bookkeeping afresh (the jobs' own checkpoints stay)") \
+                from None
+        except OSError as e:
             raise StratumError(f"cannot open the sweep state {self.path} ({e}); choose a writable sweep.out_dir") \
                 from None
 

@@ -20,26 +20,9 @@ from stratum.offload.setup import placement_for
 from stratum.offload.tiers import disk_base, disk_free_bytes
 from stratum.parallel.compose import check_plan
 from stratum.parallel.pipeline_offload import leaf_config, rank_placement
-from stratum.runtime.device import describe, resolve_device
+from stratum.runtime.device import describe, device_memory_bytes, resolve_device
 from stratum.runtime.pipeline import PipelinePlan
 from stratum.units import fmt_bytes
-
-ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Memory a run could take on ``device`` now: free GPU memory, or on a CPU the RAM Linux reports available
-    (MemAvailable); ``None`` where neither can be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def plain_fit(state_bytes: int, available: int | None, device: torch.device, disk_dir: str) -> str:
@@ -76,9 +59,7 @@ def dry_run(cfg: Config) -> dict:
     tok = make_tokenizer(cfg, corpus)
     model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len,
                         seed=cfg.train.seed, device="meta")
-    n = model.num_params()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = 2 * param_bytes + n * ADAMW_STATE_BYTES_PER_PARAM
+    n, state = model.num_params(), model.train_state_bytes()
     print(to_toml(cfg))
     print(cfg.derived_summary())
     print(f"device {describe(device)}; plan {cfg.plan}; corpus {len(corpus.files):,} files, "
@@ -86,7 +67,7 @@ def dry_run(cfg: Config) -> dict:
     print(f"model {model.info.name}: {n:,} parameters in {len(model)} blocks; training state (params + grads + "
           f"AdamW) {state / 2**30:.2f} GiB; {model.flops_per_token(cfg.data.seq_len) / 1e9:.3f} GFLOP per token")
     for i, name in enumerate(model.block_names):
-        owned = sum(p.numel() for _, p in model.owned_parameters(i))
+        owned = model.owned_numel(i)
         print(f"  {i:>3} {name:<16} {type(model.blocks[i]).__name__:<16} {owned:>14,} params")
     for g in model.tied:
         print(f"  tied: {' = '.join(g.names)}")

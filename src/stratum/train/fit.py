@@ -13,7 +13,8 @@ from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.plan import Local
 from stratum.model.build import build_model
-from stratum.train.dryrun import ADAMW_STATE_BYTES_PER_PARAM, device_memory_bytes, plain_fit
+from stratum.runtime.device import device_memory_bytes
+from stratum.train.dryrun import plain_fit
 from stratum.units import fmt_bytes
 
 TOKEN_BYTES = 8
@@ -31,13 +32,6 @@ def batch_bytes(cfg: Config) -> int:
     t, row = cfg.train, cfg.data.seq_len + 1
     rows = max(cfg.global_batch, t.eval_batches * t.micro_batch_size)
     return rows * row * TOKEN_BYTES * BATCH_COPIES
-
-
-def plain_state_bytes(model) -> int:
-    """Parameters, gradients and AdamW moments of ``model`` (built on the meta device)."""
-    n = model.num_params()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * param_bytes + n * ADAMW_STATE_BYTES_PER_PARAM
 
 
 def logits_bytes(cfg: Config, vocab_size: int) -> int:
@@ -63,7 +57,7 @@ def check_blocks(cfg: Config, *, tokenizer_vocab: int):
     model = build_model(cfg.model, tokenizer_vocab=tokenizer_vocab, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                         device="meta")
     host = device_memory_bytes(torch.device("cpu"))
-    sizes = [sum(p.numel() for _, p in model.owned_parameters(i)) * STATE_BYTES_PER_PARAM for i in range(len(model))]
+    sizes = [model.owned_numel(i) * STATE_BYTES_PER_PARAM for i in range(len(model))]
     if host is not None and sizes and max(sizes) > host:
         i = sizes.index(max(sizes))
         raise StratumError(f"block {model.block_names[i]} alone needs {fmt_bytes(sizes[i])} for its parameters, "
@@ -78,7 +72,7 @@ def check_fits(cfg: Config, device: torch.device, *, tokenizer_vocab: int) -> No
     model = check_blocks(cfg, tokenizer_vocab=tokenizer_vocab)
     if not isinstance(cfg.plan.root, Local):
         return  # parallel plans split the state over processes; the offload engine plans its own tiers
-    state, available = plain_state_bytes(model), device_memory_bytes(device)
+    state, available = model.train_state_bytes(), device_memory_bytes(device)
     if available is None:
         return
     if state >= available:

@@ -8,9 +8,7 @@ collective, and a rank that saved alone would wait forever on the others.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import signal
 import sys
 import threading
@@ -22,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stratum.atomic import missing_dirs, remove_empty_dirs
 from stratum.dist.roles import is_worker
 
 if TYPE_CHECKING:
@@ -106,32 +105,6 @@ def agree(flags: list[bool], world: World) -> list[bool]:
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=world.device)
     world.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), "agreeing on a checkpoint or stop")
     return [bool(x) for x in t.tolist()]
-
-
-def missing_dirs(path: Path) -> list[Path]:
-    """``path`` and those of its ancestors that do not exist yet, outermost first."""
-    out = []
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        out.append(p)
-        p = p.parent
-    return out[::-1]
-
-
-def remove_empty_dirs(created: list[Path]) -> None:
-    """Remove the directories in ``created`` (made by the failed run) that hold nothing but empty directories;
-    anything with a file in it stays."""
-    if not created:
-        return
-    top = created[0]
-    if top.is_dir():
-        for root, dirs, _ in os.walk(top, topdown=False):
-            for d in dirs:
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(root, d))
-    for made in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(made)
 
 
 def removes_new_empty_out_dir(fn):

@@ -12,13 +12,7 @@ import os
 
 import torch
 
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity; all cores where the OS does not say)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+from stratum.procs import usable_cores
 
 
 def local_processes() -> int:

@@ -67,6 +67,10 @@ def prepare_out_dir(out_dir: Path) -> None:
     except OSError as e:
         raise StratumError(f"train.out_dir {str(out_dir)!r} is not writable ({e.strerror}); "
                            "choose a directory you can write to") from None
+    ckpts = out_dir / "checkpoints"
+    if ckpts.exists() and not ckpts.is_dir():  # found here, not at the first checkpoint after the steps before it
+        raise StratumError(f"{ckpts} is a file, where the run keeps its checkpoints; move it away or choose "
+                           "another train.out_dir")
 
 
 def _set_aside(path: Path) -> Path:
