@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratum.errors import StratumError
+from stratum.profile.profile import Profile
 
 FIELDS = ("f", "b", "i", "w", "act_bytes", "out_bytes", "spill_bytes", "param_bytes")
 
@@ -89,13 +90,13 @@ class Costs:
 
     # ---- made from ----------------------------------------------------------------------------------------
     @classmethod
-    def blocks(cls, profile) -> Costs:
+    def blocks(cls, profile: Profile) -> Costs:
         """A :class:`stratum.profile.Profile`'s blocks, one unit each."""
         bs = profile.blocks
         half = None
         if bs and all(x.half_act_saved_bytes is not None for x in bs):
-            half = ([x.half_act_saved_bytes for x in bs], [x.half_out_bytes or 0 for x in bs],
-                    [x.half_spill_bytes or x.half_act_saved_bytes for x in bs])
+            half = ([x.half_act_saved_bytes or 0 for x in bs], [x.half_out_bytes or 0 for x in bs],
+                    [x.half_spill_bytes or x.half_act_saved_bytes or 0 for x in bs])
         return cls(f=[x.fwd_s for x in bs], b=[x.bwd_s for x in bs], i=[x.bwd_input_s for x in bs],
                    w=[x.bwd_weight_s for x in bs], act_bytes=[x.act_saved_bytes for x in bs],
                    out_bytes=[x.out_bytes for x in bs], spill_bytes=[x.spill_bytes or x.act_saved_bytes for x in bs],
@@ -121,7 +122,7 @@ class Costs:
                    bandwidth=bandwidth, time_unit="units", memory_unit="units")
 
     @classmethod
-    def from_profile(cls, profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
+    def from_profile(cls, profile: Profile, partition: Sequence[Sequence[int] | range], *, latency: float = 0.0,
                      bandwidth: float = math.inf) -> Costs:
         """A profile's blocks summed into the stages of ``partition``, with the link given."""
         return replace(cls.blocks(profile).over(partition), latency=latency, bandwidth=bandwidth)

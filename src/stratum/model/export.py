@@ -14,6 +14,7 @@ no random initialisation runs for values that are overwritten at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +39,7 @@ GPT2_END_NAMES: dict[str, str] = {"wte.weight": "tok.weight", "wpe.weight": "pos
 """GPT-2 name inside the embed or head block → own GPT name (the head's lm_head is the tied wte)."""
 
 
-def to_transformers(seq: BlockSeq):
+def to_transformers(seq: BlockSeq) -> Any:
     """A ``transformers`` causal LM computing what ``seq`` computes, with ``seq``'s parameter values (CPU, fp32,
     eval mode, ``use_cache`` on as ``generate`` expects)."""
     source = seq.info.extra.get("source")
@@ -124,7 +125,7 @@ def _fill(model, value: Callable[[str], Tensor | None]) -> None:
             p.copy_(v.detach().to("cpu", torch.float32))
 
 
-def save_pretrained(model, directory: str) -> None:
+def save_pretrained(model: Any, directory: str) -> None:
     """``model.save_pretrained(directory)`` (safetensors) without transformers' progress bars."""
     with quiet_progress_bars(import_transformers("stratum export")):
         model.save_pretrained(directory)

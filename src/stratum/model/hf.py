@@ -24,8 +24,10 @@ import contextlib
 import copy
 import json
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -166,7 +168,7 @@ def import_transformers(purpose: str = "model.source = 'hf'"):
 
 
 @contextlib.contextmanager
-def quiet_progress_bars(transformers) -> Iterator[None]:
+def quiet_progress_bars(transformers: types.ModuleType) -> Iterator[None]:
     """transformers' loading and saving bars off inside (they would interleave with Stratum's own output)."""
     hf_logging = transformers.utils.logging
     bars = hf_logging.is_progress_bar_enabled()
@@ -424,7 +426,7 @@ def _flatten_llama_style(model) -> tuple[list[nn.Module], list[str]]:
     return blocks, ["embed"] + [f"layer.{i}" for i in range(len(layers))] + ["head"]
 
 
-def from_transformers(model) -> BlockSeq:
+def from_transformers(model: Any) -> BlockSeq:
     """A transformers causal LM (GPT-2 or the Llama layout), already built, as a BlockSeq sharing its modules."""
     config = model.config
     model_type = config.model_type

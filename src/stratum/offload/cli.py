@@ -21,7 +21,7 @@ from stratum.config import Config, load_config
 from stratum.errors import StratumError
 from stratum.ir.plan import Local, Offload
 from stratum.offload.cli_args import DEFAULT_SWEEP
-from stratum.offload.plan_inputs import planning_inputs
+from stratum.offload.plan_inputs import estimated_profile, planning_inputs, planning_profile, profile_from
 from stratum.offload.planner import make_placement
 from stratum.offload.tiers import DEVICE
 from stratum.parallel.pipeline_offload import leaf_config
@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json_out:
             raise StratumError("--json writes one plan; leave it out with --sweep")
         sweep_budgets(args.sweep, 1)  # bad input is refused before the model is profiled
-    inputs, model = planning_inputs(cfg, args.profile, estimate=args.estimate)
+    source = estimated_profile if args.estimate else profile_from(args.profile) if args.profile else planning_profile
+    inputs, model = planning_inputs(cfg, source)
     if args.estimate:
         inputs["bandwidths"] = None  # bytes only: placements are compared by the bytes they move
     n = model.num_params()

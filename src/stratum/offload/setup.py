@@ -51,7 +51,7 @@ def _measure_first(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, device: to
 
 
 def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
-                  precision: str = "fp32", seed: int = 0):
+                  precision: str = "fp32", seed: int = 0) -> Profile:
     """A Profile measuring each *distinct* block once (same class and parameter shapes = same costs).
 
     A 36-layer GPT is measured as embedding + one layer + head: the planner gets per-block activation bytes
@@ -83,16 +83,16 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
                    tied=[list(g.names) for g in model.tied], torch_version=torch.__version__)
 
 
-def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None, always_profile=False,
-                  inflight: tuple[int, ...] = ()) -> Placement:
+def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile: Profile | None = None,
+                  always_profile: bool = False, inflight: tuple[int, ...] = ()) -> Placement:
     """The plan for ``model`` under ``cfg.offload``; profiles the model (one block at a time) if not given.
     ``inflight``: on a pipeline rank, its blocks' micro-batches in flight (Placement.inflight)."""
     return make_placement(model, **placement_inputs(cfg, model, device, profile=profile, always_profile=always_profile),
                           inflight=inflight)
 
 
-def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile=None,
-                always_profile=False) -> dict:
+def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile: Profile | None = None,
+                     always_profile: bool = False) -> dict:
     """``make_placement``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
     profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with

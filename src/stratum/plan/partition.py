@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 
 from stratum.errors import StratumError
 from stratum.ir.costs import Costs
+from stratum.profile.profile import Profile
+from stratum.schedule.ir import Schedule
 from stratum.sim.pipeline import simulate
 
 DEFAULT_BEAM = 64
@@ -195,7 +197,7 @@ def _inflight(inflight, S: int, P: int) -> tuple[float, ...]:
     return vals
 
 
-def inflight_from_schedule(schedule) -> list[int]:
+def inflight_from_schedule(schedule: Schedule) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once when ``schedule`` runs with unit
     costs (F=1, B=2, I=W=1 per rank, split over the rank's stages) and free messages: from the start of a
     forward to the end of its backward (of W for a split backward)."""
@@ -371,8 +373,9 @@ def _block_arrays(profile):
     return len(blocks), pre_t, pre_state, pre_act
 
 
-def evaluate(profile, stages: Sequence[range | Sequence[int]], stage_to_rank: Sequence[int], *,
-             speeds: Sequence[float] | None = None, inflight=None, mem_limits: Sequence[float] | None = None,
+def evaluate(profile: Profile, stages: Sequence[range | Sequence[int]], stage_to_rank: Sequence[int], *,
+             speeds: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
+             mem_limits: Sequence[float] | None = None,
              method: str = "given", exact: bool = True) -> Partition:
     """The :class:`Partition` of given block ranges (e.g. :func:`even_partition`)."""
     n, pre_t, pre_state, pre_act = _block_arrays(profile)
@@ -404,8 +407,9 @@ def evaluate(profile, stages: Sequence[range | Sequence[int]], stage_to_rank: Se
                      method=method)
 
 
-def partition(profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] | None = None,
-              mem_limits: Sequence[float] | None = None, inflight=None, beam: int = DEFAULT_BEAM) -> Partition:
+def partition(profile: Profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] | None = None,
+              mem_limits: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
+              beam: int = DEFAULT_BEAM) -> Partition:
     """Cut ``profile``'s blocks into ``len(stage_to_rank)`` contiguous stages minimising the bottleneck rank
     time under per-rank memory limits (see the module docstring for the model and the method).
 
@@ -451,7 +455,7 @@ def partition(profile, stage_to_rank: Sequence[int], *, speeds: Sequence[float] 
                     method="dp" if exact else "heuristic", exact=exact)
 
 
-def stage_costs(profile, part: Partition, *, latency: float = 0.0, bandwidth: float = math.inf) -> Costs:
+def stage_costs(profile: Profile, part: Partition, *, latency: float = 0.0, bandwidth: float = math.inf) -> Costs:
     """:class:`Costs` of ``part``'s stages for the simulator: the profile's per-block costs summed over each stage
     (:meth:`Costs.from_profile`), times divided by the speed of the stage's rank; bytes as they are."""
     c = Costs.from_profile(profile, part.stages, latency=latency, bandwidth=bandwidth)
