@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -116,19 +117,26 @@ def _temp_beside(path: Path, what: str = "") -> tuple[int, str]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + ``os.replace``); a refused write is a
     :class:`StratumError` naming ``path``."""
+    atomic_write_stream(path, [data])
+
+
+def atomic_write_stream(path: str | os.PathLike, pieces: Iterable[bytes], what: str = "") -> None:
+    """Replace ``path`` with the concatenation of ``pieces``, written as they come (a file too large to build in
+    memory first), atomically as :func:`atomic_write_bytes`; ``what`` names the file's role in an error."""
     path = Path(path)
-    fd, tmp = _temp_beside(path)
+    fd, tmp = _temp_beside(path, what)
     try:
         os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise write_error(path, e) from None
+            raise write_error(path, e, what) from None
         raise
 
 

@@ -7,16 +7,23 @@ sees exactly the batches the reference run saw. The last ``val_fraction`` of the
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from stratum.atomic import atomic_write_json, digest_mismatch, file_digest, missing_dirs, remove_empty_dirs
+from stratum.atomic import (
+    WriteError,
+    atomic_write_json,
+    atomic_write_stream,
+    digest_mismatch,
+    file_digest,
+    missing_dirs,
+    remove_empty_dirs,
+)
 from stratum.data.corpus import Corpus
 from stratum.data.tokenizer import Tokenizer
 from stratum.errors import StratumError
@@ -36,23 +43,22 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> 
     meta_path = path.with_suffix(".json")
     dtype = _token_dtype(tokenizer.vocab_size)
     if not (path.exists() and meta_path.exists()):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         made = missing_dirs(cache_dir)
+        counted = [0]
+
+        def pieces() -> Iterator[bytes]:
+            for data in corpus.iter_bytes():
+                ids = tokenizer.encode(data + b"\n")
+                counted[0] += len(ids)
+                yield np.asarray(ids, dtype=dtype).tobytes()
+
         try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            n = 0
-            with tmp.open("wb") as fh:
-                for data in corpus.iter_bytes():
-                    ids = tokenizer.encode(data + b"\n")
-                    fh.write(np.asarray(ids, dtype=dtype).tobytes())
-                    n += len(ids)
-            os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):  # there is no temp file when its directory could not be made
-                tmp.unlink()
+            atomic_write_stream(path, pieces(), "the token cache")
+        except WriteError as e:
             remove_empty_dirs(made)
-            raise StratumError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
+            raise StratumError(f"cannot write the token cache in {cache_dir} ({e.reason}); "
                                "set data.cache_dir to a writable directory with space") from None
+        n = counted[0]
         atomic_write_json(meta_path, {"tokens": n, "dtype": dtype.name, "tokenizer": tokenizer.name,
                                       "corpus": corpus.spec, "files": len(corpus.files), **file_digest(path)})
     meta = _verified_meta(path, meta_path)
