@@ -145,6 +145,32 @@ def test_two_torchrun_nodes_joined_by_rendezvous_match_plain(make_cfg, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("differ", ["config", "checkpoint"])
+def test_torchrun_nodes_that_differ_stop_before_training(make_cfg, tmp_path, differ):
+    """Each torchrun node runs its own command on its own files: a setting given differently, or a node that
+    finds no checkpoint where the other resumes, stops every rank in one line naming it — nothing trained, no
+    checkpoint written (both used to train a mixed model, or fail later in a collective naming no cause)."""
+    base = _base(make_cfg(out=tmp_path / "a")) + ["parallel.plan='replicate(2)'", "train.ckpt_interval=2"]
+    if differ == "checkpoint":  # node a resumes a run, node b (its own out_dir) starts afresh
+        assert run_main(["train", *_sets(base + ["train.steps=2"])])[0] == 0
+    before = sorted((tmp_path / "a").rglob("*"))
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = []
+    for node, extra in (("a", []), ("b", ["optim.lr=0.005"] if differ == "config" else [])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stratum-differ",
+               "-m", "stratum", "train", *_sets(base + [f"train.out_dir={str(tmp_path / node)!r}"] + extra)]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert all(n.returncode != 0 for n in nodes), outs
+    said = "the ranks differ in " + ("optim.lr" if differ == "config" else "the checkpoint resumed")
+    assert all(said in o for o in outs), outs
+    assert sorted((tmp_path / "a").rglob("*")) == before and not (tmp_path / "b" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_example_script_on_a_plan_matches_one_process(tmp_path):
     """examples/parallelize.py: the user's own nn.Sequential and loop, three added lines; 4 processes under
     `stratum run` follow the one-process run's losses."""

@@ -204,6 +204,15 @@ def test_sharded_lrtf_needs_a_budget(tmp_path, corpus_file, cache_dir):
         load_sweep(path)
 
 
+def test_a_background_job_is_refused_under_sharded_lrtf(tmp_path, corpus_file, cache_dir):
+    """Its jobs are threads of one worker: a background job's SCHED_IDLE would be every job's."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='scheduler = "sharded-lrtf"\ndevice_budget = "50MB"',
+                      grid='"train.priority" = ["normal", "background"]', steps=2)
+    with pytest.raises(StratumError, match="train.priority = 'background' needs another scheduler"):
+        open_sweep(path, say=lambda _: None)
+    assert not (Path(load_sweep(path).settings.out_dir) / "state.db").exists()
+
+
 @pytest.mark.slow
 def test_fp16_jobs_skip_and_scale_as_alone(tmp_path, corpus_file, cache_dir):
     """fp16 jobs interleaved (each engine its own loss scaler): a first scale that overflows, so both skip steps

@@ -319,7 +319,22 @@ class Config:
 
     # ---- validation ---------------------------------------------------------------------------------------
     def validate(self) -> None:
-        m, d, o, t = self.model, self.data, self.optim, self.train
+        """Every field against its rule, section by section, then the rules between sections; the first
+        failure is a one-line StratumError."""
+        self._validate_model()
+        self._validate_data()
+        self._validate_optim()
+        self._validate_train()
+        self._validate_pipeline()
+        self._validate_auto()
+        self._validate_fp16()
+        _check("pipeline.schedule", bool(self.pipeline.schedule.strip()),
+               "must name a schedule kind or a schedule file")
+        self._validate_schedule()
+        self._validate_offload()
+
+    def _validate_model(self) -> None:
+        m = self.model
         _choice("model.source", m.source, SOURCES)
         if m.source == "gpt":
             _choice("model.preset", m.preset, tuple(PRESETS))
@@ -327,6 +342,9 @@ class Config:
             raise StratumError("model.source = 'hf' needs model.hf_path (a config.json or a model directory)")
         _check("model.vocab_size", m.vocab_size >= 0, "must be ≥ 0 (0 = preset's or tokenizer's)")
         _check("model.dropout", 0.0 <= m.dropout < 1.0, "must be in [0, 1)")
+
+    def _validate_data(self) -> None:
+        d, t = self.data, self.train
         _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
         _check("data.bpe_vocab_size", 257 <= d.bpe_vocab_size <= 1_000_000, "must be in [257, 1000000]")
         _check("data.seq_len", d.seq_len >= 1, "must be ≥ 1")
@@ -334,6 +352,9 @@ class Config:
         if t.eval_interval and d.val_fraction == 0:
             raise StratumError("data.val_fraction = 0 leaves nothing to evaluate; "
                                "set data.val_fraction > 0 or train.eval_interval = 0")
+
+    def _validate_optim(self) -> None:
+        o = self.optim
         _check("optim.lr", o.lr > 0, "must be > 0")
         _check("optim.min_lr", 0 <= o.min_lr <= o.lr, "must be in [0, optim.lr]")
         _check("optim.warmup_steps", o.warmup_steps >= -1, "must be ≥ 0, or -1 for optim.warmup_fraction of the steps")
@@ -343,6 +364,9 @@ class Config:
         _check("optim.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)")
         _check("optim.eps", o.eps > 0, "must be > 0")
         _check("optim.grad_clip", o.grad_clip >= 0, "must be ≥ 0 (0 disables clipping)")
+
+    def _validate_train(self) -> None:
+        m, d, t = self.model, self.data, self.train
         _check("train.steps", t.steps >= 1, "must be ≥ 1")
         _check("train.micro_batch_size", t.micro_batch_size >= 1, "must be ≥ 1")
         _check("train.grad_accum", t.grad_accum >= 1, "must be ≥ 1")
@@ -371,6 +395,8 @@ class Config:
             require("tensorboard", "train.tensorboard")
         if t.wandb_project.strip():
             require("wandb", "train.wandb_project")
+
+    def _validate_pipeline(self) -> None:
         pp = self.pipeline
         _check("pipeline.ranks", pp.ranks >= 1, "must be ≥ 1")
         _check("pipeline.virtual", pp.virtual >= 1, "must be ≥ 1")
@@ -383,11 +409,6 @@ class Config:
         if self.parallel.plan.strip() != "auto":  # "auto" is resolved (and its tree checked) at start-up
             _ = self.plan  # parses and checks the plan expression
             self._validate_speeds()
-        self._validate_auto()
-        self._validate_fp16()
-        _check("pipeline.schedule", bool(pp.schedule.strip()), "must name a schedule kind or a schedule file")
-        self._validate_schedule()
-        self._validate_offload()
 
     def _validate_auto(self) -> None:
         pl = self.parallel
@@ -641,6 +662,19 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(v)
+
+
+LOCAL_SETTINGS = ("train.out_dir", "data.cache_dir", "data.corpus", "offload.disk_dir", "model.hf_path",
+                  "parallel.hardware", "train.device", "train.threads")
+"""Settings each machine may give its own value (its paths, its devices and cores); every other one must be the
+same on every rank of a run."""
+
+
+def shared_settings(cfg: Config) -> dict[str, str]:
+    """Every setting of ``cfg`` but :data:`LOCAL_SETTINGS` (``section.key`` → its value as text): what every rank
+    of one run must agree on."""
+    return {f"{section}.{key}": repr(value) for section, fields in cfg.to_dict().items()
+            for key, value in fields.items() if f"{section}.{key}" not in LOCAL_SETTINGS}
 
 
 def to_toml(cfg: Config) -> str:

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,8 +24,8 @@ import torch.distributed as dist
 
 from stratum.dist import launch, roles
 from stratum.dist.launch import from_backend, short_reason, wait_until
-from stratum.errors import PeerError
-from stratum.ir.plan import Coord, Plan
+from stratum.errors import PeerError, StratumError
+from stratum.ir.plan import Coord, Plan, ranges_text
 
 DIMS = ("replica", "stage_rank", "split")
 GATHER_TAG = 1 << 29
@@ -82,6 +83,28 @@ class World:
         mine = torch.tensor([value], dtype=torch.float64, device=self.device)
         self.wait(dist.all_gather_single(out, mine, async_op=True), "gathering the ranks' speeds")
         return out.tolist()
+
+    def agree(self, facts: Mapping[str, str]) -> None:
+        """Refuse, on every rank at once, a run whose ranks differ in any of ``facts`` (what each rank derived on
+        its own: its config, the checkpoint it resumes from, its tokenizer). Under torchrun each node is started
+        by its own command and reads its own files; a difference would train a mixed model silently (or fail
+        later in a collective that names no cause). Each fact is hashed; the hashes are all-gathered."""
+        if self.backend == "none":
+            return
+        keys = sorted(facts)
+        n = dist.get_world_size()
+        mine = torch.tensor([int(hashlib.sha256(facts[k].encode()).hexdigest()[:15], 16) for k in keys],
+                            dtype=torch.int64, device=self.device)
+        out = torch.zeros(n * len(keys), dtype=torch.int64, device=self.device)
+        self.wait(dist.all_gather_single(out, mine, async_op=True), "comparing the ranks' settings")
+        every = out.view(n, len(keys)).tolist()
+        for j, key in enumerate(keys):
+            same = [r for r in range(n) if every[r][j] == every[self.rank][j]]
+            if len(same) < n:
+                other = [r for r in range(n) if r not in same]
+                raise StratumError(f"the ranks differ in {key}: rank(s) {ranges_text(same)} have {facts[key]} (this "
+                                   f"is rank {self.rank}), rank(s) {ranges_text(other)} another; start every node "
+                                   "with the same command, config and files")
 
     def share_object(self, obj: _T, dim: str, what: str) -> _T:
         """The first member's ``obj`` along ``dim``, on every member (``obj`` itself when this rank is alone):

@@ -257,7 +257,7 @@ class Plan:
             c = self.coord(rank)
             held = [i for i, w in enumerate(widths) if w > c.replica] if widths else blocks_of(c.stage_rank)
             rows.append(f"{rank:>4}  {c.replica:>7}  {c.stage_rank:>10}  {c.split:>5}  "
-                        f"{_ranges(held) or 'none':<16}  {self._holds(c)}")
+                        f"{ranges_text(held) or 'none':<16}  {self._holds(c)}")
         return "\n".join(rows)
 
     def _holds(self, c: Coord) -> str:
@@ -278,7 +278,7 @@ class Plan:
         return render(self.root)
 
 
-def _ranges(ids: list[int]) -> str:
+def ranges_text(ids: list[int]) -> str:
     """``[0, 1, 2, 5]`` → ``0-2, 5``."""
     out: list[str] = []
     for i in sorted(ids):

@@ -294,12 +294,12 @@ class StageRuntime:
         try:
             wait_until(work, backend=self.backend, deadline=deadline)
         except TimeoutError:
-            raise PeerError(f"rank {self.rank}: no {what} within {self.timeout_s:g} s (parallel.timeout_s); "
-                            "that rank died or hung — stopping") from None
+            raise PeerError(f"rank {self.peers[self.rank]}: no {what} within {self.timeout_s:g} s "
+                            "(parallel.timeout_s); that rank died or hung — stopping") from None
         except RuntimeError as e:
             msg = short_reason(e)
             kind = "timed out" if "imed out" in msg else "lost its peer"
-            raise PeerError(f"rank {self.rank}: {kind} waiting for {what} ({msg}); "
+            raise PeerError(f"rank {self.peers[self.rank]}: {kind} waiting for {what} ({msg}); "
                             "a pipeline rank died or hung — stopping") from None
         finally:
             self.stats["wait_s"] += time.perf_counter() - t0
@@ -333,7 +333,7 @@ class StageRuntime:
                     if where[s - 1] != self.rank:
                         hdr = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
                         w = dist.irecv(hdr, self.peers[where[s - 1]], tag=_HDR_TAG + s - 1)
-                        self._wait(w, f"the shape of stage {s - 1}'s output from rank {where[s - 1]}",
+                        self._wait(w, f"the shape of stage {s - 1}'s output from rank {self.peers[where[s - 1]]}",
                                    self._deadline())
                         shapes[s - 1] = header_shape(hdr)
                     shp, dt = shapes[s - 1]
@@ -349,7 +349,7 @@ class StageRuntime:
                         raise PeerError(f"stage {s} outputs a {out.dim()}-d {out.dtype} tensor; the pipeline "
                                         "carries up to 8-d tensors of common dtypes")
                     w = dist.isend(head, self.peers[where[s + 1]], tag=_HDR_TAG + s)
-                    self._wait(w, f"rank {where[s + 1]} to take the shape of stage {s}'s output",
+                    self._wait(w, f"rank {self.peers[where[s + 1]]} to take the shape of stage {s}'s output",
                                self._deadline())
         self._shapes[key] = shapes
         return shapes
@@ -381,7 +381,7 @@ class StageRuntime:
             box.send(ac.send, out_msgs, post_upto=k + 2 + self.lookahead)
         box.finish_sends()
         if box.posted or box.local or saved:  # a valid schedule consumes everything it produces
-            raise RuntimeError(f"rank {self.rank}: schedule {sched.name} left work behind: "
+            raise RuntimeError(f"rank {self.peers[self.rank]}: schedule {sched.name} left work behind: "
                                f"{sorted(box.posted)[:3]} {sorted(box.local)[:3]} {sorted(saved)[:3]}")
         if training:
             self.step_index += 1
@@ -497,7 +497,7 @@ class _Mailbox:
             self.post_receives(len(self.plan))  # not reached with a lookahead >= 0; kept for safety
         w, buf, _ = self.posted.pop(_key(t))
         name = "activation" if t.tensor == "act" else "gradient"
-        self.rt._wait(w, f"the {name} of stage {t.src_stage} micro-batch {t.mb} from rank {t.src_rank}",
+        self.rt._wait(w, f"the {name} of stage {t.src_stage} micro-batch {t.mb} from rank {self.rt.peers[t.src_rank]}",
                       self.rt._deadline())
         return buf
 
@@ -519,5 +519,6 @@ class _Mailbox:
         """Wait for every send of the step to be taken."""
         for w, _, t in self.sends:
             name = "activation" if t.tensor == "act" else "gradient"
-            self.rt._wait(w, f"rank {t.dst_rank} to take the {name} of stage {t.src_stage} micro-batch {t.mb}",
+            self.rt._wait(w, f"rank {self.rt.peers[t.dst_rank]} to take the {name} of stage {t.src_stage} "
+                               f"micro-batch {t.mb}",
                           self.rt._deadline())

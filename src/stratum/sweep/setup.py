@@ -78,6 +78,8 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
         _check_asha(spec, jobs, configs)
     for cfg in distinct_data(configs):
         prepare_data(cfg)  # corpus errors before anything is written; and the workers find the caches ready
+    if spec.settings.scheduler == "sharded-lrtf":
+        check_shardable({j.id: c for j, c in zip(jobs, configs)})  # before the sweep's state is written
     state = SweepState(sweep_dir)
     fingerprint = spec_fingerprint({j.id: j.overrides for j in jobs}, spec.base_overrides)
     recorded = state.meta("jobs")
@@ -86,8 +88,6 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
                            "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
                   dir=sweep_dir, state=state, say=say, calibration=given)
-    if spec.settings.scheduler == "sharded-lrtf":
-        check_shardable(sweep.configs)
     if spec.settings.device_budget.strip():
         fit_to_budget(sweep)
     if spec.settings.scheduler == "planned":

@@ -44,11 +44,16 @@ from stratum.units import parse_budget
 
 def check_shardable(configs: dict[str, Config]) -> None:
     """Each job runs one process under the plain or offload engine (its shard tasks are the offload engine's
-    blocks)."""
+    blocks), at normal priority: the jobs are threads of one worker, and a background job's SCHED_IDLE would
+    apply to the whole process, the other jobs with it."""
     for job_id, cfg in configs.items():
         if cfg.train.engine not in ("plain", "offload") or cfg.parallel.plan.strip():
             raise StratumError(f"sweep job {job_id}: sharded-lrtf runs jobs under the offload engine; "
                                f"train.engine = {cfg.train.engine!r} / parallel.plan are not supported with it")
+        if cfg.train.priority != "normal":
+            raise StratumError(f"sweep job {job_id}: sharded-lrtf runs every job in one worker process, whose "
+                               f"priority is all its jobs'; train.priority = {cfg.train.priority!r} needs another "
+                               "scheduler (fifo, lrtf, planned), which gives each job a process")
 
 
 def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile],

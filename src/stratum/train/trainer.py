@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from stratum.atomic import atomic_write_json, atomic_write_text
-from stratum.config import Config, to_toml
+from stratum.config import Config, shared_settings, to_toml
 from stratum.data.prepare import Dataset, prepare_data
 from stratum.data.tokenizer import tokenizer_id
 from stratum.data.tokens import TRAIN, VAL
@@ -141,13 +141,15 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     # every rank prepares its data (caches are written atomically, so ranks sharing a cache directory are safe;
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
+    tok_id = tokenizer_id(data.tokenizer)  # checked on resume, recorded with every checkpoint
+    world.agree({**shared_settings(cfg), "the checkpoint resumed": ckpt_path.name if ckpt_path else "none (a fresh "
+                 "start)", "the tokenizer": tok_id})
     check_fits(cfg, device, tokenizer_vocab=data.tokenizer.vocab_size)  # before any allocation it would exceed
     torch.manual_seed(t.seed)
     speeds = rank_speeds(cfg, world)  # measured before any model work, on every rank at once
     model, stages = rank_model(cfg, world, tokenizer_vocab=data.tokenizer.vocab_size, speeds=speeds)
     fingerprint = model.fingerprint()
 
-    tok_id = tokenizer_id(data.tokenizer)  # checked on resume, recorded with every checkpoint
     ckpt = _resume_from(ckpt_path, cfg, fingerprint, tok_id)
     start = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
