@@ -213,8 +213,12 @@ def _run_script(args: argparse.Namespace) -> int:
     from stratum.dist.launch import spawn_local
     if args.nproc < 1:
         raise StratumError("--nproc must be ≥ 1")
-    if not Path(args.script).is_file():
-        raise StratumError(f"script {args.script!r} does not exist")
+    if not 0 <= args.timeout_s < float("inf"):  # (NaN fails the comparison too)
+        raise StratumError(f"--timeout-s must be a finite number of seconds ≥ 0, got {args.timeout_s}")
+    script = Path(args.script)
+    if not script.is_file():
+        raise StratumError(f"script {args.script!r} " + ("is a directory; give the Python file to run"
+                                                         if script.is_dir() else "does not exist"))
     return spawn_local([args.script, *args.script_args], args.nproc, grace_s=args.timeout_s)
 
 
