@@ -27,7 +27,7 @@ class _ListScheduler:
     def __init__(self, stage_to_rank: tuple[int, ...], m: int, *, split: bool, limits: Sequence[int],
                  f_key: Callable[[Action], tuple], cost: dict[str, float], policy: str):
         S, P = len(stage_to_rank), max(stage_to_rank) + 1
-        self.S, self.P, self.m, self.limits, self.cost, self.policy = S, P, m, limits, cost, policy
+        self.S, self.P, self.limits, self.cost, self.policy = S, P, limits, cost, policy
         self.stage_to_rank = stage_to_rank
         self.bk = "I" if split else "B"
         self.first_stage = [min(s for s in range(S) if stage_to_rank[s] == r) for r in range(P)]
