@@ -5,7 +5,11 @@
 #   bash benchmarks/gpu_check.sh PART...       # on a machine with one CUDA GPU and torch (python3 there has it)
 #   DEVICE=cpu PY=.venv/bin/python bash benchmarks/gpu_check.sh all   # the CPU dry run: every part, tiny sizes
 #
-# Parts, in the order a session runs them (most needed first: device time may end before the last):
+# A session's device time (15 minutes, the machine's start included) fits two calls: `session`, then `session2`.
+#   session           facts, the engine's core CUDA tests (test_offload_engine, _mixed), then overhead and offload25
+#                     at $SESSION_TOKENS tokens a step, $SESSION_STEPS timed steps: about 6 minutes in all
+#   session2          the other CUDA tests, then capacity-offload at $SESSION_CAP_TOKENS tokens a step
+# The parts they are made of, and the full-size ones (each a call of its own, where more device time is lent):
 #   check             torch/CUDA/machine facts, then the offload tests with STRATUM_TEST_DEVICE=$DEVICE
 #   overhead          no budget, $PRESET at the largest micro-batch that fits plain (goal >= 0.97x plain)
 #   offload25         device budget 25 % of the training state, same batch (goal >= 0.9x plain)
@@ -13,7 +17,8 @@
 #   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
 #   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
 #   sweep             a sharded-lrtf sweep of 6 jobs on 2 slots of the one device (issue 18)
-#   all               every part above, in that order
+#   facts, tests-core, tests-rest   check's pieces: the facts, the core test files, the other test files
+#   all               check, then every part from overhead on, in that order
 # Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
 # (T_<step> seconds, dashes as underscores: T_tests_offload, T_cli_fp16), so a hang in one still leaves the
 # others' results. Logs, JSON and train runs go to $LOG; $OUT (the folder the device tool brings back,
@@ -41,6 +46,10 @@ else
   : "${SWEEP_BUDGET:=160MB}" "${SWEEP_MEMORY:=480MB}" "${SWEEP_STEPS:=20}"  # every waiting job gives back
 fi
 MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
+SESSION_TOKENS=${SESSION_TOKENS:-$((TOKENS / 4))}   # session's benchmarks: a quarter of the seeds' step, fewer steps
+SESSION_STEPS=${SESSION_STEPS:-3}
+SESSION_CAP_TOKENS=${SESSION_CAP_TOKENS:-$((CAP_TOKENS / 8))}
+CORE_TESTS="tests/test_offload_engine.py tests/test_offload_mixed.py"   # issue 20's "Done when": parity on CUDA
 HOST_BUDGET=${HOST_BUDGET:-auto}                    # auto: 90 % of the machine's RAM
 DISK_DIR=${DISK_DIR:-/var/tmp/stratum-offload}      # the disk tier's files (check prints df of it)
 PRECISION=${PRECISION:-bf16}
@@ -103,22 +112,55 @@ train() {  # name, overrides...: a short `stratum train` on the device, from scr
   step "cli-$name" "$(limit "cli-$name" 100)" "$PY" -m stratum train "${args[@]}"
 }
 
-part_check() {
-  TAIL=40 step facts 60 bash -c "$PY benchmarks/gpu_facts.py '$DISK_DIR' /tmp .; uptime
+part_facts() {
+  TAIL=40 step facts "$(limit facts 60)" bash -c "$PY benchmarks/gpu_facts.py '$DISK_DIR' /tmp .; uptime
     grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h '$DISK_DIR' /tmp . 2>/dev/null
     if command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv; fi"
-  # Every test file that honours STRATUM_TEST_DEVICE (through tests/offload_helpers.py's DEV or itself), fp16 and
-  # bf16 included: test_offload_engine, _mixed, _reductions, _stage, _planner, _launches as of this writing.
-  local files args=$PYTEST_ARGS
-  files=$(grep -l -E 'offload_helpers|STRATUM_TEST_DEVICE' tests/test_*.py | tr '\n' ' ')
+}
+
+device_tests() {  # every test file that honours STRATUM_TEST_DEVICE (tests/offload_helpers.py's DEV, or itself)
+  grep -l -E 'offload_helpers|STRATUM_TEST_DEVICE' tests/test_*.py | tr '\n' ' '
+}
+
+tests() {  # name, default limit, files...: those test files on $DEVICE
+  local name=$1 secs=$2 args=$PYTEST_ARGS; shift 2
   # without pytest-xdist or pytest-timeout the tests still run: in one process, or with no per-test limit
   "$PY" -c "import xdist" 2>/dev/null || args=$(echo "$args" | sed -E 's/-n *[0-9]+//')
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then args="$args --timeout 300"; fi
-  echo "   test files: $files; pytest arguments: $args" >>"$LOG/summary.txt"
-  # shellcheck disable=SC2086  # args and files are lists of words
-  TAIL=25 step tests-offload "$(limit tests-offload 420)" env STRATUM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q \
-    -p no:cacheprovider -rfEs --durations=10 --junitxml="$LOG/tests-offload.xml" $args $files
+  echo "   $name: files $*; pytest arguments: $args" >>"$LOG/summary.txt"
+  # shellcheck disable=SC2086  # args is a list of words
+  TAIL=25 step "$name" "$(limit "$name" "$secs")" env STRATUM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q \
+    -p no:cacheprovider -rfEs --durations=10 --junitxml="$LOG/$name.xml" $args "$@"
+}
+
+part_check() {
+  part_facts
+  # shellcheck disable=SC2046  # a list of files
+  tests tests-offload 420 $(device_tests)
+}
+
+part_tests_rest() {  # the device's test files other than the core ones
+  local f rest=()
+  for f in $(device_tests); do
+    case " $CORE_TESTS " in *" $f "*) ;; *) rest+=("$f") ;; esac
+  done
+  tests tests-rest 200 "${rest[@]}"
+}
+
+part_session() {  # the first call of a 15-minute device session: about 6 minutes of limits in all
+  T_facts=${T_facts:-30} part_facts
+  # shellcheck disable=SC2086  # a list of files
+  tests tests-core 150 $CORE_TESTS
+  TOKENS=$SESSION_TOKENS STEPS=$SESSION_STEPS WARMUP=1 T_overhead=${T_overhead:-100} bench overhead overhead \
+    --plain-twice
+  TOKENS=$SESSION_TOKENS STEPS=$SESSION_STEPS WARMUP=1 T_offload25=${T_offload25:-130} bench offload offload25
+}
+
+part_session2() {  # the second call, where the first left time for one: about 6 minutes of limits
+  part_tests_rest
+  CAP_STEPS=2 T_capacity_offload=${T_capacity_offload:-200} \
+    capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$SESSION_CAP_TOKENS" capacity-offload
 }
 
 part_cli() {
@@ -162,7 +204,12 @@ EOF
 
 run_part() {
   case $1 in
+    session) part_session ;;
+    session2) part_session2 ;;
     check) part_check ;;
+    facts) part_facts ;;
+    tests-core) tests tests-core 150 $CORE_TESTS ;;  # (a list of files)
+    tests-rest) part_tests_rest ;;
     cli) part_cli ;;
     sweep) part_sweep ;;
     overhead) bench overhead overhead --plain-twice ;;
@@ -170,7 +217,8 @@ run_part() {
     capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
     capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;
     all) for p in check overhead offload25 capacity-offload capacity-plain cli sweep; do run_part "$p"; done ;;
-    *) echo "gpu_check.sh: unknown part '$1' (check overhead offload25 capacity-offload capacity-plain cli all)" >&2
+    *) echo "gpu_check.sh: unknown part '$1' (session session2 check facts tests-core tests-rest overhead" \
+         "offload25 capacity-offload capacity-plain cli sweep all)" >&2
        exit 2 ;;
   esac
 }

@@ -109,4 +109,4 @@ def test_the_gpu_check_dry_run_runs_a_benchmark_part_end_to_end(tmp_path, cache_
         assert "log/offload_overhead_cpu.json" in tar.getnames()
     bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "benchmark"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=30)
-    assert bad.returncode == 2 and "unknown part 'benchmark'" in bad.stderr
+    assert bad.returncode == 2 and "unknown part 'benchmark' (session session2 check" in bad.stderr

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from stratum.offload.engine import OffloadEngine
+from stratum.offload.engine import OffloadEngine, _alone_on_device
 from stratum.offload.placement import Placement
 from stratum.offload.tiers import DEVICE, DISK, HOST
 
@@ -448,6 +448,20 @@ def test_a_plan_that_overfills_the_device_is_caught(shared_tmp):
                device_budget=100_000)
     with pytest.raises(Exception, match="device tier"):
         _engine(m, bad)
+
+
+def test_the_allocator_check_counts_one_engine_only_where_it_is_alone_on_its_device(shared_tmp):
+    """The CUDA allocator's total is the process's: it stands for one engine's bytes only while no other engine
+    of the process shares the device (a sharded-lrtf worker's jobs do), and a closed engine no longer counts."""
+    m = build("gpt", shared_tmp)
+    p = plan(m, profile(m), device_budget=None)
+    a = _engine(m, p)
+    assert _alone_on_device(a)
+    b = _engine(build("gpt", shared_tmp), p)
+    assert not _alone_on_device(a) and not _alone_on_device(b)
+    b.close()
+    assert _alone_on_device(a)
+    a.close()
 
 
 @pytest.mark.parametrize("optimizer_tier", [DEVICE, HOST, DISK])

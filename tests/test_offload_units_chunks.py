@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -210,6 +213,54 @@ def test_long_lived_cpu_buffers_are_page_aligned_mappings():
     f = aligned_empty(1000)
     assert f.dtype == torch.float32 and f.numel() == 1000 and f.data_ptr() % PAGE == 0
     release_free_heap()
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether ``ptr`` lies in one of this process's mappings (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= ptr < hi:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_pinned_buffers_are_registered_at_their_own_size_and_unregistered_before_unmapped(monkeypatch):
+    """A GPU's host-tier buffers are page-locked at their page-rounded size (torch's pinned allocator would lock
+    the next power of two: 2x for a chunk just over one) and unregistered when the last view of them dies, while
+    the pages are still mapped; they are unmapped after. CUDA's calls are faked: this machine may have no GPU."""
+    from stratum.offload import host_alloc
+    from stratum.offload.tiers import aligned_empty
+    calls = []
+    monkeypatch.setattr(host_alloc, "cuda_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(host_alloc, "cuda_host_unregister",
+                        lambda ptr: calls.append(("unregister", ptr, _mapped(ptr))))
+    n = (1 << 20) + 1  # elements of fp32: 4 MiB + 4 bytes, one page over a power of two
+    t = aligned_empty(n, torch.float32, pin=True)
+    assert t.numel() == n and t.dtype == torch.float32 and t.data_ptr() % host_alloc.PAGE == 0
+    ptr = t.data_ptr()
+    assert calls == [("register", ptr, (4 << 20) + host_alloc.PAGE)]
+    t.fill_(3.0)
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert len(calls) == 1 and float(view.sum()) == 30.0  # a view keeps the buffer pinned
+    del view
+    gc.collect()
+    assert calls[1] == ("unregister", ptr, True) and not _mapped(ptr)
+    assert host_alloc.pinned_empty(0).numel() == 0 and len(calls) == 2
+
+
+def test_pinning_that_fails_names_the_budget_to_lower(monkeypatch):
+    """cudaHostRegister's error (a host tier larger than the memory the system lets be locked) is one line."""
+    from stratum.offload import host_alloc
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            return 2  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(host_alloc.torch.cuda, "cudart", lambda: FakeCudart())
+    with pytest.raises(StratumError, match="could not page-lock 8,192 bytes .*cudaError 2.*offload.host_budget"):
+        host_alloc.pinned_empty(8192)
 
 
 def test_heap_trim_spends_at_most_its_share_of_the_time(monkeypatch):

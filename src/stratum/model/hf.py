@@ -99,8 +99,8 @@ class GPT2Layer(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         pos = _positions(x)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+        # (config, embeddings, attention mask, cache) by position: transformers renamed the cache's keyword
+        mask = create_causal_mask(self.config, x, None, None, position_ids=pos)
         return _first(self.layer(x, None, mask, None, use_cache=False, position_ids=pos))
 
 
@@ -147,11 +147,10 @@ class LlamaStyleLayer(nn.Module):
 
         pos = _positions(x)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
-                         position_ids=pos)
+        mask = make_mask(self.config, x, None, None, position_ids=pos)  # (no cache: by position, as above)
         cos_sin = self.rotary(x, position_ids=pos)
-        return _first(self.layer(x, attention_mask=mask, position_ids=pos, past_key_values=None,
-                                 use_cache=False, position_embeddings=cos_sin))
+        return _first(self.layer(x, attention_mask=mask, position_ids=pos, use_cache=False,
+                                 position_embeddings=cos_sin))
 
 
 # ---- loading -------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ waits likewise: the global norm of the scaled gradients is the overflow check th
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -58,6 +59,14 @@ from stratum.offload.vacate import Vacate
 from stratum.runtime.device import HALF_DTYPES, autocast, canonical, peak_memory_bytes
 from stratum.runtime.engine import Engine, OptimSpec, StepResult
 from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
+
+_LIVE: weakref.WeakSet[OffloadEngine] = weakref.WeakSet()
+"""This process's open engines. The CUDA allocator counts the whole process, so its total is one engine's only
+where that engine is alone on its device (a sharded-lrtf worker runs several jobs' engines on one GPU)."""
+
+
+def _alone_on_device(engine: OffloadEngine) -> bool:
+    return not any(e is not engine and e.device == engine.device for e in list(_LIVE))
 
 
 def discard(_t: Tensor) -> None:
@@ -102,6 +111,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         self._init_precision(delayed_update, loss_scale)
         self.check_every_step = check_every_step
         self._cuda_base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        _LIVE.add(self)
         tune_allocator()
         self._heap_trim = HeapTrim()
         self._materialize = _materializer(model, materialize)
@@ -633,7 +643,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
             return
         self.tiers[DEVICE].check(self._act)
         self.tiers[HOST].check()
-        if self.device.type == "cuda" and self.placement.device_budget is not None:
+        if self.device.type == "cuda" and self.placement.device_budget is not None and _alone_on_device(self):
             # (the parent's packed copies of the gradients being reduced are its buffers, outside the plan)
             held = torch.cuda.memory_allocated(self.device) - self._cuda_base - self._in_flight_bytes()
             assert held <= self.placement.device_budget * 1.05 + (64 << 20), (
@@ -700,6 +710,7 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
                 "optim_state_bytes": sum(2 * c.cap * F32 for c in self.owned())}
 
     def close(self) -> None:
+        _LIVE.discard(self)
         for h in self._grad_hooks:
             h.remove()
         try:

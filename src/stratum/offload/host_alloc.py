@@ -15,6 +15,13 @@ Two kinds of CPU allocation meet in an offload run and want opposite treatment:
 same value, but also its trim threshold, which kept up to 0.9 GB of freed heap resident), and
 :func:`release_free_heap` hands freed heap pages back at a step's end when enough are free (256 MiB), so that what
 a big step freed is not held into the next one. glibc only; elsewhere both are no-ops.
+
+On a GPU the long-lived buffers of the host tier are page-locked for DMA (:func:`pinned_empty`): the same mappings,
+registered with CUDA at their own size. torch's pinned allocator (``pin_memory=True``) rounds every request up to a
+power of two and caches freed blocks, so a 257 MiB chunk would lock 512 MiB: up to twice what the tier accounts for,
+which for a model filling the host (gpt-6.7b's 94 GB of masters and moments on a 128 GB machine) cannot be locked.
+Short-lived pinned tensors (a step's staging of one activation) stay with torch's allocator, whose cached blocks
+and stream events suit them.
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ import functools
 import mmap
 import sys
 import time
+import weakref
 
 import torch
 from torch import Tensor
+
+from stratum.errors import StratumError
 
 PAGE = mmap.PAGESIZE
 HEAP_MAX_ALLOC = 16 << 20
@@ -117,3 +127,43 @@ def page_aligned_empty(nbytes: int) -> Tensor:
     # private, like malloc's own mappings (mmap's default for anonymous memory is shared: shmem-backed)
     mm = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def cuda_host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at ``ptr`` for the GPU's copy engines (cudaHostRegister, portable to every context)."""
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))
+    if err != 0:
+        raise StratumError(f"CUDA could not page-lock {nbytes:,} bytes of host memory (cudaError {err}); "
+                          "lower offload.host_budget so that the host tier leaves room for the system")
+
+
+def cuda_host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _unpin(ptr: int, mapping: mmap.mmap) -> None:
+    """A pinned buffer's end: every copy queued from or into it is done (a device-wide sync: buffers end at a
+    resize or the run's end, seldom), then it is unregistered. ``mapping`` is held here until then, so the
+    pages are unmapped only after (the memoryview exporting them may be gone already)."""
+    if torch.cuda.is_initialized():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+    cuda_host_unregister(ptr)
+    del mapping
+
+
+def pinned_empty(nbytes: int) -> Tensor:
+    """An uninitialised uint8 CPU tensor of ``nbytes`` in its own anonymous mapping, page-locked for a GPU at its
+    own size (see the module docstring); unregistered, then unmapped, when the tensor is freed."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    size = -(-nbytes // PAGE) * PAGE
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps the view, the view keeps an export of the mapping; the finaliser holds the mapping itself
+    view = memoryview(mapping)
+    t = torch.frombuffer(view, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    cuda_host_register(ptr, size)
+    finaliser = weakref.finalize(view, _unpin, ptr, mapping)
+    finaliser.atexit = False  # at exit the process's memory goes with it, and CUDA may be torn down first
+    return t[:nbytes]

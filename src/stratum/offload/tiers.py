@@ -34,7 +34,7 @@ from torch import Tensor
 from stratum.errors import StratumError
 from stratum.model.neutral import neutral
 from stratum.offload.cpu_adam import adamw_flat
-from stratum.offload.host_alloc import page_aligned_empty
+from stratum.offload.host_alloc import page_aligned_empty, pinned_empty
 from stratum.offload.prefetch import background_pool
 from stratum.procs import pid_alive
 from stratum.units import fmt_bytes
@@ -311,14 +311,9 @@ def round_up(nbytes: _N, to: int = ALIGN) -> _N:
 
 def aligned_empty(n: int, dtype: torch.dtype = torch.float32, pin: bool = False) -> Tensor:
     """An uninitialised 1-D CPU tensor of ``n`` elements whose data starts on an ALIGN-byte boundary, so the disk
-    store can read and write it directly: its own page-aligned mapping, or pinned memory (torch's allocator
-    guarantees 64 bytes there, so it is over-allocated and offset)."""
+    store can read and write it directly: its own page-aligned mapping, page-locked for a GPU with ``pin``."""
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if not pin:
-        return page_aligned_empty(nbytes).view(dtype)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-    off = (-raw.data_ptr()) % ALIGN
-    return raw[off:off + nbytes].view(dtype)
+    return (pinned_empty(nbytes) if pin else page_aligned_empty(nbytes)).view(dtype)
 
 
 def _is_aligned(t: Tensor, offset: int) -> bool:

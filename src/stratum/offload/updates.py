@@ -432,7 +432,7 @@ class Updates(EngineState):
         self._wait_delayed()
         for c in self.chunks:
             c.opt_fut = None
-        self.xfer.submit(lambda: None).result()
+        self.xfer.wait(self.xfer.submit(lambda: None))  # (the device's copies too, not only their issue)
 
     def _update_after_backward(self) -> Tensor:
         """After the last micro-batch's backward: the global gradient norm (returned, a 0-d tensor) from the
@@ -496,6 +496,10 @@ class Updates(EngineState):
         when updates wait for the global norm (on a CPU the clipped host updates run here, elsewhere they are
         queued) — or for the next forward (the plan's deferred chunks)."""
         t_upd = time.perf_counter()
+        if coef is not None and self.placement.optimizer_tier != DEVICE:
+            # the host updates read it on other threads, whose copies wait on their own streams, not on the one
+            # whose kernels computed it (a sweep job's): it comes to the host here, after them
+            coef = coef.cpu()
         if self._dpu:
             self._delay(coef)
         elif self._all_on_device:
