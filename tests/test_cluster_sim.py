@@ -15,6 +15,7 @@ from stratum.cluster.policies import Elastic
 from stratum.cluster.replay import PolicyConfig, replay
 from stratum.cluster.report import table, write_json
 from stratum.cluster.trace import Job, parse_trace
+from stratum.errors import StratumError
 from stratum.ir.costs import Costs
 from stratum.ir.hardware import Hardware, Link
 
@@ -164,3 +165,59 @@ def test_a_host_takes_guests_when_together_they_gain_more_than_it_loses():
         starts[len(jobs)] = {j.id: j.start_s for j in res.jobs}
     assert starts[2]["G"] == pytest.approx(step)  # alone, G waits for F to end
     assert starts[3] == {"F": 0.0, "G": 0.0, "H": 0.0}
+
+
+# ---- devices of mixed memory: a job runs only on devices that hold it ----------------------------------------------
+BIG = ModelCosts(costs=MODEL.costs, state_bytes=3 * 10**9 // 2)  # 1.5 GB: only the 2 GB device holds it
+MIXED = replace(HW, devices=(replace(HW.devices[0], memory_bytes=2 * 10**9), HW.devices[1]))  # rank 0: 2 GB, 1: 1 GB
+PAIR = ("job,arrival_s,model,batch,steps,devices,priority\n"
+        "S,0,m,1,2,1,background\n"  # first in the queue, held by both devices: it takes the smaller
+        "B,0,big,1,2,1,background\n")
+
+
+@pytest.mark.parametrize("policy", ["static-dp", "burst", "burst+multiplex", "elastic", "elastic-devices"])
+def test_a_job_takes_the_smallest_device_that_holds_it_and_leaves_the_larger_to_the_job_that_needs_it(policy):
+    # each job trains its 2 sequences at 6 s each on a device of its own, both from the start; given rank 0
+    # first (the smallest rank), S would have left B only the 1 GB device, and B would have waited 12 s for it
+    jobs = parse_trace(PAIR, models=["m", "big"], devices=2)
+    (res,) = replay(MIXED, jobs, {("m", 1024): MODEL, ("big", 1024): BIG}, [policy],
+                    config=PolicyConfig(amplification=AMP, interference=INTERFERENCE, startup_s=STARTUP))
+    assert {j.id: (j.start_s, j.end_s) for j in res.jobs} == {"S": (0.0, 12.0), "B": (0.0, 12.0)}
+
+
+def test_elastic_gives_a_job_only_devices_that_hold_it_and_resizes_it_when_they_free():
+    # B (held by rank 0 alone) may use one device; S (batch 2) could use both, but sharing them is worth more
+    jobs = parse_trace(PAIR.replace("S,0,m,1,2,1,", "S,0,m,2,1,1,"), models=["m", "big"], devices=2)
+    cluster = Cluster.of(MIXED, jobs, {("m", 1024): MODEL, ("big", 1024): BIG})
+    assert cluster.holders == {"S": (1, 0), "B": (0,)}
+    el = Elastic(cluster, startup_s=STARTUP)
+    assert len(el.curve(jobs[1])) == 2  # B: none or rank 0
+    runs = el.allocate(0.0, jobs, {})
+    assert {k: r.ranks for k, r in runs.items()} == {"B": (0,), "S": (1,)}
+    # B ends: S is resized onto both (a checkpoint-restart), and a job kept where it was pays none
+    again = el.allocate(12.0, jobs[:1], runs)
+    assert again["S"].ranks == (0, 1) and again["S"].restart_s == STARTUP
+    assert el.allocate(13.0, jobs[:1], again) == again
+
+
+def test_a_guest_shares_a_device_only_where_its_memory_holds_both_jobs():
+    # each job alone fits a 1 GB device, both together do not: the background job waits as under burst
+    half = ModelCosts(costs=MODEL.costs, state_bytes=6 * 10**8)
+    jobs = parse_trace(TRACE, models=["m"], devices=2)
+    (res,) = replay(HW, jobs, {("m", 1024): half}, ["burst+multiplex"],
+                    config=PolicyConfig(amplification=AMP, interference=INTERFERENCE, startup_s=STARTUP))
+    assert {j.id: j.end_s for j in res.jobs} == pytest.approx(ends("burst"))
+
+
+@pytest.mark.parametrize(("trace", "message"), [
+    ("B,0,big,2,1,2,background\n", r"job 'B' \(big, seq_len 1024\) needs 1\.4 GiB per device .*, which 1 of the "
+                                   r"devices hold, but it asks for 2; ask for at most 1"),
+    ("H,0,huge,1,1,1,background\n", r"job 'H' \(huge, seq_len 1024\) needs 4\.7 GiB per device .* but the largest "
+                                    r"device, 'device', holds 1\.9 GiB"),
+])
+def test_a_job_too_large_for_the_devices_it_asks_for_is_one_line(trace, message):
+    huge = ModelCosts(costs=MODEL.costs, state_bytes=5 * 10**9)
+    jobs = parse_trace("job,arrival_s,model,batch,steps,devices,priority\n" + trace, models=["big", "huge"],
+                       devices=2)
+    with pytest.raises(StratumError, match=message):
+        Cluster.of(MIXED, jobs, {("big", 1024): BIG, ("huge", 1024): huge})

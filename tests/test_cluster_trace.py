@@ -87,6 +87,17 @@ def test_generator_is_seeded_and_follows_the_philly_sizes():
     assert all(j.batch == 8 * j.devices and j.max_batch == 4 * j.batch for j in jobs)
 
 
+def test_a_generated_job_asks_for_at_most_the_devices_that_hold_its_model():
+    # the same draws as without the cap (same models, times, arrivals), the big model's jobs on one device
+    spec = TraceSpec(jobs=400, seed=3, devices=8, models=("small", "big"))
+    free = generate(spec, lambda j: 60.0)
+    capped = generate(spec, lambda j: 60.0, holding=lambda model: 1 if model == "big" else 8)
+    assert [(j.model, j.arrival_s) for j in capped] == [(j.model, j.arrival_s) for j in free]
+    for a, b in zip(free, capped):
+        assert b.devices == (1 if a.model == "big" else a.devices) and b.batch == 8 * b.devices
+    assert any(j.model == "big" and j.devices > 1 for j in free)
+
+
 def write_hw(tmp_path, bandwidth: str = '"100GB/s"'):
     p = tmp_path / "hw.toml"
     p.write_text(HW.replace("BW", bandwidth))

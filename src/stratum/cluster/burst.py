@@ -10,7 +10,8 @@
   nothing; on devices the host uses part of each step it gets the least idle share among them
   (``1 − busy / step`` of that device), less the ``interference`` fraction, and the host's steps take
   ``1 + interference`` times as long while such a guest shares its devices. Each of a host's devices carries at
-  most one background job; when the host ends, its guests keep the devices as their own.
+  most one background job, and only where its memory holds both jobs; when the host ends, its guests keep the
+  devices as their own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import replace
 
 from stratum.cluster.cluster import Cluster, Run
 from stratum.cluster.policies import StaticDP
-from stratum.cluster.scaling import burst_step
+from stratum.cluster.scaling import burst_step, device_need
 from stratum.cluster.trace import Job
 from stratum.errors import StratumError
 
@@ -90,7 +91,8 @@ class BurstMultiplex(Burst):
                 continue  # a guest itself, or a background job
             guests = [r for r in runs.values() if r.host == host.job]
             taken = {d for r in guests for d in r.ranks}
-            spare = sorted((d for d in host.ranks if d not in taken and host.idle_share(d) > 1e-9),
+            spare = sorted((d for d in host.ranks if d not in taken and host.idle_share(d) > 1e-9
+                            and self._room(job, host, d)),
                            key=lambda d: (-host.idle_share(d), -d))  # most idle first, then the last ranks
             if len(spare) < job.devices:
                 continue
@@ -107,6 +109,12 @@ class BurstMultiplex(Burst):
             if self._worth(job, alone, share, host, carried=0 if slowed else carried):
                 return replace(guest, step_s=alone.step_s / share)
         return None
+
+    def _room(self, job: Job, host: Run, device: int) -> bool:
+        """Whether ``device`` holds ``job`` beside ``host``'s job: a guest shares its host's device memory."""
+        models = self.cluster.models
+        need = device_need(models[job.id]) + device_need(models[host.job])
+        return need <= self.cluster.hw.devices[device].memory_bytes
 
     def _worth(self, job: Job, alone: Run, share: float, host: Run, *, carried: int) -> bool:
         """Whether the work the guests gain exceeds the host's work lost, both in profiled-device seconds of

@@ -23,11 +23,11 @@ from pathlib import Path
 from stratum.atomic import check_writable
 from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
-from stratum.cluster.models import known_models
+from stratum.cluster.models import ModelCosts, known_models
 from stratum.cluster.replay import PolicyConfig, parse_policies, replay, trace_costs
 from stratum.cluster.report import table, write_json, write_png
-from stratum.cluster.scaling import check_fits, dp_step
-from stratum.cluster.trace import load_trace, write_trace
+from stratum.cluster.scaling import check_fits, dp_step, holders
+from stratum.cluster.trace import Job, load_trace, write_trace
 from stratum.config import Config
 from stratum.errors import StratumError
 from stratum.ir.hardware import load_hardware
@@ -84,9 +84,9 @@ def _trace(args, hw) -> int:
         spec = replace(spec, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
     if args.seq_len is not None:
         spec = replace(spec, seq_len=args.seq_len)
-    costs = {}
+    costs: dict[tuple[str, int], ModelCosts] = {}
 
-    def step_s(job) -> float:
+    def model_costs(job: Job) -> ModelCosts:
         key = (job.model, job.seq_len)
         if key not in costs:
             costs.update(trace_costs([job], _cache_dir(args)))
@@ -94,10 +94,18 @@ def _trace(args, hw) -> int:
                 check_fits(costs[key], hw.devices, f"model {job.model}")
             except StratumError as e:
                 raise StratumError(f"{e} (stratum cluster trace --models chooses the models)") from None
-        ranks = pick(hw, range(hw.num_devices), job.devices)
-        return dp_step(costs[key], batch=job.batch, ranks=ranks, hw=hw).step_s
+        return costs[key]
 
-    jobs = generate(spec, step_s)
+    def holding(model: str) -> int:
+        probe = Job(id=model, arrival_s=0, model=model, batch=1, steps=1, devices=1, seq_len=spec.seq_len)
+        return len(holders(model_costs(probe), hw.devices))
+
+    def step_s(job: Job) -> float:
+        mc = model_costs(job)
+        ranks = pick(hw, holders(mc, hw.devices), job.devices)
+        return dp_step(mc, batch=job.batch, ranks=ranks, hw=hw).step_s
+
+    jobs = generate(spec, step_s, holding)
     write_trace(args.out, jobs)
     print(f"wrote {args.out}: {len(jobs)} jobs over {jobs[-1].arrival_s / 3600:.1f} h (seed {spec.seed}, "
           f"load {spec.load:g})")

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stratum.cluster.models import ModelCosts
-from stratum.cluster.scaling import StepCost, check_fits, dp_step
+from stratum.cluster.scaling import StepCost, check_fits, dp_step, holders
 from stratum.cluster.trace import Job
 from stratum.ir.hardware import Hardware
 
@@ -47,19 +47,22 @@ class Run:
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """The hardware and every job's model costs (by job id)."""
+    """The hardware, every job's model costs and the devices that hold each job (by job id)."""
 
     hw: Hardware
     models: Mapping[str, ModelCosts]
+    holders: Mapping[str, tuple[int, ...]]
+    """The ranks whose memory holds the job's training state and one sequence's activations, in the order it
+    takes them (:func:`stratum.cluster.scaling.holders`)."""
 
     @classmethod
     def of(cls, hw: Hardware, jobs: Sequence[Job], costs: Mapping[tuple[str, int], ModelCosts]) -> Cluster:
-        """The cluster for ``jobs``, whose model costs ``costs`` gives by (model, seq_len); every job must fit a
-        device (one-line error otherwise)."""
+        """The cluster for ``jobs``, whose model costs ``costs`` gives by (model, seq_len); as many devices as a
+        job asks for must hold it (one-line error otherwise)."""
         models = {j.id: costs[(j.model, j.seq_len)] for j in jobs}
         for j in jobs:
-            check_fits(models[j.id], hw.devices, f"job {j.id!r} ({j.model}, seq_len {j.seq_len})")
-        return cls(hw=hw, models=models)
+            check_fits(models[j.id], hw.devices, f"job {j.id!r} ({j.model}, seq_len {j.seq_len})", count=j.devices)
+        return cls(hw=hw, models=models, holders={j.id: holders(models[j.id], hw.devices) for j in jobs})
 
     @property
     def size(self) -> int:
@@ -78,17 +81,22 @@ class Cluster:
         used = {r for run in runs if not run.host for r in run.ranks}
         return [r for r in range(self.size) if r not in used]
 
+    def fitting(self, job: Job, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose memory holds ``job``, in the order it takes them (:func:`holders`)."""
+        given = set(ranks)
+        return [r for r in self.holders[job.id] if r in given]
+
     def pick(self, free: Sequence[int], n: int) -> tuple[int, ...]:
         return pick(self.hw, free, n)
 
 
 def pick(hw: Hardware, free: Sequence[int], n: int) -> tuple[int, ...]:
-    """``n`` of the ``free`` devices: on one node where a node has enough (the fullest such node, so large holes
-    stay whole), else the lowest ranks."""
+    """``n`` of the ``free`` devices, in rank order: on one node where a node has enough (the fullest such node,
+    so large holes stay whole), else the first of ``free``; within a node, the first of ``free`` too."""
     by_node: dict[int, list[int]] = {}
     for r in free:
         by_node.setdefault(hw.devices[r].node, []).append(r)
     fits = [rs for rs in by_node.values() if len(rs) >= n]
     if fits:
-        return tuple(min(fits, key=len)[:n])
-    return tuple(free[:n])
+        return tuple(sorted(min(fits, key=len)[:n]))
+    return tuple(sorted(free[:n]))

@@ -4,7 +4,8 @@ The distributions are those Gavel (Narayanan et al., OSDI 2020, and its public s
 Microsoft's Philly trace (Jeon et al., "Analysis of Large-Scale Multi-Tenant GPU Clusters for DNN Training
 Workloads", ATC 2019):
 
-- devices a job asks for: 1 with probability 0.70, 2 with 0.10, 4 with 0.15, 8 with 0.05 (capped at the cluster);
+- devices a job asks for: 1 with probability 0.70, 2 with 0.10, 4 with 0.15, 8 with 0.05 (capped at the devices
+  that hold its model; the arrival rate counts the sizes capped at the cluster only);
 - run time on those devices: 10^x minutes, x uniform on [1.5, 3] with probability 0.8 (about 32 minutes to 17
   hours) and on [3, 4] with probability 0.2 (17 hours to 7 days);
 - arrivals: a Poisson process, its rate set so that the devices × run time asked for per hour is ``load`` times
@@ -93,9 +94,11 @@ def _minutes(rng: random.Random) -> float:
     return 10 ** rng.uniform(*DURATION_MODES[-1][1:])
 
 
-def generate(spec: TraceSpec, step_s: Callable[[Job], float]) -> list[Job]:
+def generate(spec: TraceSpec, step_s: Callable[[Job], float],
+             holding: Callable[[str], int] | None = None) -> list[Job]:
     """The trace: ``step_s(job)`` gives a job's seconds per step on the devices it asks for (its ``steps`` are
-    ignored), which turns its drawn run time into steps."""
+    ignored), which turns its drawn run time into steps; ``holding(model)`` the devices whose memory holds the
+    model (by default all), at most as many as its jobs ask for."""
     rng = random.Random(spec.seed)
     rate = arrival_rate(spec)
     width = len(str(spec.jobs - 1))
@@ -104,6 +107,8 @@ def generate(spec: TraceSpec, step_s: Callable[[Job], float]) -> list[Job]:
         devices = min(_pick(rng, DEVICE_COUNTS), spec.devices)
         seconds = _minutes(rng) * 60
         model = spec.models[rng.randrange(len(spec.models))]
+        if holding is not None:
+            devices = min(devices, holding(model))
         batch = devices * spec.per_device_batch
         job = Job(id=f"j{i:0{width}d}", arrival_s=round(now, 3), model=model, batch=batch, steps=1,
                   devices=devices, max_batch=batch * spec.batch_growth if spec.batch_growth > 1 else 0,

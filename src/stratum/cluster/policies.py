@@ -55,9 +55,10 @@ class StaticDP:
         for job in active:
             if job.id in runs:
                 continue
-            if job.devices > len(free):
+            mine = self.cluster.fitting(job, free)
+            if job.devices > len(mine):
                 break
-            ranks = self.cluster.pick(free, job.devices)
+            ranks = self.cluster.pick(mine, job.devices)
             free = [r for r in free if r not in ranks]
             runs[job.id] = self.start(job, ranks)
         return runs
@@ -91,15 +92,16 @@ class Elastic:
         return sorted({job.batch, job.batch_limit})
 
     def curve(self, job: Job) -> list[tuple[float, int]]:
-        """(sequences/s, batch) on n = 0, 1, … devices (the first n ranks; 0 for none): the best of
-        :meth:`batches`, the smallest on a tie."""
+        """(sequences/s, batch) on n = 0, 1, … devices (the first n of those that hold it; 0 for none): the best
+        of :meth:`batches`, the smallest on a tie."""
         if job.id not in self._curves:
             out = [(0.0, job.batch)]
-            for n in range(1, min(self.cluster.size, max(self.batches(job))) + 1):
+            held = self.cluster.holders[job.id]
+            for n in range(1, min(len(held), max(self.batches(job))) + 1):
                 best = (0.0, job.batch)
                 for b in self.batches(job):
                     if b >= n:
-                        rate = b / self.cluster.dp(job, b, range(n)).step_s
+                        rate = b / self.cluster.dp(job, b, sorted(held[:n])).step_s
                         if rate > best[0] * (1 + 1e-12):
                             best = (rate, b)
                 out.append(best)
@@ -134,14 +136,25 @@ class Elastic:
         want = {job.id: (n, self.curve(job)[n][1]) for job, n in zip(active, self.counts(active)) if n}
         runs = {k: r for k, r in running.items() if want.get(k) == (len(r.ranks), r.batch)}  # kept as they are
         free = self.cluster.free(runs.values())
-        for job in active:
-            if job.id in want and job.id not in runs:
-                n, batch = want[job.id]
-                ranks = self.cluster.pick(free, n)
-                free = [r for r in free if r not in ranks]
-                run = self.cluster.dp_run(job, batch, ranks)
-                runs[job.id] = replace(run, restart_s=self.restart_s(job)) if job.id in self._started else run
-                self._started.add(job.id)
+        # the programme counts devices; those that hold the fewest jobs' models are placed first, and a job that
+        # finds fewer devices that hold it than counted runs on those it finds
+        placing = sorted((j for j in active if j.id in want and j.id not in runs),
+                         key=lambda j: len(self.cluster.holders[j.id]))
+        for job in placing:
+            mine = self.cluster.fitting(job, free)
+            n = min(want[job.id][0], len(mine))
+            if not n:
+                continue
+            batch = self.curve(job)[n][1]
+            old = running.get(job.id)
+            if old is not None and (len(old.ranks), old.batch) == (n, batch) and set(old.ranks) <= set(mine):
+                run = old  # where it was, as it was: no restart
+            else:
+                run = self.cluster.dp_run(job, batch, self.cluster.pick(mine, n))
+                run = replace(run, restart_s=self.restart_s(job)) if job.id in self._started else run
+            free = [r for r in free if r not in run.ranks]
+            runs[job.id] = run
+            self._started.add(job.id)
         return runs
 
 

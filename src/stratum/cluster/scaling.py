@@ -7,7 +7,8 @@ by the device model (:mod:`stratum.ir.work`: from the block's kernel count and F
 group's slowest link (:mod:`stratum.ir.prices`) beside the backward of the blocks before it, as data-parallel
 runtimes on GPUs run it (:mod:`stratum.plan.burst_overlap`). A group runs at its slowest device. Saved
 activations grow linearly with the sequences of the batch; a job fits a device when its training state and one
-sequence's activations do (a device may run its share as micro-batches; the price is that of one batch).
+sequence's activations do (a device may run its share as micro-batches; the price is that of one batch), and runs
+only on devices it fits.
 """
 
 from __future__ import annotations
@@ -40,15 +41,27 @@ def device_need(mc: ModelCosts) -> float:
     return mc.state_bytes + mc.act_bytes
 
 
-def check_fits(mc: ModelCosts, devices: Sequence[Device], what: str) -> None:
-    """A one-line error when ``what`` (a job) does not fit the smallest of ``devices``: the policies place a job
-    on any free device, so every device must hold every job."""
-    small = min(devices, key=lambda d: d.memory_bytes)
-    if device_need(mc) > small.memory_bytes:
-        raise StratumError(f"{what} needs {device_need(mc) / 2**30:.1f} GiB per device (training state and one "
-                           f"sequence's activations) but device {small.name!r} holds {small.memory_bytes / 2**30:.1f} "
-                           "GiB; the policies place a job on any device, so each must hold it: leave it out of the "
-                           "trace or give the hardware larger devices")
+def holders(mc: ModelCosts, devices: Sequence[Device]) -> tuple[int, ...]:
+    """The ranks of ``devices`` that hold the model (:func:`device_need`), in the order a job takes them: the
+    smallest memory first (it leaves the larger devices to the jobs that need them), then by rank."""
+    need = device_need(mc)
+    return tuple(sorted((r for r, d in enumerate(devices) if need <= d.memory_bytes),
+                        key=lambda r: (devices[r].memory_bytes, r)))
+
+
+def check_fits(mc: ModelCosts, devices: Sequence[Device], what: str, *, count: int = 1) -> None:
+    """A one-line error when fewer than ``count`` of ``devices`` hold ``what`` (a job asking ``count`` devices):
+    the policies place a job only on devices that hold it."""
+    held = holders(mc, devices)
+    if len(held) >= count:
+        return
+    big = max(devices, key=lambda d: d.memory_bytes)
+    need = f"{what} needs {device_need(mc) / 2**30:.1f} GiB per device (training state and one sequence's activations)"
+    if not held:
+        raise StratumError(f"{need} but the largest device, {big.name!r}, holds {big.memory_bytes / 2**30:.1f} GiB; "
+                           "leave it out of the trace or give the hardware larger devices")
+    raise StratumError(f"{need}, which {len(held)} of the devices hold, but it asks for {count}; ask for at most "
+                       f"{len(held)} or give the hardware more devices of {device_need(mc) / 2**30:.1f} GiB or more")
 
 
 def at_batch(costs: Costs, sequences: int) -> Costs:
