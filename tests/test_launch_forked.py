@@ -41,6 +41,22 @@ elif mode == "interrupt" and rank == 1:
 elif mode == "sleep":
     open(os.path.join(sys.argv[2], f"pid{rank}"), "w").write(str(os.getpid()))
     time.sleep(120)
+elif mode == "fail-one" and rank == 1:  # rank 0 carries on (hung, or waiting on rank 1 longer than the grace)
+    sys.exit(3)
+elif mode == "fail-one":
+    time.sleep(120)
+elif mode == "stopped":  # a requested stop, as the trainer ends one: a checkpoint, then exit 130
+    sys.exit(130)
+elif mode == "slow-stop":  # a stop signal finishes a step that outlasts the launcher's grace, then checkpoints
+    import signal
+    def stop(signum, frame):
+        time.sleep(float(sys.argv[3]))
+        open(os.path.join(sys.argv[2], f"stopped{rank}"), "w").write(signal.Signals(signum).name)
+        sys.exit(130)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    open(os.path.join(sys.argv[2], f"pid{rank}"), "w").write(str(os.getpid()))
+    time.sleep(120)
 '''
 
 
@@ -80,6 +96,49 @@ def test_a_forked_rank_sees_and_ends_as_an_exec_rank(script, capfd, monkeypatch)
     assert code == 1 and "Traceback" in err and "ValueError: boom" in err
     code, _, err = _run(script, "interrupt", capfd=capfd)  # an uncaught Ctrl-C ends a rank by SIGINT
     assert code == 3 and "stratum: error: rank 1 was killed by SIGINT" in err
+
+
+def test_ranks_that_stop_on_request_are_not_reported_as_failed(script, capfd, monkeypatch):
+    """SIGTERM sent to one rank stops the job with a checkpoint (every rank exits 130): the exit code says so,
+    and no rank is reported as having failed."""
+    monkeypatch.setenv("STRATUM_SPAWN", "fork")
+    code, _, err = _run(script, "stopped", capfd=capfd)
+    assert code == 130 and "failed" not in err, err
+
+
+def test_a_rank_still_running_after_a_peer_failed_is_named_as_it_is_killed(script, capfd, monkeypatch):
+    monkeypatch.setenv("STRATUM_SPAWN", "fork")
+    code, _, err = _run(script, "fail-one", capfd=capfd)
+    assert code == 3 and "stratum: error: rank 0 had not ended 5 s after rank 1 stopped; it was killed" in err, err
+
+
+LAUNCHER = """
+import sys
+from stratum.dist.launch import spawn_local
+if __name__ == "__main__":  # (the ranks' forkserver imports this module as its __main__ too)
+    try:
+        spawn_local(sys.argv[1:], 2, grace_s=1.0)
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_waits_for_the_ranks_step_however_long_it_takes(script, tmp_path, sig):
+    """A stop forwarded to the ranks lets each finish its step and checkpoint, even past the launcher's grace
+    (1 s here, the ranks' steps 3 s): the grace counts only once a rank has ended."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(launcher), str(script), "slow-stop", str(tmp_path), "3"],
+                            stderr=subprocess.PIPE, text=True)
+    pids = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    assert proc.wait(30) == 130
+    assert [(tmp_path / f"stopped{r}").read_text() for r in range(2)] == [sig.name, sig.name]
 
 
 @pytest.mark.slow

@@ -203,9 +203,10 @@ def test_meta_device_builds_structure_only(tmp_path):
     assert all(p.is_meta for p in seq.parameters()) and len(seq.tied) == 1
 
 
-def test_pretrained_vocab_smaller_than_tokenizer_refused(tmp_path):
+def test_a_vocabulary_larger_than_the_pretrained_models_is_refused(tmp_path):
     reference(save_config(tmp_path, gpt2_config()), 0).save_pretrained(tmp_path / "model")
-    with pytest.raises(StratumError, match="vocabulary"):
+    with pytest.raises(StratumError, match=rf"^model.vocab_size = {V + 1} is larger than the pretrained model's "
+                                           rf"vocabulary of {V}; set at most {V}"):
         build_hf(str(tmp_path / "model"), seed=0, vocab_size=V + 1)
 
 

@@ -626,6 +626,34 @@ def test_a_lazily_built_random_init_transformers_model_trains_like_the_eager_one
         eng.close()
 
 
+@pytest.mark.parametrize("head_first", [False, True])
+def test_a_lazily_built_tied_llama_gets_its_embedding_initialised(tmp_path, head_first):
+    """A Llama-layout model from a bare config with tied embeddings: block 0 holds only the tied embedding, which
+    the head block also uses. Whichever block's chunk is packed first gives it storage, the embedding's own block
+    draws its values: the lazy build equals the eager one, and the offload engine's losses equal plain's."""
+    transformers = pytest.importorskip("transformers")
+    from stratum.model.hf import build_hf
+
+    from offload_helpers import V
+    d = tmp_path / "llama-tied"
+    transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True).save_pretrained(d)
+    torch.manual_seed(0)
+    eager = build_hf(str(d), seed=0)
+    lazy = build_hf(str(d), seed=0, lazy=True)
+    if head_first:  # the head's block materialised first, as the engine does when it packs that chunk first
+        lazy.allocate(len(lazy) - 1)
+        lazy.materialize(len(lazy) - 1)
+    S = state_bytes(lazy)
+    eng = _engine(lazy, plan(lazy, profile(eager), device_budget=S * 6 // 10))
+    try:
+        got, ref = run(eng, 3), run(plain(eager), 3)
+        assert_same([r.loss for r in got], [r.loss for r in ref])
+    finally:
+        eng.close()
+
+
 def test_a_lazily_built_sequential_model_trains_like_the_eager_one():
     """An nn.Sequential factory that returns one constructor per block is built lazily (parameters on meta, each
     block built when the engine packs its chunks): parameters and moments on disk, the offload engine's losses

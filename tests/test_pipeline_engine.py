@@ -156,6 +156,9 @@ def _check(res: dict, ref: dict, name: str) -> None:
     got = res["losses"]
     want = ref["losses"]
     assert len(got) == len(want)
+    # the first step's loss, before any update: the same arithmetic, summed as plain sums it, to the bit (later
+    # steps follow tied gradients summed across ranks in another order)
+    assert got[0][0] == want[0][0], f"{name}: first loss {got[0][0]!r} vs plain {want[0][0]!r}"
     for k, ((lg, ng), (lw, nw)) in enumerate(zip(got, want)):
         assert abs(lg - lw) <= 1e-5 * abs(lw), f"{name}: loss at step {k}: {lg} vs plain {lw}"
         assert abs(ng - nw) <= 1e-4 * max(abs(nw), 1e-6), f"{name}: grad norm at step {k}: {ng} vs plain {nw}"

@@ -75,6 +75,27 @@ def test_a_scaled_profile_has_the_full_batchs_bytes(monkeypatch):
     assert all(p.is_meta for p in model.parameters())  # measured on copies: the model itself stays unbuilt
 
 
+def test_sliding_window_layers_are_measured_apart_from_full_attention_ones(tmp_path):
+    """Layers of the same class and shapes that attend differently (Qwen2's sliding-window layers beside full
+    ones) save different bytes: each kind is measured, by the scaled profile and the offload engine's quick one,
+    and each agrees with the full profiler's figure for its own layers."""
+    transformers = pytest.importorskip("transformers")
+    from stratum.model.hf import build_hf
+    from stratum.offload.setup import quick_profile
+    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                             layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2).save_pretrained(tmp_path)
+    model = build_hf(str(tmp_path), seed=0)
+    assert fast._distinct_count(model) == 4  # embedding, full layer, sliding layer, head
+    full = profile_blockseq(model, micro_batch=4, seq_len=32, device=CPU, runs=1, precision="bf16")
+    saved = [b.half_act_saved_bytes for b in full.blocks]
+    assert saved[1] == saved[2] != saved[3] == saved[4]
+    for prof in (fast.scaled_profile(model, micro_batch=4, seq_len=32, device=CPU, precision="bf16"),
+                 quick_profile(model, micro_batch=4, seq_len=32, device=CPU, precision="bf16")):
+        assert [b.half_act_saved_bytes for b in prof.blocks][1:5] == saved[1:5]
+
+
 def test_the_profile_is_cached_per_batch_shape(tmp_path, monkeypatch, caplog):
     model = build_gpt("tiny", vocab_size=256, seed=0, device="meta")
     kw = dict(seq_len=32, device=CPU, cache_dir=tmp_path)

@@ -203,3 +203,26 @@ def test_export_to_a_full_or_read_only_filesystem_is_one_line(where, runs, full_
     err = capsys.readouterr().err
     assert err.startswith("stratum: error: cannot write") and err.count("\n") == 1, err
     assert sorted(p.name for p in fs.iterdir()) == before  # no half-written directory left
+
+
+def test_a_run_given_relative_paths_samples_and_exports_from_any_directory(tmp_path, corpus_file, cache_dir,
+                                                                            monkeypatch, capsys):
+    """model.hf_path and data.corpus given relative to where the run started: its checkpoints record them
+    absolute, so sample and export (which rebuild the model and the BPE from them) work from anywhere."""
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "corpus.txt").write_text(corpus_file.read_text()[:40_000])
+    HF_CONFIGS["gpt2"]().save_pretrained(here / "gpt2-config")
+    monkeypatch.chdir(here)
+    train(load_config(None, [
+        "data.corpus='corpus.txt'", f"data.cache_dir={str(cache_dir)!r}", "data.seq_len=32", "data.tokenizer='bpe'",
+        "data.bpe_vocab_size=300", "model.source='hf'", "model.hf_path='gpt2-config'", "model.vocab_size=300",
+        "train.micro_batch_size=2", "train.steps=2", "train.eval_interval=0", "optim.warmup_steps=1", "train.out_dir='run'"]))
+    saved = json.loads(next((here / "run" / "checkpoints").glob("step_*/meta.json")).read_text())["config"]
+    assert saved["data"]["corpus"] == str(here / "corpus.txt")
+    assert saved["model"]["hf_path"] == str(here / "gpt2-config")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["sample", str(here / "run"), "--prompt", "def ", "--tokens", "4", "--seed", "1"]) == 0
+    assert main(["export", str(here / "run"), "--out", str(tmp_path / "exported")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "exported" / "tokenizer.json").is_file()

@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from stratum.atomic import check_writable
 from stratum.dist.roles import HF_PRELOAD, is_worker, warm_up
-from stratum.errors import PeerError, StratumError
+from stratum.errors import INTERRUPTED, PeerError, StratumError
 from stratum.log import console
 
 MAX_PROFILE_RUNS = 1000
@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(e.exit_code)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume",
-              file=sys.stderr)
+    except KeyboardInterrupt as e:
+        if not getattr(e, "shown", False):  # (a launcher's Stopped, whose ranks said it already)
+            print(INTERRUPTED, file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing more is wanted, and nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)

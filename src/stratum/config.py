@@ -304,6 +304,16 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def anchored(self) -> Config:
+        """This config with the paths its checkpoints are read back by (``model.hf_path``, ``data.corpus``: the
+        model, and the corpus a BPE is rebuilt from) made absolute, so that sample, export and resume work from a
+        checkpoint alone, from any directory."""
+        def absolute(path: str) -> str:
+            return str(Path(path).expanduser().absolute()) if path else path
+        corpus = self.data.corpus if self.data.corpus == "stdlib" else absolute(self.data.corpus)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, hf_path=absolute(self.model.hf_path)),
+                                   data=dataclasses.replace(self.data, corpus=corpus))
+
     def derived_summary(self) -> str:
         t = self.train
         plan = self.plan

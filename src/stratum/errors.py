@@ -18,3 +18,7 @@ class PeerError(StratumError):
     """Another rank died, hung or failed; this rank stops. Exit code 3 (2 stays 'bad input')."""
 
     exit_code = 3
+
+
+INTERRUPTED = "stratum: interrupted; the last checkpoint (if any) is intact — run the same command to resume"
+"""What a run stopped by Ctrl-C or SIGTERM says (a launcher and its ranks: once)."""

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import ForkedRank
 from stratum.dist.roles import WORKER_ENV, env_rank, forking, under_torchrun
-from stratum.errors import PeerError, StratumError
+from stratum.errors import INTERRUPTED, PeerError, StratumError
 from stratum.procs import usable_cores
 
 
@@ -210,8 +210,9 @@ class _ErrorDedup:
         self.threads.append(t)
 
     def _route(self, line: str, rank: int) -> None:
-        if line.startswith("stratum: error:"):
-            self.reported.add(rank)
+        if line.startswith("stratum: error:") or line.startswith(INTERRUPTED):
+            if line.startswith("stratum: error:"):
+                self.reported.add(rank)
             if line in self.seen:
                 return
             self.seen.add(line)
@@ -238,6 +239,14 @@ class _ErrorDedup:
     def join(self, timeout_s: float = 5.0) -> None:
         for t in self.threads:
             t.join(timeout_s)
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher's job was stopped (Ctrl-C, SIGTERM) and its ranks have ended; ``shown``: they said so."""
+
+    def __init__(self, *, shown: bool):
+        super().__init__()
+        self.shown = shown
 
 
 class _Terminated(KeyboardInterrupt):
@@ -277,6 +286,31 @@ def check_local_count(nprocs: int) -> None:
                            "(torchrun --nnodes)")
 
 
+STOPPED = 130
+"""A rank's exit code after a requested stop (SIGINT, SIGTERM): it finished its step and checkpointed."""
+
+
+def _await_stop(procs: list, grace_s: float) -> None:
+    """After a stop was forwarded: every rank finishes its step and writes its checkpoint, however long its step
+    takes; once one has ended, the others get ``grace_s`` to follow (a peer that hung leaves the rest to their
+    collectives' time limits), then are killed. A second interrupt kills them at once."""
+    deadline = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if deadline is None and any(p.poll() is not None for p in procs):
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
 def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, str] | None = None,
                 log: Path | None = None, fail_grace_s: float | None = None) -> int:
     """Run ``python <argv>`` (``-m stratum train …``, or a user's script and its arguments) as ``nprocs`` local
@@ -298,6 +332,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         procs.append(_start_rank(argv, e, r))
         errors.follow(procs[-1].stderr, r)
     first_fail: tuple[int, int] | None = None
+    fail_grace = grace_s if fail_grace_s is None else fail_grace_s
     deadline = None
     killed_here: set[int] = set()
     # SIGTERM to the launcher stops the job as Ctrl-C does: forwarded, each rank checkpoints and exits
@@ -309,7 +344,7 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
             for r, c in enumerate(codes):
                 if c not in (None, 0) and first_fail is None:
                     first_fail = (r, c)
-                    deadline = time.monotonic() + (grace_s if fail_grace_s is None else fail_grace_s)
+                    deadline = time.monotonic() + fail_grace
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -326,12 +361,9 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         for p in procs:
             if p.poll() is None:
                 p.send_signal(sig)
-        for p in procs:  # the ranks finish their step and write a checkpoint before they exit
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        raise
+        _await_stop(procs, grace_s)
+        errors.join()
+        raise Stopped(shown=any(line.startswith(INTERRUPTED) for line in errors.seen)) from e
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
@@ -347,9 +379,13 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
         print(f"stratum: error: rank {r} was killed by {name}; the other ranks stopped",
               file=sys.stderr)
         return 3
-    # a rank that crashed without a word of its own is the cause, whichever rank the others' errors reached first
+    for r in sorted(killed_here):  # (one a peer timed out waiting on is the one that hung)
+        print(f"stratum: error: rank {r} had not ended {fail_grace:g} s after rank {first_fail[0]} stopped; it was "
+              "killed", file=sys.stderr)
+    # a rank that crashed without a word of its own is the cause, whichever rank the others' errors reached first;
+    # one that stopped on a signal it was sent (SIGTERM, Ctrl-C: exit 130, with a checkpoint) did not crash
     for r, c in enumerate(final):
-        if c != 0 and r not in killed_here:
+        if c not in (0, STOPPED) and r not in killed_here:
             if (line := errors.crash_line(r, c)) is not None:
                 print(line, file=sys.stderr)
     return first_fail[1]

@@ -142,6 +142,9 @@ class LlamaStyleLayer(nn.Module):
         else:
             self.sliding = getattr(config, "sliding_window", None) is not None
 
+    def extra_repr(self) -> str:
+        return f"sliding_window={self.config.sliding_window}" if self.sliding else "full attention"
+
     def forward(self, x: Tensor) -> Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -230,8 +233,8 @@ def _override(config, *, dropout: float | None, vocab_size: int | None, loading:
         if vocab_size <= 0:
             raise StratumError(f"vocab_size must be positive, got {vocab_size}")
         if loading and vocab_size > config.vocab_size:
-            raise StratumError(f"the tokenizer has {vocab_size} tokens but the pretrained model's vocabulary is "
-                               f"{config.vocab_size}; use a tokenizer of at most {config.vocab_size} tokens or "
+            raise StratumError(f"model.vocab_size = {vocab_size} is larger than the pretrained model's vocabulary "
+                               f"of {config.vocab_size}; set at most {config.vocab_size} (0: the model's own) or "
                                "train from a config.json (random init)")
         if not loading:
             config.vocab_size = vocab_size

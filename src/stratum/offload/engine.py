@@ -378,14 +378,14 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         return self._owns is None or self._owns(i)
 
     def _ensure_materialized(self, spec: ChunkSpec) -> None:
-        """Give the blocks owning ``spec``'s parameters real (initialised) storage if they are on meta: a model
-        larger than RAM is built one block at a time, each block's memory released as its chunks are packed."""
+        """Give the blocks owning ``spec``'s parameters real storage and their values, once each: a model larger
+        than RAM is built one block at a time, each block's memory released as its chunks are packed. By owner,
+        not by what is still on meta: a tied parameter gets storage from whichever of its blocks is allocated
+        first (the head, whose chunk may be packed before the embedding's), its values from its owner only."""
         if self._materialize is None:
             return
         for e in spec.entries:
-            if not e.param.is_meta:
-                continue
-            i = int(e.name.split(".")[1])
+            i = int(e.name.split(".")[1])  # (an entry is named by its owner: BlockSeq.owned_parameters)
             if i in self._materialized:
                 continue
             self._materialized.add(i)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -16,8 +15,9 @@ from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.placement import Placement
 from stratum.offload.planner import make_placement
 from stratum.offload.tiers import disk_free_bytes, host_probe_bytes, measure_bandwidths, resolve_disk_dir
+from stratum.profile.fast import per_block
 from stratum.profile.profile import Profile
-from stratum.profile.profiler import _measure_block, block_static_bytes
+from stratum.profile.profiler import _measure_block
 from stratum.runtime.device import describe
 from stratum.runtime.loss_scale import loss_scale_spec
 from stratum.runtime.optim import optim_spec
@@ -52,7 +52,8 @@ def _measure_first(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, device: to
 
 def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,
                   precision: str = "fp32", seed: int = 0) -> Profile:
-    """A Profile measuring each *distinct* block once (same class and parameter shapes = same costs).
+    """A Profile measuring each *distinct* block once (:func:`stratum.profile.fast.per_block`: same structure and
+    input, same costs).
 
     A 36-layer GPT is measured as embedding + one layer + head: the planner gets per-block activation bytes
     and times at a small fraction of a full ``stratum profile`` (which it accepts too, via ``--profile``).
@@ -62,19 +63,9 @@ def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
         vocab = max(model.info.vocab_size, 1)
         x = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
         y = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
-        cache: dict = {}
-        blocks = []
-        for i in range(len(model)):
-            blk = model.blocks[i]
-            sig = (type(blk).__name__, i == len(model) - 1, x.dtype, tuple(x.shape),
-                   tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
-            if sig not in cache:
-                # the median of 3 runs: a single run is at the mercy of whatever else shares the cores
-                cache[sig] = _measure_first(model, x, y, device, precision) if i == 0 else \
-                    _measure_block(model, i, x, y, device, precision, 3)
-            prof, out = cache[sig]
-            blocks.append(dataclasses.replace(prof, index=i, name=model.block_names[i], **block_static_bytes(model, i)))
-            x = out
+        # the median of 3 runs: a single run is at the mercy of whatever else shares the cores
+        blocks = per_block(model, x, lambda i, xi: _measure_first(model, xi, y, device, precision) if i == 0 else
+                           _measure_block(model, i, xi, y, device, precision, 3), None)
         for p in model.parameters():
             p.grad = None
     dtype = next(iter(model.parameters())).dtype

@@ -1,13 +1,20 @@
 """The burst node's engine as the plan tree builds it: the given widths, or widths planned when the run starts
-from a quick profile of the model (on rank 0) and the link measured between the processes, shared by all."""
+from a quick profile of the model (on rank 0) and the link measured between the processes, shared by all.
+
+Planned widths follow the timings of the moment, and other widths sum a step's gradients in another order: they
+are recorded in the run's out_dir (:data:`RECORD`), and a run that resumes from a checkpoint keeps them, so that
+it continues the interrupted run to the bit. Give ``widths=`` to make another run's choice your own."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from stratum.atomic import atomic_write_text
 from stratum.config import Config
 from stratum.dist.world import World
 from stratum.ir.costs import Costs
@@ -54,12 +61,45 @@ def planned(cfg: Config, model: BlockSeq, world: World, node: Burst) -> BurstPla
     return shared
 
 
-def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec) -> BurstEngine:
-    """The burst node's engine: its given widths, or widths planned now."""
+RECORD = "burst_widths.json"
+"""The widths a run planned, in its out_dir: what a resumed run keeps."""
+
+
+def _record_key(cfg: Config, model: BlockSeq, node: Burst) -> dict:
+    """What the planned widths were planned for: a record of anything else is planned again."""
+    return {"devices": node.n, "amplification": node.amplification, "blocks": len(model),
+            "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len}
+
+
+def recorded_widths(cfg: Config, model: BlockSeq, node: Burst) -> tuple[int, ...] | None:
+    """The widths this run planned before (its out_dir's :data:`RECORD`), if planned for this burst node, model
+    and batch; None otherwise."""
+    try:
+        rec = json.loads((Path(cfg.train.out_dir).expanduser() / RECORD).read_text())
+        if rec["for"] == _record_key(cfg, model, node):
+            return tuple(int(w) for w in rec["widths"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec, *,
+                 resuming: bool = False) -> BurstEngine:
+    """The burst node's engine: its given widths, the widths the run planned before where it is ``resuming``
+    from a checkpoint, or widths planned now (and recorded)."""
     node = world.plan.burst
     assert node is not None  # (a plan with a burst node)
     check_burst_model(model, node, cfg.train.micro_batch_size)
-    plan = None if node.width_list() else planned(cfg, model, world, node)
-    widths = node.width_list() or (plan.widths if plan is not None else ())
+    widths = node.width_list()
+    if not widths and resuming:  # rank 0's record, for every rank: nodes may not share a filesystem
+        before: tuple[int, ...] | None = recorded_widths(cfg, model, node) if world.rank == 0 else None
+        shared = world.share_object(before, "replica", "the burst widths planned before")
+        widths = shared or ()
+    plan = None if widths else planned(cfg, model, world, node)
+    if plan is not None:
+        widths = plan.widths
+        if world.is_main:
+            atomic_write_text(Path(cfg.train.out_dir).expanduser() / RECORD,
+                              json.dumps({"for": _record_key(cfg, model, node), "widths": list(widths)}) + "\n")
     return BurstEngine(model, widths=widths, optim=optim, world=world, precision=cfg.train.precision, plan=plan,
                        microbatches=cfg.train.grad_accum)

@@ -182,13 +182,14 @@ def _split(model: BlockSeq, world: World, held: set[int]) -> None:
 
 
 def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None,
-                 speeds: list[float] | None = None) -> Engine:
+                 speeds: list[float] | None = None, *, resuming: bool = False) -> Engine:
     """The executor tree of ``world.plan`` over ``model`` (as :func:`rank_model` built it); ``speeds`` (one per
-    process, :func:`rank_speeds`) balances the replicas' shares and the pipeline's cut."""
+    process, :func:`rank_speeds`) balances the replicas' shares and the pipeline's cut; ``resuming``: the run
+    continues from a checkpoint, and keeps what it planned from measurements before (a burst node's widths)."""
     plan = world.plan
     spec, precision = optim_spec(cfg), cfg.train.precision
     if plan.burst is not None:
-        burst = burst_engine(cfg, model, world, spec)
+        burst = burst_engine(cfg, model, world, spec, resuming=resuming)
         burst.name = render(plan.root)
         return burst
     if isinstance(plan.leaf, Offload) and plan.pipeline is None:

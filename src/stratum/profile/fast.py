@@ -66,20 +66,25 @@ def probe_batch(model: BlockSeq, micro_batch: int, seq_len: int) -> int:
     return min(micro_batch, max(1, int(PROBE_FLOPS // (6 * max(largest, 1) * seq_len))))
 
 
-def _signature(model: BlockSeq, i: int, x: Tensor) -> tuple:
-    """What makes two blocks cost the same: class, place (the last computes the loss), input and parameters."""
+def _structure(model: BlockSeq, i: int) -> tuple:
+    """Block ``i`` as its cost sees it: its place (the last computes the loss), its modules as printed (their
+    classes and settings: a sliding-window layer prints so, beside a full-attention one of the same shapes) and
+    its parameters' shapes."""
     blk = model.blocks[i]
-    return (type(blk).__name__, i == len(model) - 1, x.dtype, tuple(x.shape),
-            tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
+    return (i == len(model) - 1, repr(blk), tuple((n, tuple(p.shape)) for n, p in blk.named_parameters()))
+
+
+def _signature(model: BlockSeq, i: int, x: Tensor) -> tuple:
+    """What makes two blocks cost the same: their structure and their input."""
+    return (_structure(model, i), x.dtype, tuple(x.shape))
 
 
 def _distinct_count(model: BlockSeq) -> int:
     """How many blocks will be measured (input shapes aside, which a GPT's layers share)."""
-    return len({(type(b).__name__, i == len(model) - 1, tuple(tuple(p.shape) for p in b.parameters()))
-                for i, b in enumerate(model.blocks)})
+    return len({_structure(model, i) for i in range(len(model))})
 
 
-def _per_block(model: BlockSeq, x: Tensor, measure: Measure, what: str | None) -> list[BlockProfile]:
+def per_block(model: BlockSeq, x: Tensor, measure: Measure, what: str | None) -> list[BlockProfile]:
     """Every block's profile, measuring each distinct block once (``measure``) and copying it to its twins; a
     progress line per measured block says ``what`` is done to it (none where ``what`` is None: it is quick)."""
     cache: dict[tuple, tuple[BlockProfile, Tensor]] = {}
@@ -178,7 +183,7 @@ def shape_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: to
     with mode:
         x, y = _inputs(model, micro_batch, seq_len, 0, device)
     try:
-        blocks = _per_block(model, x, _shape_measure(model, y, mode, device, precision), None)
+        blocks = per_block(model, x, _shape_measure(model, y, mode, device, precision), None)
     except (NotImplementedError, RuntimeError) as e:  # an operator fake tensors cannot run, or data-dependent
         raise StratumError(f"the model's shapes cannot be traced without running it ({str(e).splitlines()[0]}); "
                            "leave out --estimate to measure the blocks instead") from None
@@ -210,7 +215,7 @@ def scaled_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: t
 
         def measure(i: int, inp: Tensor) -> tuple[BlockProfile, Tensor]:
             return _measure_block(model, i, inp, y, device, precision, PROBE_RUNS)
-        blocks = _per_block(model, x, measure, "measuring")
+        blocks = per_block(model, x, measure, "measuring")
         for p in model.parameters():
             p.grad = None
     logger.info(f"measured in {time.perf_counter() - t0:.1f} s")
@@ -224,7 +229,8 @@ def cache_key(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.
     facts = {"model": model.fingerprint(), "device": describe(device), "threads": torch.get_num_threads(),
              "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
              "probe": probe_batch(model, micro_batch, seq_len), "runs": PROBE_RUNS, "torch": torch.__version__,
-             "format": FORMAT_VERSION, "measures": "half_bytes,logits_bytes"}  # (the optional fields it holds)
+             "format": FORMAT_VERSION, "measures": "half_bytes,logits_bytes",  # (the optional fields it holds)
+             "twins": "by structure"}  # (blocks measured once for all their twins: _structure)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -365,7 +365,9 @@ class StageRuntime:
 
         def boundary(t: Transfer) -> tuple[torch.Size, torch.dtype]:
             return (shapes_of[t.mb] if shapes_of else shapes)[t.src_stage if t.tensor == "act" else t.dst_stage]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # summed as the plain engine sums them, so that the step's loss is its to the bit: a training step's
+        # micro-batch losses in fp32, an evaluation's in double
+        loss_sum = torch.zeros((), dtype=torch.float32 if training else torch.float64, device=self.device)
         saved: dict[tuple[int, int], _Saved] = {}
         box = _Mailbox(self, plan, boundary)
         box.post_receives(1 + self.lookahead)
@@ -410,7 +412,7 @@ class StageRuntime:
                     y = batches[mb].y.to(self.device, non_blocking=True)
                     loss = self.loss_fn(out, y)
             if last:
-                loss_sum += loss.detach().double()
+                loss_sum += loss.detach().to(loss_sum.dtype)
                 if training:
                     saved[(s, mb)] = _Saved(inp=inp if s > 0 else None, out=loss * scale)
                 return []

@@ -134,6 +134,7 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
 
 def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: World,
            after_step: Callable[[int], None] | None) -> dict:
+    cfg = cfg.anchored()  # (what config.toml and every checkpoint record)
     t = cfg.train
     out_dir = Path(t.out_dir).expanduser()
     main, device = world.is_main, world.device
@@ -164,7 +165,7 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         aside = _set_aside(out_dir / "metrics.jsonl")
         logger.info(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
-    engine = build_engine(cfg, model, world, stages, speeds)
+    engine = build_engine(cfg, model, world, stages, speeds, resuming=ckpt is not None)
     torch.manual_seed(t.seed)  # the steps' RNG streams start here, whatever the builds and set-up drew before
     if ckpt is not None:
         engine.load_state(ckpt.state)
