@@ -69,6 +69,41 @@ def test_dry_run_prints_each_pipeline_ranks_offload_placement_under_the_leafs_bu
             (0 if fits else 2)
 
 
+def test_dry_run_cuts_the_pipeline_by_the_given_speeds_as_the_run_does(make_cfg, capsys):
+    """parallel.speeds given as numbers: the dry run's table is the cut the ranks make (a faster rank more
+    blocks; the run cuts by rank_model's plan_pipeline with the same speeds)."""
+    from stratum.cli import main
+    cfg = make_cfg()
+    sets = _base(cfg) + ["parallel.plan='pipeline(2, partition=balanced)'", "parallel.speeds='1000,1'"]
+    assert main(["train", "--dry-run", *_sets(sets)]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if "whole parameters" in ln]
+    assert [r[4] for r in rows] == ["0-2", "3"]  # tiny's 4 blocks: without speeds 0-1 and 2-3
+
+
+@pytest.mark.parametrize("speeds, message", [
+    ("1,1,3,3", "runs exactly 2 micro-batches a step, and parallel.speeds gives the replicas 1, 3 of a step's 4"),
+    ("auto", "runs exactly 2 micro-batches a step, and parallel.speeds = auto shares a step's micro-batches"),
+])
+def test_replicas_of_a_fixed_count_schedule_must_share_a_step_evenly(make_cfg, tmp_path, capsys, speeds, message):
+    """A schedule file runs one count of micro-batches: replicas given unequal (or measured) speeds would run
+    others, and the run would fail after its start. One line before any process; equal speeds run."""
+    from stratum.cli import main
+    from stratum.schedule.generators import generate
+    from stratum.schedule.textio import save
+    cfg = make_cfg()
+    path = tmp_path / "two.txt"
+    save(generate("1f1b", ranks=2, microbatches=2), path)
+    plan = f"replicate(2, pipeline(2, schedule={path}))"
+    code = main(["train", *_sets(_base(cfg) + [f"parallel.plan={plan!r}", "train.grad_accum=2",
+                                               f"parallel.speeds={speeds!r}"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "give the replicas equal speeds" in err and "\n" not in err, err
+    assert not Path(cfg.train.out_dir).exists()
+    # a generated kind takes every share
+    assert main(["train", "--dry-run", *_sets(_base(cfg) + ["parallel.plan='replicate(2, pipeline(2))'",
+                                                             "train.grad_accum=2", f"parallel.speeds={speeds!r}"])]) == 0
+
+
 # ---- bad plans: one line before any process starts -----------------------------------------------------------------
 @pytest.mark.parametrize("plan, message", [
     ("replicate(0)", "replicate(0) must have at least 1 process"),

@@ -12,6 +12,7 @@ backend — is checked by :func:`check_plan` before any process starts.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from stratum.offload.setup import offload_engine, placement_for
 from stratum.parallel.burst import check_burst_model
 from stratum.parallel.burst_setup import burst_engine
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_schedule, leaf_config
-from stratum.parallel.replicate import ReplicateEngine
+from stratum.parallel.replicate import ReplicateEngine, shares
 from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
 from stratum.parallel.replicate_pipeline_offload import ReplicatedOffloadPipeline
 from stratum.parallel.shard import ShardedAdamW
@@ -42,6 +43,8 @@ from stratum.runtime.loss_scale import loss_scale_spec
 from stratum.runtime.optim import MakeOptimizer, optim_spec
 from stratum.runtime.pipeline import PipelineEngine, PipelinePlan, make_schedule, plan_pipeline
 from stratum.runtime.plain import PlainEngine
+from stratum.schedule.generators import generate, is_kind
+from stratum.schedule.textio import load
 
 
 def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
@@ -65,10 +68,47 @@ def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
         check_burst_model(meta, plan.burst, cfg.train.micro_batch_size)
     if plan.pipeline is None:
         return None
-    pplan = plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum)
+    speeds = given_speeds(cfg)  # (the cut a run with these speeds makes; measured ones are not known yet)
+    pplan = plan_pipeline(plan.pipeline, meta, cfg.train.grad_accum, stage_speeds(speeds, plan))
+    if plan.replicate is not None:
+        _check_replica_schedules(cfg, plan, speeds)
     if isinstance(plan.leaf, Offload):
         check_schedule(pplan.schedule)
     return pplan
+
+
+def _check_replica_schedules(cfg: Config, plan: Plan, speeds: list[float] | None) -> None:
+    """Replicas of a pipeline each run their share of a step's micro-batches, in proportion to their speeds: a
+    schedule of a fixed count (a file, some torch classes) must take every share a run can give, or the run would
+    fail after its start (or mid-run, where measured speeds re-share a step)."""
+    assert plan.pipeline is not None and plan.replicate is not None
+    total = cfg.micro_batches_per_step
+    if cfg.parallel.speeds.strip() == "auto":
+        counts: list[int] = list(range(1, total - plan.replicas + 2))
+        why = "parallel.speeds = auto shares a step's micro-batches by the replicas' measured speeds"
+    else:
+        given = shares(total, plan.replicas, replica_speeds(speeds, plan))
+        counts = sorted(set(given))
+        why = f"parallel.speeds gives the replicas {', '.join(map(str, given))} of a step's {total} micro-batches"
+    p = plan.pipeline
+    advice = "give the replicas equal speeds, or a generated schedule kind"
+    if not is_kind(p.schedule):  # a file (validated with the plan): one count
+        n = load(Path(p.schedule).expanduser()).num_microbatches
+        if any(m != n for m in counts):
+            raise StratumError(f"schedule file {p.schedule} runs exactly {n} micro-batches a step, and {why}; "
+                               f"{advice}")
+        return
+    for m in counts:
+        try:
+            generate(p.schedule, ranks=p.ranks, microbatches=m, virtual=p.virtual, waves=p.waves)
+        except StratumError as e:
+            raise StratumError(f"{why}, and a replica's pipeline cannot run {m}: {e}; {advice}") from None
+
+
+def given_speeds(cfg: Config) -> list[float] | None:
+    """``parallel.speeds`` given as numbers, one per process; None where speeds are equal or measured at start."""
+    text = cfg.parallel.speeds.strip()
+    return [float(v) for v in text.split(",")] if text and text != "auto" else None
 
 
 def rank_model(cfg: Config, world: World, *, tokenizer_vocab: int,
@@ -102,7 +142,7 @@ def rank_speeds(cfg: Config, world: World) -> list[float] | None:
     text = cfg.parallel.speeds.strip()
     if not text or world.plan.world_size() == 1:
         return None
-    return world.gather_floats(compute_rate(world.device)) if text == "auto" else [float(v) for v in text.split(",")]
+    return world.gather_floats(compute_rate(world.device)) if text == "auto" else given_speeds(cfg)
 
 
 def _slowest(speeds: list[float], plan: Plan, dim: str, size: int) -> list[float]:
