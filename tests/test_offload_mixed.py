@@ -372,6 +372,40 @@ DISK_CASES = [  # (source, precision, host budget as a share of the training sta
 _refs: dict = {}
 
 
+def test_an_fp16_refusal_names_the_smallest_budget_and_that_budget_trains(shared_tmp):
+    """fp16's no-fit error is a NoFit carrying the smallest device budget (a pipeline's ranks compare theirs by
+    it; fp16 and the delayed update wrapped it in a plain error, which lost it), and that budget trains."""
+    from stratum.offload.planner import NoFit
+    m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp, "fp16")
+    with pytest.raises(NoFit, match="fp16 keeps the fp32 masters") as refused:
+        plan(m, prof, precision="fp16", device_budget=1)
+    smallest = refused.value.smallest_device
+    assert smallest is not None
+    eng = OffloadEngine(m, optim=spec(), device=DEV, placement=plan(m, prof, precision="fp16", device_budget=smallest),
+                        precision="fp16")
+    try:
+        run(eng, 2)  # (the engine checks the device tier against its budget at every block)
+    finally:
+        eng.close()
+
+
+def test_fp16_counts_the_activations_bf16_counts(shared_tmp):
+    """fp16 and bf16 save tensors of the same shapes and sizes; the scaled loss also saves the loss scale for its
+    backward, which is the scaler's state, not an activation: counted as one, 4 bytes took a Llama planned at the
+    smallest budget over it, mid-step."""
+    peaks = {}
+    for precision in ("bf16", "fp16"):
+        m, prof = build("gpt", shared_tmp), _profile("gpt", shared_tmp, precision)
+        p = plan(m, prof, precision=precision, optimizer_tier=HOST, activations="keep", device_budget=state_bytes(m))
+        eng = OffloadEngine(m, optim=spec(), device=DEV, placement=p, precision=precision)
+        try:
+            run(eng, 1)
+            peaks[precision] = eng.peak_act
+        finally:
+            eng.close()
+    assert peaks["fp16"] == peaks["bf16"] > 0
+
+
 def _disk_reference(source, precision, clip, shared_tmp, steps):
     """What a disk placement's run must equal: bit for bit, the hand-written recipe (nothing tied) or the same
     engine with the state in host RAM (fp16, its skips and scales included); and plain bf16 within LOSS_REL /

@@ -69,6 +69,11 @@ def _alone_on_device(engine: OffloadEngine) -> bool:
     return not any(e is not engine and e.device == engine.device for e in list(_LIVE))
 
 
+def _as_is(t: Tensor) -> Tensor:
+    """Saved-tensor hook that keeps a tensor as it is, uncounted."""
+    return t
+
+
 def discard(_t: Tensor) -> None:
     """Saved-tensor hook of a forward whose graph is thrown away (a block recomputed in its backward): keep
     nothing."""
@@ -533,7 +538,11 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
             self.handoff.open_block(i)
         if i == L - 1:
             part = out / divisor
-            (part if self.scaler is None else self.scaler.scaled(part)).backward()
+            if self.scaler is not None:
+                # what the product saves is the scaler's own scale, there for the whole run: not an activation
+                with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                    part = self.scaler.scaled(part)
+            part.backward()
         else:
             x_next = mb.ins[i + 1]
             assert x_next is not None

@@ -394,10 +394,11 @@ def make_placement(seq: BlockSeq, *, device_budget: int | None, host_budget: int
                  "offload.activations": activations, "kept_blocks": kept_blocks}
         err = _no_fit(search, device_budget, host_budget, [k for k, v in given.items() if v is not None])
         if delayed_update:
-            raise StratumError(f"{err}; offload.delayed_update keeps the fp32 masters and AdamW in host RAM (set it "
-                               "to false for the other placements)")
+            raise NoFit(f"{err}; offload.delayed_update keeps the fp32 masters and AdamW in host RAM (set it to "
+                        "false for the other placements)", err.smallest_device)
         if precision == "fp16":  # (its candidates keep the optimizer state off the device: half_chunks)
-            raise StratumError(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device")
+            raise NoFit(f"{err}; train.precision = fp16 keeps the fp32 masters and AdamW off the device",
+                        err.smallest_device)
         raise err
     return _pick(job, search)
 
