@@ -86,6 +86,17 @@ def test_cli_bad_input_raises_stratum_error(tmp_path):
         _cli(f"schedule simulate --kind gpipe --ranks 2 --profile {tmp_path / 'none.json'}".split())
 
 
+
+def test_cli_file_takes_no_generator_flags(tmp_path):
+    saved = tmp_path / "g.sched"
+    assert _cli(f"schedule show --kind gpipe --ranks 2 --microbatches 2 --save {saved}".split()) == 0
+    with pytest.raises(StratumError, match="--kind, --ranks and --file both describe the schedule"):
+        _cli(f"schedule show --ranks 4 --kind wave --file {saved}".split())
+    with pytest.raises(StratumError, match="is a directory"):
+        _cli(f"schedule show --file {tmp_path}".split())
+    with pytest.raises(StratumError, match="--waves must be ≥ 1"):
+        _cli("schedule show --waves 0".split())
+
 # ---- the wave generators against their baselines (SIMULATED, unit costs) -----------------------------------
 def _mk(s, latency=0.0):
     from stratum.sim.pipeline import Costs, simulate

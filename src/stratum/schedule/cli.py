@@ -37,16 +37,23 @@ def _kind(text: str) -> str:
     return text
 
 
+GENERATOR_DEFAULTS = {"kind": "1f1b", "ranks": 4, "microbatches": 8, "virtual": 2, "waves": 1}
+"""The generator flags' values where they are not given; a ``--file`` takes none of them."""
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", type=_kind, default="1f1b", metavar="KIND",
+    d = GENERATOR_DEFAULTS
+    p.add_argument("--kind", type=_kind, default=None, metavar="KIND",
                    help=f"schedule generator: {', '.join(KINDS)}, or {TORCH_PREFIX}NAME for a "
-                   "torch.distributed.pipelining schedule class, e.g. torch:ZBVZeroBubble (default 1f1b)")
-    p.add_argument("--ranks", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step (default 8)")
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank for --kind interleaved and torch's "
-                   "multi-stage classes (default 2)")
-    p.add_argument("--waves", type=int, default=1, help="waves W for --kind wave/zb-wave (default 1)")
-    p.add_argument("--file", default=None, help="read the schedule from this text file instead of generating")
+                   f"torch.distributed.pipelining schedule class, e.g. torch:ZBVZeroBubble (default {d['kind']})")
+    p.add_argument("--ranks", type=int, default=None, help=f"pipeline ranks P (default {d['ranks']})")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help=f"micro-batches m per step (default {d['microbatches']})")
+    p.add_argument("--virtual", type=int, default=None, help="stages per rank for --kind interleaved and torch's "
+                   f"multi-stage classes (default {d['virtual']})")
+    p.add_argument("--waves", type=int, default=None, help=f"waves W for --kind wave/zb-wave (default {d['waves']})")
+    p.add_argument("--file", default=None, help="read the schedule from this text file instead of generating "
+                   "(the file gives the ranks and micro-batches: no generator flag goes with it)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -77,21 +84,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _schedule(args) -> Schedule:
-    for flag, value in (("--ranks", args.ranks), ("--microbatches", args.microbatches),
-                        ("--virtual", args.virtual), ("--waves", args.waves)):
-        if value < 1:  # checked even where the kind or a --file does not use it: a typo is never ignored
-            raise StratumError(f"{flag} must be ≥ 1, got {value}")
+    given = {name: v for name in GENERATOR_DEFAULTS if (v := getattr(args, name)) is not None}
+    for name, value in given.items():
+        if name != "kind" and value < 1:  # checked even where the kind does not use it: a typo is never ignored
+            raise StratumError(f"--{name} must be ≥ 1, got {value}")
     if args.file:
+        if given:  # the file fixes every one of them; a flag beside it would be silently ignored
+            flags = ", ".join(f"--{name}" for name in given)
+            raise StratumError(f"{flags} and --file both describe the schedule; the file gives its ranks and "
+                               "micro-batches, so leave the generator flags out")
         return load(args.file)  # validates
-    knob = size_knob(args.kind)
-    size = args.ranks * args.microbatches * (getattr(args, knob) if knob else 1)
-    most = MAX_SEARCHED if args.kind in SEARCHED else MAX_GENERATED
+    o = {**GENERATOR_DEFAULTS, **given}
+    knob = size_knob(o["kind"])
+    size = o["ranks"] * o["microbatches"] * (o[knob] if knob else 1)
+    most = MAX_SEARCHED if o["kind"] in SEARCHED else MAX_GENERATED
     if size > most:
         product = "--ranks × --microbatches" + (f" × --{knob}" if knob else "")
-        raise StratumError(f"{product} = {size:,} is more than the {most:,} a {args.kind} schedule is generated and "
-                           "checked for in seconds; use fewer ranks or micro-batches")
-    s = generate(args.kind, ranks=args.ranks, microbatches=args.microbatches, virtual=args.virtual,
-                 waves=args.waves)
+        raise StratumError(f"{product} = {size:,} is more than the {most:,} a {o['kind']} schedule is generated "
+                           "and checked for in seconds; use fewer ranks or micro-batches")
+    s = generate(o["kind"], ranks=o["ranks"], microbatches=o["microbatches"], virtual=o["virtual"],
+                 waves=o["waves"])
     validate(s)
     return s
 

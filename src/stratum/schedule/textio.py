@@ -100,6 +100,8 @@ def save(sched: Schedule, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike) -> Schedule:
     """Read and validate a schedule file."""
     p = Path(path)
+    if p.is_dir():
+        raise StratumError(f"schedule file {p} is a directory; name the schedule's text file in it")
     if not p.is_file():
         raise StratumError(f"schedule file {p} does not exist")
     try:

@@ -107,7 +107,7 @@ def from_torch(name: str, *, ranks: int, microbatches: int, virtual: int = 2) ->
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise StratumError(f"{label} with {ranks} ranks, {microbatches} micro-batches and {virtual} stages per "
                            f"rank: torch refuses it ({' '.join(first.split())}); change the ranks, "
-                           "micro-batches or --virtual") from None
+                           "micro-batches or stages per rank (pipeline.virtual, --virtual)") from None
     actions = [_compute_actions(list(order.get(r) or [])) for r in range(ranks)]
     sched = Schedule(name=label, stage_to_rank=_stage_owners(label, actions), num_microbatches=microbatches,
                      actions=actions)
