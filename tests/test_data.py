@@ -35,6 +35,18 @@ def test_directory_corpus_skips_binary_and_hidden(tmp_path):
     assert [f.name for f in c.files] == ["a.txt", "b.md"]
 
 
+def test_directory_corpus_follows_linked_directories_once(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "c.txt").write_text("gamma " * 50)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("alpha " * 50)
+    os.symlink(tmp_path / "real", tmp_path / "corpus" / "linked")
+    os.symlink(tmp_path / "real", tmp_path / "corpus" / "twice")  # the same directory by another name
+    os.symlink(tmp_path / "corpus", tmp_path / "real" / "loop")  # back up the tree
+    c = resolve_corpus(str(tmp_path / "corpus"))
+    assert [f.relative_to(tmp_path / "corpus").as_posix() for f in c.files] == ["a.txt", "linked/c.txt"]
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda p: p / "nope.txt", "does not exist"),
     (lambda p: ((p / "empty.txt").write_text(""), p / "empty.txt")[1], "holds no text"),

@@ -206,6 +206,29 @@ def test_unequal_shares_by_speed_keep_parity(make_cfg, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_batchnorm_statistics_equal_plain_under_replicas(make_cfg, tmp_path):
+    """A model with BatchNorm: each replica runs its share of the micro-batches, and the running statistics every
+    replica ends with (so the eval losses and the checkpoint's buffers) are the plain engine's pass over all of
+    them — with even shares, unequal ones (speeds 1 : 0.34 → 3 and 1 of 4), ZeRO-2 and an offload leaf."""
+    common = ["train.steps=4", "train.eval_interval=2", "model.source='sequential'",
+              "model.factory='stratum.model.sequential:batchnorm_lm_blocks'"]
+    train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
+    want = load_checkpoint(latest_checkpoint(tmp_path / "plain")).state.buffers
+    assert any(k.endswith("running_mean") for k in want)
+    for k, (plan, extra) in enumerate([("replicate(2, shard=true)", []),
+                                       ("replicate(2)", ["parallel.speeds='1,0.34'"]),
+                                       ("replicate(2, offload(device_budget=1MB))", [])]):
+        out = tmp_path / f"bn{k}"
+        _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", "train.grad_accum=2", *common[2:], *extra)
+        _same_run(out, tmp_path / "plain", rel=1e-6)
+        got = load_checkpoint(latest_checkpoint(out)).state.buffers
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=name, p=plan: f"{p} {n}: {m}")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_checkpoints_move_between_plans(make_cfg, tmp_path):
     """Saved under replicate(2, pipeline(2)), resumed under pipeline(4), then plain: the losses continue as the

@@ -102,6 +102,9 @@ def test_sample_command_prints_the_prompt_and_its_continuation(runs, capsys):
     assert main(argv) == 0
     assert capsys.readouterr().out == first
     assert first.count("---------- sample") == 2 and first.count("def ") >= 2
+    # the run's checkpoints directory names the run's latest checkpoint too
+    assert main(["sample", str(runs["gpt"] / "checkpoints"), *argv[2:]]) == 0
+    assert capsys.readouterr().out == first
 
 
 @pytest.mark.parametrize("source", ["gpt", "gpt2", "llama"])
@@ -136,6 +139,7 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
         (["sample", str(runs["gpt"]), "--top-k", "-2"], "--top-k"),
         (["sample", str(runs["gpt"]), "--prompt", ""], "no tokens"),
         (["export", str(runs["gpt"]), "--out", str(taken)], "already exists"),
+        (["export", str(runs["gpt"]), "--out", str(taken / "file")], "is a file; name a new directory"),
         (["export", str(runs["gpt"]), "--out", str(taken / "file" / "x")], "not a directory"),
         (["export", str(runs["sequential"]), "--out", str(tmp_path / "seq")], "cannot be exported"),
     ]

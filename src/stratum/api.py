@@ -27,6 +27,7 @@ step a loaded state was saved at to continue the same masks).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -126,11 +127,50 @@ def _same_start(model: BlockSeq, world: World) -> None:
     """Every process starts from rank 0's parameters and buffers (each built the model on its own)."""
     if world.backend == "none":
         return
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    layout = "\n".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in tensors)
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
+    # a process that built another model would pair its broadcasts with the wrong tensors: refused by name first
+    world.agree({"the model built": f"{len(tensors)} tensors, {sum(t.numel() for _, t in tensors):,} elements "
+                                    f"(layout {digest})"})
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen and t.device.type != "meta":
             seen.add(id(t))
             world.wait(dist.broadcast(t.data, src=0, async_op=True), "broadcasting the starting parameters")
+
+
+ARGUMENTS = {"train.micro_batch_size": "batch_shape[0]", "data.seq_len": "batch_shape[1]",
+             "train.grad_accum": "micro_batches", "train.precision": "precision", "train.device": "device",
+             "optim.weight_decay": "weight_decay", "optim.grad_clip": "grad_clip", "optim.beta1": "betas[0]",
+             "optim.beta2": "betas[1]", "optim.eps": "eps", "optim.lr": "lr", "parallel.timeout_s": "timeout_s",
+             "parallel.backend": "backend", "parallel.speeds": "speeds", "parallel.plan": "plan"}
+"""The config keys :func:`parallelize` sets, by the argument that gives each: a refusal names what the caller
+wrote."""
+
+
+def _in_arguments(message: str) -> str:
+    for key, arg in ARGUMENTS.items():
+        message = message.replace(key, arg)
+    return message
+
+
+def _config(*, plan: str, lr: float, micro_batches: int, weight_decay: float, betas: tuple[float, float],
+            eps: float, grad_clip: float, precision: str, device: str, backend: str, timeout_s: float, speeds: str,
+            batch_shape: tuple[int, int] | None) -> Config:
+    """The validated config of :func:`parallelize`'s arguments."""
+    cfg = Config()
+    cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
+    cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
+    if isinstance(cfg.plan.leaf, Offload):
+        if batch_shape is None:
+            raise StratumError(f"plan {plan!r} has an offload leaf, which plans device memory for one "
+                               "micro-batch's activations: pass batch_shape=(rows, sequence length)")
+        cfg.train.micro_batch_size, cfg.data = batch_shape[0], dataclasses.replace(cfg.data, seq_len=batch_shape[1])
+    cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
+                                    beta2=betas[1], eps=eps, grad_clip=grad_clip)
+    cfg.validate()
+    return cfg
 
 
 def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micro_batches: int = 1,
@@ -143,17 +183,12 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     ``batch_shape``: (rows, sequence length) of one micro-batch — an offload leaf plans its device memory for the
     activations of that shape, so a plan with one needs it. ``seed``: the dropout masks' (see the module
     docstring)."""
-    cfg = Config()
-    cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
-    cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
-    if isinstance(cfg.plan.leaf, Offload):
-        if batch_shape is None:
-            raise StratumError(f"plan {plan!r} has an offload leaf, which plans device memory for one "
-                               "micro-batch's activations: pass batch_shape=(rows, sequence length)")
-        cfg.train.micro_batch_size, cfg.data = batch_shape[0], dataclasses.replace(cfg.data, seq_len=batch_shape[1])
-    cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
-                                    beta2=betas[1], eps=eps, grad_clip=grad_clip)
-    cfg.validate()
+    try:
+        cfg = _config(plan=plan, lr=lr, micro_batches=micro_batches, weight_decay=weight_decay, betas=betas, eps=eps,
+                      grad_clip=grad_clip, precision=precision, device=device, backend=backend,
+                      timeout_s=timeout_s, speeds=speeds, batch_shape=batch_shape)
+    except StratumError as e:  # named by the argument the caller wrote, not by the config key it sets
+        raise StratumError(_in_arguments(str(e))) from None
     seq = as_blockseq(model, loss_fn)
     world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
     seq.to(world.device)

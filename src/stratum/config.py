@@ -132,7 +132,8 @@ class TrainConfig:
     """Execution engine: plain (the single-process reference), pipeline (stages over processes, see [pipeline]),
     offload (training state in chunks over device, host and disk under byte budgets, see [offload])."""
     eval_interval: int = 50
-    """Compute the eval loss every this many steps (and at the end); 0 = only at the end."""
+    """Compute the eval loss every this many steps (and at the end); 0 = only at the end. Without a validation
+    split (data.val_fraction = 0) there is no eval loss, and this must be 0."""
     eval_batches: int = 4
     """Micro-batches per eval (the same ones every time)."""
     log_interval: int = 10

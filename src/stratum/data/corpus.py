@@ -27,6 +27,12 @@ class Corpus:
     """The text files, in the order they are read."""
 
     @property
+    def files_text(self) -> str:
+        """How many files, in words ("1 file", "1,203 files")."""
+        n = len(self.files)
+        return f"{n:,} file" if n == 1 else f"{n:,} files"
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
@@ -53,9 +59,19 @@ def _is_text(path: Path) -> bool:
 
 
 def _walk(root: Path, suffix: str | None) -> list[Path]:
+    """The files under ``root`` in sorted order, following linked directories; each directory is read once (a
+    link back into the tree, or two links to one place, add nothing)."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+    seen = {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        keep = []
+        for d in sorted(dirnames):
+            real = os.path.realpath(os.path.join(dirpath, d))
+            if d in _SKIP_DIRS or d.startswith(".") or real in seen:
+                continue
+            seen.add(real)
+            keep.append(d)
+        dirnames[:] = keep
         for name in sorted(filenames):
             if name.startswith("."):
                 continue

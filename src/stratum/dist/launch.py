@@ -57,6 +57,10 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
@@ -90,7 +94,7 @@ def init_process_group(*, world: int, plan: str, backend: str, device: torch.dev
 
     if dist.is_initialized():
         if dist.get_world_size() != world:
-            raise StratumError(f"the plan {plan} needs {world} processes but the process group has "
+            raise StratumError(f"the plan {plan} needs {_processes(world)} but the process group has "
                                f"{dist.get_world_size()}")
         return False
     backend = resolve_backend(backend, device)
@@ -105,8 +109,8 @@ def init_process_group(*, world: int, plan: str, backend: str, device: torch.dev
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return True
     if ws != world:
-        raise StratumError(f"the plan {plan} needs {world} processes but the launcher started WORLD_SIZE = {ws}; "
-                           f"start {world} processes or change the plan's sizes (parallel.plan, or pipeline.ranks "
+        raise StratumError(f"the plan {plan} needs {_processes(world)} but the launcher started WORLD_SIZE = {ws}; "
+                           f"start {_processes(world)} or change the plan's sizes (parallel.plan, or pipeline.ranks "
                            "under train.engine = pipeline)")
     try:
         dist.init_process_group(backend, init_method="env://", rank=rk, world_size=ws, timeout=timeout,

@@ -82,10 +82,23 @@ def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile
                           inflight=inflight)
 
 
+def check_trainable(model: BlockSeq) -> None:
+    """The memory engine trains every parameter: its chunks hold a gradient and AdamW moments for each element,
+    and a chunk's update runs when all its gradients are in. A frozen parameter is refused, in one line."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+        raise StratumError(f"the offload leaf trains every parameter, and {shown} "
+                           f"{'is' if len(frozen) == 1 else 'are'} frozen (requires_grad=False); unfreeze "
+                           f"{'it' if len(frozen) == 1 else 'them'}, or use a plan without offload (local, "
+                           "replicate, pipeline)")
+
+
 def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, profile: Profile | None = None,
                      always_profile: bool = False) -> dict:
     """``make_placement``'s keyword arguments for ``cfg``: budgets parsed, overrides, bandwidths measured and the model
     profiled once (one block at a time) if not given — so several budgets can be planned from one measurement."""
+    check_trainable(model)
     tune_allocator()  # the profile measures blocks under the allocator policy training runs with
     o = cfg.offload
     n_params = sum(p.numel() for p in model.parameters())

@@ -8,6 +8,9 @@ of the backward — the overlap torch's DDP reducer gives, for an executor DDP c
 module call the reducer can see). Elsewhere (a pipeline stage's split backward accumulates outside autograd, and
 tied gradients are summed after it) every bucket starts after the child's backward. :meth:`finish` starts what
 is left, waits for all with the world's timeout, and writes the sums back.
+
+A parameter the step leaves without a gradient on a replica sends zeros and a flag (:mod:`stratum.parallel.presence`):
+where no replica had one, it ends the step without a gradient, as under the plain engine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratum.dist.world import World
+from stratum.parallel import presence
 from stratum.runtime.tensors import local_part
 
 BUCKET_BYTES = 25 * 2**20
@@ -24,7 +28,8 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class GradBuckets:
-    """Sums ``params``' gradients over ``world``'s replica group (see the module docstring)."""
+    """Sums ``params``' gradients (the trainable ones: a frozen parameter takes no hook) over ``world``'s replica
+    group (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], world: World, *, overlap: bool):
         self.world = world
@@ -38,11 +43,13 @@ class GradBuckets:
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
+        self.buckets = [b for b in self.buckets if b]  # (none at all where every parameter is frozen)
         self.bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self.expect = 0
         self.count: dict[int, int] = {}
         self.left: list[int] = []
-        self.started: dict[int, tuple[object, torch.Tensor]] = {}
+        self.started: dict[int, tuple[object, torch.Tensor, list[int]]] = {}
+        """Bucket → (its all-reduce, the packed gradients and presence flags, where this replica had none)."""
         if overlap and self.group is not None:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._accumulated)
@@ -66,27 +73,18 @@ class GradBuckets:
                 self._start(k)
 
     def _start(self, k: int) -> None:
-        grads = []
-        for p in self.buckets[k]:
-            if p.grad is None:  # unused this step on every replica alike: zeros keep the buckets aligned
-                p.grad = torch.zeros_like(p)
-            grads.append(local_part(p.grad))
-        flat = torch.cat([g.flatten() for g in grads])
-        self.started[k] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+        flat, missing = presence.pack(self.buckets[k])
+        self.started[k] = (dist.all_reduce(flat, group=self.group, async_op=True), flat, missing)
 
     def finish(self) -> None:
-        """Start the buckets not started yet, wait for every one, write the sums into the gradients."""
+        """Start the buckets not started yet, wait for every one, write the sums into the gradients (and drop
+        the gradient no replica had)."""
         if self.group is None:
             return
         for k in range(len(self.buckets)):
             if k not in self.started:
                 self._start(k)
-        for k, (work, flat) in self.started.items():
+        for k, (work, flat, missing) in self.started.items():
             self.world.wait(work, "the gradient all-reduce")
-            off = 0
-            for p in self.buckets[k]:
-                assert p.grad is not None  # (_start gave every parameter of the bucket one)
-                g = local_part(p.grad)
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+            presence.unpack(self.buckets[k], flat, missing)
         self.expect = 0

@@ -39,6 +39,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.model.placement import localize
 from stratum.model.streams import block_stream, dropout_site
+from stratum.parallel import presence
 from stratum.plan.burst import BurstPlan, overlaps, spans
 from stratum.runtime.device import autocast, peak_memory_bytes
 from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
@@ -105,7 +106,8 @@ class BurstEngine(GradEngine):
         self.named = [(n, canonical[n]) for n in canonical if width_of[n] > self.rank]
         self.by_width: dict[int, list[nn.Parameter]] = {}
         for n, p in self.named:
-            self.by_width.setdefault(width_of[n], []).append(p)
+            if p.requires_grad:  # a frozen parameter is never reduced (nor updated: it has no gradient)
+                self.by_width.setdefault(width_of[n], []).append(p)
         self.groups = prefix_groups(self.widths, world.timeout_s) if world.backend != "none" else {}
         # a rank beyond every block's width holds nothing (a plan may leave it idle the whole step)
         self.opt = leaf_optimizer(None, self.named, optim, self.device) if self.named else None
@@ -211,21 +213,15 @@ class BurstEngine(GradEngine):
         return self.world.all_reduce(loss, "replica", "the burst loss all-reduce")
 
     def _reduce_grads(self) -> None:
-        """Sum each parameter's gradient over its reduction group (one flat all-reduce per width)."""
+        """Sum each parameter's gradient over its reduction group (one flat all-reduce per width); a parameter
+        no rank of its group had a gradient for ends without one (:mod:`stratum.parallel.presence`)."""
         for k, params in sorted(self.by_width.items()):
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             if k < 2:
                 continue
-            grads = [p.grad for p in params if p.grad is not None]  # (all: set above)
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat, missing = presence.pack(params)
             self._wait(dist.all_reduce(flat, group=self.groups[k], async_op=True),
                        f"the gradient all-reduce over the first {k} ranks")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            presence.unpack(params, flat, missing)
 
     def grad_params(self) -> list[tuple[str, nn.Parameter]]:
         return self.named

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from stratum.config import Config
@@ -34,6 +35,7 @@ from stratum.parallel.pipeline_offload import OffloadPipelineEngine, check_sched
 from stratum.parallel.replicate import ReplicateEngine, shares
 from stratum.parallel.replicate_offload import ReplicatedOffload, chunk_owner
 from stratum.parallel.replicate_pipeline_offload import ReplicatedOffloadPipeline
+from stratum.parallel.running_stats import RunningStats
 from stratum.parallel.shard import ShardedAdamW
 from stratum.parallel.split import apply_split, check_split, split_blocks
 from stratum.parallel.split_offload import ShardLayout, SplitOffload, SplitOffloadPipeline, split_locally
@@ -202,7 +204,8 @@ def _offload_tree(cfg: Config, leaf: Offload, model: BlockSeq, world: World,
     eng = _offload_leaf(cfg, leaf, model, world)
     engine: Engine = eng  # named by the memory engine itself when alone
     if plan.replicate is not None:
-        engine = ReplicatedOffload(eng, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan))
+        engine = ReplicatedOffload(eng, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan),
+                                   stats=RunningStats([model], world))
     if layout is not None:
         engine = SplitOffload(engine, eng, layout)
     if engine is not eng:
@@ -219,6 +222,11 @@ def _split(model: BlockSeq, world: World, held: set[int]) -> None:
     if group is not None:
         mesh = DeviceMesh.from_group(group, world.device.type)
         apply_split(model, [i for i in split_blocks(model) if i in held], mesh)
+
+
+def _held_blocks(model: BlockSeq, held: set[int]) -> list[nn.Module]:
+    """The blocks this rank runs (a pipeline rank's stages; every block without a pipeline)."""
+    return [model.blocks[i] for i in sorted(held)]
 
 
 def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: PipelinePlan | None = None,
@@ -252,7 +260,8 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
                   SplitOffloadPipeline(model, layout=layout, **kw))
         if plan.replicate is not None:
             replicated = ReplicatedOffloadPipeline(engine, node=plan.replicate, world=world,
-                                                   speeds=replica_speeds(speeds, plan))
+                                                   speeds=replica_speeds(speeds, plan),
+                                                   stats=RunningStats(_held_blocks(model, held), world))
             replicated.name = render(plan.root)
             return replicated
     elif plan.pipeline is not None:
@@ -265,7 +274,8 @@ def build_engine(cfg: Config, model: BlockSeq, world: World, pipeline_plan: Pipe
                              loss_scale=loss_scale_spec(cfg))
     if plan.replicate is not None:
         engine = ReplicateEngine(engine, node=plan.replicate, world=world, speeds=replica_speeds(speeds, plan),
-                                 rebalance=cfg.parallel.speeds.strip() == "auto")
+                                 rebalance=cfg.parallel.speeds.strip() == "auto",
+                                 stats=RunningStats(_held_blocks(model, held), world))
     engine.name = render(plan.root)
     return engine
 

@@ -26,6 +26,7 @@ from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel.buckets import GradBuckets
 from stratum.parallel.reduce import adasum_over
+from stratum.parallel.running_stats import RunningStats
 from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
 from stratum.runtime.tensors import local_part
@@ -62,9 +63,8 @@ def shares(total: int, n: int, speeds: list[float] | None) -> list[int]:
     return even_shares(total, n)
 
 
-def my_part(micro_batches: list[Batch], n: int, index: int, speeds: list[float] | None) -> list[Batch]:
-    """Replica ``index``'s consecutive run of the step's micro-batches (:func:`shares`)."""
-    counts = shares(len(micro_batches), n, speeds)
+def my_part(micro_batches: list[Batch], counts: list[int], index: int) -> list[Batch]:
+    """Replica ``index``'s consecutive run of the step's micro-batches, replica i taking ``counts[i]``."""
     start = sum(counts[:index])
     return micro_batches[start:start + counts[index]]
 
@@ -75,8 +75,10 @@ class ReplicateEngine(GradEngine):
     name = "replicate"
 
     def __init__(self, child: GradEngine, *, node: Replicate, world: World, speeds: list[float] | None = None,
-                 rebalance: bool = False):
+                 rebalance: bool = False, stats: RunningStats | None = None):
         self.child = child
+        self.stats = stats
+        """The running statistics of the child's layers, kept as the plain engine's (None: none to keep)."""
         self.node = node
         self.world = world
         self.spec = child.spec
@@ -93,7 +95,7 @@ class ReplicateEngine(GradEngine):
             raise StratumError("replicate(shard=true) needs its child built with a sharded optimizer")
         self.adasum = adasum_over(world)
         self.buckets = None if node.shard or node.reduce != "mean" else \
-            GradBuckets([p for _, p in child.grad_params()], world, overlap=child.grads_final_in_backward)
+            GradBuckets([p for _, p in self._trained()], world, overlap=child.grads_final_in_backward)
 
     def share(self, total: int) -> list[int]:
         """Micro-batches per replica for a step of ``total``."""
@@ -101,7 +103,10 @@ class ReplicateEngine(GradEngine):
 
     # ---- GradEngine -----------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
-        mine = my_part(micro_batches, self.n, self.index, self.speeds)
+        counts = self.share(len(micro_batches))
+        mine = my_part(micro_batches, counts, self.index)
+        if self.stats is not None:
+            self.stats.begin()
         if self.buckets is not None:
             self.buckets.arm(len(mine))
         own_divisor = len(mine) if self.node.reduce == "adasum" else divisor
@@ -115,6 +120,8 @@ class ReplicateEngine(GradEngine):
         else:
             assert self.buckets is not None  # (a mean reduction without shard has its buckets)
             self.buckets.finish()
+        if self.stats is not None:
+            self.stats.combine(counts, self.index)
         loss_sum = self.world.all_reduce(loss_sum.clone(), "replica", "the loss all-reduce")
         if self.rebalance:
             self._measure(busy / len(mine))
@@ -151,18 +158,26 @@ class ReplicateEngine(GradEngine):
         self.child.update(lr, coef)
 
     # ---- reductions -----------------------------------------------------------------------------------
-    def _grads(self) -> list[torch.Tensor]:
-        """This rank's gradients in the order every replica shares (a missing one is zeros on every replica)."""
-        out = []
-        for _, p in self.child.grad_params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(local_part(p.grad))
-        return out
+    def _trained(self) -> list[tuple[str, nn.Parameter]]:
+        """The child's parameters that take gradients (a frozen one is never reduced, never updated)."""
+        return [(n, p) for n, p in self.child.grad_params() if p.requires_grad]
 
     def _adasum(self) -> None:
-        """Every replica's gradients combined by Adasum, after the backward (the gather is waited at once)."""
-        self.adasum([n for n, _ in self.child.grad_params()], self._grads(), "the replicas' gradients").finish()
+        """Every replica's gradients combined by Adasum, after the backward (the gather is waited at once). A
+        parameter no replica's micro-batches reached ends without a gradient, as under the plain engine; one
+        that some replicas lack takes zeros there (Adasum leaves the others' as they are)."""
+        named = self._trained()
+        present = torch.tensor([p.grad is not None for _, p in named], dtype=torch.float32,
+                               device=self.world.device)
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.adasum([n for n, _ in named], [local_part(p.grad) for _, p in named if p.grad is not None],
+                    "the replicas' gradients").finish()
+        self.world.all_reduce(present, "replica", "the gradient-presence all-reduce")  # (every replica joins)
+        for (_, p), had in zip(named, present.tolist()):
+            if had == 0:
+                p.grad = None
 
     # ---- Engine ---------------------------------------------------------------------------------------
     def describe(self) -> str:

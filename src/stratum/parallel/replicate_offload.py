@@ -34,7 +34,8 @@ from stratum.ir.plan import Replicate
 from stratum.offload.engine import OffloadEngine
 from stratum.offload.tiers import aligned_empty
 from stratum.parallel.reduce import DONE, Pending, adasum_over, copy_back, flat_copy, sum_over
-from stratum.parallel.replicate import my_part
+from stratum.parallel.replicate import my_part, shares
+from stratum.parallel.running_stats import RunningStats
 from stratum.runtime.engine import AroundChild, Engine, StepResult, TrainState
 
 
@@ -42,14 +43,29 @@ class OverReplicas(AroundChild):
     """What every replicate node around a memory-engine child shares: the replica group, the shares by speed, and
     the Engine calls that are the child's."""
 
-    def __init__(self, child: Engine, *, node: Replicate, world: World, speeds: list[float] | None):
+    def __init__(self, child: Engine, *, node: Replicate, world: World, speeds: list[float] | None,
+                 stats: RunningStats | None):
         self.child = child
+        self.stats = stats
+        """The running statistics of the child's layers, kept as the plain engine's (None: none to keep)."""
         self.node = node
         self.world = world
         self.n, self.index = world.size("replica"), world.coord.replica
         self.speeds = speeds
         """Relative speed per replica (hardware-aware shares), or None for even shares."""
         self.group = world.group("replica")
+
+    def _begin(self, micro_batches: list[Batch]) -> tuple[list[int], list[Batch]]:
+        """A step begins: the replicas' shares of ``micro_batches`` and this replica's run of them."""
+        counts = shares(len(micro_batches), self.n, self.speeds)
+        if self.stats is not None:
+            self.stats.begin()
+        return counts, my_part(micro_batches, counts, self.index)
+
+    def _end(self, counts: list[int]) -> None:
+        """The step's forwards are done on every replica: the running statistics combined."""
+        if self.stats is not None:
+            self.stats.combine(counts, self.index)
 
     def describe(self) -> str:
         lines = [self.child.describe()]
@@ -107,8 +123,9 @@ class OverReplicas(AroundChild):
 class ReplicatedOffload(OverReplicas):
     """Data parallel over ``world``'s replica group around an offload engine (see the module docstring)."""
 
-    def __init__(self, child: OffloadEngine, *, node: Replicate, world: World, speeds: list[float] | None = None):
-        super().__init__(child, node=node, world=world, speeds=speeds)
+    def __init__(self, child: OffloadEngine, *, node: Replicate, world: World, speeds: list[float] | None = None,
+                 stats: RunningStats | None = None):
+        super().__init__(child, node=node, world=world, speeds=speeds, stats=stats)
         self.child: OffloadEngine = child
         self.leaf = child
         child.reducer = (adasum_over(world) if node.reduce == "adasum" else
@@ -117,11 +134,12 @@ class ReplicatedOffload(OverReplicas):
             child.combine_norm = self._global_norm
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
-        mine = my_part(micro_batches, self.n, self.index, self.speeds)
+        counts, mine = self._begin(micro_batches)
         # mean: every loss over the whole step's count, so the replicas' sum is the plain engine's mean;
         # adasum: each replica's gradient is its own mean, the direction Adasum combines
         divisor = len(mine) if self.node.reduce == "adasum" else len(micro_batches)
         loss_sum, norm = self.child.train_share(mine, lr, divisor)
+        self._end(counts)
         if self.node.shard:
             self._share_params()
         total = self.world.all_reduce(loss_sum.double().reshape(1), "replica", "the loss all-reduce")

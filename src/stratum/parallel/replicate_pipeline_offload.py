@@ -31,8 +31,8 @@ from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
 from stratum.parallel.pipeline_offload import OffloadPipelineEngine
 from stratum.parallel.reduce import adasum_over, in_turn, sum_over
-from stratum.parallel.replicate import my_part
 from stratum.parallel.replicate_offload import OverReplicas
+from stratum.parallel.running_stats import RunningStats
 from stratum.runtime.engine import StepResult, clip_coef
 
 
@@ -40,8 +40,8 @@ class ReplicatedOffloadPipeline(OverReplicas):
     """Data parallel over ``world``'s replica group around an offload pipeline (see the module docstring)."""
 
     def __init__(self, child: OffloadPipelineEngine, *, node: Replicate, world: World,
-                 speeds: list[float] | None = None):
-        super().__init__(child, node=node, world=world, speeds=speeds)
+                 speeds: list[float] | None = None, stats: RunningStats | None = None):
+        super().__init__(child, node=node, world=world, speeds=speeds, stats=stats)
         self.child: OffloadPipelineEngine = child
         self.leaf = child.leaf
         if node.shard and child.owns is None:
@@ -53,13 +53,14 @@ class ReplicatedOffloadPipeline(OverReplicas):
             child.gather_optim = self._gather_optim
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
-        mine = my_part(micro_batches, self.n, self.index, self.speeds)
+        counts, mine = self._begin(micro_batches)
         # mean: every loss over the whole step's count, so the replicas' sum is the plain engine's mean;
         # adasum: each replica's gradient is its own mean, the direction Adasum combines
         divisor = len(mine) if self.node.reduce == "adasum" else len(micro_batches)
         child = self.child
         child.runner.begin_step(lr, len(mine))
         loss_sum = child.forward_backward(mine, divisor)
+        self._end(counts)
         norm = self._grad_norm()
         child.update(lr, clip_coef(norm, child.spec.grad_clip))
         if self.node.shard:

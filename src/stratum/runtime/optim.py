@@ -122,6 +122,10 @@ def load_params(named: list[tuple[str, nn.Parameter]], state: TrainState) -> Non
     if missing:
         raise StratumError(f"the training state lacks parameter(s) {missing[:3]}; it is from another model")
     for n, p in named:
+        if tuple(state.params[n].shape) != tuple(p.shape):
+            raise StratumError(f"the training state's {n} has shape {tuple(state.params[n].shape)} where the model's "
+                               f"has {tuple(p.shape)}; it is from another model")
+    for n, p in named:
         load_full_(p, state.params[n])
 
 

@@ -62,7 +62,7 @@ def dry_run(cfg: Config) -> dict:
     n, state = model.num_params(), model.train_state_bytes()
     print(to_toml(cfg))
     print(cfg.derived_summary())
-    print(f"device {describe(device)}; plan {cfg.plan}; corpus {len(corpus.files):,} files, "
+    print(f"device {describe(device)}; plan {cfg.plan}; corpus {corpus.files_text}, "
           f"{corpus.total_bytes:,} bytes; tokenizer {tok.name} (vocab {tok.vocab_size})")
     print(f"model {model.info.name}: {n:,} parameters in {len(model)} blocks; training state (params + grads + "
           f"AdamW) {state / 2**30:.2f} GiB; {model.flops_per_token(cfg.data.seq_len) / 1e9:.3f} GFLOP per token")

@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_out(out: Path) -> Path:
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise StratumError(f"--out {str(out)!r} is a file; name a new directory for the export")
+    if out.exists() and any(out.iterdir()):
         raise StratumError(f"--out {str(out)!r} already exists and is not an empty directory; choose a new "
                            "directory (an export never overwrites one)")
     if out.parent.exists() and not out.parent.is_dir():

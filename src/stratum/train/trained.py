@@ -48,6 +48,8 @@ def find_checkpoint(path: str | Path) -> Path:
         raise StratumError(f"{str(p)!r} {'is a file' if p.exists() else 'does not exist'}; give a run's out_dir "
                            f"(train.out_dir) or one of its {CKPT_DIR}/step_* directories")
     found = latest_checkpoint(p)
+    if found is None and p.name == CKPT_DIR:  # the run's checkpoints directory: its latest, as for the run
+        found = latest_checkpoint(p.parent)
     if found is None:
         raise StratumError(f"{str(p)!r} holds no checkpoint; give a run's out_dir after `stratum train` has "
                            f"saved one, or a {CKPT_DIR}/step_* directory")

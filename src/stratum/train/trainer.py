@@ -334,7 +334,7 @@ def _log_start(cfg: Config, *, model, engine, world: World, stages, data, start:
     t = cfg.train
     logger.info(f"model {model.info.name} ({cfg.model.source}): {model.num_params():,} parameters, {len(model)} "
                 f"blocks; engine {engine.name} on {describe(world.device)}, {t.precision}")
-    logger.info(f"data {cfg.data.corpus!r}: {len(data.corpus.files):,} files, {data.n_tokens:,} tokens "
+    logger.info(f"data {cfg.data.corpus!r}: {data.corpus.files_text}, {data.n_tokens:,} tokens "
                 f"({data.tokenizer.name} tokenizer, vocab {data.tokenizer.vocab_size})")
     logger.info(cfg.derived_summary())
     if engine.describe():
