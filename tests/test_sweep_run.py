@@ -33,6 +33,7 @@ from stratum.sweep.segment import Segment
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.spec import load_sweep
 from stratum.sweep.state import SweepState
+from stratum.train.checkpoint import latest_checkpoint
 from stratum.train.trainer import read_metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -237,6 +238,30 @@ def test_a_finished_sweep_run_again_reruns_nothing(four_jobs):
     assert lines[-1] == makespan_line(json.loads(makespan)) and " s measured, 22.0 s predicted" in lines[-1]
 
 
+def test_changed_settings_are_refused_and_a_segment_without_progress_fails(tmp_path, corpus_file, cache_dir):
+    """Editing what the jobs train with in the sweep.base file (the sweep file unchanged) is refused on the rerun;
+    and a job whose segments end well without training a step fails, where it was relaunched forever."""
+    base = tmp_path / "base.toml"
+    base.write_text("[optim]\nweight_decay = 0.1\n")
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='retries = 1\nbase = "base.toml"',
+                      grid='"optim.lr" = [1e-3]', steps=3)
+    _, got = run_and_read(path)
+    assert got["j000"]["status"] == "done"
+    base.write_text("[optim]\nweight_decay = 0.2\n")
+    with pytest.raises(StratumError, match="holds this sweep run with other settings: job j000's optim.weight_decay "
+                                           "was 0.1, is now 0.2"):
+        run_sweep(path, say=lambda _: None)
+    base.write_text("[optim]\nweight_decay = 0.1\n")
+    db = sqlite3.connect(tmp_path / "sw" / "state.db")  # the state asks for more steps than the run trains
+    with db:
+        db.execute("UPDATE jobs SET status = 'pending', steps = 5 WHERE id = 'j000'")
+    db.close()
+    lines, got = run_and_read(path)
+    assert got["j000"]["status"] == "failed" and got["j000"]["attempts"] == 2, lines
+    assert "ended without training a step (at step 3 of 5)" in got["j000"]["reason"]
+    assert got["j000"]["step"] == 3 and got["j000"]["loss"] is not None  # its progress, from its checkpoint
+
+
 def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(tmp_path, corpus_file, cache_dir):
     # lrtf in slices of 20 steps: the jobs take turns, each resuming from its own checkpoint. Its predictions go
     # through a hand-written calibration (sweep.calibration): a job not yet run is predicted 100 s + 10 s a step
@@ -264,6 +289,39 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
         assert first.endswith(", steps 0 → 20, 700 s predicted"), first
     # the retry resumed from its checkpoint and still trained exactly the standalone run
     assert job_losses(sweep_dir, "j002") == standalone_losses(path, "j002", tmp_path)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the sweep", "SIGINT to its process group"])
+def test_a_stopped_sweep_stops_each_worker_once_with_a_checkpoint(tmp_path, corpus_file, cache_dir, how):
+    """SIGTERM (timeout, systemd, Slurm) stops the sweep as Ctrl-C does; a terminal's Ctrl-C reaches the sweep and
+    its workers at once, and the SIGTERM the sweep then sends must not end a worker before its checkpoint."""
+    path = sweep_file(tmp_path, corpus_file, cache_dir, sweep="", grid='"optim.lr" = [1e-3, 3e-3]', steps=400,
+                      extra="eval_interval = 0")
+    sweep_dir = tmp_path / "sw"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "stratum", "sweep", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all(len(read_metrics(sweep_dir / "jobs" / j)) >= 3 for j in ("j000", "j001")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the jobs never ran together"
+            time.sleep(0.05)
+        if how.startswith("SIGTERM"):
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    got = rows(sweep_dir)
+    for job_id in ("j000", "j001"):
+        log = (sweep_dir / "jobs" / job_id / "worker.log").read_text()
+        assert "Traceback" not in log and f"stopped by {how.split()[0]} at step" in log, log
+        assert got[job_id]["status"] == "pending" and got[job_id]["step"] >= 3 and got[job_id]["loss"] is not None
+        assert latest_checkpoint(sweep_dir / "jobs" / job_id).name == f"step_{got[job_id]['step']:08d}"
 
 
 def test_kill_9_of_the_sweep_then_rerun_completes_every_job_once(tmp_path, corpus_file, cache_dir, capsys):
@@ -341,11 +399,13 @@ def test_a_job_over_the_slot_budget_runs_under_the_offload_engine_within_it(tmp_
 
 def test_a_budget_no_job_fits_is_refused_before_any_job_and_the_corrected_file_then_runs(tmp_path, corpus_file,
                                                                                           cache_dir):
-    # 1 KB holds no chunk of the mini GPT: the offload planner's one-line error, naming the job, before any job
-    # starts; nothing is recorded, so the same out_dir takes the corrected sweep (other jobs, another budget)
+    # 1 KB holds no chunk of either GPT: the offload planner's one-line error before any job starts, naming the
+    # job that needs the most (its smallest budget fits them all); nothing is recorded, so the same out_dir takes
+    # the corrected sweep (other jobs, another budget)
     path = sweep_file(tmp_path, corpus_file, cache_dir, sweep='device_budget = "1KB"',
-                      grid='"model.preset" = ["mini"]', steps=2, extra="eval_interval = 0")
-    with pytest.raises(StratumError, match=r"^sweep job j000 under sweep.device_budget: .*smallest[^\n]*$"):
+                      grid='"model.preset" = ["tiny", "mini"]', steps=2, extra="eval_interval = 0")
+    with pytest.raises(StratumError, match=r"^sweep job j001 \(and 1 more job\(s\) needing less\) under "
+                                           r"sweep.device_budget: .*smallest[^\n]*$"):
         open_sweep(path, say=lambda line: None)
     assert SweepState(tmp_path / "sw").jobs() == []
     assert not (tmp_path / "sw" / "jobs" / "j000" / "checkpoints").exists()

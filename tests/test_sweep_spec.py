@@ -82,6 +82,16 @@ steps = 3
     assert cfg.train.micro_batch_size == dict(jobs[0].values)["train.micro_batch_size"]
 
 
+def test_ranges_end_on_their_stated_values(tmp_path):
+    spec = load_sweep(write(tmp_path, """[sweep]
+[sweep.grid]
+"optim.weight_decay" = {start = 0.0, stop = 0.3, step = 0.1}
+"optim.lr" = {start = 1e-3, stop = 1e-2, num = 3, log = true}
+"""))
+    got = {k: sorted({dict(j.values)[k] for j in expand(spec)}) for k in ("optim.weight_decay", "optim.lr")}
+    assert got == {"optim.weight_decay": [0.0, 0.1, 0.2, 0.3], "optim.lr": [0.001, 0.00316227766017, 0.01]}
+
+
 @pytest.mark.parametrize("body, message", [
     ("[sweep.grid]\n\"optim.lrr\" = [1e-3]", "unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
     ("[sweep.grid]\n\"optim.lr\" = []", "optim.lr has an empty list"),
@@ -106,6 +116,10 @@ steps = 3
     ("grid = \"optim.lr\"", "[sweep.grid] must be a table of section.key = values"),
     ("random = [1e-3, 3e-3]", "[sweep.random] must be a table of section.key = values"),
     ("plan_gap = 1.5\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.plan_gap must be in [0, 1)"),
+    ("[sweep.grid]\n\"optim.lr\" = 1e-3", "optim.lr = 0.001 is one value, not a list or a range; give [0.001]"),
+    ("[sweep.grid]\n\"optim.lr\" = [1e-3, 0.001]", "optim.lr lists 0.001 twice"),
+    ("devices = \"cpu\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "sweep.devices must be a list of strings, e.g. "
+     "[\"cuda:0\", \"cuda:1\"]"),
 ])
 def test_bad_sweep_files_are_one_line_errors_that_say_what_to_do(tmp_path, capsys, body, message):
     p = write(tmp_path, f"[sweep]\nout_dir = \"{tmp_path / 'sw'}\"\n{body}\n{BASE}")
@@ -182,7 +196,7 @@ def test_simulate_prints_every_scheduler_labelled_and_writes_no_sweep(tmp_path, 
 out_dir = "{tmp_path / 'sw'}"
 slots = 2
 [sweep.grid]
-"train.steps" = [2, 2, 6]
+"train.steps" = [2, 3, 6]
 [data]
 corpus = "{corpus_file}"
 cache_dir = "{cache_dir}"
@@ -193,7 +207,7 @@ seq_len = 16
     assert out.startswith("SIMULATED: 3 jobs on 2 slot(s)")
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:5]}
     assert set(lines) == {"fifo", "lrtf", "sharded-lrtf", "planned"}
-    # fifo runs the 6-step job last (2 | 2, then 6): 8 step-times; lrtf, sharded-lrtf and planned start it
+    # fifo runs the 6-step job last (2 | 3, then 6): 8 step-times; lrtf, sharded-lrtf and planned start it
     # first: 6
     assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"] and "1.33x" in lines["sharded-lrtf"]
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "sw").exists()
@@ -261,3 +275,25 @@ devices = ["cpu", "cpu"]
         spec = load_sweep(p)
         check_jobs(spec, expand(spec), tmp_path / "sw")
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_job_whose_state_cannot_fit_its_device_is_refused_before_any_job(tmp_path, corpus_file, cache_dir,
+                                                                            monkeypatch):
+    from stratum.sweep.runner import open_sweep
+    from stratum.train import fit
+    monkeypatch.setattr(fit, "device_memory_bytes", lambda device: 1_000_000)  # room for the batches, not the state
+    p = write(tmp_path, f"""[sweep]
+out_dir = "{tmp_path / 'sw'}"
+[data]
+corpus = "{corpus_file}"
+cache_dir = "{cache_dir}"
+{BASE}
+[sweep.grid]
+"optim.lr" = [1e-3, 2e-3]
+""")
+    with pytest.raises(StratumError, match=r"^sweep job j000 \(lr=0.001\): the training state"):
+        open_sweep(p, say=lambda _: None)
+    from stratum.sweep.state import SweepState
+    state = SweepState(tmp_path / "sw")
+    assert state.jobs() == []  # nothing recorded: the corrected file runs in the same directory
+    state.close()

@@ -52,7 +52,7 @@ def context(preload: Sequence[str]) -> multiprocessing.context.ForkServerContext
     """The forkserver context, ``preload`` added to the modules its server imports when it starts."""
     ctx = multiprocessing.get_context("forkserver")
     _PRELOAD.extend(m for m in preload if m not in _PRELOAD)
-    ctx.set_forkserver_preload([*_PRELOAD, "stratum.dist.server_exit"])
+    ctx.set_forkserver_preload(["stratum.dist.server_start", *_PRELOAD, "stratum.dist.server_exit"])
     return ctx
 
 

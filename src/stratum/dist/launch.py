@@ -38,7 +38,7 @@ from stratum.dist.forked import die_with_parent
 from stratum.dist.forked_rank import ForkedRank
 from stratum.dist.roles import WORKER_ENV, env_rank, forking, under_torchrun
 from stratum.errors import INTERRUPTED, PeerError, StratumError
-from stratum.procs import usable_cores
+from stratum.procs import Terminated, sigterm_as_interrupt, usable_cores
 
 
 def rank() -> int:
@@ -253,15 +253,6 @@ class Stopped(KeyboardInterrupt):
         self.shown = shown
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM reached the launcher: the job stops as on Ctrl-C, and the ranks are told it was SIGTERM."""
-
-
-def _interrupt(signum: int, frame) -> None:
-    """The launcher's SIGTERM handler: stop the job as Ctrl-C does (below)."""
-    raise _Terminated
-
-
 PEER_GRACE_S = 5.0
 """Seconds the other ranks get after one failed, when the caller asks for it (``fail_grace_s``): a live rank
 blocked on the failed one is stopped by its own time limit anyway, and a stopped (SIGSTOP) or hung one never
@@ -340,37 +331,33 @@ def spawn_local(argv: list[str], nprocs: int, *, grace_s: float, env: dict[str, 
     deadline = None
     killed_here: set[int] = set()
     # SIGTERM to the launcher stops the job as Ctrl-C does: forwarded, each rank checkpoints and exits
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            for r, c in enumerate(codes):
-                if c not in (None, 0) and first_fail is None:
-                    first_fail = (r, c)
-                    deadline = time.monotonic() + fail_grace
-            if all(c is not None for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                for r, p in enumerate(procs):
-                    if p.poll() is None:
-                        p.kill()
-                        killed_here.add(r)
-                for p in procs:
-                    p.wait()
-                break
-            time.sleep(0.05)
+        with sigterm_as_interrupt():
+            while True:
+                codes = [p.poll() for p in procs]
+                for r, c in enumerate(codes):
+                    if c not in (None, 0) and first_fail is None:
+                        first_fail = (r, c)
+                        deadline = time.monotonic() + fail_grace
+                if all(c is not None for c in codes):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    for r, p in enumerate(procs):
+                        if p.poll() is None:
+                            p.kill()
+                            killed_here.add(r)
+                    for p in procs:
+                        p.wait()
+                    break
+                time.sleep(0.05)
     except KeyboardInterrupt as e:
-        sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT  # (each rank says which stopped it)
+        sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT  # (each rank says which stopped it)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(sig)
         _await_stop(procs, grace_s)
         errors.join()
         raise Stopped(shown=any(line.startswith(INTERRUPTED) for line in errors.seen)) from e
-    finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
     errors.join()
     if first_fail is None:
         return 0

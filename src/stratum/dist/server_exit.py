@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 
 _SERVER_PID = os.getpid()
 
@@ -16,3 +17,4 @@ def _leave() -> None:
 
 
 atexit.register(_leave)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored since stratum.dist.server_start)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from stratum.errors import StratumError
@@ -60,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from stratum.train.progress import make_console
     console = make_console()
     if not console.is_terminal:
-        sweep = run_sweep(args.config, say=lambda line: print(line, flush=True), retry_failed=args.retry_failed)
+        try:
+            sweep = run_sweep(args.config, say=lambda line: print(line, flush=True), retry_failed=args.retry_failed)
+        except BrokenPipeError:  # `| head`: the runner stopped the jobs, as on Ctrl-C
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush cannot fail again)
+            print("stratum: the sweep's output was closed (its reader ended): its running jobs were stopped as on "
+                  "Ctrl-C; run the same command to resume", file=sys.stderr)
+            return 1
     else:
         from stratum.sweep.live import LiveTable
         live = LiveTable(console)

@@ -13,6 +13,7 @@ from stratum.sweep.segment import (
     PAUSE_FLAG,
     STOP_GRACE_S,
     Segment,
+    checkpointed_values,
     diverged,
     failure_reason,
     segment_records,
@@ -68,16 +69,23 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
     run_s = row.run_s + seg.run_s()
     rc = seg.poll()
     reason = forced_reason or (failure_reason(rc, seg.log_path) if rc else diverged(records))  # (rc: it ended)
+    last = _last_step(records)
+    if reason is None and rc == 0 and last <= seg.start_step and last < row.steps:
+        # not done, and relaunched it would end the same way, again and again (a job its worker finished just
+        # before the sweep died is done, though this segment trained no step)
+        reason = (f"the segment ended without training a step (at step {last} of {row.steps}); "
+                  f"its log: {seg.log_path}")
     if rc == INTERRUPTED_EXIT and forced_reason is None:
-        sweep.state.update(seg.job, status=PENDING, run_s=run_s, step=_last_step(records))
+        sweep.state.update(seg.job, status=PENDING, run_s=run_s,
+                           **checkpointed_values(Path(sweep.configs[seg.job].train.out_dir), records))
         sweep.say(f"{seg.job}: stopped by a signal with a checkpoint; it resumes on the next run")
         return
     if reason is not None:
         attempts = row.attempts + 1
         retry = attempts <= sweep.spec.settings.retries
-        # the step stays the last recorded good one: the retry resumes from the checkpoint, not the failure
+        # the job's progress is its last checkpoint's: the retry resumes from there, not from the failure
         sweep.state.update(seg.job, status=PENDING if retry else FAILED, attempts=attempts, reason=reason,
-                           run_s=run_s)
+                           run_s=run_s, **checkpointed_values(Path(sweep.configs[seg.job].train.out_dir), records))
         sweep.say(f"{seg.job}: failed: {reason}; " + (f"retry {attempts} of {sweep.spec.settings.retries} from "
                                                       "its last checkpoint" if retry else "no retries left"))
         return
@@ -110,3 +118,4 @@ def _record_success(sweep: Sweep, seg: Segment, records: list[dict], run_s: floa
 
 def _last_step(records: list[dict]) -> int:
     return records[-1]["step"] if records else 0
+

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from stratum.dist import forked
+from stratum.dist.roles import WORKER_ENV
 from stratum.sweep.launched import launch_train
 from stratum.sweep.segment import Segment, Worker, run_segment
 from stratum.sweep.shard_worker import shard_worker_main
@@ -28,7 +29,10 @@ PRELOAD = ("stratum.sweep.local", "stratum.sweep.shard_worker", "torch._dynamo")
 
 def worker_main(config_path: str, stop_at: int, device: str | None, threads: int, log_path: str,
                 slice_steps: int) -> None:
-    """A segment's process: exits with :func:`run_segment`'s code."""
+    """A segment's process: exits with :func:`run_segment`'s code. A worker, to the trainer's stop signals: Ctrl-C
+    at a terminal reaches it and the sweep (which then sends SIGTERM) alike, and the second must not end it before
+    its checkpoint — the sweep kills a worker that outlasts its grace time anyway."""
+    os.environ[WORKER_ENV] = "1"
     sys.exit(run_segment(config_path, stop_at, device, threads, log_path, slice_steps))
 
 

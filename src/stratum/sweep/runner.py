@@ -18,7 +18,7 @@ from pathlib import Path
 
 from stratum.atomic import atomic_write_bytes, atomic_write_text
 from stratum.errors import StratumError
-from stratum.procs import pid_alive
+from stratum.procs import pid_alive, sigterm_as_interrupt
 from stratum.sweep.asha_state import stop_paused
 from stratum.sweep.dir_lock import hold
 from stratum.sweep.dispatch import Expect, fill, paused_itself, paused_worker, pending, unique
@@ -33,7 +33,7 @@ from stratum.sweep.predicted_makespan import predicted_makespan, write_makespan
 from stratum.sweep.ray_backend import RayBackend
 from stratum.sweep.results import makespan_line, read_makespan, results_csv, table
 from stratum.sweep.schedulers import Policy, Start, make_policy
-from stratum.sweep.segment import POLL_S, STOP_GRACE_S, Backend, await_stop, checkpoint_step
+from stratum.sweep.segment import POLL_S, STOP_GRACE_S, Backend, await_stop, checkpointed_values, segment_records
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
 from stratum.sweep.shard_run import device_memory, run_sharded
 from stratum.sweep.spec import job_threads
@@ -50,56 +50,63 @@ def run_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print,
     sweep = open_sweep(path, say=say)
     lock = hold(sweep.dir)
     try:
-        if retry_failed:
-            for job_id in sweep.state.reset_failed():
-                say(f"{job_id}: failed before; it runs again from its last checkpoint (--retry-failed)")
-        sweep.backend = make_backend(sweep)
-        interrupted = sweep.state.requeue_interrupted()
-        for job_id in interrupted:
-            say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
-        _wait_gone(interrupted)
-        write_job_configs(sweep)
-        if not _left_to_run(sweep):  # a finished sweep run again: its results and its measured makespan stand
-            write_results(sweep.dir, sweep.state.jobs(), say=say)
-            say(makespan_line(read_makespan(sweep.dir) or {}))
-            return sweep
-        sweep.backend.warm_up()  # workers import torch while the planner profiles
-        s = sweep.spec.settings
-        predict = _predict(sweep)
-        options = _planned_options(sweep, predict)
-        predicted = predicted_makespan(sweep, predict, options) if predict is not None else None
-        if predicted is not None:
-            say(predicted.line())
-        write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted, measured_s=None)
-        t0 = time.monotonic()
-        if s.scheduler == "sharded-lrtf":
-            assert predict is not None  # (sharded-lrtf needs predictions)
-            run_sharded(backend=sweep.backend, state=sweep.state, configs=sweep.configs,
-                        profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots,
-                        threads=job_threads(s), shard_blocks=s.shard_blocks, retries=s.retries,
-                        time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
-                        tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices,
-                        memory=device_memory(s, next(iter(sweep.configs.values()))))
-        else:
-            policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
-                                 gap=s.plan_gap, options=options,
-                                 first_plan=predicted.plan if predicted is not None else None)
-            expect: Expect | None = None
-            if options is not None:
-                expect = lambda st: options(st.job)[st.strategy].seconds  # noqa: E731
-            elif predict is not None:
-                expect = lambda st: min(predict(st.job).values())  # noqa: E731
-            _loop(sweep, policy, expect, tick)
-        # a makespan is measured only where the sweep ended, not where its time budget stopped it
-        sweep.makespan_s = None if _left_to_run(sweep) else time.monotonic() - t0
-        write_results(sweep.dir, sweep.state.jobs(), say=say)
-        say(makespan_line(write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted,
-                                         measured_s=sweep.makespan_s)))
+        with sigterm_as_interrupt():  # timeout, systemd, Slurm: the workers stop with a checkpoint, as on Ctrl-C
+            _run(sweep, say=say, tick=tick, retry_failed=retry_failed)
     finally:
         if sweep.backend is not None:
             sweep.backend.close()
         lock.close()
     return sweep
+
+
+def _run(sweep: Sweep, *, say: Callable[[str], None], tick: Callable[[Sweep], None] | None,
+         retry_failed: bool) -> None:
+    """:func:`run_sweep` on the opened, locked sweep."""
+    if retry_failed:
+        for job_id in sweep.state.reset_failed():
+            say(f"{job_id}: failed before; it runs again from its last checkpoint (--retry-failed)")
+    sweep.backend = make_backend(sweep)
+    interrupted = sweep.state.requeue_interrupted()
+    for job_id in interrupted:
+        say(f"{job_id}: was running when the sweep stopped; it resumes from its last checkpoint")
+    _wait_gone(interrupted)
+    write_job_configs(sweep)
+    if not _left_to_run(sweep):  # a finished sweep run again: its results and its measured makespan stand
+        write_results(sweep.dir, sweep.state.jobs(), say=say)
+        say(makespan_line(read_makespan(sweep.dir) or {}))
+        return
+    sweep.backend.warm_up()  # workers import torch while the planner profiles
+    s = sweep.spec.settings
+    predict = _predict(sweep)
+    options = _planned_options(sweep, predict)
+    predicted = predicted_makespan(sweep, predict, options) if predict is not None else None
+    if predicted is not None:
+        say(predicted.line())
+    write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted, measured_s=None)
+    t0 = time.monotonic()
+    if s.scheduler == "sharded-lrtf":
+        assert predict is not None  # (sharded-lrtf needs predictions)
+        run_sharded(backend=sweep.backend, state=sweep.state, configs=sweep.configs,
+                    profiles=sweep_profiles(sweep), predict=predict, sweep_dir=sweep.dir, slots=s.slots,
+                    threads=job_threads(s), shard_blocks=s.shard_blocks, retries=s.retries,
+                    time_budget_s=s.time_budget_s, asha=sweep.asha, say=say,
+                    tick=(lambda: tick(sweep)) if tick is not None else None, devices=s.devices,
+                    memory=device_memory(s, next(iter(sweep.configs.values()))))
+    else:
+        policy = make_policy(s.scheduler, predict=predict, slots=s.slots, time_limit_s=s.plan_time_limit_s,
+                             gap=s.plan_gap, options=options,
+                             first_plan=predicted.plan if predicted is not None else None)
+        expect: Expect | None = None
+        if options is not None:
+            expect = lambda st: options(st.job)[st.strategy].seconds  # noqa: E731
+        elif predict is not None:
+            expect = lambda st: min(predict(st.job).values())  # noqa: E731
+        _loop(sweep, policy, expect, tick)
+    # a makespan is measured only where the sweep ended, not where its time budget stopped it
+    sweep.makespan_s = None if _left_to_run(sweep) else time.monotonic() - t0
+    write_results(sweep.dir, sweep.state.jobs(), say=say)
+    say(makespan_line(write_makespan(sweep.dir, scheduler=s.scheduler, predicted=predicted,
+                                     measured_s=sweep.makespan_s)))
 
 
 def _left_to_run(sweep: Sweep) -> bool:
@@ -204,8 +211,9 @@ def _stop_all(sweep: Sweep) -> None:
         await_stop(seg, grace_s=STOP_GRACE_S)
         row = sweep.state.job(seg.job)
         # where the job resumes: a worker killed after the grace time may have logged steps past its checkpoint
-        step = checkpoint_step(Path(sweep.configs[seg.job].train.out_dir))
-        sweep.state.update(seg.job, status=PENDING, step=step, run_s=row.run_s + seg.run_s())
+        cfg = sweep.configs[seg.job]
+        sweep.state.update(seg.job, status=PENDING, run_s=row.run_s + seg.run_s(),
+                           **checkpointed_values(Path(cfg.train.out_dir), segment_records(cfg)))
     sweep.running.clear()
     sweep.predicted_end.clear()
     sweep.resident.clear()

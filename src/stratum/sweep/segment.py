@@ -242,6 +242,15 @@ def checkpoint_step(out_dir: Path) -> int:
     return json.loads((ckpt / "meta.json").read_text())["step"] if ckpt is not None else 0
 
 
+def checkpointed_values(out_dir: Path, records: list[dict]) -> dict:
+    """The step, loss and eval loss of the job's latest checkpoint — where it resumes, what a stopped or failed
+    job has reached (step 0 without one)."""
+    step = checkpoint_step(out_dir)
+    upto = [r for r in records if r["step"] <= step]
+    evals = [r["eval_loss"] for r in upto if "eval_loss" in r]
+    return dict(step=step, loss=upto[-1]["loss"] if upto else None, eval_loss=evals[-1] if evals else None)
+
+
 def segment_records(cfg: Config) -> list[dict]:
     """The job's metrics records so far (one consistent run: the trainer drops records past a checkpoint)."""
     return read_metrics(Path(cfg.train.out_dir))

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stratum.config import Config
-from stratum.data.prepare import prepare_data
+from stratum.config import Config, shared_settings
+from stratum.data.prepare import make_tokenizer, prepare_data
 from stratum.errors import StratumError
+from stratum.offload.planner import NoFit
 from stratum.profile.profile import Profile
+from stratum.runtime.device import resolve_device
 from stratum.sweep.asha import Asha
 from stratum.sweep.asha_state import asha_from_state
 from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
@@ -26,6 +28,7 @@ from stratum.sweep.shard_run import check_shardable
 from stratum.sweep.spec import SweepSpec, job_threads, load_sweep
 from stratum.sweep.state import SweepState, spec_fingerprint
 from stratum.sweep.sweep_calibration import given_calibration
+from stratum.train.fit import check_fits
 from stratum.units import fmt_bytes, parse_budget
 
 
@@ -86,22 +89,55 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     if recorded is not None and recorded != fingerprint:
         raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
                            "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
+    settings = {j.id: shared_settings(c) for j, c in zip(jobs, configs)}
+    _check_settings(state, settings, sweep_dir)
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
                   dir=sweep_dir, state=state, say=say, calibration=given)
     if spec.settings.device_budget.strip():
         fit_to_budget(sweep)
+    if spec.settings.scheduler in ("fifo", "lrtf"):  # (sharded-lrtf streams a job; planned may spread it)
+        _check_fits(sweep)
     if spec.settings.scheduler == "planned":
         sweep.candidates = job_candidates(spec, sweep.jobs, sweep.configs, sweep_profiles(sweep), sweep_dir)
         sweep.launch_s = launch_costs(sweep.candidates, next(iter(sweep.configs.values())).cache_dir / "hardware")
     # the jobs are recorded once every check passed: a refused file leaves no jobs, so a corrected one runs here
     if recorded is None:
         state.set_meta("jobs", fingerprint)
+    if state.meta("settings") is None:  # (also a sweep recorded before its settings were)
+        state.set_meta("settings", json.dumps(settings, sort_keys=True))
     state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
     if spec.settings.early_stop == "asha":
         sweep.asha = asha_from_state(state, min_steps=spec.settings.asha_min_steps, eta=spec.settings.asha_eta)
     if spec.settings.scheduler == "planned":
         apply_pins(spec, sweep.jobs, sweep.configs, state, sweep_dir)
     return sweep
+
+
+def _check_settings(state: SweepState, settings: dict[str, dict[str, str]], sweep_dir: Path) -> None:
+    """A resumed sweep's jobs must train as they did: every setting but a machine's own (config.LOCAL_SETTINGS) as
+    recorded — a changed base file changes every job without changing the sweep file. Keys one side lacks (a
+    setting added by a newer Stratum) are not compared."""
+    text = state.meta("settings")
+    if text is None:
+        return
+    was = json.loads(text)
+    for job, now in settings.items():
+        before = was.get(job, {})
+        for key in sorted(now.keys() & before.keys()):
+            if now[key] != before[key]:
+                raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds this sweep run with other settings: job "
+                                   f"{job}'s {key} was {before[key]}, is now {now[key]} (its sweep.base file or "
+                                   "a section changed); restore it, or choose a new sweep.out_dir")
+
+
+def _check_fits(sweep: Sweep) -> None:
+    """A job whose training state cannot fit its device (RAM on a CPU) is refused before any job starts, as
+    `stratum train` refuses it, rather than failing each of its attempts."""
+    for job_id, cfg in sweep.configs.items():
+        try:
+            check_fits(cfg, resolve_device(cfg.train.device), tokenizer_vocab=make_tokenizer(cfg).vocab_size)
+        except StratumError as e:
+            raise StratumError(f"sweep job {job_id} ({sweep.jobs[job_id].label}): {e}") from None
 
 
 def fit_to_budget(sweep: Sweep) -> None:
@@ -117,6 +153,7 @@ def fit_to_budget(sweep: Sweep) -> None:
     profiles = sweep_profiles(sweep)
     every = sweep.spec.settings.scheduler == "sharded-lrtf"
     planned: set[str] = set()
+    refused: list[tuple[int, str, StratumError]] = []
     for job_id, cfg in list(sweep.configs.items()):
         need = memory_need(profiles[job_id])
         if (need <= budget and not every) or cfg.train.engine != "plain" or cfg.parallel.plan.strip():
@@ -126,10 +163,20 @@ def fit_to_budget(sweep: Sweep) -> None:
         if every and cfg.offload.optimizer_tier == "auto":
             sets.append("offload.optimizer_tier='host'")  # (what a waiting job's engine cannot give back)
         sweep.configs[job_id] = job_config(sweep.spec, sweep.jobs[job_id], sweep.dir, sets)
-        _check_placement(job_id, sweep.configs[job_id], profiles[job_id], planned)
+        try:
+            _check_placement(job_id, sweep.configs[job_id], profiles[job_id], planned)
+        except NoFit as no_fit:  # every job is checked: the error names the budget that fits them all
+            refused.append((no_fit.smallest_device or 0, job_id, no_fit))
+            continue
         sweep.say(f"{job_id}: needs {fmt_bytes(need)} on its device, "
                   + (f"over sweep.device_budget = {text}: it runs" if need > budget else "runs as shard tasks")
                   + " under the offload engine")
+
+
+    if refused:
+        _, worst, error = max(refused, key=lambda r: r[0])
+        others = f" (and {len(refused) - 1} more job(s) needing less)" if len(refused) > 1 else ""
+        raise StratumError(f"sweep job {worst}{others} under sweep.device_budget: {error}")
 
 
 def _check_placement(job_id: str, cfg: Config, profile: Profile, planned: set[str]) -> None:
@@ -141,6 +188,8 @@ def _check_placement(job_id: str, cfg: Config, profile: Profile, planned: set[st
         return
     try:
         offload_placement(cfg, profile)
+    except NoFit:
+        raise
     except StratumError as e:
         raise StratumError(f"sweep job {job_id} under sweep.device_budget: {e}") from None
     planned.add(key)

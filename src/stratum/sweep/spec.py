@@ -264,8 +264,9 @@ def _typed(key: str, value: Any, typ: type) -> Any:
         return float(value)
     if typ is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise StratumError(f"{key} must be a list of strings, e.g. [\"cuda:0\", \"cuda:1\"] or [\"local\", "
-                               "\"replicate(2)\"]")
+            example = {"sweep.devices": '["cuda:0", "cuda:1"]', "sweep.plans": '["local", "replicate(2)"]'}
+            raise StratumError(f"{key} must be a list of strings"
+                               + (f", e.g. {example[key]}" if key in example else ""))
         return value
     if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
         what = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[typ]
@@ -409,10 +410,14 @@ def _grid_values(key: str, spec: Any) -> list[Any]:
     if isinstance(spec, list):
         if not spec:
             raise StratumError(f"[sweep.grid]: {key} has an empty list; give at least one value")
+        twice = next((v for i, v in enumerate(spec) if v in spec[:i]), None)
+        if twice is not None:  # (1e-3 and 0.001 are one value: the same job twice)
+            raise StratumError(f"[sweep.grid]: {key} lists {twice!r} twice; give each value once")
         return spec
     if isinstance(spec, dict):
-        return _range_values(key, spec)
-    return [spec]
+        return [float(f"{v:.12g}") if isinstance(v, float) else v for v in _range_values(key, spec)]
+    raise StratumError(f"[sweep.grid]: {key} = {spec!r} is one value, not a list or a range; give [{spec!r}], or "
+                       "set it in its section (it is then every job's)")
 
 
 def _range_values(key: str, spec: dict[str, Any]) -> list[Any]:
