@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from stratum.atomic import atomic_write_bytes
+from stratum.atomic import atomic_write_bytes, check_writable
 from stratum.data.prepare import prepare_data
 from stratum.errors import StratumError
 from stratum.ir.hardware import Hardware
@@ -29,6 +29,8 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
     directory. Prints makespan and utilisation per scheduler; writes a Gantt PNG of the schedules if asked.
     With ``hardware``, on that cluster's devices instead, with memory and several-device strategies
     (:mod:`stratum.sweep.cluster_sim`; the profiles' times are taken at device speed 1)."""
+    if png is not None:
+        check_writable(png, "--png", ".png")  # before the profiles: a bad path is refused before any work
     spec = load_sweep(path)
     s = spec.settings
     jobs = expand(spec)
