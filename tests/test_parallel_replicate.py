@@ -210,7 +210,8 @@ def test_unequal_shares_by_speed_keep_parity(make_cfg, tmp_path):
 def test_batchnorm_statistics_equal_plain_under_replicas(make_cfg, tmp_path):
     """A model with BatchNorm: each replica runs its share of the micro-batches, and the running statistics every
     replica ends with (so the eval losses and the checkpoint's buffers) are the plain engine's pass over all of
-    them — with even shares, unequal ones (speeds 1 : 0.34 → 3 and 1 of 4), ZeRO-2 and an offload leaf."""
+    them — with even shares, unequal ones (speeds 1 : 0.34 → 3 and 1 of 4), ZeRO-2, an offload leaf, and over
+    pipelines (each stage's replicas combine their own layers), plain and offloaded."""
     common = ["train.steps=4", "train.eval_interval=2", "model.source='sequential'",
               "model.factory='stratum.model.sequential:batchnorm_lm_blocks'"]
     train(make_cfg(*common, "train.grad_accum=4", out=tmp_path / "plain"))
@@ -218,7 +219,9 @@ def test_batchnorm_statistics_equal_plain_under_replicas(make_cfg, tmp_path):
     assert any(k.endswith("running_mean") for k in want)
     for k, (plan, extra) in enumerate([("replicate(2, shard=true)", []),
                                        ("replicate(2)", ["parallel.speeds='1,0.34'"]),
-                                       ("replicate(2, offload(device_budget=1MB))", [])]):
+                                       ("replicate(2, offload(device_budget=1MB))", []),
+                                       ("replicate(2, pipeline(2))", []),
+                                       ("replicate(2, pipeline(2, offload(device_budget=1MB)))", [])]):
         out = tmp_path / f"bn{k}"
         _stratum(make_cfg(*common, out=out), f"parallel.plan={plan!r}", "train.grad_accum=2", *common[2:], *extra)
         _same_run(out, tmp_path / "plain", rel=1e-6)
