@@ -155,9 +155,9 @@ eval_interval = 3
         open_sweep(p2, say=lambda _: None)
 
 
-def test_a_damaged_state_is_named_as_damaged_not_unwritable(tmp_path, corpus_file, cache_dir):
-    from stratum.sweep.runner import open_sweep
-    p = write(tmp_path, f"""[sweep]
+def two_jobs(tmp_path: Path, corpus_file: Path, cache_dir: Path) -> Path:
+    """A sweep file of two jobs (two learning rates) on the test corpus."""
+    return write(tmp_path, f"""[sweep]
 out_dir = "{tmp_path / 'sw'}"
 [data]
 corpus = "{corpus_file}"
@@ -166,6 +166,11 @@ cache_dir = "{cache_dir}"
 [sweep.grid]
 "optim.lr" = [1e-3, 2e-3]
 """)
+
+
+def test_a_damaged_state_is_named_as_damaged_not_unwritable(tmp_path, corpus_file, cache_dir):
+    from stratum.sweep.runner import open_sweep
+    p = two_jobs(tmp_path, corpus_file, cache_dir)
     open_sweep(p, say=lambda _: None).state.close()
     db = tmp_path / "sw" / "state.db"
     db.write_bytes(db.read_bytes()[:5000])
@@ -282,15 +287,7 @@ def test_a_job_whose_state_cannot_fit_its_device_is_refused_before_any_job(tmp_p
     from stratum.sweep.runner import open_sweep
     from stratum.train import fit
     monkeypatch.setattr(fit, "device_memory_bytes", lambda device: 1_000_000)  # room for the batches, not the state
-    p = write(tmp_path, f"""[sweep]
-out_dir = "{tmp_path / 'sw'}"
-[data]
-corpus = "{corpus_file}"
-cache_dir = "{cache_dir}"
-{BASE}
-[sweep.grid]
-"optim.lr" = [1e-3, 2e-3]
-""")
+    p = two_jobs(tmp_path, corpus_file, cache_dir)
     with pytest.raises(StratumError, match=r"^sweep job j000 \(lr=0.001\): the training state"):
         open_sweep(p, say=lambda _: None)
     from stratum.sweep.state import SweepState
