@@ -83,12 +83,16 @@ def _frozen_run(plan: str) -> dict | None:
 
 def api_worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    if job.get("mismatch"):  # rank 1 builds a wider model than rank 0
+    if job.get("mismatch"):  # rank 1 builds a wider model than rank 0; then each cuts a batch of its own
         rank = int(os.environ["RANK"])
         model = nn.Sequential(nn.Embedding(VOCAB, 16 + 8 * rank), nn.Linear(16 + 8 * rank, VOCAB))
         with pytest.raises(StratumError) as e:
             stratum.parallelize(model, plan="replicate(2)", micro_batches=2)
-        Path(f"{job['out']}.{rank}").write_text(str(e.value))
+        engine = stratum.parallelize(_model(), plan="replicate(2)", micro_batches=2)
+        rows = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+        with pytest.raises(StratumError) as b:
+            engine.step(rows[:, :-1], rows[:, 1:])
+        Path(f"{job['out']}.{rank}").write_text(f"{e.value}\n{b.value}")
         return
     if job.get("frozen"):
         runs = {plan: _frozen_run(plan) for plan in job["plans"]}
@@ -141,13 +145,16 @@ def test_frozen_and_unreached_parameters_stay_as_plain_leaves_them(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_processes_that_built_different_models_are_refused_by_name(tmp_path):
+def test_processes_that_built_different_models_or_batches_are_refused_by_name(tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"mismatch": True, "out": str(tmp_path / "err")}))
     run_workers(__file__, job, 2, timeout=120)
     for rank in (0, 1):
-        assert (tmp_path / f"err.{rank}").read_text().startswith("the ranks differ in the model built: rank(s) "
-                                                                 f"{rank} have 3 tensors")
+        model, batch = (tmp_path / f"err.{rank}").read_text().splitlines()
+        assert model.startswith(f"the ranks differ in the model built: rank(s) {rank} have 3 tensors")
+        assert batch.startswith(f"the ranks differ in the first step's batch: rank(s) {rank} have (8, 16) and "
+                                "(8, 16) (values ")
+        assert batch.endswith("give every process the same global batch (the plan shares it out)")
 
 
 def test_an_offload_plan_for_a_model_of_other_inputs_is_one_line():

@@ -94,6 +94,9 @@ class Parallel:
     def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
         with peers_checked(self.world):  # a peer gone mid-exchange: one PeerError, not the backend's traceback
+            if self.steps_done == 0:  # each process cutting its own batch (DDP's habit) would train silently wrong
+                self.world.agree({"the first step's batch": _digest(x, y)},
+                                 "give every process the same global batch (the plan shares it out)")
             loss = self.engine.train_step(self._split(x, y, TRAIN), self.lr if lr is None else lr).loss
         self.steps_done += 1
         return loss
@@ -121,6 +124,14 @@ class Parallel:
             self.engine.close()
             if self.world.backend != "none":
                 self.world.wait(dist.barrier(async_op=True), "the closing barrier")
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    """Shapes and a hash of the values of ``tensors`` (as text, for :meth:`World.agree`)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # (any dtype)
+    return f"{' and '.join(str(tuple(t.shape)) for t in tensors)} (values {h.hexdigest()[:12]})"
 
 
 def _same_start(model: BlockSeq, world: World) -> None:

@@ -84,11 +84,13 @@ class World:
         self.wait(dist.all_gather_single(out, mine, async_op=True), "gathering the ranks' speeds")
         return out.tolist()
 
-    def agree(self, facts: Mapping[str, str]) -> None:
+    def agree(self, facts: Mapping[str, str],
+              fix: str = "start every node with the same command, config and files") -> None:
         """Refuse, on every rank at once, a run whose ranks differ in any of ``facts`` (what each rank derived on
         its own: its config, the checkpoint it resumes from, its tokenizer). Under torchrun each node is started
         by its own command and reads its own files; a difference would train a mixed model silently (or fail
-        later in a collective that names no cause). Each fact is hashed; the hashes are all-gathered."""
+        later in a collective that names no cause). Each fact is hashed; the hashes are all-gathered. ``fix``: what
+        to do, in the refusal."""
         if self.backend == "none":
             return
         keys = sorted(facts)
@@ -103,8 +105,7 @@ class World:
             if len(same) < n:
                 other = [r for r in range(n) if r not in same]
                 raise StratumError(f"the ranks differ in {key}: rank(s) {ranges_text(same)} have {facts[key]} (this "
-                                   f"is rank {self.rank}), rank(s) {ranges_text(other)} another; start every node "
-                                   "with the same command, config and files")
+                                   f"is rank {self.rank}), rank(s) {ranges_text(other)} another; {fix}")
 
     def share_object(self, obj: _T, dim: str, what: str) -> _T:
         """The first member's ``obj`` along ``dim``, on every member (``obj`` itself when this rank is alone):
