@@ -164,6 +164,17 @@ def test_stratum_plan_refuses_an_impossible_budget(make_cfg, capsys):
     assert err.count("\n") == 0 and "smallest offload.device_budget" in err
 
 
+def test_stratum_plan_refuses_a_delayed_update_it_could_never_place_with_the_reason(make_cfg, capsys):
+    # the plain engine's config, as `stratum plan` is usually given: the memory engine's own checks still apply
+    args = _cli(make_cfg, "offload.device_budget='2MB'", "offload.delayed_update=true")
+    at = args.index("train.engine='offload'")
+    del args[at - 1:at + 1]
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stratum: error: offload.delayed_update runs with bf16 chunks, not train.precision = "
+                          "'fp32'") and err.count("\n") == 0
+
+
 def test_stratum_plan_sweep_prints_a_row_per_device_budget(make_cfg, capsys):
     """One profile, one row per budget: a budget too small says so (and what would fit) instead of failing the
     command; more budget never predicts a slower step."""
@@ -568,3 +579,15 @@ def test_the_host_probes_are_sized_to_the_model(make_cfg, monkeypatch):
     finally:
         for f in cached:
             f.cache_clear()
+
+
+def test_a_cpu_plan_over_the_ram_available_says_so(monkeypatch):
+    from stratum.offload import setup
+    from stratum.offload.placement import Placement
+    plan = Placement(chunk_elems=1024, resident_chunks=1, optimizer_tier="host", param_tier="host", prefetch_depth=1,
+                     predicted_peak={"device": 600, "host": 500, "disk": 10**9})
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda device: 1000)
+    note = setup.ram_note(plan, torch.device("cpu"))
+    assert note.startswith("\n  note: on a CPU the device and host tiers are both RAM: this plan holds 1.07 KiB")
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda device: 1100)  # (the disk tier is not RAM)
+    assert setup.ram_note(plan, torch.device("cpu")) == ""

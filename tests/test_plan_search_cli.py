@@ -156,6 +156,15 @@ def test_probe_refuses_more_processes_than_the_cores_can_take_before_any_starts(
     assert not started and not (tmp_path / "hw.toml").exists()
 
 
+def test_probe_refuses_a_disk_dir_that_cannot_take_its_files_before_any_starts(tmp_path, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("stratum.plan.process_probe.run_forked", lambda *a, **k: started.append(a))
+    assert main(["hardware", "probe", "--disk-dir", "/proc", "--out", str(tmp_path / "hw.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stratum: error: --disk-dir '/proc' cannot take the disk probe's files (")
+    assert not started and not (tmp_path / "hw.toml").exists()
+
+
 def test_zero_devices_is_refused_not_taken_for_the_default(capsys):
     assert main(["plan", "--parallel", "--devices", "0", "--set", "model.preset='tiny'"]) == 2
     assert "--devices must be >= 1, got 0" in capsys.readouterr().err

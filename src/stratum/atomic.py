@@ -1,4 +1,5 @@
-"""Atomic file writes: write a temp file beside the target, fsync, then rename over it.
+"""Atomic file writes: write a temp file beside the target, fsync, then rename over it (a device or FIFO given as
+the target is written through, not replaced; a symbolic link's target is replaced, the link kept).
 
 A reader (or a resumed run after a kill) sees either the old file or the new one, never half of one. A write that
 the filesystem refuses (full, read-only, the target a directory, a parent a file) is a one-line
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -88,6 +90,23 @@ def _mode_for(path: Path) -> int:
         return new_file_mode()
 
 
+def _destination(path: Path) -> Path:
+    """Where a write of ``path`` lands: a symbolic link's target (so the link keeps pointing at the new file,
+    not replaced by it), else ``path``."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _special(path: Path) -> bool:
+    """``path`` exists and is neither a regular file nor a directory: a device, a FIFO, a socket. Renaming a
+    temp file over it would put a regular file in its place (``/dev/null``, ``/dev/stdout``' target): such a
+    file is written through instead."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def check_writable(path: str | os.PathLike, what: str = "", suffix: str = "") -> None:
     """Refuse, before any work that ends in writing it, a ``path`` that cannot be written: empty, a directory,
     in a directory that cannot take a file (one-line :class:`WriteError`, as the write itself would give), or
@@ -99,6 +118,11 @@ def check_writable(path: str | os.PathLike, what: str = "", suffix: str = "") ->
         raise write_error(path, OSError(errno.EISDIR, "Is a directory"), what)
     if suffix and path.suffix.lower() != suffix:
         raise WriteError(f"{what} {str(path)!r} must end in {suffix} (it is written as that format)", "suffix")
+    path = _destination(path)
+    if _special(path):
+        if not os.access(path, os.W_OK):
+            raise write_error(path, OSError(errno.EACCES, "Permission denied"), what)
+        return
     fd, tmp = _temp_beside(path, what)
     os.close(fd)
     os.unlink(tmp)
@@ -122,8 +146,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_stream(path: str | os.PathLike, pieces: Iterable[bytes], what: str = "") -> None:
     """Replace ``path`` with the concatenation of ``pieces``, written as they come (a file too large to build in
-    memory first), atomically as :func:`atomic_write_bytes`; ``what`` names the file's role in an error."""
-    path = Path(path)
+    memory first), atomically as :func:`atomic_write_bytes`; ``what`` names the file's role in an error. A device
+    or FIFO is written through (:func:`_special`), a link's target replaced."""
+    path = _destination(Path(path))
+    if _special(path):
+        _write_through(path, pieces, what)
+        return
     fd, tmp = _temp_beside(path, what)
     try:
         os.fchmod(fd, _mode_for(path))
@@ -138,6 +166,15 @@ def atomic_write_stream(path: str | os.PathLike, pieces: Iterable[bytes], what: 
         if isinstance(e, OSError):
             raise write_error(path, e, what) from None
         raise
+
+
+def _write_through(path: Path, pieces: Iterable[bytes], what: str) -> None:
+    try:
+        with open(path, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+    except OSError as e:
+        raise write_error(path, e, what) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

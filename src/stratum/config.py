@@ -492,10 +492,15 @@ class Config:
         self._validate_delayed()
 
     def _validate_delayed(self) -> None:
+        if self.parallel.plan.strip() == "auto" or isinstance(self.plan.leaf, Offload):
+            self.check_delayed_update()
+
+    def check_delayed_update(self) -> None:
         """offload.delayed_update runs on bf16 chunks whose fp32 masters and AdamW state are in host RAM (the
-        planner places only such chunks when it is set): a run that can have none is refused before it starts."""
+        planner places only such chunks when it is set): a run that can have none is refused before it starts —
+        and a plan of the memory engine (``stratum plan``, whatever the engine) before it plans."""
         o = self.offload
-        if not o.delayed_update or not (self.parallel.plan.strip() == "auto" or isinstance(self.plan.leaf, Offload)):
+        if not o.delayed_update:
             return
         if self.train.precision != "bf16":
             raise StratumError(f"offload.delayed_update runs with bf16 chunks, not train.precision = "

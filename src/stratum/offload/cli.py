@@ -23,9 +23,11 @@ from stratum.ir.plan import Local, Offload
 from stratum.offload.cli_args import DEFAULT_SWEEP
 from stratum.offload.plan_inputs import estimated_profile, planning_inputs, planning_profile, profile_from
 from stratum.offload.planner import make_placement
+from stratum.offload.setup import ram_note
 from stratum.offload.tiers import DEVICE
 from stratum.parallel.pipeline_offload import leaf_config
 from stratum.plan.search_cli import run_search
+from stratum.runtime.device import resolve_device
 from stratum.units import Size, fmt_bytes, parse_bytes, parse_percent
 
 
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print_sweep(model, inputs, budgets, timed=not args.estimate)
         return 0
     plan = make_placement(model, **inputs)
-    print(untimed(plan) if args.estimate else plan.describe())
+    print((untimed(plan) if args.estimate else plan.describe()) + ram_note(plan, resolve_device(cfg.train.device)))
     if args.json_out:
         atomic_write_json(args.json_out, plan.to_dict())
         print(f"wrote {args.json_out}")

@@ -57,6 +57,7 @@ def profile_from(path: str) -> ProfileSource:
 def planning_inputs(cfg: Config, source: ProfileSource = planning_profile) -> tuple[dict, BlockSeq]:
     """(``make_placement``'s keyword arguments for ``cfg``, the model on the meta device) with the bandwidths measured
     once and the block costs from ``source``."""
+    cfg.check_delayed_update()
     device = resolve_device(cfg.train.device)
     tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
     model = build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,

@@ -14,14 +14,14 @@ from stratum.offload.engine import OffloadEngine
 from stratum.offload.host_alloc import tune_allocator
 from stratum.offload.placement import Placement
 from stratum.offload.planner import make_placement
-from stratum.offload.tiers import disk_free_bytes, host_probe_bytes, measure_bandwidths, resolve_disk_dir
+from stratum.offload.tiers import DEVICE, HOST, disk_free_bytes, host_probe_bytes, measure_bandwidths, resolve_disk_dir
 from stratum.profile.fast import per_block
 from stratum.profile.profile import Profile
 from stratum.profile.profiler import _measure_block
-from stratum.runtime.device import describe
+from stratum.runtime.device import describe, device_memory_bytes
 from stratum.runtime.loss_scale import loss_scale_spec
 from stratum.runtime.optim import optim_spec
-from stratum.units import parse_budget, parse_bytes
+from stratum.units import fmt_bytes, parse_budget, parse_bytes
 
 
 def overrides(cfg: Config) -> dict:
@@ -120,11 +120,26 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
                 delayed_update=cfg.offload.delayed_update, **kw)
 
 
+def ram_note(placement: Placement, device: torch.device) -> str:
+    """A line under a CPU plan whose device and host tiers — on a CPU both the machine's RAM — hold more than the
+    RAM available now ("" otherwise): the planner takes an unlimited budget at its word, and such a run would
+    run out of memory."""
+    if device.type != "cpu":
+        return ""
+    held = placement.predicted_peak.get(DEVICE, 0) + placement.predicted_peak.get(HOST, 0)
+    available = device_memory_bytes(device)
+    if available is None or held <= available:
+        return ""
+    return (f"\n  note: on a CPU the device and host tiers are both RAM: this plan holds {fmt_bytes(held)} there, "
+            f"more than the {fmt_bytes(available)} available; set offload.device_budget and offload.host_budget "
+            "to fit together (the rest goes to disk)")
+
+
 def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement,
                    owns: Callable[[int], bool] | None = None):
     """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed); ``owns``: the chunks it
     updates, where replicas share them out (all by default)."""
-    print(placement.describe())
+    print(placement.describe() + ram_note(placement, device))
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement,
                          precision=cfg.train.precision,
                          disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update,

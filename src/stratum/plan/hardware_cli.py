@@ -97,6 +97,13 @@ def probe(*, devices: int | None, disk_dir: str) -> tuple[Hardware, list[str]]:
         raise StratumError(f"--devices must be >= 1, got {devices}")
     if not Path(disk_dir).is_dir():
         raise StratumError(f"--disk-dir {disk_dir!r} is not a directory")
+    try:  # the disk probe writes its files there
+        fd, path = tempfile.mkstemp(prefix=".stratum-probe-", dir=disk_dir)
+        os.close(fd)
+        os.unlink(path)
+    except OSError as e:
+        raise StratumError(f"--disk-dir {disk_dir!r} cannot take the disk probe's files ({e.strerror}); give a "
+                           "writable directory") from None
     if torch.cuda.is_available():  # the processes are forked before this one touches CUDA
         procs = probe_processes(2, threads=1, sizes=(BIG, SMALL), timeout_s=PROBE_TIMEOUT_S)
         devs, dev0 = _gpus(notes), torch.device("cuda", 0)

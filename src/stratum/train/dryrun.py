@@ -16,7 +16,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.offload.placement import Placement
 from stratum.offload.plan_inputs import planning_profile
-from stratum.offload.setup import placement_for
+from stratum.offload.setup import placement_for, ram_note
 from stratum.offload.tiers import disk_base, disk_free_bytes
 from stratum.parallel.compose import check_plan
 from stratum.parallel.pipeline_offload import leaf_config, rank_placement
@@ -92,18 +92,19 @@ def _print_placements(cfg: Config, model: BlockSeq, device: torch.device, stages
         print("offload under split: each split rank plans its 1/n of every block's split weights at start-up; "
               "the placement below is the unsplit model's, an upper bound on a rank's")
     if stages is None:
-        print(_placement_text(lambda: placement_for(cfg, model, device, profile=prof)))
+        print(_placement_text(lambda: placement_for(cfg, model, device, profile=prof), device))
         return
     for rank in range(stages.schedule.num_ranks):
         mine = stages.blocks_of(rank)
         print(f"pipeline rank {rank} (blocks {mine[0]}–{mine[-1]}):")
-        print(_placement_text(functools.partial(rank_placement, cfg, model, stages, mine, device, prof)))
+        print(_placement_text(functools.partial(rank_placement, cfg, model, stages, mine, device, prof), device))
 
 
-def _placement_text(make: Callable[[], Placement]) -> str:
-    """The description of the placement ``make()`` plans, or why none fits (the run would stop there with that
-    line)."""
+def _placement_text(make: Callable[[], Placement], device: torch.device) -> str:
+    """The description of the placement ``make()`` plans on ``device``, or why none fits (the run would stop
+    there with that line)."""
     try:
-        return make().describe()
+        placement = make()
+        return placement.describe() + ram_note(placement, device)
     except StratumError as e:
         return f"does not fit — {e}"
