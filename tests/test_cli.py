@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from stratum.cli import main
 from stratum.train.checkpoint import latest_checkpoint
@@ -24,9 +25,14 @@ def test_train_profile_config_and_dry_run(corpus_file, cache_dir, tmp_path, caps
     assert "tokens/step = 4 × 32 = 128" in text and "done: 4/4 steps" in text
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
 
-    assert main(["profile", *_base(corpus_file, cache_dir, out), "--out", str(tmp_path / "p.json"),
-                 "--runs", "1"]) == 0
+    threads = torch.get_num_threads()
+    try:  # measured at the threads the run is given
+        assert main(["profile", *_base(corpus_file, cache_dir, out), "--out", str(tmp_path / "p.json"),
+                     "--runs", "1", "--set", "train.threads=1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads((tmp_path / "p.json").read_text())["blocks"][1]["name"] == "layer.0"
+    assert "profile of tiny on cpu (1 threads)" in capsys.readouterr().out
 
     assert main(["config"]) == 0
     assert "grad_accum = 1" in capsys.readouterr().out

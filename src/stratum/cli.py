@@ -119,8 +119,10 @@ def _run(args: argparse.Namespace) -> int:
         from stratum.data.prepare import make_tokenizer
         from stratum.offload.cli import run as run_plan
         from stratum.train.fit import check_blocks
+        from stratum.train.threads import apply_threads
         cfg = load_config(args.config, args.overrides)
         check_blocks(cfg, tokenizer_vocab=make_tokenizer(cfg).vocab_size)  # the plan profiles block by block
+        apply_threads(cfg.train.threads)  # its measurements at the run's threads
         return run_plan(args)
     if args.command == "run":
         return _run_script(args)
@@ -152,6 +154,8 @@ def _run(args: argparse.Namespace) -> int:
             raise StratumError("--stop-at must be ≥ 1")
         if args.dry_run:
             from stratum.train.dryrun import dry_run
+            from stratum.train.threads import apply_threads
+            apply_threads(cfg.train.threads)  # a profile it takes is the run's, at the run's threads
             dry_run(cfg)
             return 0
         if cfg.plan.world_size() > 1 and not is_worker():
@@ -166,6 +170,8 @@ def _run(args: argparse.Namespace) -> int:
         check_batches(cfg)
         check_writable(args.out, "the profile")  # before the measuring, which can take long
         from stratum.profile.profiler import profile_from_config
+        from stratum.train.threads import apply_threads
+        apply_threads(cfg.train.threads)
         prof = profile_from_config(cfg, runs=args.runs)
         prof.save(args.out)
         print(prof.table())
