@@ -113,6 +113,8 @@ def write_hw(tmp_path, bandwidth: str = '"100GB/s"'):
     ("policy twice", "policy 'static-dp' is given twice"),
     ("trace flags", "--seed, --load shape a generated trace"),
     ("jpg", "must end in .png"),
+    ("json a directory", "Is a directory"),
+    ("json empty", "no file given for --json"),
     ("past the context", "job 'a' (tiny, seq_len 1024): seq_len 1024 is outside 1..256, tiny's context; set the "
                          "trace's seq_len column"),
 ])
@@ -125,7 +127,8 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, message):
         trace.write_text(HEAD + row + "\n")
     args = ["cluster", "simulate", "--hardware", str(hw), "--jobs", str(trace)]
     extra = {"policy": ["--policy", "fastest"], "policy twice": ["--policy", "static-dp,burst,static-dp"],
-             "trace flags": ["--seed", "1", "--load", "2"], "jpg": ["--png", str(tmp_path / "u.jpg")]}
+             "trace flags": ["--seed", "1", "--load", "2"], "jpg": ["--png", str(tmp_path / "u.jpg")],
+             "json a directory": ["--json", str(tmp_path)], "json empty": ["--json", ""]}
     assert main(args + extra.get(case, [])) == 2
     err = capsys.readouterr().err
     assert err.startswith("stratum: error: ") and message in err and err.count("\n") == 1
@@ -151,6 +154,7 @@ def test_cli_simulates_every_policy_and_writes_json_and_png(tmp_path, capsys, ca
 @pytest.mark.parametrize("extra, message", [
     ([], "--jobs must be a number of jobs"),
     (["--jobs", "0"], "jobs must be >= 1"),
+    (["--jobs", "1000000000"], "1,000,000,000 jobs is more than the 100,000"),
     (["--jobs", "5", "--load", "0"], "load must be a positive number"),
     (["--jobs", "5", "--models", "tiny", "--seq-len", "0"], "seq_len must be >= 1"),
     (["--jobs", "5", "--models", "gpt9"], "unknown model 'gpt9'"),

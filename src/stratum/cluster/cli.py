@@ -54,6 +54,8 @@ def _simulate(args, hw) -> int:
                            "its trace from --jobs")
     if args.png is not None:
         check_writable(args.png, "--png", ".png")
+    if args.json is not None:
+        check_writable(args.json, "--json")
     if not args.until > 0:
         raise StratumError(f"--until must be > 0 seconds, got {args.until}")
     policies = parse_policies(args.policy)
@@ -62,10 +64,10 @@ def _simulate(args, hw) -> int:
     jobs = load_trace(args.jobs, models=known_models(), devices=hw.num_devices)
     results = replay(hw, jobs, trace_costs(jobs, _cache_dir(args)), policies, config=config, until_s=args.until)
     print(table(results))
-    if args.json:
+    if args.json is not None:
         write_json(args.json, results)
         print(f"wrote {args.json}")
-    if args.png:
+    if args.png is not None:
         write_png(args.png, results, title=f"{Path(args.jobs).name} on {hw.num_devices} devices")
         print(f"wrote {args.png}")
     return 0

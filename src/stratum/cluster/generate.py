@@ -34,6 +34,10 @@ DURATION_MODES = ((0.8, 1.5, 3.0), (0.2, 3.0, 4.0))
 MODELS = ("gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b")
 
 
+MAX_JOBS = 100_000
+"""Most jobs a generated trace holds: generating and replaying it stays within minutes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TraceSpec:
     """What to generate."""
@@ -59,6 +63,9 @@ class TraceSpec:
         for key in ("jobs", "devices", "per_device_batch", "batch_growth", "seq_len"):
             if getattr(self, key) < 1:
                 raise StratumError(f"trace: {key} must be >= 1, got {getattr(self, key)}")
+        if self.jobs > MAX_JOBS:
+            raise StratumError(f"trace: {self.jobs:,} jobs is more than the {MAX_JOBS:,} a trace is generated and "
+                               "replayed for in minutes; generate fewer")
         if not self.load > 0 or math.isinf(self.load):
             raise StratumError(f"trace: load must be a positive number, got {self.load}")
         if not self.models:

@@ -256,6 +256,13 @@ MAX_DEVICE_COUNT = 1_000_000
 typo, and its list of devices would only fill memory."""
 
 
+MAX_SPEED = 1e9
+"""The largest relative speed a device may have: a GPU is thousands of times one profiled CPU thread; a billion
+is a typo, and would take every block's time to zero."""
+MAX_DEVICE_BYTES = 10**18
+"""The most memory one device may have (an exabyte): a larger figure is a unit typo."""
+
+
 def _devices(entry: Any, i: int) -> list[Device]:
     where = f"hardware.devices[{i}]"
     if not isinstance(entry, dict):
@@ -269,11 +276,18 @@ def _devices(entry: Any, i: int) -> list[Device]:
         raise StratumError(f"{where}.count = {count!r} must be a whole number in [1, {MAX_DEVICE_COUNT:,}]")
     if not isinstance(node, int) or isinstance(node, bool):
         raise StratumError(f"{where}.node = {node!r} must be a whole number")
-    if not isinstance(speed, (int, float)) or isinstance(speed, bool):
-        raise StratumError(f"{where}.speed = {speed!r} must be a number (1.0 = the profiled device)")
+    if not isinstance(speed, (int, float)) or isinstance(speed, bool) or not 0 < speed <= MAX_SPEED:
+        raise StratumError(f"{where}.speed = {speed!r} must be a number in (0, {MAX_SPEED:g}] (1.0 = the profiled "
+                           "device)")
+    if not isinstance(entry["name"], str):
+        raise StratumError(f"{where}.name = {entry['name']!r} must be a string, e.g. \"a100\"")
+    memory = _size(entry["memory_bytes"], f"{where}.memory_bytes")
+    if memory > MAX_DEVICE_BYTES:
+        raise StratumError(f"{where}.memory_bytes = {entry['memory_bytes']!r} is more than a device has (at most "
+                           f"{MAX_DEVICE_BYTES:.0e} bytes); check its unit")
     try:
-        dev = Device(name=str(entry["name"]), memory_bytes=_size(entry["memory_bytes"], f"{where}.memory_bytes"),
-                     speed=float(speed), node=node, **_kernel_fields(entry, where))
+        dev = Device(name=entry["name"], memory_bytes=memory, speed=float(speed), node=node,
+                     **_kernel_fields(entry, where))
     except StratumError as e:
         raise StratumError(f"{where}: {e}") from None
     return [dev] * count
