@@ -32,7 +32,7 @@ def test_train_profile_config_and_dry_run(corpus_file, cache_dir, tmp_path, caps
     finally:
         torch.set_num_threads(threads)
     assert json.loads((tmp_path / "p.json").read_text())["blocks"][1]["name"] == "layer.0"
-    assert "profile of tiny on cpu (1 threads)" in capsys.readouterr().out
+    assert "profile of tiny on cpu (1 thread)" in capsys.readouterr().out
 
     assert main(["config"]) == 0
     assert "grad_accum = 1" in capsys.readouterr().out

@@ -95,11 +95,12 @@ def test_bad_profile_files(tmp_path):
 
 
 @pytest.mark.parametrize("where, key, value, message", [
-    ("block", "fwd_s", "abc", "block 0: fwd_s = 'abc' is not a finite float"),
-    ("block", "param_bytes", None, "block 0: param_bytes = None is not a finite int"),
-    ("block", "out_bytes", 1.5, "block 0: out_bytes = 1.5 is not a finite int"),
-    ("block", "bwd_s", True, "block 0: bwd_s = True is not a finite float"),
-    ("profile", "micro_batch", "2", "micro_batch = '2' is not a finite int"),
+    ("block", "fwd_s", "abc", "block 0: fwd_s = 'abc' is not a finite, non-negative float"),
+    ("block", "param_bytes", None, "block 0: param_bytes = None is not a finite, non-negative int"),
+    ("block", "out_bytes", 1.5, "block 0: out_bytes = 1.5 is not a finite, non-negative int"),
+    ("block", "bwd_s", True, "block 0: bwd_s = True is not a finite, non-negative float"),
+    ("profile", "micro_batch", "2", "micro_batch = '2' is not a finite, non-negative int"),
+    ("block", "fwd_s", -1.0, "block 0: fwd_s = -1.0 is not a finite, non-negative float"),
 ])
 def test_a_profile_with_a_field_of_the_wrong_type_is_refused_naming_it(tmp_path, where, key, value, message):
     seq = build_gpt("tiny", vocab_size=256, seed=0)

@@ -154,8 +154,9 @@ def _run(args: argparse.Namespace) -> int:
             raise StratumError("--stop-at must be ≥ 1")
         if args.dry_run:
             from stratum.train.dryrun import dry_run
-            from stratum.train.threads import apply_threads
-            apply_threads(cfg.train.threads)  # a profile it takes is the run's, at the run's threads
+            from stratum.train.threads import apply_threads, threads_among
+            # a profile it takes is the run's: at the threads each of the plan's processes will have
+            apply_threads(cfg.train.threads or threads_among(cfg.plan.world_size()))
             dry_run(cfg)
             return 0
         if cfg.plan.world_size() > 1 and not is_worker():

@@ -325,7 +325,9 @@ class Config:
 
     def _warmup_text(self) -> str:
         if self.optim.warmup_steps >= 0:
-            return f"{self.warmup_steps} steps (optim.warmup_steps)"
+            longer = (f", longer than the run's {self.train.steps}: the learning rate never reaches optim.lr"
+                      if self.warmup_steps > self.train.steps else "")
+            return f"{self.warmup_steps} steps (optim.warmup_steps{longer})"
         return f"{self.optim.warmup_fraction:g} × {self.train.steps} steps = {self.warmup_steps} steps"
 
     # ---- validation ---------------------------------------------------------------------------------------

@@ -58,16 +58,17 @@ _NUMBERS = {"int": (int,), "float": (int, float)}
 
 
 def _check_numbers(obj: Profile | BlockProfile, where: str) -> None:
-    """Every number field of ``obj``, as read from a file, is a finite number of its kind (or null where it may
-    be): a hand-edited "fwd_s": "abc" would otherwise fail deep inside a planner or simulator."""
+    """Every number field of ``obj``, as read from a file, is a finite, non-negative number of its kind (or null
+    where it may be) — counts, bytes and seconds all: a hand-edited "fwd_s": "abc" or -1 would otherwise fail deep
+    inside a planner or simulator, or steer its cut."""
     for f in dataclasses.fields(obj):
         annotation = str(f.type)
         kinds = _NUMBERS.get(annotation.removesuffix(" | None"))
         value = getattr(obj, f.name)
         if kinds is None or (value is None and annotation.endswith(" | None")):
             continue
-        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-            raise StratumError(f"not a Stratum profile ({where}{f.name} = {value!r} is not a finite "
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < 0:
+            raise StratumError(f"not a Stratum profile ({where}{f.name} = {value!r} is not a finite, non-negative "
                                f"{annotation.removesuffix(' | None')}); re-run `stratum profile` to make one")
 
 

@@ -67,7 +67,8 @@ def synchronize(device: torch.device) -> None:
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'s' if n != 1 else ''})"
 
 
 def compute_rate(device: torch.device, seconds: float = 0.3, n: int = 256, dtype: torch.dtype = torch.float32) -> float:
