@@ -74,7 +74,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            print(f"\nstratum: {self.received}: stopping after this step with a checkpoint"
+            # (on a terminal the line starts below a progress bar; a pipe — a rank's, to its launcher — gets no
+            # empty line)
+            print(f"{chr(10) if sys.stderr.isatty() else ''}stratum: {self.received}: stopping after this step with "
+                  "a checkpoint"
                   + (" (again to stop at once)" if self._escalate else ""), file=sys.stderr, flush=True)
             if self._escalate:
                 self.restore()
