@@ -15,15 +15,26 @@ from torch import nn
 from stratum.runtime.tensors import local_part
 
 
-def pack(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[int]]:
-    """``params``' gradients (this rank's parts) in one buffer followed by one presence flag each, and the
-    indices of the parameters that had no gradient here (given zeros, in the parameter itself too)."""
+def fill_missing(params: list[nn.Parameter]) -> list[int]:
+    """Give every parameter of ``params`` without a gradient zeros for one; their indices."""
     missing = []
     for j, p in enumerate(params):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
             missing.append(j)
-    grads = [local_part(p.grad) for p in params if p.grad is not None]  # (all of them, given above)
+    return missing
+
+
+def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """This rank's parts of ``params``' gradients (every one has a gradient: :func:`fill_missing`)."""
+    return [local_part(p.grad) for p in params if p.grad is not None]
+
+
+def pack(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[int]]:
+    """``params``' gradients (this rank's parts) in one buffer followed by one presence flag each, and the
+    indices of the parameters that had no gradient here (given zeros, in the parameter itself too)."""
+    missing = fill_missing(params)
+    grads = grads_of(params)
     flags = torch.ones(len(grads), dtype=grads[0].dtype, device=grads[0].device)
     flags[missing] = 0
     return torch.cat([g.reshape(-1) for g in grads] + [flags]), missing

@@ -24,12 +24,12 @@ from stratum.data.tokens import Batch
 from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Replicate
+from stratum.parallel import presence
 from stratum.parallel.buckets import GradBuckets
 from stratum.parallel.reduce import adasum_over
 from stratum.parallel.running_stats import RunningStats
 from stratum.parallel.shard import ShardedAdamW
 from stratum.runtime.engine import GradEngine, TrainState
-from stratum.runtime.tensors import local_part
 
 
 def even_shares(total: int, n: int) -> list[int]:
@@ -167,15 +167,12 @@ class ReplicateEngine(GradEngine):
         parameter no replica's micro-batches reached ends without a gradient, as under the plain engine; one
         that some replicas lack takes zeros there (Adasum leaves the others' as they are)."""
         named = self._trained()
-        present = torch.tensor([p.grad is not None for _, p in named], dtype=torch.float32,
-                               device=self.world.device)
-        for _, p in named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.adasum([n for n, _ in named], [local_part(p.grad) for _, p in named if p.grad is not None],
-                    "the replicas' gradients").finish()
+        params = [p for _, p in named]
+        present = torch.ones(len(params), device=self.world.device)
+        present[presence.fill_missing(params)] = 0
+        self.adasum([n for n, _ in named], presence.grads_of(params), "the replicas' gradients").finish()
         self.world.all_reduce(present, "replica", "the gradient-presence all-reduce")  # (every replica joins)
-        for (_, p), had in zip(named, present.tolist()):
+        for p, had in zip(params, present.tolist()):
             if had == 0:
                 p.grad = None
 

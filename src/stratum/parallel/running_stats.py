@@ -28,6 +28,8 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 
 STATS = ("running_mean", "running_var")
+BUFFERS = (*STATS, "num_batches_tracked")
+"""A tracked layer's buffers this module keeps: its statistics and its batch count."""
 
 
 def _tracked(module: nn.Module) -> bool:
@@ -55,7 +57,7 @@ class RunningStats:
                     seen.add(id(m))
                     self.layers.append(m)  # type: ignore[arg-type]  # (_tracked checked the type)
         self.before: list[dict[str, torch.Tensor]] = []
-        mine = {id(getattr(m, name)) for m in self.layers for name in (*STATS, "num_batches_tracked")}
+        mine = {id(getattr(m, name)) for m in self.layers for name in BUFFERS}
         self.first: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] | None = [
             (mod, name, t, t.detach().to("cpu", copy=True)) for root in modules for mod in root.modules()
             for name, t in mod._buffers.items()
@@ -65,7 +67,7 @@ class RunningStats:
 
     def begin(self) -> None:
         """Before the step's forwards: remember every statistic's value."""
-        self.before = [{name: getattr(m, name).detach().clone() for name in (*STATS, "num_batches_tracked")}
+        self.before = [{name: getattr(m, name).detach().clone() for name in BUFFERS}
                        for m in self.layers]
 
     def combine(self, counts: list[int], index: int) -> None:

@@ -159,11 +159,16 @@ def check_shared_memory(devices: list[str], budget: int, capacity_of: Callable[[
                 f"GPU's memory); set sweep.device_budget ≤ {fmt_bytes(total // (k + 1))} or give {d} fewer slots")
 
 
+def data_key(cfg: Config) -> str:
+    """What tells configs of one [data] section (corpus, tokenizer, sequence length) from another's."""
+    return json.dumps(cfg.to_dict()["data"], sort_keys=True)
+
+
 def distinct_data(configs) -> list[Config]:
     """One config per distinct [data] section (each is prepared once, before the workers need it)."""
     seen, out = set(), []
     for cfg in configs:
-        key = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+        key = data_key(cfg)
         if key not in seen:
             seen.add(key)
             out.append(cfg)

@@ -63,7 +63,8 @@ def _overdue(sweep: Sweep, seg: Segment) -> str | None:
 
 def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
     sweep.state.update(seg.job, pid=None)
-    (Path(sweep.configs[seg.job].train.out_dir) / PAUSE_FLAG).unlink(missing_ok=True)
+    out_dir = Path(sweep.configs[seg.job].train.out_dir)
+    (out_dir / PAUSE_FLAG).unlink(missing_ok=True)
     row = sweep.state.job(seg.job)
     records = segment_records(sweep.configs[seg.job])
     run_s = row.run_s + seg.run_s()
@@ -76,8 +77,7 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
         reason = (f"the segment ended without training a step (at step {last} of {row.steps}); "
                   f"its log: {seg.log_path}")
     if rc == INTERRUPTED_EXIT and forced_reason is None:
-        sweep.state.update(seg.job, status=PENDING, run_s=run_s,
-                           **checkpointed_values(Path(sweep.configs[seg.job].train.out_dir), records))
+        sweep.state.update(seg.job, status=PENDING, run_s=run_s, **checkpointed_values(out_dir, records))
         sweep.say(f"{seg.job}: stopped by a signal with a checkpoint; it resumes on the next run")
         return
     if reason is not None:
@@ -85,7 +85,7 @@ def _record(sweep: Sweep, seg: Segment, forced_reason: str | None) -> None:
         retry = attempts <= sweep.spec.settings.retries
         # the job's progress is its last checkpoint's: the retry resumes from there, not from the failure
         sweep.state.update(seg.job, status=PENDING if retry else FAILED, attempts=attempts, reason=reason,
-                           run_s=run_s, **checkpointed_values(Path(sweep.configs[seg.job].train.out_dir), records))
+                           run_s=run_s, **checkpointed_values(out_dir, records))
         sweep.say(f"{seg.job}: failed: {reason}; " + (f"retry {attempts} of {sweep.spec.settings.retries} from "
                                                       "its last checkpoint" if retry else "no retries left"))
         return

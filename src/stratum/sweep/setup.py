@@ -18,7 +18,7 @@ from stratum.profile.profile import Profile
 from stratum.runtime.device import resolve_device
 from stratum.sweep.asha import Asha
 from stratum.sweep.asha_state import asha_from_state
-from stratum.sweep.expand import Job, check_jobs, distinct_data, expand, job_config
+from stratum.sweep.expand import Job, check_jobs, data_key, distinct_data, expand, job_config
 from stratum.sweep.gang_plan import Option
 from stratum.sweep.job_strategy import apply_pins, job_candidates, job_toml, launch_costs, write_job_config
 from stratum.sweep.predict import job_profiles, memory_need, offload_placement
@@ -90,7 +90,8 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
         raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
                            "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
     settings = {j.id: shared_settings(c) for j, c in zip(jobs, configs)}
-    _check_settings(state, settings, sweep_dir)
+    recorded_settings = state.meta("settings")
+    _check_settings(recorded_settings, settings, sweep_dir)
     sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
                   dir=sweep_dir, state=state, say=say, calibration=given)
     if spec.settings.device_budget.strip():
@@ -103,7 +104,7 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     # the jobs are recorded once every check passed: a refused file leaves no jobs, so a corrected one runs here
     if recorded is None:
         state.set_meta("jobs", fingerprint)
-    if state.meta("settings") is None:  # (also a sweep recorded before its settings were)
+    if recorded_settings is None:  # (also a sweep recorded before its settings were)
         state.set_meta("settings", json.dumps(settings, sort_keys=True))
     state.add_jobs([(j.id, j.index, j.label, c.train.steps) for j, c in zip(jobs, configs)])
     if spec.settings.early_stop == "asha":
@@ -113,11 +114,10 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     return sweep
 
 
-def _check_settings(state: SweepState, settings: dict[str, dict[str, str]], sweep_dir: Path) -> None:
+def _check_settings(text: str | None, settings: dict[str, dict[str, str]], sweep_dir: Path) -> None:
     """A resumed sweep's jobs must train as they did: every setting but a machine's own (config.LOCAL_SETTINGS) as
-    recorded — a changed base file changes every job without changing the sweep file. Keys one side lacks (a
-    setting added by a newer Stratum) are not compared."""
-    text = state.meta("settings")
+    recorded (``text``, None for a new sweep) — a changed base file changes every job without changing the sweep
+    file. Keys one side lacks (a setting added by a newer Stratum) are not compared."""
     if text is None:
         return
     was = json.loads(text)
@@ -132,10 +132,12 @@ def _check_settings(state: SweepState, settings: dict[str, dict[str, str]], swee
 
 def _check_fits(sweep: Sweep) -> None:
     """A job whose training state cannot fit its device (RAM on a CPU) is refused before any job starts, as
-    `stratum train` refuses it, rather than failing each of its attempts."""
+    `stratum train` refuses it, rather than failing each of its attempts. The tokenizer is read once per distinct
+    [data] section (a BPE is a file to load)."""
+    vocab = {data_key(c): make_tokenizer(c).vocab_size for c in distinct_data(sweep.configs.values())}
     for job_id, cfg in sweep.configs.items():
         try:
-            check_fits(cfg, resolve_device(cfg.train.device), tokenizer_vocab=make_tokenizer(cfg).vocab_size)
+            check_fits(cfg, resolve_device(cfg.train.device), tokenizer_vocab=vocab[data_key(cfg)])
         except StratumError as e:
             raise StratumError(f"sweep job {job_id} ({sweep.jobs[job_id].label}): {e}") from None
 
