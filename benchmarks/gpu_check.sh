@@ -17,6 +17,9 @@
 #   capacity-plain    the largest of $CAP_PLAIN the plain engine trains
 #   cli               short `stratum train` runs: plain, offload 25 %, bf16 chunks, fp16; `stratum plan` of 774M
 #   sweep             a sharded-lrtf sweep of 6 jobs on 2 slots of the one device (issue 18)
+#   multiplex         a foreground job (train.priority = foreground: the highest CUDA stream priority) and a
+#                     background job on the one GPU, alone and together (issue 19); again under MPS where the
+#                     machine has nvidia-cuda-mps-control and lets this user start it
 #   facts, tests-core, tests-rest   check's pieces: the facts, the core test files, the other test files
 #   all               check, then every part from overhead on, in that order
 # Every step of a part (a part's one command, or each of cli's and check's) runs under its own time limit
@@ -36,6 +39,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every command line end to end, in s
   : "${CAP_OFFLOAD:=tiny}" "${CAP_PLAIN:=tiny}" "${CAP_SEQ:=64}" "${CAP_MICRO:=2}" "${CAP_TOKENS:=256}"
   : "${CAP_STEPS:=2}" "${DEVICE_BUDGET:=64MB}" "${PYTEST_ARGS:=--collect-only}" "${DISK_DIR:=$LOG/disk}"
   : "${SWEEP_BUDGET:=8MB}" "${SWEEP_MEMORY:=24MB}" "${SWEEP_STEPS:=3}"  # memory: 2 running + 1 staged, no more
+  : "${MPLEX_FG:=mini}" "${MPLEX_BG:=tiny}" "${MPLEX_SEQ:=32}" "${MPLEX_BATCH:=4}" "${MPLEX_STEPS:=6}"
   : "${PRECISION:=fp32}"  # a CPU's bf16 matrix products are slow to measure; the GPU runs bf16
 else
   : "${PRESET:=gpt2-774m}" "${SEQ:=1024}" "${TOKENS:=262144}" "${STEPS:=5}" "${WARMUP:=2}" "${MAX_MICRO:=64}"
@@ -44,6 +48,7 @@ else
   : "${CAP_OFFLOAD:=gpt-6.7b}" "${CAP_PLAIN:=gpt-2.7b,gpt-6.7b}" "${CAP_SEQ:=2048}" "${CAP_MICRO:=8}"
   : "${CAP_TOKENS:=262144}" "${CAP_STEPS:=3}" "${DEVICE_BUDGET:=auto}" "${PYTEST_ARGS:=-n 8}"
   : "${SWEEP_BUDGET:=160MB}" "${SWEEP_MEMORY:=480MB}" "${SWEEP_STEPS:=20}"  # every waiting job gives back
+  : "${MPLEX_FG:=gpt2-124m}" "${MPLEX_BG:=small}" "${MPLEX_SEQ:=512}" "${MPLEX_BATCH:=16}" "${MPLEX_STEPS:=60}"
 fi
 MICRO=${MICRO:-0}                                   # 0: the largest power of two the plain engine trains
 SESSION_TOKENS=${SESSION_TOKENS:-$((TOKENS / 4))}   # session's benchmarks: a quarter of the seeds' step, fewer steps
@@ -202,6 +207,23 @@ EOF
   step sweep "$(limit sweep 240)" "$PY" -m stratum sweep --config "$LOG/sweep.toml"
 }
 
+part_multiplex() {  # the foreground's slowdown and the background's share on one device; under MPS where it starts
+  local args=(benchmarks/multiplex_bench.py --device "$DEVICE" --rounds 1 --fg-preset "$MPLEX_FG" --bg-preset
+              "$MPLEX_BG" --seq-len "$MPLEX_SEQ" --batch "$MPLEX_BATCH" --fg-steps "$MPLEX_STEPS" --bg-steps "$MPLEX_STEPS" --skip 2)
+  step multiplex "$(limit multiplex 240)" "$PY" "${args[@]}" --out "$LOG/multiplex_${DEVICE}.json"
+  [ "$DEVICE" = cuda ] && command -v nvidia-cuda-mps-control >/dev/null || return 0
+  # the daemon's sockets live outside $LOG (the bundle's tar takes no sockets); its log goes with the results
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/stratum-mps-pipe CUDA_MPS_LOG_DIRECTORY="$LOG/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    step multiplex-mps "$(limit multiplex-mps 240)" "$PY" "${args[@]}" --out "$LOG/multiplex_mps_${DEVICE}.json"
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "   multiplex-mps: nvidia-cuda-mps-control -d refused here" >>"$LOG/summary.txt"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 run_part() {
   case $1 in
     session) part_session ;;
@@ -212,13 +234,14 @@ run_part() {
     tests-rest) part_tests_rest ;;
     cli) part_cli ;;
     sweep) part_sweep ;;
+    multiplex) part_multiplex ;;
     overhead) bench overhead overhead --plain-twice ;;
     offload25) bench offload offload25 ;;
     capacity-offload) capacity offload "$CAP_OFFLOAD" "$CAP_MICRO" "$CAP_TOKENS" capacity-offload ;;
     capacity-plain) capacity plain "$CAP_PLAIN" 1 0 capacity-plain ;;
-    all) for p in check overhead offload25 capacity-offload capacity-plain cli sweep; do run_part "$p"; done ;;
+    all) for p in check overhead offload25 capacity-offload capacity-plain cli sweep multiplex; do run_part "$p"; done ;;
     *) echo "gpu_check.sh: unknown part '$1' (session session2 check facts tests-core tests-rest overhead" \
-         "offload25 capacity-offload capacity-plain cli sweep all)" >&2
+         "offload25 capacity-offload capacity-plain cli sweep multiplex all)" >&2
        exit 2 ;;
   esac
 }

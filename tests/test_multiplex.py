@@ -1,17 +1,21 @@
 """Multiplexing: a background job (train.priority = background) beside a foreground job — both finish with their
-standalone losses; the background really runs under SCHED_IDLE."""
+standalone losses; the background really runs under SCHED_IDLE; a foreground job's kernels take the highest CUDA
+stream priority on a GPU (STRATUM_TEST_DEVICE=cuda) and nothing else about it changes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from stratum.config import load_config
 from stratum.errors import StratumError
+from stratum.parallel.multiplex import HIGHEST_STREAM_PRIORITY, apply_priority, priority_stream
 from stratum.train.trainer import read_metrics, train
 
 
@@ -63,3 +67,44 @@ def test_an_unknown_priority_is_one_line():
     with pytest.raises(StratumError, match="train.priority") as e:
         load_config(None, ["train.priority='low'"])
     assert "\n" not in str(e.value)
+
+
+DEV = torch.device(os.environ.get("STRATUM_TEST_DEVICE", "cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_a_foreground_run_keeps_its_losses_and_its_kernels_take_the_highest_stream(corpus_file, cache_dir,
+                                                                                    tmp_path):
+    device, nice = f"train.device={DEV.type!r}", os.getpriority(os.PRIO_PROCESS, 0)
+    train(load_config(None, overrides(corpus_file, cache_dir, tmp_path / "normal", device)))
+    streams: list[tuple[int, int]] = []
+
+    def seen(step: int) -> None:
+        if DEV.type == "cuda":
+            current = torch.cuda.current_stream(DEV)
+            streams.append((current.cuda_stream, current.priority))
+
+    train(load_config(None, overrides(corpus_file, cache_dir, tmp_path / "fg", device,
+                                      "train.priority='foreground'")), after_step=seen)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == nice
+    want = losses(tmp_path / "normal")
+    # the same kernels in the same order; on a GPU the embedding's backward sums by atomics, in any order
+    assert losses(tmp_path / "fg") == (pytest.approx(want, rel=1e-6) if DEV.type == "cuda" else want)
+    if DEV.type == "cuda":
+        highest = torch.cuda.Stream(DEV, priority=HIGHEST_STREAM_PRIORITY).priority
+        default = torch.cuda.default_stream(DEV)
+        assert highest < default.priority  # lower numbers go first: the device has a range at all
+        assert len(streams) == 4 and {p for _, p in streams} == {highest}
+        assert default.cuda_stream not in {s for s, _ in streams}
+        assert torch.cuda.current_stream(DEV).cuda_stream == default.cuda_stream  # left as it was after the run
+
+
+def test_foreground_changes_nothing_of_the_os_priority_nor_a_cpu_run_stream():
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    line = apply_priority("foreground", torch.device("cpu"))
+    assert line.startswith("priority: foreground (normal OS priority")
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == nice
+    assert isinstance(priority_stream("foreground", torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(priority_stream("background", torch.device("cpu")), contextlib.nullcontext)
+    assert "highest priority" in apply_priority("foreground", torch.device("cuda", 0))
+    assert apply_priority("normal", torch.device("cpu")) == ""

@@ -25,7 +25,7 @@ from stratum.sweep.segment import checkpoint_step
 from stratum.sweep.setup import write_job_configs
 from stratum.sweep.shape_cost import shape_key
 from stratum.sweep.shard_lrtf import GiveBack, makespan, pick_longest, sharded_lrtf, task_table, tasks_per_step
-from stratum.sweep.shard_run import report_missed
+from stratum.sweep.shard_run import check_shardable, report_missed
 from stratum.sweep.shard_worker import ShardJob, run_shard_jobs
 from stratum.sweep.spec import load_sweep
 from stratum.train.trainer import read_metrics
@@ -211,6 +211,14 @@ def test_a_background_job_is_refused_under_sharded_lrtf(tmp_path, corpus_file, c
     with pytest.raises(StratumError, match="train.priority = 'background' needs another scheduler"):
         open_sweep(path, say=lambda _: None)
     assert not (Path(load_sweep(path).settings.out_dir) / "state.db").exists()
+
+
+def test_a_foreground_job_is_a_threads_own_under_sharded_lrtf():
+    """A foreground job's stream priority belongs to its thread alone, so it shares a worker with other jobs."""
+    jobs = {p: config_from_dict({"train": {"priority": p, "engine": "offload"}}) for p in ("normal", "foreground")}
+    check_shardable(jobs)
+    with pytest.raises(StratumError, match="job background: .*needs another scheduler"):
+        check_shardable({**jobs, "background": config_from_dict({"train": {"priority": "background"}})})
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ OFFLOAD_ACTIVATIONS = ("auto", "keep", "offload", "recompute")
 OFFLOAD_GRAD_HANDOFFS = ("auto", "chunk", "tensor")
 PIPELINE_PARTITIONS = ("even", "balanced")
 PIPELINE_BACKENDS = ("auto", "gloo", "nccl")
-PRIORITIES = ("normal", "background")
+PRIORITIES = ("normal", "foreground", "background")
 MAX_PREFETCH_DEPTH = 64
 """Chunk accesses prefetched ahead at most: each is scanned every access, and deeper ones only hold memory."""
 SEED_MAX = 2**63 - 1
@@ -126,8 +126,10 @@ class TrainConfig:
     """torch's intra-op threads per process; 0 = auto: the cores this process may use (its CPU affinity) shared
     among the plan's processes on this machine."""
     priority: str = "normal"
-    """OS priority of the run's processes: normal, or background (Linux SCHED_IDLE, else nice 19): the run takes
-    only CPU time other jobs leave idle — DeepPool's multiplexing beside a foreground job (docs/burst.md)."""
+    """The run's priority beside other jobs on its devices — DeepPool's multiplexing (docs/burst.md): normal;
+    foreground (on a GPU its kernels go on a CUDA stream of the highest priority, ahead of other streams' in its
+    process, and of other processes' under MPS; normal OS priority); or background (Linux SCHED_IDLE, else nice 19:
+    the run takes only CPU time other jobs leave idle; on a GPU its kernels keep the default, lowest priority)."""
     engine: str = "plain"
     """Execution engine: plain (the single-process reference), pipeline (stages over processes, see [pipeline]),
     offload (training state in chunks over device, host and disk under byte budgets, see [offload])."""

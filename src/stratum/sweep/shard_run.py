@@ -44,13 +44,13 @@ from stratum.units import parse_budget
 
 def check_shardable(configs: dict[str, Config]) -> None:
     """Each job runs one process under the plain or offload engine (its shard tasks are the offload engine's
-    blocks), at normal priority: the jobs are threads of one worker, and a background job's SCHED_IDLE would
-    apply to the whole process, the other jobs with it."""
+    blocks), not in the background: the jobs are threads of one worker, and a background job's SCHED_IDLE would
+    apply to the whole process, the other jobs with it (a foreground job's stream priority is its thread's own)."""
     for job_id, cfg in configs.items():
         if cfg.train.engine not in ("plain", "offload") or cfg.parallel.plan.strip():
             raise StratumError(f"sweep job {job_id}: sharded-lrtf runs jobs under the offload engine; "
                                f"train.engine = {cfg.train.engine!r} / parallel.plan are not supported with it")
-        if cfg.train.priority != "normal":
+        if cfg.train.priority == "background":
             raise StratumError(f"sweep job {job_id}: sharded-lrtf runs every job in one worker process, whose "
                                f"priority is all its jobs'; train.priority = {cfg.train.priority!r} needs another "
                                "scheduler (fifo, lrtf, planned), which gives each job a process")

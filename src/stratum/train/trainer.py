@@ -29,7 +29,7 @@ from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.model.blockseq import BlockSeq
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
-from stratum.parallel.multiplex import apply_priority
+from stratum.parallel.multiplex import apply_priority, priority_stream
 from stratum.plan.fidelity import beside
 from stratum.plan.fidelity import describe as describe_prediction
 from stratum.runtime.device import describe, resolve_device, synchronize
@@ -118,7 +118,7 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         if not world.is_main:
             console = Console(file=open(os.devnull, "w"), highlight=False)
         threads = apply_threads(cfg.train.threads)
-        priority = apply_priority(cfg.train.priority)
+        priority = apply_priority(cfg.train.priority, world.device)
         if world.is_main:
             logger.info(threads)
             if priority:
@@ -126,7 +126,8 @@ def train(cfg: Config, *, stop_at: int | None = None, console: Console | None = 
         out_dir = Path(cfg.train.out_dir).expanduser()
         if world.is_main:
             prepare_out_dir(out_dir)
-        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext(), peers_checked(world):
+        with hold_out_dir(out_dir) if world.is_main else contextlib.nullcontext(), peers_checked(world), \
+                priority_stream(cfg.train.priority, world.device):
             summary = _train(cfg, stop_at=stop_at, console=console, world=world, after_step=after_step)
         leave_world(world)
     return summary
