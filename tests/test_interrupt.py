@@ -91,6 +91,7 @@ def test_a_signal_to_a_pipeline_run_checkpoints_every_rank_consistently(corpus_f
     assert res.returncode == 130, res.stderr
     assert "Traceback" not in res.stderr
     assert f"stopped by {said} at step" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert (res.stdout + res.stderr).count("stopping after this step") == 1, res.stderr  # rank 0's, for all
     done = len(read_metrics(out))
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and load_checkpoint(ckpt).step == done

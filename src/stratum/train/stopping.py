@@ -9,6 +9,7 @@ collective, and a rank that saved alone would wait forever on the others.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 import threading
@@ -51,6 +52,8 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: str | None = None
         self._escalate = not is_worker()
+        # every rank stops at the same step (they agree), so one line says it for all: rank 0's
+        self._speaks = os.environ.get("RANK", "0") == "0"
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def requested(self) -> str | None:
@@ -76,9 +79,10 @@ class StopSignals:
             self.received = signal.Signals(signum).name
             # (on a terminal the line starts below a progress bar; a pipe — a rank's, to its launcher — gets no
             # empty line)
-            print(f"{chr(10) if sys.stderr.isatty() else ''}stratum: {self.received}: stopping after this step with "
-                  "a checkpoint"
-                  + (" (again to stop at once)" if self._escalate else ""), file=sys.stderr, flush=True)
+            if self._speaks:
+                print(f"{chr(10) if sys.stderr.isatty() else ''}stratum: {self.received}: stopping after this step "
+                      "with a checkpoint" + (" (again to stop at once)" if self._escalate else ""), file=sys.stderr,
+                      flush=True)
             if self._escalate:
                 self.restore()
 
