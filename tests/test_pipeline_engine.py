@@ -221,24 +221,46 @@ def test_balanced_partition_minimises_the_heaviest_stage():
 
 def test_partition_from_a_profile_uses_the_dp_partitioner(make_cfg, tmp_path):
     """pipeline.partition = a Profile JSON: the cut comes from stratum.plan.partition on profiled time."""
-    pytest.importorskip("stratum.plan.partition")
     from stratum.parallel.compose import check_plan as check_pipeline
+
+    f = _tiny_profile(make_cfg(), tmp_path, [0.1, 0.5, 0.1, 0.1])  # block 1 is 5x slower than the others
+    plan = check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.partition={str(f)!r}"), tokenizer_vocab=256)
+    assert plan.stages == [range(0, 2), range(2, 4)]
+    plan3 = check_pipeline(make_cfg("train.engine='pipeline'", "pipeline.ranks=3", f"pipeline.partition={str(f)!r}"),
+                           tokenizer_vocab=256)
+    assert plan3.stages[1] == range(1, 2)  # the slow block alone
+    with pytest.raises(StratumError, match="pipeline.partition"):
+        make_cfg("pipeline.partition='magic'")
+
+
+def test_a_profile_of_another_model_with_as_many_blocks_is_refused(make_cfg, tmp_path):
+    from stratum.parallel.compose import check_plan
+
+    f = _tiny_profile(make_cfg("model.vocab_size=512"), tmp_path, [0.1, 0.5, 0.1, 0.1])  # 4 blocks, wider embedding
+    cfg = make_cfg("train.engine='pipeline'", f"pipeline.partition={str(f)!r}")
+    with pytest.raises(StratumError, match=r"profile .*prof\.json is of another model \(its b0 has [\d,]+ "
+                                           r"parameters, this model's block 0 [\d,]+\)") as e:
+        check_plan(cfg, tokenizer_vocab=256)
+    assert "\n" not in str(e.value)
+    assert check_plan(make_cfg("train.engine='pipeline'", f"pipeline.partition={str(f)!r}", "model.vocab_size=512"),
+                      tokenizer_vocab=256).stages == [range(0, 2), range(2, 4)]
+
+
+def _tiny_profile(cfg, tmp_path, times: list[float]):
+    """A profile with made-up times of ``cfg``'s model (its blocks' real parameter counts), saved to a file."""
+    from stratum.model.build import build_model
     from stratum.profile.profile import BlockProfile, Profile
 
-    # a fake profile of the tiny GPT (4 blocks): block 1 is 5x slower than the others
-    blocks = [BlockProfile(index=i, name=f"b{i}", kind="x", n_params=1, param_bytes=4, grad_bytes=4,
-                           optim_bytes=8, act_saved_bytes=4, out_bytes=4, fwd_s=t, bwd_s=2 * t, bwd_input_s=t)
-              for i, t in enumerate([0.1, 0.5, 0.1, 0.1])]
+    meta = build_model(cfg.model, tokenizer_vocab=256, seq_len=cfg.data.seq_len, seed=0, device="meta")
+    blocks = [BlockProfile(index=i, name=f"b{i}", kind="x", n_params=meta.owned_numel(i), param_bytes=4,
+                           grad_bytes=4, optim_bytes=8, act_saved_bytes=4, out_bytes=4, fwd_s=t, bwd_s=2 * t,
+                           bwd_input_s=t)
+              for i, t in enumerate(times)]
     prof = Profile(model="tiny", device="cpu", dtype="float32", precision="fp32", micro_batch=4, seq_len=32,
                    runs=1, blocks=blocks)
     f = tmp_path / "prof.json"
     prof.save(f)
-    plan = check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.partition={str(f)!r}"))
-    assert plan.stages == [range(0, 2), range(2, 4)]
-    plan3 = check_pipeline(make_cfg("train.engine='pipeline'", "pipeline.ranks=3", f"pipeline.partition={str(f)!r}"))
-    assert plan3.stages[1] == range(1, 2)  # the slow block alone
-    with pytest.raises(StratumError, match="pipeline.partition"):
-        make_cfg("pipeline.partition='magic'")
+    return f
 
 
 def test_local_model_holds_only_its_blocks(make_cfg):
@@ -303,13 +325,14 @@ def test_schedule_file_must_fit_the_run(make_cfg, tmp_path):
     f = tmp_path / "s.txt"
     f.write_text(CUSTOM)
     plan = check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.schedule={str(f)!r}",
-                                   "train.grad_accum=4"))
+                                   "train.grad_accum=4"), tokenizer_vocab=256)
     assert plan.schedule.name == "custom-mixed"
     with pytest.raises(StratumError, match="train.grad_accum = 2"):
-        check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.schedule={str(f)!r}", "train.grad_accum=2"))
+        check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.schedule={str(f)!r}", "train.grad_accum=2"),
+                       tokenizer_vocab=256)
     with pytest.raises(StratumError, match="pipeline.ranks = 3"):
         check_pipeline(make_cfg("train.engine='pipeline'", f"pipeline.schedule={str(f)!r}", "train.grad_accum=4",
-                                "pipeline.ranks=3"))
+                                "pipeline.ranks=3"), tokenizer_vocab=256)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def test_pipeline_config_accepts_a_torch_kind(make_cfg):
     from stratum.parallel.compose import check_plan
 
     plan = check_plan(make_cfg("train.engine='pipeline'", "pipeline.schedule='torch:ZBVZeroBubble'",
-                               "pipeline.ranks=2", "train.grad_accum=4"))
+                               "pipeline.ranks=2", "train.grad_accum=4"), tokenizer_vocab=256)
     assert plan.schedule.name == "torch:ZBVZeroBubble" and plan.schedule.stage_to_rank == (0, 1, 1, 0)
 
 

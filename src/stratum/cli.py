@@ -195,8 +195,9 @@ def _spawn_workers(cfg, args: argparse.Namespace) -> int:
     from stratum.train.lock import hold_out_dir, inherited_lock_env
     from stratum.train.trainer import prepare_out_dir
 
-    check_plan(cfg)  # nesting / sizes / stages / backend: one-line errors before anything starts
-    prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
+    data = prepare_data(cfg)  # corpus errors surface here, and the workers find the caches ready
+    # nesting / sizes / stages / backend / a partition's profile: one-line errors before any rank starts
+    check_plan(cfg, tokenizer_vocab=data.tokenizer.vocab_size)
     out_dir = Path(cfg.train.out_dir).expanduser()
     made = missing_dirs(out_dir)
     prepare_out_dir(out_dir)

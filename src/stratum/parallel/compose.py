@@ -49,7 +49,7 @@ from stratum.schedule.generators import generate, is_kind
 from stratum.schedule.textio import load
 
 
-def check_plan(cfg: Config, *, tokenizer_vocab: int = 1) -> PipelinePlan | None:
+def check_plan(cfg: Config, *, tokenizer_vocab: int) -> PipelinePlan | None:
     """Refuse, with one line each, a plan this model and machine cannot run; the pipeline's stage plan if any."""
     plan = cfg.plan
     if plan.split is not None and plan.replicate is not None and plan.replicate.shard:

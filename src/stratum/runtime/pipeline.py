@@ -112,8 +112,20 @@ def plan_pipeline(p: Pipeline, model: BlockSeq, microbatches: int,
         if len(prof.blocks) != n:
             raise StratumError(f"pipeline.partition: profile {p.partition} has {len(prof.blocks)} blocks but the "
                                f"model has {n}; profile this model with `stratum profile`")
+        _check_same_blocks(prof, model, p.partition)
         stages = list(partition(prof, sched.stage_to_rank, speeds=speeds).stages)
     return PipelinePlan(schedule=sched, stages=stages)
+
+
+def _check_same_blocks(prof: Profile, model: BlockSeq, path: str) -> None:
+    """A profile of another model with as many blocks would cut this one by the other's times: each block must own
+    as many parameters as it did when profiled."""
+    for i, b in enumerate(prof.blocks):
+        mine = model.owned_numel(i)
+        if b.n_params != mine:
+            raise StratumError(f"pipeline.partition: profile {path} is of another model (its {b.name} has "
+                               f"{b.n_params:,} parameters, this model's block {i} {mine:,}); profile this model "
+                               "with `stratum profile` and the run's settings")
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
