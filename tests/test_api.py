@@ -6,11 +6,13 @@ processes. The workers are this file run as a script."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,9 +101,47 @@ def api_worker(job_path: str) -> None:
         if runs[job["plans"][0]] is not None:
             Path(job["out"]).write_text(json.dumps(runs))
         return
+    if job.get("again"):  # closed, the model holds the trained values on every process: train it again
+        Path(f"{job['out']}.{os.environ['RANK']}").write_text(json.dumps(_again(job["plans"])))
+        return
     first = _losses(job["plan"], job["micro_batches"])
     # closed, a second model on the plan in the same process joins the same process group
     assert _losses(job["plan"], job["micro_batches"], out=Path(job["out"])) == first
+
+
+def _again(plans: list[list]) -> dict:
+    """The model trained STEPS steps on each of ``plans`` ([plan, micro-batches]) in turn (closed between), and
+    after each close the model's values beside the state the engine gave: every process's copy is rank 0's."""
+    model = _model()
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"losses": [], "same": []}
+    for plan, micro_batches in plans:
+        engine = stratum.parallelize(model, plan=plan, lr=3e-3, micro_batches=micro_batches)
+        for _ in range(STEPS):
+            rows = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+            out["losses"].append(engine.step(rows[:, :-1], rows[:, 1:]))
+        state = engine.state_dict()
+        engine.close()
+        mine = {f"blocks.{k}": v for k, v in model.state_dict().items()}
+        out["same"].append(all(torch.equal(mine[k], v) for k, v in state.params.items()) if state.params else None)
+        out.setdefault("values", []).append({k: v.tolist() for k, v in sorted(mine.items())})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_closed_the_model_holds_the_trained_values_on_every_process_and_trains_again(tmp_path):
+    """A pipeline leaves each process only its stages: close() gives every process's model rank 0's trained
+    values back, so the same model trains on under another plan as if one plan had trained it all along."""
+    plans = [["pipeline(2)", 4], ["replicate(2)", 2]]  # (4 micro-batches a step each, as the reference cuts)
+    want = _again([["local", 4], ["local", 4]])
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"again": True, "plans": plans, "out": str(tmp_path / "got")}))
+    run_workers(__file__, job, 2, timeout=180)
+    got = [json.loads((tmp_path / f"got.{r}").read_text()) for r in (0, 1)]
+    assert got[0]["same"][0] is True and got[0]["same"][1] is True  # rank 0: the model is the state
+    assert got[0]["values"] == got[1]["values"]  # and every process's copy is rank 0's
+    assert got[0]["losses"] == pytest.approx(want["losses"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -159,8 +199,8 @@ def test_processes_that_built_different_models_or_batches_are_refused_by_name(tm
 
 def test_an_offload_plan_for_a_model_of_other_inputs_is_one_line():
     conv = nn.Sequential(nn.Conv1d(3, 8, 3, padding=1), nn.GELU(), nn.Flatten(), nn.Linear(96, 5))
-    with pytest.raises(StratumError, match=r"^the offload leaf plans from the model's blocks run on token ids "
-                                           r"\(\(4, 12\) int64.*block 0 \(0:Conv1d\) refused them"):
+    with pytest.raises(StratumError, match=r"^an offload leaf or a burst plan plans from the model's blocks run on "
+                                           r"token ids \(\(4, 12\) int64.*block 0 \(0:Conv1d\) refused them"):
         stratum.parallelize(conv, plan="offload(device_budget=10MB)", micro_batches=2, batch_shape=(4, 12),
                             loss_fn=lambda out, y: nn.functional.cross_entropy(out, y))
 
@@ -187,6 +227,121 @@ def test_a_state_of_another_shape_is_refused_by_name():
 def test_an_offload_plan_refuses_a_frozen_parameter_in_one_line():
     with pytest.raises(StratumError, match=r"^the offload leaf trains every parameter, and blocks.0.weight is frozen"):
         stratum.parallelize(_frozen_model(), plan="offload(device_budget=10MB)", micro_batches=2, batch_shape=(4, 12))
+
+
+def test_a_streamed_offload_plan_gives_the_trained_model_back():
+    """The memory engine streams the parameters through its chunks: closed, the model holds the trained values
+    (not the chunks' stale views), on the device it was given on, and its state loads with torch.load's
+    defaults."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 32))
+    engine = stratum.parallelize(model, plan="offload(device_budget=20KB)", lr=1e-2, micro_batches=2,
+                                 batch_shape=(4, 8))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        rows = torch.randint(0, 32, (8, 9), generator=g)
+        engine.step(rows[:, :-1], rows[:, 1:])
+    state = engine.state_dict()
+    engine.close()
+    for name, value in state.params.items():
+        assert torch.equal(model.state_dict()[name.removeprefix("blocks.")], value), name
+    assert model[1].weight.abs().sum() > 0 and model[1].weight.device.type == "cpu"
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf).params["blocks.1.weight"], state.params["blocks.1.weight"])
+
+
+def _plain_losses(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[float]:
+    """STEPS steps of the caller's own loop: AdamW as parallelize's (betas 0.9, 0.95), no decay or clipping."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95),
+                            eps=1e-8, weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _stratum_losses(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[list[float], Any]:
+    engine = stratum.parallelize(model, lr=3e-3, weight_decay=0.0, grad_clip=0.0, loss_fn=loss_fn)
+    losses = [engine.step(x, y) for _ in range(STEPS)]
+    return losses, engine
+
+
+def _shared() -> nn.Sequential:
+    torch.manual_seed(0)
+    act, block = nn.ReLU(), nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    return nn.Sequential(nn.Linear(8, 32), act, block, act, block, nn.Linear(32, 1))
+
+
+def test_a_module_placed_twice_runs_at_every_place():
+    """nn.Sequential lists a module it holds twice once among its children; each place is a block (the shared
+    module's parameters a tied group), and training equals the caller's own loop."""
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    want = _plain_losses(_shared(), x, y, nn.functional.mse_loss)
+    got, engine = _stratum_losses(_shared(), x, y, nn.functional.mse_loss)
+    assert len(engine.engine.model) == 6
+    assert got == pytest.approx(want, rel=1e-6)
+    engine.close()
+
+
+def test_a_submodule_the_caller_put_in_eval_mode_stays_in_it():
+    """A frozen BatchNorm in eval mode inside a training model (fine-tuning's habit): steps leave it there, as
+    the caller's own loop does, and an evaluation gives every module its mode back."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 4))
+        m[1].eval()
+        m[1].requires_grad_(False)
+        return m
+
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    loss = nn.functional.cross_entropy
+    mine = model()
+    want = _plain_losses(mine, x, y, loss)
+    theirs = model()
+    got, engine = _stratum_losses(theirs, x, y, loss)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert torch.equal(theirs[1].running_mean, torch.zeros(16))  # eval mode: the statistics never moved
+    engine.eval_loss(x, y)
+    assert theirs.training and theirs[0].training and not theirs[1].training
+    engine.close()
+
+
+@pytest.mark.parametrize("lr", [-0.5, float("nan"), float("inf"), "0.1"])
+def test_a_step_refuses_a_learning_rate_that_is_not_one(lr):
+    engine = stratum.parallelize(_model())
+    rows = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(StratumError, match=r"^step\(lr=.*\): the learning rate must be a finite number ≥ 0$"):
+        engine.step(rows[:, :-1], rows[:, 1:], lr=lr)
+    assert engine.steps_done == 0
+    engine.close()
+
+
+def test_loading_a_modules_state_dict_is_refused_in_one_line():
+    engine = stratum.parallelize(_model())
+    with pytest.raises(StratumError, match=r"^load_state_dict takes the TrainState that state_dict\(\) returns, "
+                                           r"not a OrderedDict; to start from a module's weights"):
+        engine.load_state_dict(_model().state_dict())
+    engine.close()
+
+
+def test_a_burst_plan_to_plan_needs_the_batch_shape():
+    with pytest.raises(StratumError, match=r"^plan 'burst\(2\)' plans its widths from the blocks timed on one "
+                                           r"micro-batch: pass batch_shape"):
+        stratum.parallelize(_model(), plan="burst(2)")
+
+
+def test_a_model_without_values_is_refused_by_name():
+    model = _model().to("meta")
+    with pytest.raises(StratumError, match=r"^the model's blocks.0.weight is on the meta device"):
+        stratum.parallelize(model)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import TRAIN, VAL, Batch
 from stratum.dist.world import World, join_world, peers_checked
 from stratum.errors import StratumError
+from stratum.hand_back import Places, check_given, give_back, places
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
 from stratum.model.hf import from_transformers
@@ -68,6 +70,10 @@ class Parallel:
     world: World
     micro_batches: int
     lr: float
+    model: BlockSeq
+    """The model as given (wrapped as a BlockSeq): :meth:`close` writes the trained values back into it."""
+    given: Places
+    """Where its tensors were given: where :meth:`close` puts the trained ones."""
     seed: int = 0
     """Seeds the dropout masks' streams (with the step and the micro-batch)."""
     steps_done: int = 0
@@ -93,6 +99,8 @@ class Parallel:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
+        if lr is not None and not (isinstance(lr, (int, float)) and 0 <= lr < math.inf):
+            raise StratumError(f"step(lr={lr!r}): the learning rate must be a finite number ≥ 0")
         with peers_checked(self.world):  # a peer gone mid-exchange: one PeerError, not the backend's traceback
             if self.steps_done == 0:  # each process cutting its own batch (DDP's habit) would train silently wrong
                 self.world.agree({"the first step's batch": _digest(x, y)},
@@ -113,17 +121,26 @@ class Parallel:
             return self.engine.state()
 
     def load_state_dict(self, state: TrainState) -> None:
+        """Continue from ``state``: what :meth:`state_dict` returned (rank 0's, on every process)."""
+        if not isinstance(state, TrainState):
+            raise StratumError(f"load_state_dict takes the TrainState that state_dict() returns, not a "
+                               f"{type(state).__name__}; to start from a module's weights, load them into the "
+                               "model before parallelize")
         with peers_checked(self.world):
             self.engine.load_state(state)
 
     def close(self) -> None:
-        """Release the engine once every process has finished its steps. The process group stays (it ends with
-        the process): a launcher's rendezvous cannot be repeated, so another :func:`parallelize` in this
-        process joins the same group."""
+        """Release the engine once every process has finished its steps, and give the trained values back to the
+        model :func:`parallelize` was given, on every process, where each tensor was (:mod:`stratum.hand_back`;
+        a model a split plan made its own stays the engine's: its values are :meth:`state_dict`'s). The process
+        group stays (it ends with the process): a launcher's rendezvous cannot be repeated, so another
+        :func:`parallelize` in this process joins the same group."""
         with peers_checked(self.world):
+            state = self.engine.state()
             self.engine.close()
             if self.world.backend != "none":
                 self.world.wait(dist.barrier(async_op=True), "the closing barrier")
+            give_back(self.model, state, self.given, self.world)
 
 
 def _digest(*tensors: torch.Tensor) -> str:
@@ -173,10 +190,14 @@ def _config(*, plan: str, lr: float, micro_batches: int, weight_decay: float, be
     cfg = Config()
     cfg.parallel = ParallelConfig(plan=plan, backend=backend, timeout_s=timeout_s, speeds=speeds)
     cfg.train = dataclasses.replace(TrainConfig(), grad_accum=micro_batches, precision=precision, device=device)
-    if isinstance(cfg.plan.leaf, Offload):
-        if batch_shape is None:
+    if batch_shape is None:
+        if isinstance(cfg.plan.leaf, Offload):
             raise StratumError(f"plan {plan!r} has an offload leaf, which plans device memory for one "
                                "micro-batch's activations: pass batch_shape=(rows, sequence length)")
+        if cfg.plan.burst is not None and not cfg.plan.burst.width_list():
+            raise StratumError(f"plan {plan!r} plans its widths from the blocks timed on one micro-batch: pass "
+                               "batch_shape=(rows, sequence length), or give the widths (burst(n, widths=…))")
+    else:
         cfg.train.micro_batch_size, cfg.data = batch_shape[0], dataclasses.replace(cfg.data, seq_len=batch_shape[1])
     cfg.optim = dataclasses.replace(cfg.optim, lr=lr, min_lr=0.0, weight_decay=weight_decay, beta1=betas[0],
                                     beta2=betas[1], eps=eps, grad_clip=grad_clip)
@@ -201,8 +222,11 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     except StratumError as e:  # named by the argument the caller wrote, not by the config key it sets
         raise StratumError(_in_arguments(str(e))) from None
     seq = as_blockseq(model, loss_fn)
+    check_given(seq)
+    given = places(seq)
     world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
     seq.to(world.device)
     _same_start(seq, world)
     engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
-    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, seed=seed)
+    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=given,
+                    seed=seed)

@@ -30,12 +30,39 @@ def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: 
     """Wrap an ``nn.Sequential`` (children become blocks, in order) with a loss."""
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise StratumError(f"{name}: expected a non-empty nn.Sequential, got {type(model).__name__}")
-    children = list(model.named_children())
+    children = _positions(model)
     info = ModelInfo(name=name, vocab_size=vocab_size, max_seq_len=max_seq_len,
                      extra={"source": "sequential", "factory": name})
-    for i, (n, m) in enumerate(children[:-1]):  # (the last one's output goes to the loss, which takes anything)
-        m.register_forward_hook(_one_tensor(i, f"{n}:{type(m).__name__}"))
-    return BlockSeq([m for _, m in children], loss_fn, info, [f"{n}:{type(m).__name__}" for n, m in children])
+    names = [f"{n}:{type(m.inner if isinstance(m, _Again) else m).__name__}" for n, m in children]
+    for i, (_, m) in enumerate(children[:-1]):  # (the last one's output goes to the loss, which takes anything)
+        m.register_forward_hook(_one_tensor(i, names[i]))
+    return BlockSeq([m for _, m in children], loss_fn, info, names)
+
+
+class _Again(nn.Module):
+    """A module that an ``nn.Sequential`` runs at more than one position, at a later one: a block of its own (the
+    engines keep per-block hooks and state) whose parameters are the first position's, so they become a tied
+    group like any parameter two blocks share."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _positions(model: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every position of ``model`` with its module, in order — a module placed twice at both (its own
+    ``named_children`` lists a module once)."""
+    seen: set[int] = set()
+    out = []
+    for name, m in model._modules.items():
+        if m is None:
+            raise StratumError(f"the nn.Sequential's child {name!r} is None; remove it")
+        out.append((name, _Again(m) if id(m) in seen else m))
+        seen.add(id(m))
+    return out
 
 
 def _one_tensor(i: int, name: str):

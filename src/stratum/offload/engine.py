@@ -57,7 +57,7 @@ from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
 from stratum.offload.vacate import Vacate
 from stratum.runtime.device import HALF_DTYPES, autocast, canonical, peak_memory_bytes
-from stratum.runtime.engine import Engine, OptimSpec, StepResult
+from stratum.runtime.engine import Engine, OptimSpec, StepResult, evaluating
 from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
 
 _LIVE: weakref.WeakSet[OffloadEngine] = weakref.WeakSet()
@@ -608,7 +608,6 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
         self._yielding = gate_set()
         if self._dpu:
             self._start_delayed()
-        self.model.train()
         self._lr = lr
         self._deferred = self.spec.grad_clip > 0 or self.scaler is not None
         self._grad_norms: dict[str, Tensor] = {}
@@ -670,15 +669,15 @@ class OffloadEngine(Residency, Vacate, Updates, DelayedUpdates, Reductions, Stat
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
         self.ready_for_eval()
-        self.model.eval()
         total = 0.0
-        for b in batches:
-            x = b.x.to(self.device)
-            y = b.y.to(self.device)
-            for i in range(len(self.model)):
-                self._access(self._block_chunks(i), record=False)
-                x = self._forward_block(i, x, y, i == len(self.model) - 1, 1)
-            total += float(x)
+        with evaluating([self.model]):
+            for b in batches:
+                x = b.x.to(self.device)
+                y = b.y.to(self.device)
+                for i in range(len(self.model)):
+                    self._access(self._block_chunks(i), record=False)
+                    x = self._forward_block(i, x, y, i == len(self.model) - 1, 1)
+                total += float(x)
         return total / len(batches)
 
     # ---- reporting ----------------------------------------------------------------------------------------------

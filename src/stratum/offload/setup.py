@@ -45,9 +45,10 @@ def _measure_first(model: BlockSeq, x: torch.Tensor, y: torch.Tensor, device: to
         return _measure_block(model, 0, x, y, device, precision, 3)
     except (RuntimeError, TypeError, IndexError) as e:
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise StratumError(f"the offload leaf plans from the model's blocks run on token ids ({tuple(x.shape)} "
-                           f"int64, a language model's input), and block 0 ({model.block_names[0]}) refused them "
-                           f"({reason}); a model of other inputs runs on the plans without offload") from None
+        raise StratumError(f"an offload leaf or a burst plan plans from the model's blocks run on token ids "
+                           f"({tuple(x.shape)} int64, a language model's input), and block 0 "
+                           f"({model.block_names[0]}) refused them ({reason}); a model of other inputs runs on "
+                           "plans without either (a burst plan with its widths given)") from None
 
 
 def quick_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: torch.device,

@@ -42,7 +42,7 @@ from stratum.model.streams import block_stream, dropout_site
 from stratum.parallel import presence
 from stratum.plan.burst import BurstPlan, overlaps, spans
 from stratum.runtime.device import autocast, peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, evaluating
 from stratum.runtime.optim import leaf_optimizer, load_params
 from stratum.runtime.tensors import HEADER_LEN, WIRE_DTYPES, full_tensor, header_shape, tensor_header
 
@@ -205,7 +205,6 @@ class BurstEngine(GradEngine):
 
     # ---- GradEngine ------------------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
-        self.model.train()
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in micro_batches:
             loss += self._micro(b, divisor)
@@ -243,8 +242,7 @@ class BurstEngine(GradEngine):
         """Rank 0 (which holds every block) evaluates the whole batches, as the plain engine does."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.rank == 0:
-            self.model.eval()
-            with autocast(self.device, self.precision):
+            with evaluating([self.model]), autocast(self.device, self.precision):
                 total += sum(float(self.model.loss(b.x.to(self.device), b.y.to(self.device))) for b in batches)
         return float(self.world.all_reduce(total, "replica", "the burst eval-loss all-reduce")) / len(batches)
 

@@ -83,6 +83,15 @@ def recorded_widths(cfg: Config, model: BlockSeq, node: Burst) -> tuple[int, ...
     return None
 
 
+def record_planned_widths(cfg: Config, model: BlockSeq, engine: object) -> None:
+    """Where ``engine`` is a burst node's that planned its widths now (neither given nor kept from before), write
+    them to the run's out_dir (:data:`RECORD`), so that a resumed run keeps them; anything else: nothing."""
+    node = cfg.plan.burst
+    if isinstance(engine, BurstEngine) and engine.plan is not None and node is not None:
+        atomic_write_text(Path(cfg.train.out_dir).expanduser() / RECORD,
+                          json.dumps({"for": _record_key(cfg, model, node), "widths": list(engine.widths)}) + "\n")
+
+
 def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec, *,
                  resuming: bool = False) -> BurstEngine:
     """The burst node's engine: its given widths, the widths the run planned before where it is ``resuming``
@@ -98,8 +107,5 @@ def burst_engine(cfg: Config, model: BlockSeq, world: World, optim: OptimSpec, *
     plan = None if widths else planned(cfg, model, world, node)
     if plan is not None:
         widths = plan.widths
-        if world.is_main:
-            atomic_write_text(Path(cfg.train.out_dir).expanduser() / RECORD,
-                              json.dumps({"for": _record_key(cfg, model, node), "widths": list(widths)}) + "\n")
     return BurstEngine(model, widths=widths, optim=optim, world=world, precision=cfg.train.precision, plan=plan,
                        microbatches=cfg.train.grad_accum)

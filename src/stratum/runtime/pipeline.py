@@ -41,7 +41,7 @@ from stratum.model.placement import localize
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, merge_states
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, evaluating, merge_states
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.stage import StageBlocks, StageRuntime
 from stratum.runtime.tensors import full_tensor, grad_norms
@@ -229,13 +229,8 @@ class PipelineEngine(GradEngine):
             self.schedules[m] = sched
         return sched
 
-    def _set_mode(self, training: bool) -> None:
-        for i in self.my_blocks:
-            self.model.blocks[i].train(training)
-
     # ---- Engine ---------------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
-        self._set_mode(True)
         loss_sum = self.runtime.run(self._schedule(len(micro_batches)), micro_batches, training=True,
                                     scale=1.0 / divisor)
         self._sync_tied()
@@ -275,13 +270,13 @@ class PipelineEngine(GradEngine):
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self._set_mode(False)
         n = len(batches)
         where = self.plan.schedule.stage_to_rank
         acts = [[Action("F", s, mb) for s in range(len(where)) if where[s] == r for mb in range(n)]
                 for r in range(self.world)]
         sched = Schedule(name="forward", stage_to_rank=where, num_microbatches=n, actions=acts)
-        loss_sum = self.runtime.run(sched, batches, training=False, scale=1.0)
+        with evaluating(self.model.blocks[i] for i in self.my_blocks):
+            loss_sum = self.runtime.run(sched, batches, training=False, scale=1.0)
         red = self.mesh.all_reduce(loss_sum.reshape(1).clone(), "stage_rank", "the eval-loss all-reduce")
         return float(red[0]) / n
 

@@ -11,7 +11,7 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, StepResult, TrainState, clip_coef
+from stratum.runtime.engine import GradEngine, OptimSpec, StepResult, TrainState, clip_coef, evaluating
 from stratum.runtime.loss_scale import LossScaleSpec, ScaledAdamW
 from stratum.runtime.optim import MakeOptimizer, leaf_optimizer, load_params
 from stratum.runtime.tensors import full_tensor
@@ -45,7 +45,6 @@ class PlainEngine(GradEngine):
             return self.model.loss(x, y, b.stream if self.model.training else None)
 
     def forward_backward(self, micro_batches: list[Batch], divisor: int) -> torch.Tensor:
-        self.model.train()
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             loss = self._loss(b)
@@ -79,8 +78,8 @@ class PlainEngine(GradEngine):
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
-        self.model.eval()
-        total = sum(float(self._loss(b)) for b in batches)
+        with evaluating([self.model]):
+            total = sum(float(self._loss(b)) for b in batches)
         return total / len(batches)
 
     def state(self) -> TrainState:

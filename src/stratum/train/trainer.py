@@ -28,6 +28,7 @@ from stratum.dist.world import World, join_world, leave_world, peers_checked
 from stratum.errors import StratumError
 from stratum.log import console_unless_configured
 from stratum.model.blockseq import BlockSeq
+from stratum.parallel.burst_setup import record_planned_widths
 from stratum.parallel.compose import build_engine, rank_model, rank_speeds
 from stratum.parallel.multiplex import apply_priority, priority_stream
 from stratum.plan.fidelity import beside
@@ -167,6 +168,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
         logger.info(f"note: an earlier run's metrics without a checkpoint were moved to {aside.name}")
 
     engine = build_engine(cfg, model, world, stages, speeds, resuming=ckpt is not None)
+    if main:
+        record_planned_widths(cfg, model, engine)
     torch.manual_seed(t.seed)  # the steps' RNG streams start here, whatever the builds and set-up drew before
     if ckpt is not None:
         engine.load_state(ckpt.state)
