@@ -584,10 +584,13 @@ def test_threads_follow_the_usable_cores_and_train_threads(make_cfg, tmp_path, m
 
 @pytest.mark.slow
 def test_a_crashed_rank_is_one_line_and_its_traceback_goes_to_the_log(corpus_file, cache_dir, tmp_path):
+    # (a crash in training's forward: the build's check of the model, under no_grad, passes)
     (tmp_path / "crashing_factory.py").write_text(
-        "import os\n\nfrom stratum.model.sequential import example_lm\n\n\n"
-        "def lm(**kw):\n    if os.environ.get('RANK') == '1':\n        raise RuntimeError('boom on rank 1')\n"
-        "    return example_lm(**kw)\n")
+        "import os\n\nimport torch\nfrom torch import nn\n\nfrom stratum.model.sequential import example_lm\n\n\n"
+        "class Boom(nn.Module):\n    def forward(self, x):\n"
+        "        if torch.is_grad_enabled() and os.environ.get('RANK') == '1':\n"
+        "            raise RuntimeError('boom on rank 1')\n        return x\n\n\n"
+        "def lm(**kw):\n    return nn.Sequential(Boom(), *example_lm(**kw))\n")
     out = tmp_path / "run"
     sets = [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}", "data.seq_len=32",
             "model.source='sequential'", "model.factory='crashing_factory:lm'", "train.micro_batch_size=2",

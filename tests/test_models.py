@@ -1,11 +1,15 @@
 """Every model source builds a BlockSeq with explicit ties and trains with decreasing loss."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
+from stratum.config import ModelConfig
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, ModelInfo, lm_cross_entropy
+from stratum.model.build import build_model
 from stratum.model.gpt import build_gpt, init_gpt_block
 from stratum.model.presets import PRESETS, gpt_param_count
 from stratum.model.sequential import build_sequential, from_block_builders, from_sequential
@@ -179,3 +183,38 @@ def test_a_sequential_block_returning_a_tuple_is_a_one_line_error():
     with pytest.raises(StratumError, match=r"^block 1 \(1:Pair\) returned a tuple; the blocks of an nn.Sequential "
                                            r"pass one tensor each"):
         seq(torch.zeros(2, 4, dtype=torch.long))
+
+
+def _factory_module(tmp_path, monkeypatch, body: str) -> None:
+    (tmp_path / "user_factories.py").write_text("import torch\nfrom torch import nn\n\n\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_factories", raising=False)  # (each case's own module)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def lm(*, vocab_size, seq_len):\n    raise RuntimeError('boom\\nmore')\n",
+     r"^model.factory 'user_factories:lm' raised RuntimeError: boom$"),
+    ("def lm(*, vocab_size, seq_len):\n    return nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(8, 7))\n",
+     r"^model.factory 'user_factories:lm': its model maps token ids of shape \(1, 2\) to shape \(1, 2, 7\), not "
+     r"the logits \(1, 2, 64\)"),
+    ("def lm(*, vocab_size, seq_len):\n    return nn.Sequential(nn.Linear(8, vocab_size))\n",
+     r"^model.factory 'user_factories:lm': its model fails on token ids of shape \(1, 2\) \(RuntimeError: "),
+])
+def test_a_factory_that_fails_or_maps_to_other_shapes_is_one_line(tmp_path, monkeypatch, body, message):
+    """The user's factory and model are bad input: what they raise, or the shape they give instead of the
+    logits, is one line before any training (`stratum train` printed their traceback at the first step)."""
+    _factory_module(tmp_path, monkeypatch, body)
+    with pytest.raises(StratumError, match=message) as e:
+        build_model(ModelConfig(source="sequential", factory="user_factories:lm"), tokenizer_vocab=64, seq_len=8,
+                    seed=0)
+    assert "\n" not in str(e.value)
+
+
+def test_the_check_of_a_factory_model_leaves_its_statistics_and_modes():
+    seq = build_model(ModelConfig(source="sequential", factory="stratum.model.sequential:batchnorm_lm_blocks"),
+                      tokenizer_vocab=64, seq_len=8, seed=0)
+    assert seq.training and all(m.training for m in seq.modules())
+    for m in seq.modules():
+        if isinstance(m, torch.nn.BatchNorm1d):
+            assert torch.equal(m.running_mean, torch.zeros_like(m.running_mean))
+            assert int(m.num_batches_tracked) == 0

@@ -99,3 +99,18 @@ def load_buffers(model: nn.Module, values: Mapping[str, Tensor]) -> None:
         for name, t in persistent_buffers(model).items():
             if name in values:
                 t.copy_(values[name])
+
+
+@contextlib.contextmanager
+def evaluating(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """``modules`` in eval mode for the block, then every submodule back in the mode it had: an evaluation leaves
+    the modes a caller chose (a frozen BatchNorm in eval mode inside a training model) as they were, so training
+    never sets a mode of its own."""
+    before = [(m, m.training) for top in modules for m in top.modules()]
+    for m, _ in before:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in before:
+            m.training = mode

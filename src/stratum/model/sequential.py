@@ -23,6 +23,7 @@ from torch import nn
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, block_seed, lm_cross_entropy, parameters_on_meta
+from stratum.model.neutral import evaluating, neutral
 
 
 def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: LossFn = lm_cross_entropy,
@@ -218,13 +219,47 @@ def build_sequential(factory: str, *, vocab_size: int, seq_len: int, seed: int =
         raise StratumError(f"model.factory {factory!r} must accept keyword arguments vocab_size and seq_len") from None
     except ValueError:
         pass  # builtins without a signature: let the call decide
-    made = fn(vocab_size=vocab_size, seq_len=seq_len)
+    try:
+        made = fn(vocab_size=vocab_size, seq_len=seq_len)
+    except Exception as e:  # the user's code: its failure is bad input to this run, said in one line
+        raise StratumError(f"model.factory {factory!r} raised {type(e).__name__}: {_first_line(e)}") from None
     if isinstance(made, (list, tuple)):
-        return from_block_builders(made, seed=seed, lazy=lazy, device=device, name=factory,
-                                   vocab_size=vocab_size, max_seq_len=seq_len)
-    if isinstance(made, BlockSeq):
-        return made
-    if not isinstance(made, nn.Sequential):
+        seq = from_block_builders(made, seed=seed, lazy=lazy, device=device, name=factory,
+                                  vocab_size=vocab_size, max_seq_len=seq_len)
+    elif isinstance(made, BlockSeq):
+        seq = made
+    elif isinstance(made, nn.Sequential):
+        seq = from_sequential(made, name=factory, vocab_size=vocab_size, max_seq_len=seq_len)
+    else:
         raise StratumError(f"model.factory {factory!r} returned {type(made).__name__}, "
                            "expected an nn.Sequential, a list of block constructors or a BlockSeq")
-    return from_sequential(made, name=factory, vocab_size=vocab_size, max_seq_len=seq_len)
+    if not lazy:
+        check_lm_output(seq, factory, vocab_size)
+    return seq
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else "(no message)"
+
+
+def check_lm_output(seq: BlockSeq, factory: str, vocab_size: int) -> None:
+    """The factory's model maps token ids (B, T) to logits (B, T, vocab_size), as next-token training needs; one
+    line naming what it does instead. Checked on two tokens, in eval mode, leaving RNG and buffers as they were
+    (on ``meta`` only the shapes are computed)."""
+    device = next((p.device for p in seq.parameters()), torch.device("cpu"))
+    x = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad(), neutral(seq), evaluating([seq]):
+            out = seq(x)
+    except StratumError:
+        raise
+    except Exception as e:  # the user's model, on the input every run gives it
+        raise StratumError(f"model.factory {factory!r}: its model fails on token ids of shape (1, 2) "
+                           f"({type(e).__name__}: {_first_line(e)}); it must map (batch, tokens) ids to "
+                           f"(batch, tokens, {vocab_size}) logits") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, 2, vocab_size):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        raise StratumError(f"model.factory {factory!r}: its model maps token ids of shape (1, 2) to {got}, not "
+                           f"the logits (1, 2, {vocab_size}) next-token training needs (the vocabulary is "
+                           f"{vocab_size}: model.vocab_size, or the tokenizer's)")

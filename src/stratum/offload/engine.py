@@ -34,7 +34,7 @@ from torch import Tensor
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
-from stratum.model.neutral import BufferSnapshot, neutral
+from stratum.model.neutral import BufferSnapshot, evaluating, neutral
 from stratum.model.streams import block_stream
 from stratum.offload.act_ring import ActivationRing
 from stratum.offload.activations import ActivationSpill
@@ -57,7 +57,7 @@ from stratum.offload.trace import AccessTrace
 from stratum.offload.updates import Updates
 from stratum.offload.vacate import Vacate
 from stratum.runtime.device import HALF_DTYPES, autocast, canonical, peak_memory_bytes
-from stratum.runtime.engine import Engine, OptimSpec, StepResult, evaluating
+from stratum.runtime.engine import Engine, OptimSpec, StepResult
 from stratum.runtime.loss_scale import LossScaler, LossScaleSpec
 
 _LIVE: weakref.WeakSet[OffloadEngine] = weakref.WeakSet()

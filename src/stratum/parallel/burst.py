@@ -36,13 +36,13 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Burst
 from stratum.model.blockseq import BlockSeq
-from stratum.model.neutral import buffers_to_cpu, load_buffers
+from stratum.model.neutral import buffers_to_cpu, evaluating, load_buffers
 from stratum.model.placement import localize
 from stratum.model.streams import block_stream, dropout_site
 from stratum.parallel import presence
 from stratum.plan.burst import BurstPlan, overlaps, spans
 from stratum.runtime.device import autocast, peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, evaluating
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState
 from stratum.runtime.optim import leaf_optimizer, load_params
 from stratum.runtime.tensors import HEADER_LEN, WIRE_DTYPES, full_tensor, header_shape, tensor_header
 

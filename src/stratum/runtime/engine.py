@@ -13,7 +13,6 @@ BlockSeq's canonical parameter names), so a checkpoint written under one engine 
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -113,21 +112,6 @@ def merge_states(parts: Iterable[TrainState]) -> TrainState:
         buffers.update(part.buffers)
         scaler.update(part.scaler)
     return TrainState(params=params, optim=optim, buffers=buffers, scaler=scaler)
-
-
-@contextlib.contextmanager
-def evaluating(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """``modules`` in eval mode for the block, then every submodule back in the mode it had: an evaluation leaves
-    the modes a caller chose (a frozen BatchNorm in eval mode inside a training model) as they were, so training
-    never sets a mode of its own."""
-    before = [(m, m.training) for top in modules for m in top.modules()]
-    for m, _ in before:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, mode in before:
-            m.training = mode
 
 
 class Engine(abc.ABC):

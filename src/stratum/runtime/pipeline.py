@@ -36,12 +36,12 @@ from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.ir.plan import Pipeline
 from stratum.model.blockseq import BlockSeq
-from stratum.model.neutral import buffers_to_cpu, load_buffers
+from stratum.model.neutral import buffers_to_cpu, evaluating, load_buffers
 from stratum.model.placement import localize
 from stratum.plan.partition import balanced_partition, even_partition, partition
 from stratum.profile.profile import Profile
 from stratum.runtime.device import peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, evaluating, merge_states
+from stratum.runtime.engine import GradEngine, OptimSpec, TrainState, merge_states
 from stratum.runtime.optim import MakeOptimizer, Optimizer, leaf_optimizer, load_params
 from stratum.runtime.stage import StageBlocks, StageRuntime
 from stratum.runtime.tensors import full_tensor, grad_norms

@@ -9,9 +9,9 @@ from torch import nn
 from stratum.data.tokens import Batch
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
-from stratum.model.neutral import buffers_to_cpu, load_buffers
+from stratum.model.neutral import buffers_to_cpu, evaluating, load_buffers
 from stratum.runtime.device import autocast, peak_memory_bytes
-from stratum.runtime.engine import GradEngine, OptimSpec, StepResult, TrainState, clip_coef, evaluating
+from stratum.runtime.engine import GradEngine, OptimSpec, StepResult, TrainState, clip_coef
 from stratum.runtime.loss_scale import LossScaleSpec, ScaledAdamW
 from stratum.runtime.optim import MakeOptimizer, leaf_optimizer, load_params
 from stratum.runtime.tensors import full_tensor
