@@ -1,9 +1,10 @@
-"""The rank probe: real forked gloo processes train a tiny model and report their pace and gradient all-reduce;
+"""The rank probe: real gloo processes train a tiny model and report their pace and gradient all-reduce;
 the spec the search prices with takes the devices' speeds and the intra-node link from them (closed forms); the
 search uses it for CPU processes of this machine and keeps a given spec."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -44,11 +45,12 @@ def test_speeds_are_one_process_alone_over_each_rank_and_the_link_is_the_all_red
 
 
 def test_two_forked_ranks_report_their_pace_and_gradient_all_reduce():
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(preset="tiny"), tokenizer_vocab=64, seq_len=8, seed=0, device=torch.device("cpu"))
+    build = functools.partial(build_model, ModelConfig(preset="tiny"), tokenizer_vocab=64, seq_len=8, seed=0,
+                              device=torch.device("cpu"))
+    model = build()
     batches = probe_batches(64, 2, 8, 2, torch.Generator().manual_seed(0))
     before = torch.get_num_threads()
-    got = probe_ranks(model, 2, batches=batches, optim=OPTIM, threads=1, timeout_s=120,
+    got = probe_ranks(build, 2, batches=batches, optim=OPTIM, threads=1, timeout_s=120,
                       split_ids=tuple(split_blocks(model)))
     assert torch.get_num_threads() == before  # the alone run's threads are this process's again
     assert got.alone_s > 0 and len(got.rank_s) == 2 and all(0 < t < 5 for t in got.rank_s)
@@ -56,7 +58,7 @@ def test_two_forked_ranks_report_their_pace_and_gradient_all_reduce():
     assert 0 < got.sharded_s < 5 and 0 < got.scalar_s < 5
     assert 0 < got.split_step_s[0] < got.split_step_s[1] < 5  # the layers split over the two ranks, 1 and 2 steps
     with pytest.raises(StratumError, match="at least 2 processes"):
-        probe_ranks(model, 1, batches=batches, optim=OPTIM, threads=1, timeout_s=5)
+        probe_ranks(build, 1, batches=batches, optim=OPTIM, threads=1, timeout_s=5)
 
 
 def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_dir, monkeypatch):
@@ -66,7 +68,7 @@ def test_the_search_probes_cpu_ranks_and_keeps_one_process(corpus_file, cache_di
     spec = Hardware.uniform(2, memory_bytes=2**30, intra=LINK)
     asked = {}
 
-    def ranks(model, n, *, batches, optim, threads, timeout_s, split_ids):
+    def ranks(build, n, *, batches, optim, threads, timeout_s, split_ids):
         asked.update(n=n, micro_batches=len(batches), threads=threads, split_ids=split_ids)
         # one more micro-batch's split step a second longer: DTensor's cost per block well above nothing whatever
         # the blocks' measured times (a smaller gap leaves none under load, and the step probe's stands)

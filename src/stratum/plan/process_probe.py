@@ -1,29 +1,30 @@
 """Measure a machine as a job's local processes see it: ``n`` processes started together, each timing its
 matrix-multiply rate while the others run theirs (so the rate includes what they and the machine's other load
 take from it), then a gloo all-reduce over all of them. What ``stratum hardware probe`` reads the CPU devices'
-speeds and the intra-node link from. The processes are forked (:data:`START`); every wait is bounded by
-``timeout_s``."""
+speeds and the intra-node link from. The processes are forked from the warm forkserver (:func:`run_forked`);
+every wait is bounded by ``timeout_s``."""
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from stratum.dist.forked import context, start_forked
 from stratum.dist.launch import check_local_count, free_port
 from stratum.errors import StratumError
 from stratum.runtime.device import compute_rate
 
 REPEATS = 10
 RATE_SECONDS = 0.5
-START = "fork"
-"""Forked children start at once; spawned ones would each import torch again (seconds on a busy machine). The
-children only compute on the CPU and talk over gloo, which a fork leaves safe."""
+PRELOAD = ("torch", "torch.distributed")
+"""What the forkserver imports once for the probes' processes (those of a run's ranks join the list)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,27 +62,50 @@ def _worker(rank: int, world: int, port: int, threads: int, sizes: tuple[int, ..
         dist.destroy_process_group()
 
 
+def _run_one(worker: Callable[..., None], rank: int, args: tuple, out) -> None:
+    """One probe process: ``worker(rank, *args, out)``; what it raises goes to ``out`` for the parent to say."""
+    try:
+        worker(rank, *args, out)
+    except BaseException as e:
+        text = str(e).strip()
+        out.put(("failed", rank, f"{type(e).__name__}: {text.splitlines()[-1] if text else '(no message)'}"))
+        raise SystemExit(1) from None
+
+
 def run_forked(worker: Callable[..., None], n: int, args: tuple, *, timeout_s: float, what: str) -> list[tuple]:
-    """Run ``worker(rank, *args, out)`` in ``n`` forked processes (:data:`START`) and return what they put on
-    ``out``, once every one has ended; a process that fails or a run past ``timeout_s`` is a one-line
-    StratumError naming ``what``, and no process is left behind."""
-    ctx = mp.get_context(START)
+    """Run ``worker(rank, *args, out)`` in ``n`` processes and return what they put on ``out``, once every one
+    has ended; a process that fails or a run past ``timeout_s`` is a one-line StratumError naming ``what``, and no
+    process is left behind. ``worker`` and ``args`` travel pickled.
+
+    The processes are forked from the warm forkserver (:mod:`stratum.dist.forked`), not from this process: this
+    one has run its own matrix multiplies (a profile, the step probe) by now, and a child forked after OpenMP's
+    threads started hangs in its first multi-threaded operation (GNU libgomp is not fork-safe). The server has
+    imported torch but never computed."""
+    ctx = context(PRELOAD)
     out = ctx.SimpleQueue()
-    procs = mp.start_processes(worker, args=(*args, out), nprocs=n, join=False, start_method=START)
+    procs = [start_forked(_run_one, (worker, rank, args, out), name=f"stratum-probe-{rank}", preload=PRELOAD,
+                          death_signal=signal.SIGKILL) for rank in range(n)]
     deadline = time.monotonic() + timeout_s
     try:
-        while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
+        while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise StratumError(f"{what} did not finish within {timeout_s:g} s")
-    except mp.ProcessRaisedException as e:
-        raise StratumError(f"{what} failed: {str(e).strip().splitlines()[-1]}") from None
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
     finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join(timeout=10)
     items = []
     while not out.empty():
         items.append(out.get())
+    failed = [x[2] for x in items if x[0] == "failed"]
+    if failed:
+        raise StratumError(f"{what} failed: {failed[0]}")
+    if any(p.exitcode for p in procs):
+        code = next(p.exitcode for p in procs if p.exitcode)
+        raise StratumError(f"{what} failed: a process ended with exit code {code}")
     return items
 
 

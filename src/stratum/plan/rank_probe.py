@@ -4,7 +4,7 @@ On a CPU the devices are processes sharing the machine's cores: with each other,
 the launcher. The hardware probe's matrix-multiply rate of bare processes does not see the last two, and its
 all-reduce figure is the best of a quiet loop, where a training step's gradient all-reduce takes its median time
 after peers that end their backward at different moments. So before it ranks trees for ``n`` CPU processes the
-search runs the model itself: ``n`` forked processes each train it on the plain engine for steps of ``m``
+search runs the model itself: ``n`` processes each train it on the plain engine for steps of ``m``
 micro-batches and all-reduce their gradients over gloo after each backward, as ``replicate(n)`` does (every other
 step they reduce-scatter and all-gather them instead, as ``replicate(n, shard=true)`` does); the searching process
 does the same alone first. :func:`as_ranks_run` turns the figures into the spec the search prices with: the
@@ -19,6 +19,7 @@ import datetime
 import queue
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,12 +86,14 @@ def _reduce_sharded(flat: torch.Tensor, world: int, timeout_s: float) -> None:
                deadline=time.monotonic() + timeout_s)
 
 
-def _train(rank: int, world: int, port: int, model: BlockSeq, batches: list[Batch], optim: OptimSpec,
-           threads: int, timeout_s: float, split_ids: tuple[int, ...], out) -> None:
-    """One probe process: ``WARMUP + STEPS`` steps of the plain engine over ``batches``, each backward followed by
-    the gradients' all-reduce (even steps) or reduce-scatter and all-gather (odd steps) over the ``world`` (none
-    alone); puts (rank, s per micro-batch, all-reduce s, sharded pair s, bytes) on ``out``."""
+def _train(rank: int, world: int, port: int, build: Callable[[], BlockSeq], batches: list[Batch],
+           optim: OptimSpec, threads: int, timeout_s: float, split_ids: tuple[int, ...], out) -> None:
+    """One probe process: ``WARMUP + STEPS`` steps of the plain engine on the model ``build`` makes (on the CPU)
+    over ``batches``, each backward followed by the gradients' all-reduce (even steps) or reduce-scatter and
+    all-gather (odd steps) over the ``world`` (none alone); puts (rank, s per micro-batch, all-reduce s, sharded
+    pair s, bytes) on ``out``."""
     torch.set_num_threads(threads)
+    model = build()
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -143,15 +146,16 @@ def _split_steps(model: BlockSeq, split_ids: tuple[int, ...], world: int, batche
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSpec, threads: int,
+def probe_ranks(build: Callable[[], BlockSeq], n: int, *, batches: list[Batch], optim: OptimSpec, threads: int,
                 timeout_s: float, split_ids: tuple[int, ...] = ()) -> RankProbe:
-    """Train ``model`` (materialised on the CPU; its weights change) in this process alone, then in ``n`` (>= 2)
-    forked processes together, each over ``batches`` per step with ``threads`` threads, and with ``split_ids``
-    (blocks split can shard 2 ways; ``n`` even) split over pairs of them (see the module)."""
+    """Train the model ``build`` makes on the CPU (a picklable call: each process builds its own) in this process
+    alone, then in ``n`` (>= 2) processes together (:func:`run_forked`), each over ``batches`` per step with
+    ``threads`` threads, and with ``split_ids`` (blocks split can shard 2 ways; ``n`` even) split over pairs of
+    them (see the module)."""
     if n < 2:
         raise StratumError(f"the rank probe needs at least 2 processes, got {n}")
-    alone = _alone_s(model, batches, optim, threads, timeout_s)
-    got = run_forked(_train, n, (n, free_port(), model, batches, optim, threads, timeout_s, split_ids),
+    alone = _alone_s(build, batches, optim, threads, timeout_s)
+    got = run_forked(_train, n, (n, free_port(), build, batches, optim, threads, timeout_s, split_ids),
                      timeout_s=timeout_s, what=f"the rank probe ({n} processes)")
     if sorted(r for r, *_ in got) != list(range(n)):
         raise StratumError("the rank probe ended without every rank's results")
@@ -164,13 +168,14 @@ def probe_ranks(model: BlockSeq, n: int, *, batches: list[Batch], optim: OptimSp
                                    statistics.median(x[6][1] for x in by_rank)))
 
 
-def _alone_s(model: BlockSeq, batches: list[Batch], optim: OptimSpec, threads: int, timeout_s: float) -> float:
+def _alone_s(build: Callable[[], BlockSeq], batches: list[Batch], optim: OptimSpec, threads: int,
+            timeout_s: float) -> float:
     """Seconds per micro-batch of one process alone, measured in this one: the process whose profile and step
     probe the search prices with, so that the speeds are relative to the pace its blocks were priced at."""
     before = torch.get_num_threads()
     out: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        _train(0, 1, 0, model, batches, optim, threads, timeout_s, (), out)
+        _train(0, 1, 0, build, batches, optim, threads, timeout_s, (), out)
     finally:
         torch.set_num_threads(before)
     return out.get()[1]

@@ -19,6 +19,7 @@ the same global batch: a tree with r replicas runs ``grad_accum / r`` micro-batc
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import socket
 import statistics
@@ -104,9 +105,14 @@ def _meta_model(cfg: Config) -> BlockSeq:
 
 
 def _model(cfg: Config, device: torch.device) -> BlockSeq:
+    return _builder(cfg, device)()
+
+
+def _builder(cfg: Config, device: torch.device) -> Callable[[], BlockSeq]:
+    """A picklable call that builds ``cfg``'s model on ``device`` (what a probe's processes each run)."""
     tok = make_tokenizer(cfg, resolve_corpus(cfg.data.corpus))
-    return build_model(cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                       device=device)
+    return functools.partial(build_model, cfg.model, tokenizer_vocab=tok.vocab_size, seq_len=cfg.data.seq_len,
+                             seed=cfg.train.seed, device=device)
 
 
 def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload:
@@ -256,13 +262,14 @@ def machine_ranks(cfg: Config, n: int, work: Workload) -> tuple[Hardware, Worklo
         logger.info(f"the ranks are not probed (a step of {m} micro-batch(es) takes about {step_s:.2g} s alone: the "
                     f"probe would take over {PROBE_BUDGET_S:g} s): the spec's matrix-multiply speeds stand")
         return hw, work
-    model = _model(cfg, device)
+    build = _builder(cfg, torch.device("cpu"))
+    model = build()
     if not model.info.vocab_size:  # the probe feeds token ids
         return hw, work
     batches = probe_batches(model.info.vocab_size, t.micro_batch_size, cfg.data.seq_len, m,
                             torch.Generator().manual_seed(0))
     split_ids = work.splittable if SPLIT_PROBE in work.split_sizes and n % SPLIT_PROBE == 0 else ()
-    probe = probe_ranks(model, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
+    probe = probe_ranks(build, n, batches=batches, optim=optim_spec(cfg), threads=t.threads or threads_among(n),
                         timeout_s=PROBE_TIMEOUT_S, split_ids=tuple(split_ids))
     # (a spec written without shared_cores: the ranks share this machine's cores)
     ranks = replace(as_ranks_run(hw, probe), shared_cores=hw.shared_cores or usable_cores())
