@@ -175,3 +175,23 @@ def test_flags_that_would_do_nothing_are_refused(capsys):
     assert "--devices and --hardware go with --parallel" in capsys.readouterr().err
     assert main(["plan", "--parallel", "--sweep", "10%"]) == 2
     assert "--sweep, --estimate and --json are the offload plan's" in capsys.readouterr().err
+
+
+def test_a_resumed_auto_run_keeps_its_tree_and_shares_out_this_commands_micro_batches(tmp_path):
+    """The tree is the checkpoints'; train.grad_accum is this command's, shared among the tree's replicas (so a
+    changed global batch reaches the resume check, which refuses it as for any plan), never the recorded one."""
+    from stratum.plan.search_cli import choose_plan
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000002" / "meta.json").write_text("{}")
+    (out / "plan_prediction.json").write_text(json.dumps({"plan": "replicate(2)", "grad_accum": 1}))
+    sets = ["parallel.plan='auto'", f"train.out_dir={str(out)!r}"]
+    for accum, share in ((2, 1), (4, 2)):
+        overrides = [*sets, f"train.grad_accum={accum}"]
+        got = choose_plan(load_config(None, overrides), None, overrides).config
+        assert str(got.plan) == "replicate(2)" and got.train.grad_accum == share
+    overrides = [*sets, "train.grad_accum=3"]
+    with pytest.raises(StratumError, match=r"^train.grad_accum = 3 does not divide among the 2 replicas of the tree "
+                                           r"this run chose before \(replicate\(2\)\)"):
+        choose_plan(load_config(None, overrides), None, overrides)

@@ -339,7 +339,14 @@ def choose_plan(cfg: Config, config_path: str | None, overrides: list[str]) -> A
     prior = recorded(out)
     if prior is not None and cfg.train.resume and latest_checkpoint(out) is not None:
         logger.info(f"parallel.plan = auto: resuming with the tree this run chose before, {prior['plan']}")
-        overrides += [f"parallel.plan={prior['plan']!r}", f"train.grad_accum={int(prior['grad_accum'])}", *_SEARCHED]
+        tree = [f"parallel.plan={prior['plan']!r}", *_SEARCHED]
+        # the share of this command's train.grad_accum (a changed global batch is the resume check's to refuse)
+        replicas = load_config(config_path, overrides + tree).plan.replicas
+        if cfg.train.grad_accum % replicas:
+            raise StratumError(f"train.grad_accum = {cfg.train.grad_accum} does not divide among the {replicas} "
+                               f"replicas of the tree this run chose before ({prior['plan']}); give a multiple of "
+                               f"{replicas}, or a new train.out_dir to search again")
+        overrides += [*tree, f"train.grad_accum={cfg.train.grad_accum // replicas}"]
         return AutoChoice(config=load_config(config_path, overrides), prediction=None)
     hw = load_hardware(Path(cfg.parallel.hardware).expanduser()) if cfg.parallel.hardware.strip() else None
     n = cfg.parallel.devices or (hw.num_devices if hw else _default_devices())
