@@ -195,3 +195,18 @@ def test_a_resumed_auto_run_keeps_its_tree_and_shares_out_this_commands_micro_ba
     with pytest.raises(StratumError, match=r"^train.grad_accum = 3 does not divide among the 2 replicas of the tree "
                                            r"this run chose before \(replicate\(2\)\)"):
         choose_plan(load_config(None, overrides), None, overrides)
+
+
+def test_more_devices_than_the_spec_or_the_machine_has_are_refused_before_any_measuring(monkeypatch):
+    from stratum.plan import search_cli
+
+    def measured(*a, **k):
+        raise AssertionError("measured before the device count was checked")
+    monkeypatch.setattr(search_cli, "workload", measured)
+    monkeypatch.setattr(search_cli, "_meta_model", measured)
+    cfg = load_config(None, [])
+    hw = Hardware.uniform(4, memory_bytes=2**30, intra=Link(bandwidth=1e9, latency=1e-5))
+    with pytest.raises(StratumError, match="^8 devices asked for .* but the hardware spec has 4"):
+        search_cli.plan_search(cfg, 8, hw)
+    with pytest.raises(StratumError, match="^100,000 local processes on"):
+        search_cli.plan_search(cfg, 100_000, None)

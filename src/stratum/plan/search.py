@@ -174,12 +174,17 @@ class _Priced:
         return True
 
 
-def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SearchResult:
-    """Price every candidate tree for ``n`` devices of ``hw`` (at most ``time_limit_s`` seconds) and rank them;
-    where none fits in memory and the workload offers the offload leaf, the memory engine's trees too."""
+def check_device_count(n: int, hw: Hardware) -> None:
+    """``n`` devices must be in the spec."""
     if n > hw.num_devices:
         raise StratumError(f"{n} devices asked for (--devices or parallel.devices) but the hardware spec has "
                            f"{hw.num_devices}; ask for at most that many, or describe more in the spec")
+
+
+def search(work: Workload, hw: Hardware, n: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SearchResult:
+    """Price every candidate tree for ``n`` devices of ``hw`` (at most ``time_limit_s`` seconds) and rank them;
+    where none fits in memory and the workload offers the offload leaf, the memory engine's trees too."""
+    check_device_count(n, hw)
     deadline = time.perf_counter() + time_limit_s
     t = _Priced()
     complete = t.price(candidates(work, n), work, hw, deadline)

@@ -34,6 +34,7 @@ from stratum.atomic import atomic_write_text
 from stratum.config import Config, load_config
 from stratum.data.corpus import resolve_corpus
 from stratum.data.prepare import make_tokenizer
+from stratum.dist.launch import check_local_count
 from stratum.errors import StratumError
 from stratum.ir.costs import StepCosts
 from stratum.ir.hardware import Hardware, dump_hardware, load_hardware
@@ -57,7 +58,7 @@ from stratum.plan.rank_probe import (
     probe_seconds,
     split_block_s,
 )
-from stratum.plan.search import SearchResult, search
+from stratum.plan.search import SearchResult, check_device_count, search
 from stratum.plan.step_probe import measure_step_costs, probe_batches
 from stratum.procs import usable_cores
 from stratum.profile import Profile
@@ -90,6 +91,10 @@ def plan_search(cfg: Config, n: int, hw: Hardware | None,
     """Search the trees of ``cfg``'s model for ``n`` devices of ``hw`` (None: this machine, measured)."""
     if n < 1:
         raise StratumError(f"--devices must be >= 1, got {n}")
+    if hw is not None:  # (before anything is measured)
+        check_device_count(n, hw)
+    elif resolve_device(cfg.train.device).type == "cpu":
+        check_local_count(n)
     model = _meta_model(cfg)
     work = workload(cfg, model, profile_path)
     if hw is None:
