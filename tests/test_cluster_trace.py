@@ -111,7 +111,7 @@ def write_hw(tmp_path, bandwidth: str = '"100GB/s"'):
     ("policy", "unknown policy 'fastest'"),
     ("no trace", "cannot read the trace"),
     ("policy twice", "policy 'static-dp' is given twice"),
-    ("trace flags", "--seed, --load shape a generated trace"),
+    ("trace flags", "--seed, --load: options of a generated trace"),
     ("jpg", "must end in .png"),
     ("json a directory", "Is a directory"),
     ("json empty", "no file given for --json"),
@@ -157,7 +157,12 @@ def test_cli_simulates_every_policy_and_writes_json_and_png(tmp_path, capsys, ca
     (["--jobs", "1000000000"], "1,000,000,000 jobs is more than the 100,000"),
     (["--jobs", "5", "--load", "0"], "load must be a positive number"),
     (["--jobs", "5", "--models", "tiny", "--seq-len", "0"], "seq_len must be >= 1"),
-    (["--jobs", "5", "--models", "gpt9"], "unknown model 'gpt9'"),
+    (["--jobs", "5", "--models", "gpt9"], "model gpt9 at 1024 tokens: unknown model 'gpt9'"),
+    (["--jobs", "5", "--models", "tiny"], "model tiny at 1024 tokens: seq_len 1024 is outside 1..256, tiny's "
+                                          "context; choose others with --models or --seq-len"),
+    (["--jobs", "5", "--policy", "burst", "--png", "x.png"], "--policy, --png: options of stratum cluster "
+                                                             "simulate; trace only writes the jobs"),
+    (["--jobs", "5", "--amplification", "2"], "--amplification: options of stratum cluster simulate"),
 ])
 def test_cli_trace_bad_input_exits_2(tmp_path, capsys, extra, message):
     args = ["cluster", "trace", "--hardware", str(write_hw(tmp_path)), "--out", str(tmp_path / "t.csv")]

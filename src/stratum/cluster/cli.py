@@ -17,13 +17,14 @@ errors (exit 2).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 from pathlib import Path
 
 from stratum.atomic import check_writable
 from stratum.cluster.cluster import pick
 from stratum.cluster.generate import TraceSpec, generate
-from stratum.cluster.models import ModelCosts, known_models
+from stratum.cluster.models import ModelCosts, known_models, preset_costs
 from stratum.cluster.replay import PolicyConfig, parse_policies, replay, trace_costs
 from stratum.cluster.report import table, write_json, write_png
 from stratum.cluster.scaling import check_fits, dp_step, holders
@@ -50,19 +51,21 @@ def _simulate(args, hw) -> int:
         raise StratumError("stratum cluster simulate needs --jobs TRACE.csv")
     if given := [f for f, v in (("--out", args.out), ("--seed", args.seed), ("--load", args.load),
                                 ("--models", args.models), ("--seq-len", args.seq_len)) if v is not None]:
-        raise StratumError(f"{', '.join(given)} shape a generated trace (stratum cluster trace); simulate reads "
-                           "its trace from --jobs")
+        raise StratumError(f"{', '.join(given)}: options of a generated trace (stratum cluster trace); simulate "
+                           "reads its trace from --jobs")
     if args.png is not None:
         check_writable(args.png, "--png", ".png")
     if args.json is not None:
         check_writable(args.json, "--json")
-    if not args.until > 0:
-        raise StratumError(f"--until must be > 0 seconds, got {args.until}")
-    policies = parse_policies(args.policy)
-    config = PolicyConfig(amplification=args.amplification, interference=args.interference,
-                          startup_s=args.restart_startup)
+    until = math.inf if args.until is None else args.until
+    if not until > 0:
+        raise StratumError(f"--until must be > 0 seconds, got {until}")
+    policies = parse_policies(args.policy or "all")
+    knobs = {k: v for k, v in (("amplification", args.amplification), ("interference", args.interference),
+                               ("startup_s", args.restart_startup)) if v is not None}
+    config = replace(PolicyConfig(), **knobs)
     jobs = load_trace(args.jobs, models=known_models(), devices=hw.num_devices)
-    results = replay(hw, jobs, trace_costs(jobs, _cache_dir(args)), policies, config=config, until_s=args.until)
+    results = replay(hw, jobs, trace_costs(jobs, _cache_dir(args)), policies, config=config, until_s=until)
     print(table(results))
     if args.json is not None:
         write_json(args.json, results)
@@ -76,6 +79,12 @@ def _simulate(args, hw) -> int:
 def _trace(args, hw) -> int:
     if not args.out:
         raise StratumError("stratum cluster trace needs --out FILE.csv")
+    if given := [f for f, v in (("--policy", args.policy), ("--png", args.png), ("--json", args.json),
+                                ("--until", args.until), ("--amplification", args.amplification),
+                                ("--restart-startup", args.restart_startup), ("--interference", args.interference))
+                 if v is not None]:
+        raise StratumError(f"{', '.join(given)}: options of stratum cluster simulate; trace only writes the jobs "
+                           "(simulate them with simulate --jobs FILE.csv)")
     try:
         n = int(args.jobs or "")
     except ValueError:
@@ -91,7 +100,11 @@ def _trace(args, hw) -> int:
     def model_costs(job: Job) -> ModelCosts:
         key = (job.model, job.seq_len)
         if key not in costs:
-            costs.update(trace_costs([job], _cache_dir(args)))
+            try:
+                costs[key] = preset_costs(job.model, seq_len=job.seq_len, cache_dir=_cache_dir(args))
+            except StratumError as e:
+                raise StratumError(f"model {job.model} at {job.seq_len} tokens: {e}; choose others with --models "
+                                   "or --seq-len") from None
             try:
                 check_fits(costs[key], hw.devices, f"model {job.model}")
             except StratumError as e:

@@ -3,28 +3,27 @@ grammar and ``--help`` answer without importing torch."""
 
 from __future__ import annotations
 
-import math
-
 
 def add_parser(sub) -> None:
+    # (the simulate-only options default to None, so that trace can refuse them: their defaults are simulate's)
     p = sub.add_parser("cluster", help="SIMULATED cluster: replay a job trace under static-dp, burst, "
                                        "burst+multiplex or elastic allocation; generate traces")
     p.add_argument("action", choices=("simulate", "trace"),
                    help="simulate: replay --jobs on --hardware; trace: write a generated trace to --out")
     p.add_argument("--hardware", metavar="FILE.toml", help="the hardware spec ([hardware] table)")
     p.add_argument("--jobs", metavar="FILE.csv | N", help="simulate: the trace; trace: how many jobs")
-    p.add_argument("--policy", default="all", metavar="P[,P]",
+    p.add_argument("--policy", metavar="P[,P]",
                    help="simulate: static-dp, burst, burst+multiplex, elastic, elastic-devices, a comma-separated "
                         "list, or all (default)")
     p.add_argument("--png", metavar="FILE.png", help="simulate: write utilisation over time")
     p.add_argument("--json", metavar="FILE.json", help="simulate: write the results")
-    p.add_argument("--until", type=float, default=math.inf, metavar="SECONDS",
+    p.add_argument("--until", type=float, metavar="SECONDS",
                    help="simulate: stop at this time (default: when every job is done)")
-    p.add_argument("--amplification", type=float, default=2.0,
+    p.add_argument("--amplification", type=float,
                    help="burst plans: a block's device-seconds at most this × its one-device cost (default 2)")
-    p.add_argument("--restart-startup", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--restart-startup", type=float, metavar="SECONDS",
                    help="elastic: start-up seconds of a restarted job, on top of moving its state (default 30)")
-    p.add_argument("--interference", type=float, default=0.1,
+    p.add_argument("--interference", type=float,
                    help="burst+multiplex: the share both sides lose when background work shares a foreground "
                         "job's devices (default 0.1)")
     p.add_argument("--out", metavar="FILE.csv", help="trace: where to write it")
