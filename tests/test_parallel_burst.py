@@ -181,7 +181,8 @@ def test_burst_refuses_dropout_batchnorm_short_batches_and_wrong_width_counts():
     check_burst_model(gpt, node, 4)
     with pytest.raises(StratumError, match="raise train.micro_batch_size to at least 4"):
         check_burst_model(gpt, node, 3)
-    with pytest.raises(StratumError, match="gives 3 numbers but the model has 4 blocks"):
+    with pytest.raises(StratumError, match=r"^parallel.plan 'burst\(4, widths=4:2:1\)': widths gives 3 numbers but "
+                                           "the model has 4 blocks"):
         check_burst_model(gpt, parse_plan("burst(4, widths=4:2:1)").burst, 8)
     bn = from_sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
     with pytest.raises(StratumError, match="batch norm"):

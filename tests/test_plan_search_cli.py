@@ -210,3 +210,9 @@ def test_more_devices_than_the_spec_or_the_machine_has_are_refused_before_any_me
         search_cli.plan_search(cfg, 8, hw)
     with pytest.raises(StratumError, match="^100,000 local processes on"):
         search_cli.plan_search(cfg, 100_000, None)
+
+
+def test_auto_is_read_in_any_case_as_the_plan_nodes_are():
+    for text in ("auto", "Auto", " AUTO "):
+        cfg = load_config(None, [f"parallel.plan={text!r}", "parallel.devices=2"])
+        assert cfg.parallel.auto and cfg.parallel.devices == 2

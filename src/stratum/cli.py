@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         return run_hardware(args)
 
     cfg = load_config(args.config, args.overrides)
-    if args.command == "train" and cfg.parallel.plan.strip() == "auto":  # the ranks get the chosen tree
+    if args.command == "train" and cfg.parallel.auto:  # the ranks get the chosen tree
         from stratum.plan.search_cli import choose_plan
         choice = choose_plan(cfg, args.config, args.overrides)
         cfg = choice.config

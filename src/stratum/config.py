@@ -238,6 +238,11 @@ class ParallelConfig:
     step), or one number per process rank, e.g. "1,1,0.5,0.5". Replicas take micro-batches in proportion to
     their speed (a replica runs at its slowest process's); pipeline cuts weigh each stage by its rank's speed."""
 
+    @property
+    def auto(self) -> bool:
+        """plan = "auto", in any case (as the plan's node names are read)."""
+        return self.plan.strip().lower() == "auto"
+
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
                              "pipeline": PipelineConfig, "offload": OffloadConfig,
@@ -265,7 +270,7 @@ class Config:
         p = self.pipeline
         defaults = {"pipeline": {"schedule": p.schedule, "partition": p.partition, "virtual": p.virtual,
                                  "waves": p.waves}}
-        if self.parallel.plan.strip() == "auto":
+        if self.parallel.auto:
             raise StratumError("parallel.plan = 'auto' is chosen by the plan search when `stratum train` starts; "
                                "this command needs a plan expression (stratum plan --parallel ranks them)")
         text = self.parallel.plan.strip() or {"plain": "local", "pipeline": f"pipeline({p.ranks})",
@@ -421,7 +426,7 @@ class Config:
                                f"{', '.join(PIPELINE_PARTITIONS)}, or a profile .json file")
         _choice("parallel.backend", self.parallel.backend, PIPELINE_BACKENDS)
         _check("parallel.timeout_s", 1.0 <= self.parallel.timeout_s <= 86400.0, "must be in [1, 86400] seconds")
-        if self.parallel.plan.strip() != "auto":  # "auto" is resolved (and its tree checked) at start-up
+        if not self.parallel.auto:  # "auto" is resolved (and its tree checked) at start-up
             _ = self.plan  # parses and checks the plan expression
             self._validate_speeds()
 
@@ -432,7 +437,7 @@ class Config:
                                "choose how to train: put the engine in the plan (its leaf, e.g. replicate(2, "
                                "offload)) and leave train.engine at 'plain'")
         _check("parallel.devices", pl.devices >= 0, "must be ≥ 0 (0 = the hardware spec's devices)")
-        if pl.plan.strip() != "auto" and (pl.devices or pl.hardware.strip()):
+        if not pl.auto and (pl.devices or pl.hardware.strip()):
             raise StratumError("parallel.devices and parallel.hardware are the plan search's; they go with "
                                "parallel.plan = 'auto'")
         if pl.hardware.strip() and not Path(pl.hardware).expanduser().is_file():
@@ -446,7 +451,7 @@ class Config:
         if self.train.precision != "fp16":
             return
         what = "train.precision = 'fp16' (loss scaling) runs on the plain and offload engines only"
-        if self.parallel.plan.strip() == "auto":
+        if self.parallel.auto:
             raise StratumError(f"{what}, and parallel.plan = 'auto' searches multi-process plans: name the plan, or "
                                "use bf16 or fp32")
         if not isinstance(self.plan.root, (Local, Offload)):
@@ -480,7 +485,7 @@ class Config:
         o = self.offload
         parse_budget(o.device_budget, "offload.device_budget")
         parse_budget(o.host_budget, "offload.host_budget")
-        if self.parallel.plan.strip() not in ("", "auto") and isinstance(leaf := self.plan.leaf, Offload):
+        if self.parallel.plan.strip() and not self.parallel.auto and isinstance(leaf := self.plan.leaf, Offload):
             # the leaf's own budgets, checked here with the rest of the config, before any run state is read
             parse_budget(leaf.device_budget, "parallel.plan's offload(device_budget=…)")
             parse_budget(leaf.host_budget, "parallel.plan's offload(host_budget=…)")
@@ -496,7 +501,7 @@ class Config:
         self._validate_delayed()
 
     def _validate_delayed(self) -> None:
-        if self.parallel.plan.strip() == "auto" or isinstance(self.plan.leaf, Offload):
+        if self.parallel.auto or isinstance(self.plan.leaf, Offload):
             self.check_delayed_update()
 
     def check_delayed_update(self) -> None:

@@ -285,9 +285,9 @@ def _devices(entry: Any, i: int) -> list[Device]:
     if memory > MAX_DEVICE_BYTES:
         raise StratumError(f"{where}.memory_bytes = {entry['memory_bytes']!r} is more than a device has (at most "
                            f"{MAX_DEVICE_BYTES:.0e} bytes); check its unit")
+    kernel = _kernel_fields(entry, where)  # (its errors name their keys in full)
     try:
-        dev = Device(name=entry["name"], memory_bytes=memory, speed=float(speed), node=node,
-                     **_kernel_fields(entry, where))
+        dev = Device(name=entry["name"], memory_bytes=memory, speed=float(speed), node=node, **kernel)
     except StratumError as e:
         raise StratumError(f"{where}: {e}") from None
     return [dev] * count

@@ -34,7 +34,7 @@ from torch import nn
 from stratum.data.tokens import Batch
 from stratum.dist.world import World
 from stratum.errors import StratumError
-from stratum.ir.plan import Burst
+from stratum.ir.plan import Burst, render
 from stratum.model.blockseq import BlockSeq
 from stratum.model.neutral import buffers_to_cpu, evaluating, load_buffers
 from stratum.model.placement import localize
@@ -50,7 +50,7 @@ from stratum.runtime.tensors import HEADER_LEN, WIRE_DTYPES, full_tensor, header
 def check_burst_model(model: BlockSeq, node: Burst, micro_batch: int) -> None:
     """Refuse, in one line, a model or batch the burst node cannot run with the plain engine's losses."""
     widths = node.width_list()
-    where = f"parallel.plan 'burst({node.n}…)'"
+    where = f"parallel.plan {render(node)!r}"
     if widths and len(widths) != len(model):
         raise StratumError(f"{where}: widths gives {len(widths)} numbers but the model has {len(model)} blocks; "
                            "give one per block")
