@@ -53,7 +53,7 @@ def test_a_hand_computed_plan_as_a_table():
         "------------------------------------------------------------",
         "    0      2         1.5            0          0           3",
         "    1      1           3            0          1           5",
-        "step 5.5 s on 2 devices; busy 8 device-s, idle 3 device-s (27 %)"])
+        "a step of one micro-batch 5.5 s on 2 devices; busy 8 device-s, idle 3 device-s (27 %)"])
     # without the limit block 1 would take both devices for 1.5 + 4 s instead of 1 + 3 s: still slower
     free = plan_burst(c, devices=2, link=LINK, amplification=10.0)
     assert free.widths == (2, 1) and free.step_s == pytest.approx(plan.step_s)

@@ -106,7 +106,8 @@ class BurstPlan:
     move_s: tuple[float, ...]
     """Per block: seconds moving its input in (and its gradient back) from the previous block's width."""
     step_s: float
-    """Predicted seconds of a step (every block, all-reduce and move, one after another)."""
+    """Predicted seconds of a step of one micro-batch (every block, all-reduce and move, one after another;
+    :meth:`step_for` more micro-batches)."""
     device_s: float
     """Device-seconds busy per step; ``devices · step_s − device_s`` is idle (multiplexing's room)."""
 
@@ -128,7 +129,8 @@ class BurstPlan:
                 (max(k, self.widths[i - 1]) * self.move_s[i] if i else 0.0)
             rows.append(f"{i:>5}  {k:>5}  {self.compute_s[i]:>10.4g}  {self.allreduce_s[i]:>11.4g}  "
                         f"{self.move_s[i]:>9.4g}  {busy:>10.4g}")
-        rows.append(f"step {self.step_s:.4g} s on {self.devices} devices; busy {self.device_s:.4g} device-s, "
+        rows.append(f"a step of one micro-batch {self.step_s:.4g} s on {self.devices} devices; busy "
+                    f"{self.device_s:.4g} device-s, "
                     f"idle {self.idle_s:.4g} device-s "
                     f"({100 * self.idle_s / max(self.devices * self.step_s, 1e-30):.0f} %)")
         return "\n".join(rows)
