@@ -216,3 +216,19 @@ def test_auto_is_read_in_any_case_as_the_plan_nodes_are():
     for text in ("auto", "Auto", " AUTO "):
         cfg = load_config(None, [f"parallel.plan={text!r}", "parallel.devices=2"])
         assert cfg.parallel.auto and cfg.parallel.devices == 2
+
+
+def test_a_profile_far_off_the_blocks_timed_now_is_measured_again(corpus_file, cache_dir, monkeypatch):
+    """Taken under other load, a cached profile's blocks are 50× the step probe's: measured once more."""
+    from stratum.plan import search_cli
+    from stratum.ir.costs import StepCosts
+
+    cfg = load_config(None, [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}",
+                             "model.preset='tiny'", "data.seq_len=16", "train.micro_batch_size=2"])
+    model = search_cli._meta_model(cfg)
+    first = search_cli.planning_profile(cfg, model, search_cli.resolve_device("cpu"))  # cached now
+    measured, scales = [], iter([0.02, 1.1])
+    monkeypatch.setattr(search_cli, "planning_profile", lambda *a: measured.append(a) or first)
+    monkeypatch.setattr(search_cli, "step_costs", lambda *a, **k: StepCosts(block_scale=next(scales)))
+    work = search_cli.workload(cfg, model, None)
+    assert len(measured) == 2 and work.step.block_scale == 1.1

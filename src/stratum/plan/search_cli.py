@@ -120,27 +120,40 @@ def _builder(cfg: Config, device: torch.device) -> Callable[[], BlockSeq]:
                              seed=cfg.train.seed, device=device)
 
 
+STALE_SCALE = 3.0
+"""A block profile (cached, or measured a moment ago) whose blocks the step probe now times this many times
+faster or slower was taken under other load: it is measured once more (the scale corrects a uniform error, not
+blocks measured at different moments of the load)."""
+
+
 def workload(cfg: Config, model: BlockSeq, profile_path: str | None) -> Workload:
     """The search's view of ``cfg``'s step: costs (``profile_path`` or measured and cached), the blocks split
     shards and the split sizes the layers divide into, the weights the balanced cut uses."""
     device = resolve_device(cfg.train.device)
+    splittable = tuple(split_blocks(model))
+    sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
+    update = update_seconds_per_param(device)
     if profile_path:
         prof = profile_for(cfg, model, profile_path)
+        step = step_costs(cfg, prof, device, update, split=bool(sizes))
     else:
-        prof = planning_profile(cfg, model, device)
         t = cfg.train
         cached = cache_path(cfg.cache_dir, model, cache_key(model, micro_batch=t.micro_batch_size,
                                                              seq_len=cfg.data.seq_len, device=device,
                                                              precision=t.precision))
+        prof = planning_profile(cfg, model, device)
+        step = step_costs(cfg, prof, device, update, split=bool(sizes))
+        if not 1 / STALE_SCALE <= step.block_scale <= STALE_SCALE:
+            logger.info(f"the block profile times the blocks at {1 / step.block_scale:.3g}× what they take now "
+                        f"(measured under other load): measuring them again")
+            cached.unlink(missing_ok=True)
+            prof = planning_profile(cfg, model, device)
+            step = step_costs(cfg, prof, device, update, split=bool(sizes))
         profile_path = str(cached) if cached.is_file() else ""  # the profiled cut needs the file the ranks read
-    splittable = tuple(split_blocks(model))
-    offload = _offload_pricer(cfg, model, prof)
-    sizes = tuple(s for s in range(2, 65) if splittable and _splits(model, s))
     weights = tuple(float(sum(q.numel() for q in b.parameters())) or 1.0 for b in model.blocks)
-    update = update_seconds_per_param(device)
     return Workload(profile=prof, microbatches=cfg.train.grad_accum, splittable=splittable, split_sizes=sizes,
-                    param_counts=weights, profile_path=profile_path or "", offload=offload,
-                    update_s_per_param=update, step=step_costs(cfg, prof, device, update, split=bool(sizes)))
+                    param_counts=weights, profile_path=profile_path or "", offload=_offload_pricer(cfg, model, prof),
+                    update_s_per_param=update, step=step)
 
 
 def step_costs(cfg: Config, prof: Profile, device: torch.device, update_s_per_param: float, *,

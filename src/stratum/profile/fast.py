@@ -251,7 +251,7 @@ def cached_profile(model: BlockSeq, *, micro_batch: int, seq_len: int, device: t
         except StratumError as e:
             logger.warning(f"ignoring the unreadable cached profile {path} ({e})")
         else:
-            logger.info(f"block costs from the cached profile {path}")
+            logger.info(f"block costs from the cached profile {path} (delete it to measure them again)")
             return prof
     prof = scaled_profile(model, micro_batch=micro_batch, seq_len=seq_len, device=device, precision=precision,
                           seed=seed)
