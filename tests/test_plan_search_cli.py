@@ -220,8 +220,8 @@ def test_auto_is_read_in_any_case_as_the_plan_nodes_are():
 
 def test_a_profile_far_off_the_blocks_timed_now_is_measured_again(corpus_file, cache_dir, monkeypatch):
     """Taken under other load, a cached profile's blocks are 50× the step probe's: measured once more."""
-    from stratum.plan import search_cli
     from stratum.ir.costs import StepCosts
+    from stratum.plan import search_cli
 
     cfg = load_config(None, [f"data.corpus={str(corpus_file)!r}", f"data.cache_dir={str(cache_dir)!r}",
                              "model.preset='tiny'", "data.seq_len=16", "train.micro_batch_size=2"])
