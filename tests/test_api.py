@@ -214,6 +214,13 @@ def test_a_bad_argument_is_named_as_the_caller_wrote_it(kw, message):
         stratum.parallelize(_model(), **kw)
 
 
+def test_an_engine_refusal_names_the_arguments_too():
+    """What the engine refuses once built (a budget no placement fits) names the plan's argument, not a key."""
+    with pytest.raises(StratumError, match=r"^offload: no placement fits device_budget = 1KB and host_budget = "
+                                           r"unlimited; the smallest device_budget that works"):
+        stratum.parallelize(_model(), plan="offload(device_budget=1KB)", batch_shape=(4, 8))
+
+
 def test_a_state_of_another_shape_is_refused_by_name():
     engine = stratum.parallelize(_model(), micro_batches=2)
     state = engine.state_dict()

@@ -168,3 +168,20 @@ def test_more_local_processes_than_the_cores_can_take_are_refused_before_any_sta
                                            rf"core\(s\) is more than {MAX_PER_CORE} a core; use at most"):
         spawn_local([str(script), "sleep", str(tmp_path)], MAX_PER_CORE * cores + 1, grace_s=5)
     assert not list(tmp_path.glob("pid*"))  # no rank started
+
+
+@pytest.mark.slow
+def test_a_stopped_script_of_ones_own_is_not_promised_a_checkpoint(script, tmp_path):
+    """`stratum run` runs the user's script, whose checkpoints (if any) are its own: the stop's line says only
+    that it stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "stratum", "run", "--nproc", "2", str(script), "sleep",
+                             str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    pids = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "stratum: interrupted" in err and "checkpoint" not in err, err

@@ -38,7 +38,7 @@ from torch import nn
 from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import TRAIN, VAL, Batch
 from stratum.dist.world import World, join_world, peers_checked
-from stratum.errors import StratumError
+from stratum.errors import PeerError, StratumError
 from stratum.hand_back import Places, check_given, give_back, places
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
@@ -172,7 +172,8 @@ ARGUMENTS = {"train.micro_batch_size": "batch_shape[0]", "data.seq_len": "batch_
              "train.grad_accum": "micro_batches", "train.precision": "precision", "train.device": "device",
              "optim.weight_decay": "weight_decay", "optim.grad_clip": "grad_clip", "optim.beta1": "betas[0]",
              "optim.beta2": "betas[1]", "optim.eps": "eps", "optim.lr": "lr", "parallel.timeout_s": "timeout_s",
-             "parallel.backend": "backend", "parallel.speeds": "speeds", "parallel.plan": "plan"}
+             "parallel.backend": "backend", "parallel.speeds": "speeds", "parallel.plan": "plan",
+             "offload.device_budget": "device_budget", "offload.host_budget": "host_budget"}
 """The config keys :func:`parallelize` sets, by the argument that gives each: a refusal names what the caller
 wrote."""
 
@@ -224,9 +225,14 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     seq = as_blockseq(model, loss_fn)
     check_given(seq)
     given = places(seq)
-    world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
-    seq.to(world.device)
-    _same_start(seq, world)
-    engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
+    try:
+        world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
+        seq.to(world.device)
+        _same_start(seq, world)
+        engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
+    except PeerError:
+        raise
+    except StratumError as e:
+        raise StratumError(_in_arguments(str(e))) from None
     return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=given,
                     seed=seed)

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt as e:
         if not getattr(e, "shown", False):  # (a launcher's Stopped, whose ranks said it already)
-            print(INTERRUPTED, file=sys.stderr)
+            # (a script of the user's keeps checkpoints of its own, if any: nothing to promise about them)
+            print("stratum: interrupted" if args.command == "run" else INTERRUPTED, file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing more is wanted, and nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
