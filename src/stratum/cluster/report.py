@@ -81,7 +81,8 @@ def write_png(path: str | os.PathLike, results: Sequence[SimResult], *, title: s
     ax.set_xlabel("hours")
     ax.set_ylabel("busy devices, %")
     ax.set_ylim(0, 105)
-    ax.legend(loc="lower right", fontsize=8)
+    # beside the axes, not over them: the lines' tails (where policies end) are what the plot is read for
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     ax.set_title(f"{LABEL}: {title or 'cluster utilisation over time'}")
     fig.tight_layout()
     buf = io.BytesIO()
