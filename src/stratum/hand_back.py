@@ -64,7 +64,8 @@ def give_back(model: BlockSeq, state: TrainState, where: Places, world: World) -
     wire = world.device if world.backend == "nccl" else torch.device("cpu")
     fresh: dict[int, torch.Tensor] = {}
     for name, t in _tensors(model).items():
-        device, dtype = where[name]
+        # (a tensor an engine added since is put back where it is, a meta one on the CPU)
+        device, dtype = where.get(name, (t.device if t.device.type != "meta" else torch.device("cpu"), t.dtype))
         if world.rank == 0:  # (a buffer the state lacks keeps the model's own value)
             value = given[name].to(wire, dtype) if name in given else t.detach().to(wire, dtype)
         else:
