@@ -121,3 +121,27 @@ def test_help_usage_errors_and_config_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'the command line imported torch before running a command'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+def test_profile_and_plan_measure_at_the_threads_each_process_of_the_run_gets(monkeypatch, tmp_path):
+    """A plan of several local processes trains each on its share of the cores: its profile and its memory plan
+    are measured at that share, as its dry run is (not at this process's all)."""
+    from stratum.profile import profiler
+    from stratum.train.threads import threads_among
+
+    seen: list[int] = []
+
+    def measured(*a, **k):
+        seen.append(torch.get_num_threads())
+        raise SystemExit(0)
+    monkeypatch.setattr(profiler, "profile_from_config", measured)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # (as a process alone on two cores has them)
+        want = threads_among(2)
+        with pytest.raises(SystemExit):
+            main(["profile", "--set", "model.preset='tiny'", "--set", "parallel.plan='pipeline(2)'",
+                  "--set", "train.grad_accum=2", "--out", str(tmp_path / "p.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [want]

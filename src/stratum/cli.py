@@ -119,10 +119,9 @@ def _run(args: argparse.Namespace) -> int:
         from stratum.data.prepare import make_tokenizer
         from stratum.offload.cli import run as run_plan
         from stratum.train.fit import check_blocks
-        from stratum.train.threads import apply_threads
         cfg = load_config(args.config, args.overrides)
         check_blocks(cfg, tokenizer_vocab=make_tokenizer(cfg).vocab_size)  # the plan profiles block by block
-        apply_threads(cfg.train.threads)  # its measurements at the run's threads
+        _measure_at_run_threads(cfg)
         return run_plan(args)
     if args.command == "run":
         return _run_script(args)
@@ -154,9 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             raise StratumError("--stop-at must be ≥ 1")
         if args.dry_run:
             from stratum.train.dryrun import dry_run
-            from stratum.train.threads import apply_threads, threads_among
-            # a profile it takes is the run's: at the threads each of the plan's processes will have
-            apply_threads(cfg.train.threads or threads_among(cfg.plan.world_size()))
+            _measure_at_run_threads(cfg)
             dry_run(cfg)
             return 0
         if cfg.plan.world_size() > 1 and not is_worker():
@@ -171,14 +168,21 @@ def _run(args: argparse.Namespace) -> int:
         check_batches(cfg)
         check_writable(args.out, "the profile")  # before the measuring, which can take long
         from stratum.profile.profiler import profile_from_config
-        from stratum.train.threads import apply_threads
-        apply_threads(cfg.train.threads)
+        _measure_at_run_threads(cfg)
         prof = profile_from_config(cfg, runs=args.runs)
         prof.save(args.out)
         print(prof.table())
         print(f"wrote {args.out}")
         return 0
     raise AssertionError(args.command)
+
+
+def _measure_at_run_threads(cfg) -> None:
+    """What a command measures for a run (a profile, a plan, a dry run) is measured at the threads each of the
+    run's processes will train with: ``train.threads``, or this machine's cores shared among the plan's local
+    processes (one process for ``auto``, whose search measures as one)."""
+    from stratum.train.threads import apply_threads, threads_among
+    apply_threads(cfg.train.threads or threads_among(1 if cfg.parallel.auto else cfg.plan.world_size()))
 
 
 def _spawn_workers(cfg, args: argparse.Namespace) -> int:
