@@ -321,6 +321,27 @@ def test_a_submodule_the_caller_put_in_eval_mode_stays_in_it():
     engine.close()
 
 
+def test_planning_from_the_blocks_keeps_the_callers_modes():
+    """An offload leaf times the blocks before training (its planner's profile): in the modes the caller gave
+    them, which it leaves as they were — a frozen BatchNorm neither trains nor moves its statistics."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.BatchNorm1d(SEQ), nn.Linear(32, VOCAB))
+        m[1].eval()
+        return m
+
+    x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for plan, extra in (("local", {}), ("offload", {"batch_shape": (ROWS, SEQ)})):
+        m = model()
+        engine = stratum.parallelize(m, plan=plan, lr=1e-2, **extra)
+        assert not m[1].training
+        runs[plan] = [engine.step(x, x) for _ in range(STEPS)]
+        engine.close()
+        assert not m[1].training and torch.equal(m[1].running_mean, torch.zeros(SEQ)), plan
+    assert runs["offload"] == pytest.approx(runs["local"], rel=1e-6)
+
+
 @pytest.mark.parametrize("lr", [-0.5, float("nan"), float("inf"), "0.1"])
 def test_a_step_refuses_a_learning_rate_that_is_not_one(lr):
     engine = stratum.parallelize(_model())

@@ -155,8 +155,7 @@ def _shape_measure(model: BlockSeq, y: Tensor, mode: FakeTensorMode, device: tor
         last = i == len(model) - 1
         work = copy.deepcopy(model.blocks[i])  # parameters on meta: a copy costs nothing
         with neutral(), mode:  # the RNG forked outside the fake mode: its state is a real tensor
-            _fake_state(work, device)
-            work.train()
+            _fake_state(work, device)  # (in the modes the model's modules have, as training runs them)
             inp = x.detach().requires_grad_(x.is_floating_point())
             counter = _StorageBytes({p.untyped_storage()._cdata for p in work.parameters()})
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast(device, precision):

@@ -146,11 +146,11 @@ def _half_saved(block: nn.Module, inp: Tensor, finish, device: torch.device, pre
 def _measure_block(seq: BlockSeq, i: int, x: Tensor, y: Tensor, device: torch.device, precision: str,
                    runs: int) -> tuple[BlockProfile, Tensor]:
     """Profile block ``i`` on input ``x``; returns its profile and its (detached) output. The measuring forwards
-    and backwards run under ``neutral``: the model's RNG streams and buffers are left as they were."""
+    and backwards run under ``neutral``: the model's RNG streams and buffers are left as they were; and in the
+    modes its modules have, as training runs them (a caller's frozen BatchNorm stays in eval mode)."""
     with neutral(seq.blocks[i], devices=[device]):
         block = _working_copy(seq.blocks[i], device)
         last = i == len(seq) - 1
-        block.train()
         params = list(block.parameters())
         inp = x.detach().requires_grad_(x.is_floating_point())
 
