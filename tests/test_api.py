@@ -195,6 +195,8 @@ def test_processes_that_built_different_models_or_batches_are_refused_by_name(tm
         assert batch.startswith(f"the ranks differ in the first step's batch: rank(s) {rank} have (8, 16) and "
                                 "(8, 16) (values ")
         assert batch.endswith("give every process the same global batch (the plan shares it out)")
+        assert model.endswith("build the same model on every process (its names, shapes and dtypes: the same code "
+                              "and arguments)")
 
 
 def test_an_offload_plan_for_a_model_of_other_inputs_is_one_line():
@@ -208,7 +210,8 @@ def test_an_offload_plan_for_a_model_of_other_inputs_is_one_line():
 @pytest.mark.parametrize("kw, message", [({"micro_batches": 0}, "micro_batches must be ≥ 1"),
                                          ({"lr": float("nan")}, "lr must be > 0"),
                                          ({"betas": (2.0, 0.9)}, "betas[0] must be in [0, 1)"),
-                                         ({"plan": "replicat(2)"}, "plan 'replicat(2)': 'replicat' is not a plan")])
+                                         ({"plan": "replicat(2)"}, "plan 'replicat(2)': 'replicat' is not a plan"),
+                                         ({"plan": "Auto"}, "plan='auto' is `stratum train`'s")])
 def test_a_bad_argument_is_named_as_the_caller_wrote_it(kw, message):
     with pytest.raises(StratumError, match="^" + re.escape(message)):
         stratum.parallelize(_model(), **kw)
@@ -354,8 +357,8 @@ def test_a_step_refuses_a_learning_rate_that_is_not_one(lr):
 
 def test_loading_a_modules_state_dict_is_refused_in_one_line():
     engine = stratum.parallelize(_model())
-    with pytest.raises(StratumError, match=r"^load_state_dict takes the TrainState that state_dict\(\) returns, "
-                                           r"not a OrderedDict; to start from a module's weights"):
+    with pytest.raises(StratumError, match=r"^load_state_dict takes the TrainState that state_dict\(\) returns "
+                                           r"\(got OrderedDict\); to start from a module's weights"):
         engine.load_state_dict(_model().state_dict())
     engine.close()
 

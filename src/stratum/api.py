@@ -123,8 +123,8 @@ class Parallel:
     def load_state_dict(self, state: TrainState) -> None:
         """Continue from ``state``: what :meth:`state_dict` returned (rank 0's, on every process)."""
         if not isinstance(state, TrainState):
-            raise StratumError(f"load_state_dict takes the TrainState that state_dict() returns, not a "
-                               f"{type(state).__name__}; to start from a module's weights, load them into the "
+            raise StratumError(f"load_state_dict takes the TrainState that state_dict() returns (got "
+                               f"{type(state).__name__}); to start from a module's weights, load them into the "
                                "model before parallelize")
         with peers_checked(self.world):
             self.engine.load_state(state)
@@ -160,7 +160,8 @@ def _same_start(model: BlockSeq, world: World) -> None:
     digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
     # a process that built another model would pair its broadcasts with the wrong tensors: refused by name first
     world.agree({"the model built": f"{len(tensors)} tensors, {sum(t.numel() for _, t in tensors):,} elements "
-                                    f"(layout {digest})"})
+                                    f"(layout {digest})"},
+                "build the same model on every process (its names, shapes and dtypes: the same code and arguments)")
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen and t.device.type != "meta":
@@ -173,7 +174,8 @@ ARGUMENTS = {"train.micro_batch_size": "batch_shape[0]", "data.seq_len": "batch_
              "optim.weight_decay": "weight_decay", "optim.grad_clip": "grad_clip", "optim.beta1": "betas[0]",
              "optim.beta2": "betas[1]", "optim.eps": "eps", "optim.lr": "lr", "parallel.timeout_s": "timeout_s",
              "parallel.backend": "backend", "parallel.speeds": "speeds", "parallel.plan": "plan",
-             "offload.device_budget": "device_budget", "offload.host_budget": "host_budget"}
+             "offload.device_budget": "device_budget", "offload.host_budget": "host_budget",
+             "set model.dropout = 0": "set the model's dropout to 0"}
 """The config keys :func:`parallelize` sets, by the argument that gives each: a refusal names what the caller
 wrote."""
 
@@ -216,6 +218,9 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     ``batch_shape``: (rows, sequence length) of one micro-batch — an offload leaf plans its device memory for the
     activations of that shape, so a plan with one needs it. ``seed``: the dropout masks' (see the module
     docstring)."""
+    if plan.strip().lower() == "auto":
+        raise StratumError("plan='auto' is `stratum train`'s (its search runs as a run starts): give parallelize a "
+                           "plan expression; `stratum plan --parallel` ranks them for a config's model")
     try:
         cfg = _config(plan=plan, lr=lr, micro_batches=micro_batches, weight_decay=weight_decay, betas=betas, eps=eps,
                       grad_clip=grad_clip, precision=precision, device=device, backend=backend,

@@ -73,8 +73,8 @@ def make_schedule(p: Pipeline, microbatches: int) -> Schedule:
                                f"{microbatches} micro-batches (train.grad_accum): {e}") from None
     path = Path(p.schedule).expanduser()
     if not path.is_file():
-        raise StratumError(f"pipeline.schedule = {p.schedule!r} is neither a schedule kind ({', '.join(KINDS)}) "
-                           "nor an existing schedule file")
+        raise StratumError(f"pipeline.schedule = {p.schedule!r} is neither a schedule kind ({', '.join(KINDS)}, "
+                           "torch:NAME) nor an existing schedule file")
     sched = load(path)  # validated
     if sched.num_ranks != p.ranks:
         raise StratumError(f"schedule file {path} has {sched.num_ranks} ranks but pipeline.ranks = {p.ranks}")
