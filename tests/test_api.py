@@ -262,6 +262,47 @@ def test_a_streamed_offload_plan_gives_the_trained_model_back():
     assert torch.equal(torch.load(buf).params["blocks.1.weight"], state.params["blocks.1.weight"])
 
 
+@pytest.mark.parametrize("budget", ["40KB", "80KB", "200KB"])
+def test_an_offload_plan_of_a_small_model_is_chosen_among_ties_on_their_own_layouts(budget):
+    """Near-tied placements are priced again on a slower disk, each on the layout it was priced on (one chunk
+    size packs into several: a tier choice pins chunks); on another layout of its size, the slots of a placement
+    could not hold one access (ValueError)."""
+    torch.manual_seed(0)
+    engine = stratum.parallelize(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32)),
+                                 plan=f"offload(device_budget={budget})", batch_shape=(4, 16))
+    engine.close()
+
+
+def test_a_closed_engine_refuses_to_go_on_and_leaves_the_model_given_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    engine = stratum.parallelize(model, plan="offload(device_budget=40KB)", batch_shape=(4, 16))
+    rows = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(0))
+    engine.step(rows[:, :-1], rows[:, 1:])
+    engine.close()
+    trained = model[1].weight.detach().clone()
+    for call in (lambda: engine.step(rows[:, :-1], rows[:, 1:]), lambda: engine.eval_loss(rows[:, :-1], rows[:, 1:]),
+                 engine.state_dict, engine.close):
+        with pytest.raises(StratumError, match=r"^this engine is closed \(close\(\) gave the model back\)"):
+            call()
+    assert torch.equal(model[1].weight, trained) and trained.abs().sum() > 0
+
+
+def test_an_offload_leaf_refuses_micro_batches_larger_than_it_planned_for():
+    torch.manual_seed(0)
+    engine = stratum.parallelize(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32)),
+                                 plan="offload(device_budget=40KB)", batch_shape=(4, 16), micro_batches=2)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((16, 17), (8, 65)):  # 8 rows a micro-batch; 64 tokens
+        rows = torch.randint(0, 32, shape, generator=g)
+        with pytest.raises(StratumError, match=r"^micro-batches of \(\d+, \d+\) are larger than the offload leaf "
+                                               r"planned its device memory for \(batch_shape=\(4, 16\)\)"):
+            engine.step(rows[:, :-1], rows[:, 1:])
+    rows = torch.randint(0, 32, (8, 17), generator=g)
+    assert engine.step(rows[:, :-1], rows[:, 1:]) > 0  # the engine goes on
+    engine.close()
+
+
 def _plain_losses(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[float]:
     """STEPS steps of the caller's own loop: AdamW as parallelize's (betas 0.9, 0.95), no decay or clipping."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95),

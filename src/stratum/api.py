@@ -39,7 +39,7 @@ from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import TRAIN, VAL, Batch
 from stratum.dist.world import World, join_world, peers_checked
 from stratum.errors import PeerError, StratumError
-from stratum.hand_back import Places, check_given, give_back, places
+from stratum.hand_back import Given, check_given, give_back, given, release_replaced
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
 from stratum.model.hf import from_transformers
@@ -72,12 +72,16 @@ class Parallel:
     lr: float
     model: BlockSeq
     """The model as given (wrapped as a BlockSeq): :meth:`close` writes the trained values back into it."""
-    given: Places
-    """Where its tensors were given: where :meth:`close` puts the trained ones."""
+    given: Given
+    """Its tensors as given, and where: what :meth:`close` puts the trained values in."""
     seed: int = 0
     """Seeds the dropout masks' streams (with the step and the micro-batch)."""
     steps_done: int = 0
     """Optimizer steps taken: the step the next one's masks are drawn for."""
+    batch_limit: tuple[int, int] | None = None
+    """An offload leaf's planned micro-batch (rows, sequence length): the most device memory one may take."""
+    closed: bool = False
+    """After :meth:`close`: the model is the caller's again."""
 
     @property
     def rank(self) -> int:
@@ -88,17 +92,29 @@ class Parallel:
         """Rank 0: the process that should print and save."""
         return self.world.is_main
 
+    def _open(self) -> None:
+        if self.closed:
+            raise StratumError("this engine is closed (close() gave the model back): parallelize the model again "
+                               "to go on training it")
+
     def _split(self, x: torch.Tensor, y: torch.Tensor, split: int) -> list[Batch]:
         """The global batch's micro-batches, each with its dropout stream (as the trainer's data gives them)."""
+        self._open()
         n = self.micro_batches * self.world.plan.replicas
         if x.shape[0] % n:
             raise StratumError(f"a batch of {x.shape[0]} rows cannot be cut into {n} equal micro-batches "
                                f"(micro_batches × replicas); use a multiple of {n}")
+        if self.batch_limit is not None and (x.shape[0] // n > self.batch_limit[0]
+                                             or (x.dim() > 1 and x.shape[1] > self.batch_limit[1])):
+            raise StratumError(f"micro-batches of {(x.shape[0] // n, *x.shape[1:2])} are larger than the offload "
+                               f"leaf planned its device memory for (batch_shape={self.batch_limit}); give "
+                               "parallelize the largest batch_shape a step will take")
         return [Batch(x=a, y=b, stream=mix(self.seed, split, self.steps_done, i))
                 for i, (a, b) in enumerate(zip(x.chunk(n), y.chunk(n)))]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, lr: float | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)``; its mean loss (equal on every process)."""
+        self._open()
         if lr is not None and not (isinstance(lr, (int, float)) and 0 <= lr < math.inf):
             raise StratumError(f"step(lr={lr!r}): the learning rate must be a finite number ≥ 0")
         with peers_checked(self.world):  # a peer gone mid-exchange: one PeerError, not the backend's traceback
@@ -117,6 +133,7 @@ class Parallel:
     def state_dict(self) -> TrainState:
         """Parameters and AdamW state by canonical name, whole, on rank 0 (call it on every process; give rank
         0's to every process's :meth:`load_state_dict`)."""
+        self._open()
         with peers_checked(self.world):
             return self.engine.state()
 
@@ -126,6 +143,7 @@ class Parallel:
             raise StratumError(f"load_state_dict takes the TrainState that state_dict() returns (got "
                                f"{type(state).__name__}); to start from a module's weights, load them into the "
                                "model before parallelize")
+        self._open()
         with peers_checked(self.world):
             self.engine.load_state(state)
 
@@ -135,6 +153,8 @@ class Parallel:
         a model a split plan made its own stays the engine's: its values are :meth:`state_dict`'s). The process
         group stays (it ends with the process): a launcher's rendezvous cannot be repeated, so another
         :func:`parallelize` in this process joins the same group."""
+        self._open()
+        self.closed = True
         with peers_checked(self.world):
             state = self.engine.state()
             self.engine.close()
@@ -229,15 +249,17 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
         raise StratumError(_in_arguments(str(e))) from None
     seq = as_blockseq(model, loss_fn)
     check_given(seq)
-    given = places(seq)
+    as_given = given(seq)
     try:
         world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
         seq.to(world.device)
         _same_start(seq, world)
         engine = build_engine(cfg, seq, world, speeds=rank_speeds(cfg, world))
+        release_replaced(seq, as_given)
     except PeerError:
         raise
     except StratumError as e:
         raise StratumError(_in_arguments(str(e))) from None
-    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=given,
-                    seed=seed)
+    limit = batch_shape if isinstance(cfg.plan.leaf, Offload) else None
+    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=as_given,
+                    seed=seed, batch_limit=limit)

@@ -1,17 +1,22 @@
 """The model a caller gave :func:`stratum.parallelize`, given back trained when the engine closes.
 
 An engine need not train the caller's tensors in place: the memory engine streams them through chunks (the module's
-own tensors end as stale views), a pipeline keeps only its stages (the others become ``meta``). So that the
-caller's ``model`` is the trained model after ``close()`` — what a training loop of their own would leave —
-rank 0's gathered state is written into every process's copy of the model, on the device each tensor was on when
-it was given. A split plan's layers are the engine's own (DTensor parameters, redistribution hooks): such a model
-is left as it is, and its state is ``state_dict()``'s.
+own tensors end as stale views), a pipeline keeps only its stages (the others become new ``meta`` parameters). So
+that the caller's ``model`` is the trained model after ``close()`` — what a training loop of their own would leave —
+rank 0's gathered state is written into every process's copy of the model, into the very tensor objects it was
+given (what the caller holds of them — an optimizer, an EMA, a hook — stays the model's), on the device each was on.
+While the engine runs, a given tensor an engine replaced holds no memory (a pipeline rank keeps only its stages').
+A split plan's layers are the engine's own (DTensor parameters, redistribution hooks): such a model is left as it
+is, and its state is ``state_dict()``'s.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stratum.dist.world import World
@@ -19,8 +24,13 @@ from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
 from stratum.runtime.engine import TrainState
 
-Places = dict[str, tuple[torch.device, torch.dtype]]
-"""Canonical tensor name → where it was given and its dtype."""
+
+@dataclass(frozen=True)
+class Given:
+    """The tensors a model was given with, by canonical name, and where each was."""
+
+    tensors: dict[str, torch.Tensor]
+    places: dict[str, tuple[torch.device, torch.dtype]]
 
 
 def _tensors(model: BlockSeq) -> dict[str, torch.Tensor]:
@@ -36,10 +46,20 @@ def _tensors(model: BlockSeq) -> dict[str, torch.Tensor]:
     return out
 
 
-def places(model: BlockSeq) -> Places:
-    """Where each parameter and persistent buffer of ``model`` is now, by canonical name (before an engine moves
-    them)."""
-    return {name: (t.device, t.dtype) for name, t in _tensors(model).items()}
+def given(model: BlockSeq) -> Given:
+    """``model``'s tensors as given, before an engine moves or replaces any."""
+    tensors = _tensors(model)
+    return Given(tensors=tensors, places={name: (t.device, t.dtype) for name, t in tensors.items()})
+
+
+def release_replaced(model: BlockSeq, what: Given) -> None:
+    """Let the given tensors an engine replaced (another stage's, now on ``meta``) hold no memory until
+    :func:`give_back` refills them."""
+    now = _tensors(model)
+    with torch.no_grad():
+        for name, t in what.tensors.items():
+            if now.get(name) is not t and t.device.type != "meta":
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def check_given(model: BlockSeq) -> None:
@@ -54,41 +74,42 @@ def check_given(model: BlockSeq) -> None:
                                "values into it, before parallelize")
 
 
-def give_back(model: BlockSeq, state: TrainState, where: Places, world: World) -> None:
-    """Write rank 0's ``state`` (every other process's may be empty) into ``model`` on every process, each tensor
-    on the device it was given on, in its dtype; a model a split plan made its own is left as it is (on every
-    process alike)."""
+def give_back(model: BlockSeq, state: TrainState, what: Given, world: World) -> None:
+    """Write rank 0's ``state`` (every other process's may be empty) into ``model`` on every process — into the
+    tensors it was given, back in its modules, each on the device it was given on, in its dtype; a model a split
+    plan made its own is left as it is (on every process alike)."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return
-    given = {**state.params, **state.buffers}
+    values = {**state.params, **state.buffers}
     wire = world.device if world.backend == "nccl" else torch.device("cpu")
-    fresh: dict[int, torch.Tensor] = {}
+    back: dict[int, torch.Tensor] = {}
     for name, t in _tensors(model).items():
-        # (a tensor an engine added since is put back where it is, a meta one on the CPU)
-        device, dtype = where.get(name, (t.device if t.device.type != "meta" else torch.device("cpu"), t.dtype))
+        target = what.tensors.get(name, t)  # (one an engine added since: filled where it is)
+        device, dtype = what.places.get(name, (t.device, t.dtype))
         if world.rank == 0:  # (a buffer the state lacks keeps the model's own value)
-            value = given[name].to(wire, dtype) if name in given else t.detach().to(wire, dtype)
+            value = values[name].to(wire, dtype) if name in values else t.detach().to(wire, dtype)
         else:
             value = torch.empty(t.shape, dtype=dtype, device=wire)
         if world.backend != "none":
             world.wait(dist.broadcast(value, src=0, async_op=True), f"handing back the trained {name}")
-        if t.device.type == "meta":  # (a meta tensor cannot take values in place: the modules get new ones)
-            fresh[id(t)] = value.to(device)
+        if target.device.type == "meta":  # (nothing in place can take values: a new tensor)
+            target = nn.Parameter(value.to(device), requires_grad=t.requires_grad) \
+                if isinstance(t, nn.Parameter) else value.to(device)
         else:
-            t.data = value.to(device)
-    _replace(model, fresh)
+            with torch.no_grad():
+                target.data = value.to(device)
+        if target is not t:
+            back[id(t)] = target
+    _put_back(model, back)
 
 
-def _replace(model: BlockSeq, fresh: dict[int, torch.Tensor]) -> None:
-    """Every module's parameter or buffer that is a key of ``fresh`` (by id) replaced by its value — one new
-    parameter for a tensor several modules share, so a tie stays a tie."""
-    made: dict[int, torch.nn.Parameter] = {}
+def _put_back(model: BlockSeq, back: dict[int, torch.Tensor]) -> None:
+    """Every module's parameter or buffer whose id is a key of ``back`` replaced by its value (a tensor several
+    modules share is one, so a tie stays a tie)."""
     for mod in model.modules():
         for k, p in mod._parameters.items():
-            if p is not None and id(p) in fresh:
-                if id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(fresh[id(p)], requires_grad=p.requires_grad)
-                mod._parameters[k] = made[id(p)]
+            if p is not None and id(p) in back:
+                mod._parameters[k] = back[id(p)]  # type: ignore[assignment]
         for k, b in mod._buffers.items():
-            if b is not None and id(b) in fresh:
-                mod._buffers[k] = fresh[id(b)]
+            if b is not None and id(b) in back:
+                mod._buffers[k] = back[id(b)]

@@ -197,7 +197,8 @@ class _Search:
     fits: list[tuple[float, tuple, Placement]] = field(default_factory=list)
     """(predicted step, tie-break key, placement) of every candidate that fits."""
     layouts: dict[int, Layout] = field(default_factory=dict)
-    """Chunk elements → layout (to predict tied placements again on a slower disk)."""
+    """id of a fitting placement → the layout it was priced on (to predict tied placements again on a slower disk;
+    one chunk size packs into several layouts, as the tier choices pin chunks)."""
     tried: int = 0
     cut: bool = False
     smallest: dict[str, int | None] = field(default_factory=lambda: {DEVICE: None, HOST: None})
@@ -288,7 +289,9 @@ def _try_tiers(job: _Job, t: _Tiers, defer_options: list[frozenset[int]], search
         # are the plan's, and a deeper queue absorbs the jitter a full-overlap prediction leaves out)
         key = (sum(tr.values()), TIERS.index(t.ptier), TIERS.index(t.opt), peak[DISK], peak[HOST], peak[DEVICE],
                -t.layout.chunk_elems, -k, step)
-        search.fits.append((step, key, _placement(job, t, R, k, late, predicted)))
+        placement = _placement(job, t, R, k, late, predicted)
+        search.layouts[id(placement)] = t.layout
+        search.fits.append((step, key, placement))
     return here
 
 
@@ -346,7 +349,7 @@ def _pick(job: _Job, search: _Search) -> Placement:
                                               disk_write=bw.disk_write * SLOW_DISK)
 
     def on_slow_disk(p: Placement) -> float:
-        return predict_placement(search.layouts[p.chunk_elems], p, costs=job.costs, bw=slow_bw, n_micro=job.n_micro,
+        return predict_placement(search.layouts[id(p)], p, costs=job.costs, bw=slow_bw, n_micro=job.n_micro,
                                  deferred=job.deferred, n_params=job.n_params)[2]
     plan = choose(search.fits, on_slow_disk if bw is not None else None)
     plan.candidates = search.tried
@@ -408,7 +411,6 @@ def _search(job: _Job, opts: list[str], recs: list[str], chunk_elems: int | None
     search = _Search()
     for C in [chunk_elems] if chunk_elems else _chunk_candidates(job.seq):
         layout = pack(job.seq, C)
-        search.layouts[layout.chunk_elems] = layout
         before = stop_run = None  # the best step with one kept block fewer; the run of suffixes being skipped
         for t, first in _tier_options(job, layout, opts, recs):
             if first:
