@@ -197,6 +197,10 @@ def _factory_module(tmp_path, monkeypatch, body: str) -> None:
     ("def lm(*, vocab_size, seq_len):\n    return nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(8, 7))\n",
      r"^model.factory 'user_factories:lm': its model maps token ids of shape \(1, 2\) to shape \(1, 2, 7\), not "
      r"the logits \(1, 2, 64\)"),
+    ("def lm(*, vocab_size, seq_len):\n    return (nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size))\n",
+     r"^user_factories:lm returned a list of modules; return them as an nn.Sequential"),
+    ("def lm(*, vocab_size, seq_len):\n    return [lambda: nn.Embedding(vocab_size, 8), lambda: 1 / 0]\n",
+     r"block constructor 1 raised ZeroDivisionError: division by zero$"),
     ("def lm(*, vocab_size, seq_len):\n    return nn.Sequential(nn.Linear(8, vocab_size))\n",
      r"^model.factory 'user_factories:lm': its model fails on token ids of shape \(1, 2\) \(RuntimeError: "),
 ])
@@ -218,3 +222,11 @@ def test_the_check_of_a_factory_model_leaves_its_statistics_and_modes():
         if isinstance(m, torch.nn.BatchNorm1d):
             assert torch.equal(m.running_mean, torch.zeros_like(m.running_mean))
             assert int(m.num_batches_tracked) == 0
+
+
+def test_a_module_wrapped_again_carries_one_check():
+    """Each wrap (a parallelize, a rebuild) checks a block's output once: the hooks do not pile up."""
+    m = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    for _ in range(3):
+        from_sequential(m)
+    assert [len(c._forward_hooks) for c in m] == [1, 0]

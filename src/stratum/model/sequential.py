@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq, LossFn, ModelInfo, block_seed, lm_cross_entropy, parameters_on_meta
@@ -36,8 +38,14 @@ def from_sequential(model: nn.Sequential, *, name: str = "sequential", loss_fn: 
                      extra={"source": "sequential", "factory": name})
     names = [f"{n}:{type(m.inner if isinstance(m, _Again) else m).__name__}" for n, m in children]
     for i, (_, m) in enumerate(children[:-1]):  # (the last one's output goes to the loss, which takes anything)
-        m.register_forward_hook(_one_tensor(i, names[i]))
+        if (earlier := _CHECKS.pop(m, None)) is not None:  # one check per module, however often it is wrapped
+            earlier.remove()
+        _CHECKS[m] = m.register_forward_hook(_one_tensor(i, names[i]))
     return BlockSeq([m for _, m in children], loss_fn, info, names)
+
+
+_CHECKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+"""The one-tensor check each wrapped module carries (a caller's module wrapped again gets it once)."""
 
 
 class _Again(nn.Module):
@@ -151,13 +159,20 @@ def from_block_builders(builders: Sequence[Callable[[], nn.Module]], *, seed: in
     the caller's RNG state left as it was. ``lazy``: parameters stay on the meta device and ``seq.materialize(i)``
     builds block ``i`` for real and copies its values in (one block in RAM at a time); otherwise every block is
     built now, on ``device``, with the same values. ``device='meta'``: the structure only."""
+    if any(isinstance(b, nn.Module) for b in builders):
+        raise StratumError(f"{name} returned a list of modules; return them as an nn.Sequential, or return one "
+                           "zero-argument constructor per block (e.g. lambda: nn.Linear(8, 8))")
     if not builders or not all(callable(b) for b in builders):
         raise StratumError(f"{name}: expected a non-empty list of zero-argument block constructors")
 
     def make(i: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(block_seed(seed, i))
-            block = builders[i]()
+            try:
+                block = builders[i]()
+            except Exception as e:  # the user's code: one line, as for the factory itself
+                raise StratumError(f"{name}: block constructor {i} raised {type(e).__name__}: "
+                                   f"{_first_line(e)}") from None
         if not isinstance(block, nn.Module):
             raise StratumError(f"{name}: block constructor {i} returned {type(block).__name__}, expected an "
                                "nn.Module")
