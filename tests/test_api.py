@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -232,6 +233,23 @@ def test_a_state_of_another_shape_is_refused_by_name():
                                            r"model's has \(64, 16\)"):
         engine.load_state_dict(wrong)
     engine.close()
+
+
+def test_a_16_bit_model_trains_on_from_an_fp32_state_and_the_offload_leaf_refuses_it():
+    fp32 = _model()
+    engine = stratum.parallelize(fp32, lr=3e-3)
+    rows = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    engine.step(rows[:, :-1], rows[:, 1:])
+    state = engine.state_dict()
+    engine.close()
+    half = _model().to(torch.bfloat16)
+    engine = stratum.parallelize(half, lr=3e-3)
+    engine.load_state_dict(state)  # (AdamW's moments taken in the parameters' dtype, as torch makes them)
+    assert math.isfinite(engine.step(rows[:, :-1], rows[:, 1:]))
+    engine.close()
+    with pytest.raises(StratumError, match=r"^the offload leaf keeps fp32 master weights, and blocks.0.weight is "
+                                           r"torch.bfloat16; give it the model in fp32"):
+        stratum.parallelize(half, plan="offload(device_budget=10MB)", batch_shape=(4, 12))
 
 
 def test_an_offload_plan_refuses_a_frozen_parameter_in_one_line():

@@ -85,7 +85,12 @@ def placement_for(cfg: Config, model: BlockSeq, device: torch.device, *, profile
 
 def check_trainable(model: BlockSeq) -> None:
     """The memory engine trains every parameter: its chunks hold a gradient and AdamW moments for each element,
-    and a chunk's update runs when all its gradients are in. A frozen parameter is refused, in one line."""
+    and a chunk's update runs when all its gradients are in. A frozen parameter is refused, in one line; so is a
+    16-bit one — the chunks hold fp32 masters, and the 16-bit working copies are train.precision's to make."""
+    if low := next(((n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32), None):
+        raise StratumError(f"the offload leaf keeps fp32 master weights, and {low[0]} is {low[1]}; give it the "
+                           "model in fp32 (its 16-bit working copies come from train.precision = 'bf16'), or use a "
+                           "plan without offload")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")

@@ -52,8 +52,9 @@ def import_state(opt: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter
     """Load state saved by :func:`export_state` (from any engine) into ``opt``."""
     opt.state.clear()
     for name, p in named:
-        if name in state:
-            opt.state[p] = shard_state({k: v for k, v in state[name].items() if k in _STATE_KEYS}, p)
+        if name in state:  # (moments in the parameter's dtype, as torch's AdamW makes them: a bf16 model's are bf16)
+            opt.state[p] = shard_state({k: v if k == "step" else v.to(p.dtype)
+                                        for k, v in state[name].items() if k in _STATE_KEYS}, p)
 
 
 class Optimizer(abc.ABC):
