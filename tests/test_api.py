@@ -192,7 +192,8 @@ def test_processes_that_built_different_models_or_batches_are_refused_by_name(tm
     run_workers(__file__, job, 2, timeout=120)
     for rank in (0, 1):
         model, batch = (tmp_path / f"err.{rank}").read_text().splitlines()
-        assert model.startswith(f"the ranks differ in the model built: rank(s) {rank} have 3 tensors")
+        assert model.startswith(f"the ranks differ in the model's tensor 0: rank(s) {rank} have blocks.0.weight "
+                                f"({VOCAB}, {16 + 8 * rank}) torch.float32"), model
         assert batch.startswith(f"the ranks differ in the first step's batch: rank(s) {rank} have (8, 16) and "
                                 "(8, 16) (values ")
         assert batch.endswith("give every process the same global batch (the plan shares it out)")

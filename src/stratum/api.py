@@ -176,12 +176,13 @@ def _same_start(model: BlockSeq, world: World) -> None:
     if world.backend == "none":
         return
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    layout = "\n".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in tensors)
-    digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
-    # a process that built another model would pair its broadcasts with the wrong tensors: refused by name first
-    world.agree({"the model built": f"{len(tensors)} tensors, {sum(t.numel() for _, t in tensors):,} elements "
-                                    f"(layout {digest})"},
-                "build the same model on every process (its names, shapes and dtypes: the same code and arguments)")
+    # a process that built another model would pair its broadcasts with the wrong tensors: refused first, naming
+    # the first tensor that differs (the count first: the per-tensor facts need as many on every process)
+    fix = "build the same model on every process (its names, shapes and dtypes: the same code and arguments)"
+    world.agree({"the model built": f"{len(tensors)} tensors"}, fix)
+    width = len(str(len(tensors)))
+    world.agree({f"the model's tensor {i:0{width}d}": f"{n} {tuple(t.shape)} {t.dtype}"
+                 for i, (n, t) in enumerate(tensors)}, fix)
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen and t.device.type != "meta":
