@@ -307,6 +307,20 @@ def test_a_closed_engine_refuses_to_go_on_and_leaves_the_model_given_back():
     assert torch.equal(model[1].weight, trained) and trained.abs().sum() > 0
 
 
+def test_a_model_an_open_engine_trains_is_refused_until_that_engine_closes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    first = stratum.parallelize(model, plan="local")
+    for again in (model, nn.Sequential(nn.Embedding(32, 16), model[1])):  # (the model, or a layer of it, shared)
+        with pytest.raises(StratumError, match=r"^the model's .*weight is being trained by an engine that is still "
+                                               r"open: call that engine's close\(\) first"):
+            stratum.parallelize(again, plan="local")
+    first.close()
+    dropped = stratum.parallelize(model, plan="local")
+    del dropped  # (an engine let go of without close() holds the model no more)
+    stratum.parallelize(model, plan="local").close()
+
+
 def test_an_offload_leaf_refuses_micro_batches_larger_than_it_planned_for():
     torch.manual_seed(0)
     engine = stratum.parallelize(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32)),

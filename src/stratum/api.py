@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from stratum.config import Config, ParallelConfig, TrainConfig
 from stratum.data.tokens import TRAIN, VAL, Batch
 from stratum.dist.world import World, join_world, peers_checked
 from stratum.errors import PeerError, StratumError
-from stratum.hand_back import Given, check_given, give_back, given, release_replaced
+from stratum.hand_back import Given, check_free, check_given, give_back, given, hold, let_go, release_replaced
 from stratum.ir.plan import Offload
 from stratum.model.blockseq import BlockSeq, LossFn, lm_cross_entropy
 from stratum.model.hf import from_transformers
@@ -99,7 +100,6 @@ class Parallel:
 
     def _split(self, x: torch.Tensor, y: torch.Tensor, split: int) -> list[Batch]:
         """The global batch's micro-batches, each with its dropout stream (as the trainer's data gives them)."""
-        self._open()
         n = self.micro_batches * self.world.plan.replicas
         if x.shape[0] % n:
             raise StratumError(f"a batch of {x.shape[0]} rows cannot be cut into {n} equal micro-batches "
@@ -127,6 +127,7 @@ class Parallel:
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The mean loss of ``(x, y)`` without training (every process calls it: a collective on most plans)."""
+        self._open()
         with peers_checked(self.world):
             return self.engine.eval_loss(self._split(x, y, VAL))
 
@@ -155,12 +156,15 @@ class Parallel:
         :func:`parallelize` in this process joins the same group."""
         self._open()
         self.closed = True
-        with peers_checked(self.world):
-            state = self.engine.state()
-            self.engine.close()
-            if self.world.backend != "none":
-                self.world.wait(dist.barrier(async_op=True), "the closing barrier")
-            give_back(self.model, state, self.given, self.world)
+        try:
+            with peers_checked(self.world):
+                state = self.engine.state()
+                self.engine.close()
+                if self.world.backend != "none":
+                    self.world.wait(dist.barrier(async_op=True), "the closing barrier")
+                give_back(self.model, state, self.given, self.world)
+        finally:
+            let_go(self.given)
 
 
 def _digest(*tensors: torch.Tensor) -> str:
@@ -239,7 +243,7 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     ``batch_shape``: (rows, sequence length) of one micro-batch — an offload leaf plans its device memory for the
     activations of that shape, so a plan with one needs it. ``seed``: the dropout masks' (see the module
     docstring)."""
-    if plan.strip().lower() == "auto":
+    if isinstance(plan, str) and ParallelConfig(plan=plan).auto:
         raise StratumError("plan='auto' is `stratum train`'s (its search runs as a run starts): give parallelize a "
                            "plan expression; `stratum plan --parallel` ranks them for a config's model")
     try:
@@ -250,6 +254,7 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
         raise StratumError(_in_arguments(str(e))) from None
     seq = as_blockseq(model, loss_fn)
     check_given(seq)
+    check_free(seq)
     as_given = given(seq)
     try:
         world = join_world(cfg.plan, resolve_device(device), backend=backend, timeout_s=timeout_s)
@@ -262,5 +267,8 @@ def parallelize(model: nn.Module, *, plan: str = "local", lr: float = 1e-3, micr
     except StratumError as e:
         raise StratumError(_in_arguments(str(e))) from None
     limit = batch_shape if isinstance(cfg.plan.leaf, Offload) else None
-    return Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=as_given,
-                    seed=seed, batch_limit=limit)
+    out = Parallel(engine=engine, world=world, micro_batches=micro_batches, lr=lr, model=seq, given=as_given,
+                   seed=seed, batch_limit=limit)
+    hold(as_given)
+    weakref.finalize(out, let_go, as_given)  # (an engine dropped unclosed holds the model no more)
+    return out

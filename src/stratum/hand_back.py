@@ -12,6 +12,7 @@ is, and its state is ``state_dict()``'s.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from stratum.dist.world import World
 from stratum.errors import StratumError
 from stratum.model.blockseq import BlockSeq
+from stratum.model.neutral import all_persistent_buffers
 from stratum.runtime.engine import TrainState
 
 
@@ -38,12 +40,34 @@ def _tensors(model: BlockSeq) -> dict[str, torch.Tensor]:
     the same names on every process, whatever part of the model it holds."""
     out: dict[str, torch.Tensor] = dict(model.named_parameters())
     seen = {id(t) for t in out.values()}
-    for prefix, mod in model.named_modules():
-        for name, t in mod._buffers.items():
-            if t is not None and name not in mod._non_persistent_buffers_set and id(t) not in seen:
-                seen.add(id(t))
-                out[f"{prefix}.{name}" if prefix else name] = t
+    out.update({name: t for name, t in all_persistent_buffers(model).items() if id(t) not in seen})
     return out
+
+
+_HELD: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""The given tensors of this process's open engines, by id: one engine at a time trains a tensor (two would each
+step on values the other replaces, and both write back at close)."""
+
+
+def check_free(model: BlockSeq) -> None:
+    """Refuse a model an open engine of this process was given (until that engine's ``close()``)."""
+    for name, t in _tensors(model).items():
+        if _HELD.get(id(t)) is t:
+            raise StratumError(f"the model's {name} is being trained by an engine that is still open: call that "
+                               "engine's close() first (it gives the trained model back), then parallelize again")
+
+
+def hold(what: Given) -> None:
+    """Mark ``what``'s tensors as an open engine's."""
+    for t in what.tensors.values():
+        _HELD[id(t)] = t
+
+
+def let_go(what: Given) -> None:
+    """``what``'s tensors are no open engine's any more."""
+    for t in what.tensors.values():
+        if _HELD.get(id(t)) is t:
+            del _HELD[id(t)]
 
 
 def given(model: BlockSeq) -> Given:

@@ -67,11 +67,9 @@ def neutral(*modules: nn.Module, devices: Iterable[torch.device] = ()) -> Iterat
             snapshot.restore()
 
 
-def persistent_buffers(model: nn.Module, blocks: Iterable[int] | None = None) -> dict[str, Tensor]:
-    """The persistent buffers of a BlockSeq (what ``state_dict`` would hold) by canonical name, each shared tensor
-    once under its first name; ``blocks`` restricts them to those blocks' (a pipeline rank's own). Meta buffers
-    (another rank's) are left out."""
-    keep = None if blocks is None else {f"blocks.{i}." for i in blocks}
+def all_persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """Every persistent buffer of ``model`` (what ``state_dict`` would hold, those on ``meta`` included) by
+    canonical name, each shared tensor once under its first name."""
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
     for prefix, mod in model.named_modules():
@@ -79,11 +77,16 @@ def persistent_buffers(model: nn.Module, blocks: Iterable[int] | None = None) ->
             if t is None or name in mod._non_persistent_buffers_set or id(t) in seen:
                 continue
             seen.add(id(t))
-            full = f"{prefix}.{name}" if prefix else name
-            if t.device.type == "meta" or (keep is not None and not any(full.startswith(k) for k in keep)):
-                continue
-            out[full] = t
+            out[f"{prefix}.{name}" if prefix else name] = t
     return out
+
+
+def persistent_buffers(model: nn.Module, blocks: Iterable[int] | None = None) -> dict[str, Tensor]:
+    """The persistent buffers of a BlockSeq with values here (:func:`all_persistent_buffers` less those on
+    ``meta``, another rank's); ``blocks`` restricts them to those blocks' (a pipeline rank's own)."""
+    keep = None if blocks is None else tuple(f"blocks.{i}." for i in blocks)
+    return {name: t for name, t in all_persistent_buffers(model).items()
+            if t.device.type != "meta" and (keep is None or name.startswith(keep))}
 
 
 def buffers_to_cpu(model: nn.Module, blocks: Iterable[int] | None = None) -> dict[str, Tensor]:
