@@ -38,7 +38,9 @@ def build(kind: str) -> BlockSeq:
     if kind == "gpt":
         return build_gpt("tiny", vocab_size=V, seed=3, max_seq_len=T)
     torch.manual_seed(3)
-    return from_sequential(example_lm(vocab_size=V, seq_len=T, d_model=32), vocab_size=V, max_seq_len=T)
+    lm = example_lm(vocab_size=V, seq_len=T, d_model=32)
+    lm.insert(1, torch.nn.Dropout(0.5).eval())  # (a layer the caller put in eval mode draws no masks: it runs)
+    return from_sequential(lm, vocab_size=V, max_seq_len=T)
 
 
 def widths_for(kind: str, n: int, blocks: int) -> tuple[int, ...]:
@@ -187,6 +189,9 @@ def test_burst_refuses_dropout_batchnorm_short_batches_and_wrong_width_counts():
     bn = from_sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
     with pytest.raises(StratumError, match="batch norm"):
         check_burst_model(bn, parse_plan("burst(2, widths=2:1)").burst, 8)
+    # in eval mode neither draws masks nor takes a share's statistics (running ones): both run
+    check_burst_model(bn.eval(), parse_plan("burst(2, widths=2:1)").burst, 8)
+    check_burst_model(build_gpt("tiny", vocab_size=V, seed=0, dropout=0.1, device="meta").eval(), node, 8)
 
 
 if __name__ == "__main__":

@@ -323,6 +323,7 @@ def test_check_split_refuses_a_model_that_drops_out(hf_paths, case):
         check_split(model, 2)
     assert "drops out (p = 0.1)" in str(e.value) and "set model.dropout = 0" in str(e.value)
     check_split(model, 1)  # one process draws the plain engine's masks
+    check_split(model.eval(), 2)  # in eval mode no module draws masks
 
 
 def test_check_split_refuses_a_zero_split():

@@ -45,10 +45,12 @@ GPT layer and transformers' attention pass it to scaled_dot_product_attention)."
 
 
 def dropout_site(model: nn.Module) -> tuple[str, float] | None:
-    """The first submodule of ``model`` that drops out in training, with its probability; None if none does.
-    Layouts that cut a micro-batch's tensors across processes (burst's samples, split's heads) draw other masks
-    than one process would, and refuse such a model."""
+    """The first submodule of ``model`` that drops out as it trains, with its probability; None if none does (one
+    the caller put in eval mode draws no masks). Layouts that cut a micro-batch's tensors across processes (burst's
+    samples, split's heads) draw other masks than one process would, and refuse such a model."""
     for name, mod in model.named_modules():
+        if not mod.training:
+            continue
         if isinstance(mod, nn.modules.dropout._DropoutNd):
             if mod.p > 0:
                 return name, float(mod.p)

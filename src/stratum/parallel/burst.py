@@ -19,7 +19,8 @@ others are freed to ``meta``); rank 0 holds every block, so it computes the grad
 the training state. Ranks outside a block's width idle through it: the time multiplexing can fill.
 
 Refused: dropout (a rank's share would draw other masks than the plain engine's whole-batch draw) and batch
-normalisation (statistics over a share differ from the whole batch's); a micro-batch smaller than the widest
+normalisation (statistics over a share differ from the whole batch's), each only in training mode (in eval mode
+they draw no masks and use running statistics); a micro-batch smaller than the widest
 block. Every wait is bounded by the world's timeout.
 """
 
@@ -59,7 +60,7 @@ def check_burst_model(model: BlockSeq, node: Burst, micro_batch: int) -> None:
         raise StratumError(f"{where}: a micro-batch of {micro_batch} sequences cannot be split over {widest} "
                            f"processes; raise train.micro_batch_size to at least {widest}")
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:  # (in eval mode: running stats)
             raise StratumError(f"{where}: {name} is a batch norm, whose statistics over a process's share of the "
                                "samples differ from the whole batch's; burst cannot run it")
     if site := dropout_site(model):
