@@ -175,6 +175,7 @@ def test_the_live_table_reads_running_jobs_last_complete_record(tmp_path):
     metrics = tmp_path / "jobs" / "j000" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
     recs = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0 + s} for s in (1, 2, 3)]
+    recs[1]["eval_loss"] = 4.25  # (an earlier step's eval: the latest one shows, as no harvest recorded it)
     metrics.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')  # a line being written
     assert last_record(metrics) == recs[-1]
     out = io.StringIO()
@@ -182,7 +183,7 @@ def test_the_live_table_reads_running_jobs_last_complete_record(tmp_path):
     live.tick(state.jobs(), tmp_path)
     live.close()
     text = out.getvalue()
-    assert "3/10" in text and "4.7000" in text and "1,003" in text and "0/10" in text  # j000 live, j001 pending
+    assert "3/10" in text and "4.7000" in text and "4.2500" in text and "1,003" in text and "0/10" in text
 
 
 def test_retry_failed_gives_failed_jobs_their_retries_back_and_leaves_the_rest(tmp_path):

@@ -413,6 +413,14 @@ def test_a_budget_no_job_fits_is_refused_before_any_job_and_the_corrected_file_t
                        grid='"model.preset" = ["tiny", "mini"]', steps=2, extra="eval_interval = 0")
     sweep = open_sweep(fixed, say=lambda line: None)
     assert [r.id for r in sweep.state.jobs()] == ["j000", "j001"] and sweep.configs["j001"].train.engine == "offload"
+    sweep.state.close()
+    # the sweep resumed without the budget would switch j001's engine mid-run: refused by job and key
+    unbudgeted = sweep_file(tmp_path, corpus_file, cache_dir, sweep="",
+                            grid='"model.preset" = ["tiny", "mini"]', steps=2, extra="eval_interval = 0")
+    with pytest.raises(StratumError, match=r"holds this sweep run with other settings: job j001's "
+                                           r"offload.device_budget was '6MB', is now '' \(the sweep file or its "
+                                           r"sweep.base file changed\)"):
+        open_sweep(unbudgeted, say=lambda line: None)
 
 
 def test_an_auto_slot_budget_leaves_every_job_as_it_is(tmp_path, corpus_file, cache_dir):

@@ -323,6 +323,11 @@ def test_asha_under_sharded_lrtf_stops_the_worst_and_promoted_jobs_keep_parity(a
     db.close()
     assert sorted(rung3) == ["j000", "j001", "j002", "j003"], lines
     assert stopped and sum(ln.startswith("sharded-lrtf: ") for ln in lines) >= 2, lines  # stopped, resumed
+    # what the worker's jobs did, said while they ran: each one's first step, its eval losses, its rung waits
+    for job_id in rung3:
+        assert any(ln.startswith(f"{job_id}: training from step ") for ln in lines), lines
+        assert any(ln.startswith(f"{job_id}: step 3/6, eval loss ") for ln in lines), lines
+    assert any(ln.endswith("waits at the rung of step 3") for ln in lines), lines
     done = {j for j, r in got.items() if r["status"] == "done"}
     out = {j for j, r in got.items() if r["status"] == "stopped"}
     assert out and done and done | out == set(rung3), got

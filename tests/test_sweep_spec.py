@@ -106,6 +106,8 @@ def test_ranges_end_on_their_stated_values(tmp_path):
     ("[sweep.random]\n\"optim.lr\" = {normal = [0, 1]}", "must be a list or one of"),
     ("slots = 100000\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "CPU slots but this machine has"),
     ("devices = [\"cuda:7\"]\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "does not exist"),
+    (f"devices = {json.dumps(['cpu'] * ((os.cpu_count() or 1) + 1))}\n[sweep.grid]\n\"optim.lr\" = [1e-3]",
+     f"sweep.devices names the CPU {(os.cpu_count() or 1) + 1} times but this machine has"),
     ("early_stop = \"asha\"\n[sweep.grid]\n\"optim.lr\" = [1e-3]", "needs sweep.asha_min_steps ≥ 1"),
     ("[sweep.grid]\n\"train.seed\" = {start = 0, stop = 1e12, step = 1}", "gives 1,000,000,000,001 values"),
     ("samples = 200\n[sweep.grid]\n\"train.seed\" = {start = 0, stop = 99, step = 1}\n[sweep.random]\n"
@@ -141,18 +143,28 @@ asha_min_steps = 4
 [data]
 corpus = "{corpus_file}"
 cache_dir = "{cache_dir}"
-{BASE}
+{BASE.replace("steps = 4", "steps = 8")}
 eval_interval = 3
 """
-    p = write(tmp_path, head + "[sweep.grid]\n\"optim.lr\" = [1e-3]\n")
+    grid = "[sweep.grid]\n\"optim.lr\" = [1e-3]\n"
+    p = write(tmp_path, head + grid)
     assert main(["sweep", "--config", str(p)]) == 2  # rung 4 is not an eval step (every 3)
     from stratum.sweep.runner import open_sweep
-    p = write(tmp_path, head.replace("eval_interval = 3", "eval_interval = 2") + "[sweep.grid]\n\"optim.lr\" = [1e-3]\n")
-    open_sweep(p, say=lambda _: None).state.close()
-    p2 = write(tmp_path, head.replace("eval_interval = 3", "eval_interval = 2")
-               + "[sweep.grid]\n\"optim.lr\" = [2e-3]\n", "other.toml")
-    with pytest.raises(StratumError, match="holds another sweep"):
-        open_sweep(p2, say=lambda _: None)
+    head = head.replace("eval_interval = 3", "eval_interval = 2")
+    no_rung = write(tmp_path, head.replace("steps = 8", "steps = 4") + grid, "norung.toml")
+    with pytest.raises(StratumError, match=r"^sweep job j000: sweep.asha_min_steps \(4\) is not below its "
+                                           r"train.steps \(4\), so asha has no rung"):
+        open_sweep(no_rung, say=lambda _: None)
+    open_sweep(write(tmp_path, head + grid), say=lambda _: None).state.close()
+    other_lr = write(tmp_path, head + grid.replace("1e-3", "2e-3"), "other.toml")
+    with pytest.raises(StratumError, match="job j000's optim.lr was 0.001, is now 0.002"):
+        open_sweep(other_lr, say=lambda _: None)
+    other_steps = write(tmp_path, head.replace("steps = 8", "steps = 6") + grid, "steps.toml")  # (its own section)
+    with pytest.raises(StratumError, match=r"job j000's train.steps was 8, is now 6 \(the sweep file or its"):
+        open_sweep(other_steps, say=lambda _: None)
+    more = write(tmp_path, head + grid.replace("[1e-3]", "[1e-3, 2e-3]"), "more.toml")
+    with pytest.raises(StratumError, match="holds another sweep"):  # (a job more: no setting of j000 differs)
+        open_sweep(more, say=lambda _: None)
 
 
 def two_jobs(tmp_path: Path, corpus_file: Path, cache_dir: Path) -> Path:
@@ -209,13 +221,17 @@ seq_len = 16
 {BASE}""")
     assert main(["sweep", "simulate", "--config", str(p), "--png", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("SIMULATED: 3 jobs on 2 slot(s)")
-    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:5]}
+    assert out.startswith("SIMULATED: 3 jobs on 2 slot(s), profiled forward+backward times (lrtf in slices of 1 "
+                          "steps: sweep.segment_steps is unset, a quarter of the shortest job's steps)")
+    assert "sweep.device_budget is unset; a real sharded-lrtf sweep needs one" in out  # (what it assumed)
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if " makespan " in ln}
     assert set(lines) == {"fifo", "lrtf", "sharded-lrtf", "planned"}
     # fifo runs the 6-step job last (2 | 3, then 6): 8 step-times; lrtf, sharded-lrtf and planned start it
     # first: 6
     assert "1.33x" in lines["planned"] and "1.00x" in lines["fifo"] and "1.33x" in lines["sharded-lrtf"]
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "sw").exists()
+    assert main(["sweep", "--config", str(p), "--png", str(tmp_path / "h.png")]) == 2  # (a run's flag it is not)
+    assert "--png is `stratum sweep simulate`'s" in capsys.readouterr().err and not (tmp_path / "sw").exists()
 
 
 PLAIN_CAL = {"fixed_s": 1.0, "fixed_s_per_byte": 0.0, "step_scale": 1.0, "step_overhead_s": 0.0, "contention": 1.0}

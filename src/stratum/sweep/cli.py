@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise StratumError("stratum sweep needs --config SWEEP.toml (see docs/sweep.md)")
+    if args.action == "run" and (args.png or args.hardware):
+        flag = "--png" if args.png else "--hardware"
+        raise StratumError(f"{flag} is `stratum sweep simulate`'s: a run writes its own losses.png into the sweep "
+                           "directory; drop the flag, or run `stratum sweep simulate --config …`")
     if args.action == "simulate":
         from stratum.ir.hardware import load_hardware
         from stratum.sweep.simulate_file import simulate_sweep

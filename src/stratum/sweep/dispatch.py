@@ -93,7 +93,8 @@ def launch(sweep: Sweep, start: Start, expect: Expect | None, now: float) -> Non
     sweep.say(f"{start.job}: started on {where} ({sweep.jobs[start.job].label})"
               + (f" as {start.strategy}" if start.strategy != "local" else "") + f", steps {from_step} → {stop_at}"
               + (f", attempt {row.attempts + 1}" if row.attempts else "")
-              + (f", {expect(start):.4g} s predicted" if expect is not None else ""))
+              + (f", {expect(start):.4g} s predicted" + (f" to its end (step {row.steps})" if stop_at < row.steps
+                                                         else "") if expect is not None else ""))
 
 
 def _pin(sweep: Sweep, job_id: str, plan: str) -> None:

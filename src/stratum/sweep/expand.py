@@ -116,13 +116,18 @@ def check_devices(spec: SweepSpec, cfg: Config) -> None:
     gpus = torch.cuda.device_count()
     cpu_slots = sum(1 for d in devices if d in ("cpu", "auto"))  # (an auto left names the CPU: no GPU here)
     if cpu_slots > cores:
+        if s.devices:
+            raise StratumError(f"sweep.devices names the CPU {cpu_slots} times but this machine has {cores} cores; "
+                               f"name it at most {cores} times (one slot a core)")
         raise StratumError(f"sweep.slots = {s.slots} CPU slots but this machine has {cores} cores; "
                            f"set sweep.slots ≤ {cores}")
     for d in devices:
         if d.startswith("cuda"):
             n = int(d[5:]) + 1 if d.startswith("cuda:") and d[5:].isdigit() else 1
             if n > gpus:
-                raise StratumError(f"sweep device {d!r} does not exist: this machine has {gpus} CUDA device(s)")
+                fix = f"name cuda:0 … cuda:{gpus - 1}" if gpus else "leave sweep.devices out (the slots are CPU cores)"
+                raise StratumError(f"sweep device {d!r} does not exist: this machine has {gpus} CUDA device(s); "
+                                   f"{fix}")
         elif d not in ("cpu", "auto"):
             raise StratumError(f"sweep device {d!r} is not cpu, auto, cuda or cuda:N")
     budget = parse_budget(s.device_budget, "sweep.device_budget") if s.device_budget.strip() else None

@@ -20,31 +20,47 @@ from stratum.sweep.state import RUNNING, JobRow
 REFRESH_S = 1.0
 
 
-def last_record(metrics: Path) -> dict | None:
-    """The last complete JSON line of a metrics file (read from its end: the file grows with every step)."""
+def tail_records(metrics: Path, nbytes: int = 4096) -> list[dict]:
+    """The complete JSON lines of a metrics file's last ``nbytes`` (read from its end: the file grows with every
+    step), oldest first."""
     try:
         with open(metrics, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
+            f.seek(max(0, f.tell() - nbytes))
             lines = f.read().splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    out = []
+    for line in lines:
         try:
-            return json.loads(line)
+            out.append(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line being written, or the cut start of the window
-    return None
+    return out
+
+
+def last_record(metrics: Path) -> dict | None:
+    """The last complete JSON line of a metrics file."""
+    records = tail_records(metrics)
+    return records[-1] if records else None
+
+
+EVAL_WINDOW = 1 << 16
+"""The bytes of a running job's metrics read for its latest eval loss: a few hundred steps' records."""
 
 
 def with_progress(rows: list[JobRow], sweep_dir: Path) -> list[JobRow]:
-    """Running jobs' rows with their latest step, loss and throughput."""
+    """Running jobs' rows with their latest step, loss and throughput, and their latest eval loss where the
+    metrics' tail holds one (a job killed with its sweep was never harvested: its state holds none)."""
     out = []
     for r in rows:
-        rec = last_record(sweep_dir / "jobs" / r.id / "metrics.jsonl") if r.status == RUNNING else None
-        if rec is not None:
+        records = tail_records(sweep_dir / "jobs" / r.id / "metrics.jsonl", EVAL_WINDOW) \
+            if r.status == RUNNING else []
+        if records:
+            rec = records[-1]
+            evals = [x["eval_loss"] for x in records if "eval_loss" in x]
             r = dataclasses.replace(r, step=rec["step"], loss=rec["loss"], tokens_per_s=rec["tokens_per_s"],
-                                    eval_loss=rec.get("eval_loss", r.eval_loss))
+                                    eval_loss=evals[-1] if evals else r.eval_loss)
         out.append(r)
     return out
 

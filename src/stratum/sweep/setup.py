@@ -84,18 +84,20 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
     if spec.settings.scheduler == "sharded-lrtf":
         check_shardable({j.id: c for j, c in zip(jobs, configs)})  # before the sweep's state is written
     state = SweepState(sweep_dir)
+    sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
+                  dir=sweep_dir, state=state, say=say, calibration=given)
+    if spec.settings.device_budget.strip():
+        fit_to_budget(sweep)
+    # a resumed sweep's jobs train as they did: their settings as the sweep decided them (an engine a changed
+    # device_budget would switch included) are compared first, by job and key; then the jobs themselves
+    settings = {job_id: shared_settings(c) for job_id, c in sweep.configs.items()}
+    recorded_settings = state.meta("settings")
+    _check_settings(recorded_settings, settings, sweep_dir)
     fingerprint = spec_fingerprint({j.id: j.overrides for j in jobs}, spec.base_overrides)
     recorded = state.meta("jobs")
     if recorded is not None and recorded != fingerprint:
         raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds another sweep (its jobs differ from this "
                            "file's); choose a new sweep.out_dir, or restore the file that sweep was run with")
-    settings = {j.id: shared_settings(c) for j, c in zip(jobs, configs)}
-    recorded_settings = state.meta("settings")
-    _check_settings(recorded_settings, settings, sweep_dir)
-    sweep = Sweep(spec=spec, jobs={j.id: j for j in jobs}, configs={j.id: c for j, c in zip(jobs, configs)},
-                  dir=sweep_dir, state=state, say=say, calibration=given)
-    if spec.settings.device_budget.strip():
-        fit_to_budget(sweep)
     if spec.settings.scheduler in ("fifo", "lrtf"):  # (sharded-lrtf streams a job; planned may spread it)
         _check_fits(sweep)
     if spec.settings.scheduler == "planned":
@@ -117,7 +119,8 @@ def open_sweep(path: str | os.PathLike, *, say: Callable[[str], None] = print) -
 def _check_settings(text: str | None, settings: dict[str, dict[str, str]], sweep_dir: Path) -> None:
     """A resumed sweep's jobs must train as they did: every setting but a machine's own (config.LOCAL_SETTINGS) as
     recorded (``text``, None for a new sweep) — a changed base file changes every job without changing the sweep
-    file. Keys one side lacks (a setting added by a newer Stratum) are not compared."""
+    file, a changed sweep.device_budget a job's engine. Keys one side lacks (a setting added by a newer Stratum)
+    are not compared."""
     if text is None:
         return
     was = json.loads(text)
@@ -126,8 +129,8 @@ def _check_settings(text: str | None, settings: dict[str, dict[str, str]], sweep
         for key in sorted(now.keys() & before.keys()):
             if now[key] != before[key]:
                 raise StratumError(f"sweep.out_dir {str(sweep_dir)!r} holds this sweep run with other settings: job "
-                                   f"{job}'s {key} was {before[key]}, is now {now[key]} (its sweep.base file or "
-                                   "a section changed); restore it, or choose a new sweep.out_dir")
+                                   f"{job}'s {key} was {before[key]}, is now {now[key]} (the sweep file or its "
+                                   "sweep.base file changed); restore it, or choose a new sweep.out_dir")
 
 
 def _check_fits(sweep: Sweep) -> None:
@@ -200,6 +203,10 @@ def _check_placement(job_id: str, cfg: Config, profile: Profile, planned: set[st
 def _check_asha(spec: SweepSpec, jobs: list[Job], configs: list[Config]) -> None:
     s = spec.settings
     for job, cfg in zip(jobs, configs):
+        if s.asha_min_steps >= cfg.train.steps:
+            raise StratumError(f"sweep job {job.id}: sweep.asha_min_steps ({s.asha_min_steps}) is not below its "
+                               f"train.steps ({cfg.train.steps}), so asha has no rung to stop it at; set "
+                               "asha_min_steps below train.steps (the first rung), or early_stop = \"off\"")
         ev = cfg.train.eval_interval
         if ev == 0 or s.asha_min_steps % ev:
             raise StratumError(f"sweep job {job.id}: asha compares eval losses at rungs, so train.eval_interval "

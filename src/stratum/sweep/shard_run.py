@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from stratum.atomic import atomic_write_text
@@ -22,6 +22,7 @@ from stratum.profile.profile import Profile
 from stratum.sweep.asha import Asha, rung_steps
 from stratum.sweep.asha_state import asha_from_state, promote_at_end, report_rung, stop_paused
 from stratum.sweep.expand import device_capacity, named_slot_devices
+from stratum.sweep.live import EVAL_WINDOW, tail_records
 from stratum.sweep.segment import (
     INTERRUPTED_EXIT,
     POLL_S,
@@ -151,6 +152,7 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
         state.update(j.id, pid=worker.pid)
     on = f" on {', '.join(sorted(set(devices)))}" if devices else ""
     say(f"sharded-lrtf: {len(jobs)} job(s) as shard tasks on {slots} slot(s){on} (worker pid {worker.pid})")
+    progress = _Progress(start=dict(start), status={j.id: state.job(j.id).status for j in jobs})
     stopped = False
     try:
         while worker.poll() is None:
@@ -159,6 +161,7 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
                 stopped = True
             if tick is not None:
                 tick()
+            progress.report(state, configs, say)
             worker.join(POLL_S)
     except BaseException:
         worker.terminate()
@@ -175,6 +178,40 @@ def _one_worker(jobs: list[ShardJob], *, backend: Backend, state: SweepState, co
             _record(state, j.id, codes.get(j.id, worker.poll() or -9), configs[j.id], retries,
                     time.monotonic() - began, start[j.id], say)
     return stopped
+
+
+@dataclass
+class _Progress:
+    """What the runner has said of the worker's jobs: the worker prints nothing (its log is shards.log), so the
+    runner reads each job's metrics and recorded status while it runs — a job's first step, its eval losses, its
+    waits at rungs and promotions — as plain lines like the other schedulers' (every job shares every slot, so
+    none is "on" one)."""
+
+    start: dict[str, int]
+    """Job → the last step already said (its checkpoint's at the worker's start)."""
+    status: dict[str, str]
+    """Job → its status as last seen."""
+    begun: set[str] = field(default_factory=set)
+
+    def report(self, state: SweepState, configs: dict[str, Config], say: Callable[[str], None]) -> None:
+        for job, seen in self.start.items():
+            records = [r for r in tail_records(Path(configs[job].train.out_dir) / "metrics.jsonl", EVAL_WINDOW)
+                       if r["step"] > seen]
+            if records and job not in self.begun:
+                self.begun.add(job)
+                loss = records[0].get("loss")
+                say(f"{job}: training from step {seen} as shard tasks"
+                    + (f", loss {loss:.4f}" if isinstance(loss, float) else ""))
+            for r in records:
+                if isinstance(r.get("eval_loss"), float):
+                    say(f"{job}: step {r['step']}/{configs[job].train.steps}, eval loss {r['eval_loss']:.4f}")
+            if records:
+                self.start[job] = records[-1]["step"]
+            status = state.job(job).status
+            if status != self.status[job] and (status == PAUSED or self.status[job] == PAUSED):
+                say(f"{job}: " + (f"waits at the rung of step {self.start[job]}" if status == PAUSED
+                                  else f"promoted at step {self.start[job]}, goes on"))
+            self.status[job] = status
 
 
 def _record(state: SweepState, job_id: str, code: int, cfg: Config, retries: int, run_s: float, start: int,

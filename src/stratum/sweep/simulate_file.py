@@ -56,8 +56,12 @@ def simulate_sweep(path: str | os.PathLike, *, png: Path | None, say: Callable[[
                    simulate(name, steps, step_s, slots=s.slots, segment_steps=seg if name == "lrtf" else 0,
                             time_limit_s=s.plan_time_limit_s, gap=s.plan_gap) for name in SCHEDULERS}
         slots = s.slots
-        say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf slices of "
-            f"{seg} steps); nothing was run")
+        why = "" if s.segment_steps else ": sweep.segment_steps is unset, a quarter of the shortest job's steps"
+        say(f"SIMULATED: {len(steps)} jobs on {s.slots} slot(s), profiled forward+backward times (lrtf in slices "
+            f"of {seg} steps{why}); nothing was run")
+        if not s.device_budget.strip():
+            say("sharded-lrtf: shard tasks of the jobs' profiled block times, the offload engine's copies not "
+                "priced (sweep.device_budget is unset; a real sharded-lrtf sweep needs one)")
     fifo = results["fifo"].makespan
     for name, r in results.items():
         say(f"{name:12} makespan {r.makespan:9.2f} s  utilisation {r.utilisation:6.1%}  "
