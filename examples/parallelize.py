@@ -79,4 +79,5 @@ if __name__ == "__main__":
     try:
         main()
     except stratum.StratumError as e:  # bad input (a plan, a process count): one line, not a traceback
-        sys.exit(f"stratum: error: {e}")
+        print(f"stratum: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)  # 2 for bad input (3: a peer process was lost), as the stratum command exits

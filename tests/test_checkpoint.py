@@ -171,11 +171,14 @@ def test_completed_run_is_not_repeated(make_cfg, tmp_path, caplog):
     ("model.preset='mini'", "different model/data setup"),
     ("train.seed=7", "train.seed"),
     ("data.seq_len=16", "data.seq_len"),
+    ("data.tokenizer='bpe'", r"data.tokenizer: 'byte' → 'bpe'"),
 ])
-def test_checkpoint_from_another_setup_is_refused(make_cfg, tmp_path, change, message):
+def test_checkpoint_from_another_setup_is_refused(make_cfg, tmp_path, change, message, monkeypatch):
     out = tmp_path / "r"
     train(make_cfg(out=out), stop_at=2)
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    import stratum.train.trainer as trainer
+    monkeypatch.setattr(trainer, "prepare_data", None)  # refused from the checkpoint's record: no BPE trained first
     with pytest.raises(StratumError, match=message):
         train(make_cfg(change, out=out))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing lost
@@ -294,3 +297,19 @@ def test_a_checkpoint_without_buffers_loads_and_the_model_keeps_its_own(make_cfg
     engine.load_state(full)
     assert all(torch.equal(t, full.buffers[n]) for n, t in engine.state().buffers.items())
     assert train(cfg)["steps_done"] == 4  # the trainer resumes from it too
+
+
+def test_a_resume_under_another_plan_notes_the_plans_not_the_keys_they_are_made_of(tmp_path):
+    from stratum.config import config_from_dict
+    from stratum.train.checkpoint import check_settings
+    saved = config_from_dict({"train": {"engine": "pipeline"}, "pipeline": {"schedule": "interleaved"},
+                              "offload": {"device_budget": "7MB"}, "optim": {"lr": 1e-3}}).to_dict()
+    now = config_from_dict({"parallel": {"plan": "pipeline(2, offload(device_budget=7MB))"},
+                            "optim": {"lr": 2e-3}})
+    assert check_settings(tmp_path, saved, now) == [
+        "plan: 'pipeline(2, schedule=interleaved, partition=even, virtual=2)' → "
+        "'pipeline(2, schedule=1f1b, partition=even, offload(device_budget=7MB))'",
+        "optim.lr: 0.001 → 0.002", "offload.device_budget: '7MB' → ''"]
+    same_plan = config_from_dict({"train": {"engine": "pipeline"}, "pipeline": {"schedule": "interleaved"},
+                                  "offload": {"device_budget": "7MB"}, "optim": {"lr": 2e-3}})
+    assert check_settings(tmp_path, saved, same_plan) == ["optim.lr: 0.001 → 0.002"]

@@ -58,7 +58,9 @@ def _bad_cases(tmp_path, corpus_file):
         "bad toml": (["--config", str(bad_toml)], "not valid TOML"),
         "missing corpus": (["--set", f"data.corpus={str(tmp_path / 'nope')!r}"], "does not exist"),
         "empty corpus": (["--set", f"data.corpus={str(empty)!r}"], "holds no text"),
-        "unwritable out_dir": (["--set", f"train.out_dir={str(afile / 'sub')!r}"], "is not writable"),
+        "unwritable out_dir": (["--set", f"train.out_dir={str(afile / 'sub')!r}"],
+                               f"{afile} is a file, not a directory"),
+        "out_dir a file": (["--set", f"train.out_dir={str(afile)!r}"], f"{afile} is a file, not a directory"),
         "seq too long": (["--set", "data.seq_len=1000"], "exceeds preset 'tiny'"),
         "vocab too small": (["--set", "model.vocab_size=100"], "smaller than the tokenizer"),
         "no cuda": (["--set", "train.device='cuda'"], "no usable CUDA"),
@@ -74,7 +76,7 @@ def _toml(tmp_path, text):
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in file", "wrong type", "impossible value",
                                   "missing config", "bad toml", "missing corpus", "empty corpus",
-                                  "unwritable out_dir", "seq too long", "vocab too small", "no cuda",
+                                  "unwritable out_dir", "out_dir a file", "seq too long", "vocab too small", "no cuda",
                                   "bad stop-at"])
 def test_bad_input_is_one_line_exit_2(case, corpus_file, cache_dir, tmp_path, capsys):
     args, message = _bad_cases(tmp_path, corpus_file)[case]

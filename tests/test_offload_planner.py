@@ -129,6 +129,8 @@ def test_plan_text_has_per_tier_peaks_traffic_and_time(gpt):
     ("offload.optimizer_tier='gpu'", "offload.optimizer_tier"),
     ("offload.activations='swap'", "offload.activations"),
     ("offload.grad_handoff='bucket'", "offload.grad_handoff = 'bucket' is not one of: auto, chunk, tensor"),
+    ("offload.grad_handoff='chunk'", "offload.grad_handoff = 'chunk' hands 16-bit gradients over per chunk; with "
+                                     "train.precision = 'fp32'"),
     ("offload.chunk_size='1'", "offload.chunk_size"),
     ("offload.prefetch_depth=-2", "offload.prefetch_depth"),
     ("offload.resident_chunks=-1", "offload.resident_chunks"),
@@ -250,12 +252,34 @@ def test_unwritable_disk_dir_is_refused_before_training(make_cfg, tmp_path, caps
     f = tmp_path / "a-file"
     f.write_text("x")
     assert main(["plan", *_cli(make_cfg, f"offload.disk_dir={str(f / 'sub')!r}")]) == 2
-    assert "offload.disk_dir" in capsys.readouterr().err
+    assert f"offload.disk_dir {str(f / 'sub')!r}: {f} is a file, not a directory" in capsys.readouterr().err
+    assert main(["plan", *_cli(make_cfg, f"offload.disk_dir={str(f)!r}")]) == 2
+    assert f"{f} is a file, not a directory" in capsys.readouterr().err
 
 
-def test_dry_run_prints_the_plan(make_cfg, capsys):
+def test_dry_run_prints_the_plan_and_exits_2_where_none_fits(make_cfg, capsys):
     assert main(["train", "--dry-run", *_cli(make_cfg, "offload.device_budget='2MB'")]) == 0
     assert "offload plan:" in capsys.readouterr().out
+    assert main(["train", "--dry-run", *_cli(make_cfg, "offload.device_budget='1KB'")]) == 2  # (a script reads it)
+    out, err = capsys.readouterr()
+    assert "does not fit — " in out and err.startswith("stratum: error: this run would not start: ")
+    assert err.count("\n") == 1 and "smallest offload.device_budget" in err
+
+
+def test_a_plan_larger_than_the_ram_is_refused_before_its_chunks_are_built(make_cfg, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Unlimited budgets on a CPU put the whole state in RAM: where that is more than the RAM available, the
+    run stops in one line (as the plain engine's would), and the dry run says so with exit 2."""
+    import stratum.offload.setup as setup
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda device: 1_000_000)  # a 1 MB machine
+    args = _cli(make_cfg, "offload.device_budget=''", f"train.out_dir={str(tmp_path / 'o')!r}")
+    assert main(["train", "--dry-run", *args]) == 2
+    assert "note: on a CPU the device and host tiers are both RAM" in capsys.readouterr().out
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stratum: error: the offload plan cannot run here: on a CPU the device and host tiers "
+                          "are both RAM: this plan holds ") and err.count("\n") == 1
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
 def test_trainer_with_offload_matches_plain_and_resumes_under_plain(make_cfg, tmp_path):

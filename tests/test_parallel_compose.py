@@ -220,3 +220,10 @@ def test_the_example_script_on_a_plan_matches_one_process(tmp_path):
     want, got = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "four.json"))
     assert len(got) == 8 and got == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0] - 1.0
+
+
+def test_the_example_script_refuses_a_plan_of_other_process_counts_in_one_line_with_exit_2(tmp_path):
+    script = ROOT / "examples" / "parallelize.py"
+    got = subprocess.run([sys.executable, str(script), "--steps", "1", "--plan", "pipeline(3)"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert got.returncode == 2 and got.stderr.startswith("stratum: error: ") and got.stderr.count("\n") == 1, got

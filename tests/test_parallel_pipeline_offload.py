@@ -100,9 +100,11 @@ def test_dry_run_fits_a_budget_that_cannot_keep_the_in_flight_activations(make_c
     rank0 = out.split("pipeline rank 0")[1].split("pipeline rank 1")[0]
     assert "does not fit" not in out and "up to 2 micro-batches in flight" in rank0
     assert "activations: recompute" in rank0 or "activations: offload" in rank0
-    assert main([*base, "--set", "offload.activations='keep'"]) == 0
-    rank0 = capsys.readouterr().out.split("pipeline rank 0")[1].split("pipeline rank 1")[0]
+    assert main([*base, "--set", "offload.activations='keep'"]) == 2  # (it would not start: a script reads that)
+    out, err = capsys.readouterr()
+    rank0 = out.split("pipeline rank 0")[1].split("pipeline rank 1")[0]
     assert "does not fit — offload: no placement fits" in rank0
+    assert err.startswith("stratum: error: this run would not start: pipeline rank 0: offload: no placement fits")
 
 
 @pytest.mark.slow

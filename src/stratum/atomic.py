@@ -219,6 +219,16 @@ def digest_mismatch(path: str | os.PathLike, want: dict) -> str | None:
     return None
 
 
+def unwritable_dir(key: str, path: Path, err: OSError) -> StratumError:
+    """The one-line refusal of a directory setting ``key`` whose ``path`` could not be created or written: a file
+    where the directory (or one above it) should be is named as such."""
+    if path.is_file() or err.errno == errno.ENOTDIR:
+        where = str(path) if path.is_file() else next((str(p) for p in path.parents if p.is_file()), str(path))
+        return StratumError(f"{key} {str(path)!r}: {where} is a file, not a directory; choose a directory (or "
+                            "move the file away)")
+    return StratumError(f"{key} {str(path)!r} is not writable ({err.strerror}); choose a directory you can write to")
+
+
 def missing_dirs(path: Path) -> list[Path]:
     """``path`` and those of its ancestors that do not exist yet, outermost first."""
     out = []

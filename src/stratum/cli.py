@@ -154,7 +154,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             from stratum.train.dryrun import dry_run
             _measure_at_run_threads(cfg)
-            dry_run(cfg)
+            problems = dry_run(cfg)["problems"]
+            if problems:  # (a script asking whether a config would run reads the exit code)
+                print(f"stratum: error: this run would not start: {problems[0]}", file=sys.stderr)
+                return 2
             return 0
         if cfg.plan.world_size() > 1 and not is_worker():
             return _spawn_workers(cfg, args)

@@ -503,6 +503,10 @@ class Config:
     def _validate_delayed(self) -> None:
         if self.parallel.auto or isinstance(self.plan.leaf, Offload):
             self.check_delayed_update()
+            if self.offload.grad_handoff == "chunk" and self.train.precision == "fp32":
+                raise StratumError("offload.grad_handoff = 'chunk' hands 16-bit gradients over per chunk; with "
+                                   "train.precision = 'fp32' they stay fp32 and go per tensor: set train.precision "
+                                   "= 'bf16' (or 'fp16'), or leave offload.grad_handoff = 'auto'")
 
     def check_delayed_update(self) -> None:
         """offload.delayed_update runs on bf16 chunks whose fp32 masters and AdamW state are in host RAM (the

@@ -81,8 +81,10 @@ def _one_engine(cfg: Config) -> Config:
     if isinstance(plan.root, Offload):
         return leaf_config(cfg, plan.root)
     if not isinstance(plan.root, Local):
-        raise StratumError(f"stratum plan plans one offload engine; parallel.plan = {cfg.parallel.plan!r} runs "
-                           "several processes: `stratum train --dry-run` prints each rank's placement, and "
+        given = f"parallel.plan = {cfg.parallel.plan!r}" if cfg.parallel.plan.strip() else \
+            f"train.engine = {cfg.train.engine!r} (plan {plan})"
+        raise StratumError(f"stratum plan plans one offload engine; {given} runs several processes: "
+                           "`stratum train --dry-run` prints each rank's placement, and "
                            "`stratum plan --parallel` ranks plan trees")
     return cfg
 

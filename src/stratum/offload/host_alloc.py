@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from stratum.errors import StratumError
+from stratum.units import fmt_bytes
 
 PAGE = mmap.PAGESIZE
 HEAP_MAX_ALLOC = 16 << 20
@@ -125,7 +126,12 @@ def page_aligned_empty(nbytes: int) -> Tensor:
         return torch.empty(0, dtype=torch.uint8)
     # the mapping object stays alive as long as the tensor: torch.frombuffer keeps a reference to it
     # private, like malloc's own mappings (mmap's default for anonymous memory is shared: shmem-backed)
-    mm = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:  # (ENOMEM: the machine's memory, or the process's address-space limit)
+        raise StratumError(f"out of host memory: {fmt_bytes(nbytes)} of the offload engine's host tier could not "
+                           f"be mapped ({e.strerror}); lower offload.host_budget (the rest goes to disk) or "
+                           "free memory") from None
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 

@@ -126,26 +126,42 @@ def placement_inputs(cfg: Config, model: BlockSeq, device: torch.device, *, prof
                 delayed_update=cfg.offload.delayed_update, **kw)
 
 
-def ram_note(placement: Placement, device: torch.device) -> str:
-    """A line under a CPU plan whose device and host tiers — on a CPU both the machine's RAM — hold more than the
-    RAM available now ("" otherwise): the planner takes an unlimited budget at its word, and such a run would
-    run out of memory."""
+def ram_excess(placement: Placement, device: torch.device) -> tuple[int, int] | None:
+    """(bytes held, bytes available) where a CPU plan's device and host tiers — on a CPU both the machine's RAM —
+    hold more than the RAM available now; None otherwise (the planner takes an unlimited budget at its word)."""
     if device.type != "cpu":
-        return ""
+        return None
     held = placement.predicted_peak.get(DEVICE, 0) + placement.predicted_peak.get(HOST, 0)
     available = device_memory_bytes(device)
-    if available is None or held <= available:
-        return ""
-    return (f"\n  note: on a CPU the device and host tiers are both RAM: this plan holds {fmt_bytes(held)} there, "
-            f"more than the {fmt_bytes(available)} available; set offload.device_budget and offload.host_budget "
-            "to fit together (the rest goes to disk)")
+    return None if available is None or held <= available else (held, available)
+
+
+def _ram_advice(held: int, available: int) -> str:
+    return (f"on a CPU the device and host tiers are both RAM: this plan holds {fmt_bytes(held)} there, more than "
+            f"the {fmt_bytes(available)} available; set offload.device_budget and offload.host_budget to fit "
+            f"together (at most {fmt_bytes(int(available * 0.8))} between them; the rest goes to disk)")
+
+
+def ram_note(placement: Placement, device: torch.device) -> str:
+    """A line under a plan :func:`ram_excess` finds too large for the RAM ("" otherwise)."""
+    excess = ram_excess(placement, device)
+    return "" if excess is None else f"\n  note: {_ram_advice(*excess)}"
+
+
+def check_ram(placement: Placement, device: torch.device) -> None:
+    """Refuse to train a plan :func:`ram_excess` finds too large for the RAM: it would run out of memory
+    part-way through its set-up (as the plain engine refuses a state larger than the RAM)."""
+    if (excess := ram_excess(placement, device)) is not None:
+        raise StratumError(f"the offload plan cannot run here: {_ram_advice(*excess)}")
 
 
 def offload_engine(cfg: Config, model: BlockSeq, device: torch.device, placement: Placement,
-                   owns: Callable[[int], bool] | None = None):
-    """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed); ``owns``: the chunks it
-    updates, where replicas share them out (all by default)."""
-    print(placement.describe() + ram_note(placement, device))
+                   owns: Callable[[int], bool] | None = None, title: str = ""):
+    """The offload engine of ``cfg`` over ``model`` running ``placement`` (printed, under ``title`` where one
+    process of several prints its own); ``owns``: the chunks it updates, where replicas share them out (all by
+    default)."""
+    print((f"{title}\n" if title else "") + placement.describe(), flush=True)
+    check_ram(placement, device)
     return OffloadEngine(model, optim=optim_spec(cfg), device=device, placement=placement,
                          precision=cfg.train.precision,
                          disk_dir=cfg.offload.disk_dir, owns=owns, delayed_update=cfg.offload.delayed_update,

@@ -31,6 +31,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from stratum.atomic import unwritable_dir
 from stratum.errors import StratumError
 from stratum.model.neutral import neutral
 from stratum.offload.cpu_adam import adamw_flat
@@ -264,8 +265,7 @@ def resolve_disk_dir(disk_dir: str) -> Path:
         finally:
             os.close(fd)
     except OSError as e:
-        raise StratumError(f"offload.disk_dir {str(base)!r} is not writable ({e.strerror}); "
-                           "choose a directory you can write to") from None
+        raise unwritable_dir("offload.disk_dir", base, e) from None
     remove_dead_leftovers(base)
     return base
 

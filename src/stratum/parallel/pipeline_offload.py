@@ -174,7 +174,8 @@ class OffloadPipelineEngine(PipelineEngine):
         placement = self.mesh.share_object(placement, "split", "the offload placement")
         # replicas reduce chunk by chunk in layout order, so a stage's replicas run one layout: replica 0's
         placement = self.mesh.share_object(placement, "replica", "the offload placement")
-        self.leaf = offload_engine(cfg, sub, self.device, placement, self.owns)
+        title = f"pipeline rank {self.rank} (blocks {mine[0]}–{mine[-1]}), process {self.mesh.rank}:"
+        self.leaf = offload_engine(cfg, sub, self.device, placement, self.owns, title)
         tied = {id(p): grp for p, grp in self.tied_sync}
         groups = {ln: tied[id(p)] for ln, p in sub.named_parameters() if id(p) in tied}
         self.leaf.reducer = self._tied_reducer(groups)

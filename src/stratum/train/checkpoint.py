@@ -357,7 +357,23 @@ def check_tokenizer(ckpt: Checkpoint, tokenizer: str) -> None:
 
 def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[str]:
     """Refuse a checkpoint of another model or data stream; return the harmless differences (for a warning)."""
-    saved = ckpt.meta["config"]
+    changed = check_settings(ckpt.path, ckpt.meta["config"], cfg)
+    if fingerprint_hash(fingerprint) != ckpt.meta.get("fingerprint_hash"):
+        raise StratumError(f"checkpoint {ckpt.path} holds a different model architecture than the one configured "
+                           "(parameter names or shapes differ); use a new train.out_dir")
+    check_tensors(ckpt, fingerprint)
+    return changed
+
+
+def check_recorded_settings(path: Path, cfg: Config) -> None:
+    """:func:`check_settings` from the checkpoint's ``meta.json`` alone: before the work a refused resume would
+    waste (a BPE trained on the corpus, the model built)."""
+    check_settings(path, _read_meta(path)["config"], cfg)
+
+
+def check_settings(path: Path, saved: dict, cfg: Config) -> list[str]:
+    """Refuse a checkpoint (at ``path``, trained with the config ``saved``) of another model or data stream;
+    return the harmless differences."""
     now = cfg.to_dict()
     refused: list[str] = []
     changed: list[str] = []
@@ -372,10 +388,14 @@ def check_compatible(ckpt: Checkpoint, cfg: Config, fingerprint: dict) -> list[s
     if before.global_batch != cfg.global_batch:
         refused.append(f"global batch (micro × accum × replicas): {before.global_batch} → {cfg.global_batch}")
     if refused:
-        raise StratumError(f"checkpoint {ckpt.path} is from a different model/data setup ({'; '.join(refused)}); "
+        raise StratumError(f"checkpoint {path} is from a different model/data setup ({'; '.join(refused)}); "
                            "use the original settings or a new train.out_dir")
-    if fingerprint_hash(fingerprint) != ckpt.meta.get("fingerprint_hash"):
-        raise StratumError(f"checkpoint {ckpt.path} holds a different model architecture than the one configured "
-                           "(parameter names or shapes differ); use a new train.out_dir")
-    check_tensors(ckpt, fingerprint)
+    if str(before.plan) != str(cfg.plan):  # the keys that make the plan say less than the plan itself does
+        changed = [f"plan: {str(before.plan)!r} → {str(cfg.plan)!r}"] + [
+            c for c in changed if not c.startswith(PLAN_KEYS)]
     return changed
+
+
+PLAN_KEYS = ("train.engine:", "parallel.plan:", "pipeline.")
+"""The settings a run's plan tree is made from (beside each leaf's offload.* budgets, which stay noted on their
+own): a resume under another plan notes the plans, not these."""

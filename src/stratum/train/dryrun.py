@@ -16,7 +16,7 @@ from stratum.model.blockseq import BlockSeq
 from stratum.model.build import build_model
 from stratum.offload.placement import Placement
 from stratum.offload.plan_inputs import planning_profile
-from stratum.offload.setup import placement_for, ram_note
+from stratum.offload.setup import placement_for, ram_excess, ram_note
 from stratum.offload.tiers import disk_base, disk_free_bytes
 from stratum.parallel.compose import check_plan
 from stratum.parallel.pipeline_offload import leaf_config, rank_placement
@@ -65,7 +65,7 @@ def dry_run(cfg: Config) -> dict:
     print(f"device {describe(device)}; plan {cfg.plan}; corpus {corpus.files_text}, "
           f"{corpus.total_bytes:,} bytes; tokenizer {tok.name} (vocab {tok.vocab_size})")
     print(f"model {model.info.name}: {n:,} parameters in {len(model)} blocks; training state (params + grads + "
-          f"AdamW) {state / 2**30:.2f} GiB; {model.flops_per_token(cfg.data.seq_len) / 1e9:.3f} GFLOP per token")
+          f"AdamW) {fmt_bytes(state)}; {model.flops_per_token(cfg.data.seq_len) / 1e9:.3f} GFLOP per token")
     for i, name in enumerate(model.block_names):
         owned = model.owned_numel(i)
         print(f"  {i:>3} {name:<16} {type(model.blocks[i]).__name__:<16} {owned:>14,} params")
@@ -76,35 +76,44 @@ def dry_run(cfg: Config) -> dict:
     print(f"processes: {plan.world_size()} (replicas × pipeline ranks × splits = "
           f"{' × '.join(map(str, plan.mesh_shape))})")
     print(plan.table(stages.blocks_of if stages else lambda _: list(range(len(model)))))
+    # a model too big for the plain engine is advice (the fit line names the budgets to use); a plan whose offload
+    # leaf cannot be placed under the budgets given is bad input, as the run would say: the exit code tells a script
+    problems: list[str] = []
     if isinstance(plan.root, Local):
         print(plain_fit(state, device_memory_bytes(device), device, cfg.offload.disk_dir))
     if isinstance(plan.leaf, Offload):
-        _print_placements(leaf_config(cfg, plan.leaf), model, device, stages, split=plan.split is not None)
-    return {"params": n, "train_state_bytes": state}
+        problems += _print_placements(leaf_config(cfg, plan.leaf), model, device, stages,
+                                      split=plan.split is not None)
+    return {"params": n, "train_state_bytes": state, "problems": problems}
 
 
 def _print_placements(cfg: Config, model: BlockSeq, device: torch.device, stages: PipelinePlan | None, *,
-                      split: bool) -> None:
+                      split: bool) -> list[str]:
     """The offload leaf's placement under its own budgets: the model's, or each pipeline rank's for its blocks
-    (as that rank plans it at start-up)."""
+    (as that rank plans it at start-up). Returns why the run would stop there (none: it would start)."""
     prof = planning_profile(cfg, model, device)
     if split:
         print("offload under split: each split rank plans its 1/n of every block's split weights at start-up; "
               "the placement below is the unsplit model's, an upper bound on a rank's")
     if stages is None:
-        print(_placement_text(lambda: placement_for(cfg, model, device, profile=prof), device))
-        return
+        return _print_placement(lambda: placement_for(cfg, model, device, profile=prof), device)
+    problems = []
     for rank in range(stages.schedule.num_ranks):
         mine = stages.blocks_of(rank)
         print(f"pipeline rank {rank} (blocks {mine[0]}–{mine[-1]}):")
-        print(_placement_text(functools.partial(rank_placement, cfg, model, stages, mine, device, prof), device))
+        problems += [f"pipeline rank {rank}: {p}" for p in _print_placement(
+            functools.partial(rank_placement, cfg, model, stages, mine, device, prof), device)]
+    return problems
 
 
-def _placement_text(make: Callable[[], Placement], device: torch.device) -> str:
-    """The description of the placement ``make()`` plans on ``device``, or why none fits (the run would stop
-    there with that line)."""
+def _print_placement(make: Callable[[], Placement], device: torch.device) -> list[str]:
+    """Print the placement ``make()`` plans on ``device``, or why none fits; returns why the run would stop there
+    (the planner's refusal, or a plan larger than the RAM)."""
     try:
         placement = make()
-        return placement.describe() + ram_note(placement, device)
     except StratumError as e:
-        return f"does not fit — {e}"
+        print(f"does not fit — {e}")
+        return [str(e)]
+    print(placement.describe() + ram_note(placement, device))
+    return ["the offload plan holds more than the RAM available (the note above)"] \
+        if ram_excess(placement, device) else []

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from stratum.atomic import atomic_write_json, atomic_write_text
+from stratum.atomic import atomic_write_json, atomic_write_text, unwritable_dir
 from stratum.config import Config, shared_settings, to_toml
 from stratum.data.prepare import Dataset, prepare_data
 from stratum.data.tokenizer import tokenizer_id
@@ -37,6 +37,7 @@ from stratum.runtime.device import describe, resolve_device, synchronize
 from stratum.runtime.engine import Engine
 from stratum.train.checkpoint import (
     check_compatible,
+    check_recorded_settings,
     check_tokenizer,
     latest_checkpoint,
     load_checkpoint,
@@ -66,8 +67,7 @@ def prepare_out_dir(out_dir: Path) -> None:
         finally:  # a full filesystem creates the file, then refuses its bytes
             probe.unlink(missing_ok=True)
     except OSError as e:
-        raise StratumError(f"train.out_dir {str(out_dir)!r} is not writable ({e.strerror}); "
-                           "choose a directory you can write to") from None
+        raise unwritable_dir("train.out_dir", out_dir, e) from None
     ckpts = out_dir / "checkpoints"
     if ckpts.exists() and not ckpts.is_dir():  # found here, not at the first checkpoint after the steps before it
         raise StratumError(f"{ckpts} is a file, where the run keeps its checkpoints; move it away or choose "
@@ -141,6 +141,8 @@ def _train(cfg: Config, *, stop_at: int | None, console: Console | None, world: 
     out_dir = Path(t.out_dir).expanduser()
     main, device = world.is_main, world.device
     ckpt_path = _checkpoint_to_resume(cfg, out_dir, main)
+    if ckpt_path is not None:  # (another tokenizer or corpus is refused before a BPE is trained for it)
+        check_recorded_settings(ckpt_path, cfg)
     # every rank prepares its data (caches are written atomically, so ranks sharing a cache directory are safe;
     # `stratum train` prepares it before it spawns the ranks, so they only read it)
     data = prepare_data(cfg)
