@@ -56,12 +56,12 @@ def test_dry_run_prints_the_plan_its_batch_math_and_who_holds_what(make_cfg, cap
 def test_dry_run_prints_each_pipeline_ranks_offload_placement_under_the_leafs_budget(make_cfg, capsys):
     """The dry run plans each pipeline rank's blocks under the leaf's own budget as the rank does at start-up:
     a budget that fits the ranks is planned per rank; one that does not says so per rank, with the smallest budget
-    the rank itself would name (and the dry run still succeeds: it reports, it does not train)."""
+    the rank itself would name (and the dry run exits 2, as the run would not start)."""
     from stratum.cli import main
     cfg = make_cfg()
     for budget, fits in (("1%", False), ("200%", True)):
         plan = f"pipeline(2, offload(device_budget={budget}))"
-        assert main(["train", "--dry-run", *_sets(_base(cfg) + [f"parallel.plan={plan!r}"])]) == 0
+        assert main(["train", "--dry-run", *_sets(_base(cfg) + [f"parallel.plan={plan!r}"])]) == (0 if fits else 2)
         out = capsys.readouterr().out
         assert "pipeline rank 0 (blocks 0–1):" in out and "pipeline rank 1 (blocks 2–3):" in out
         assert out.count("offload plan:") == (2 if fits else 0)

@@ -286,7 +286,7 @@ def test_a_diverging_job_fails_a_killed_worker_is_retried_and_the_others_finish(
     # the runner's predictions are the calibration's: every job's first slice, 60 steps left, 700 s
     for job_id in got:
         first = next(ln for ln in lines if ln.startswith(f"{job_id}: started"))
-        assert first.endswith(", steps 0 → 20, 700 s predicted"), first
+        assert first.endswith(", steps 0 → 20, 700 s predicted to its end (step 60)"), first
     # the retry resumed from its checkpoint and still trained exactly the standalone run
     assert job_losses(sweep_dir, "j002") == standalone_losses(path, "j002", tmp_path)
 
