@@ -100,3 +100,30 @@ def test_each_job_of_a_sweep_gets_what_fits_its_budget(tmp_path, corpus_file, ca
         assert 1 < want < len(prof.blocks)  # (the budget holds some blocks, not all: a real choice)
         assert job.shard_blocks == want
         assert job.tasks_left == 3 * 2 * math.ceil(len(prof.blocks) / want) * sweep.configs[job.id].micro_batches_per_step
+
+
+def test_a_resumed_sharded_sweep_predicts_from_the_seconds_its_jobs_held_slots(tmp_path):
+    """A job's wall step time under sharded-lrtf holds the other jobs' tasks too: the earlier workers' task log
+    gives the seconds its steps held slots (median task × tasks a step), and the prediction uses those (a killed
+    worker's half-written last line left out)."""
+    import json
+
+    from stratum.sweep.predict import make_predict
+    from stratum.sweep.shard_run import slot_step_seconds
+    from stratum.sweep.state import SweepState
+    records = [{"t": 0.0, "slot": 0, "job": "j000", "task": 0}, {"t": 0.0, "slot": 1, "job": "j001", "task": 0},
+               {"t": 0.5, "slot": 0, "job": "j000", "task": 1}, {"t": 1.0, "slot": 0, "job": "j000", "task": 2}, {"t": 2.0, "slot": 1, "job": "j000", "task": 3},
+               {"t": 2.5, "slot": 0, "job": "j001", "end": True}, {"t": 3.0, "slot": 1, "job": "j000", "end": True}]
+    (tmp_path / "shard_tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"t": 3.5, "sl')
+    cfg = config_from_dict({"train": {"steps": 10, "grad_accum": 2}})
+    profiles = {"j000": _profile([20, 40, 40, 40]), "j001": _profile([20, 40, 40, 40])}
+    # 2 blocks a task: 2 groups × (forward, backward) × 2 micro-batches = 8 tasks a step
+    got = slot_step_seconds(tmp_path, {"j000": cfg, "j001": cfg}, profiles, shard_blocks=2)
+    assert got == {"j000": 1.0 * 8}  # j000's tasks 0.5, 0.5, 1.5, 1.0: median 1.0; j001 ran one task (0 → 2)
+    state = SweepState(tmp_path / "sw")
+    state.add_jobs([("j000", 0, "a", 10), ("j001", 1, "b", 10)])
+    state.update("j000", step=4)
+    predict = make_predict(state, {"j000": cfg, "j001": cfg}, profiles, slot_step_s=got)
+    assert predict("j000") == {"plain": 8.0 * 6}  # its 6 steps left at its slot seconds
+    profiled = 2 * sum(b.fwd_s + b.bwd_s for b in profiles["j001"].blocks)
+    assert predict("j001")["plain"] == pytest.approx(profiled * (8.0 / profiled) * 10)  # scaled as the ran ones

@@ -5,7 +5,7 @@ profile, then from its own measured step times once it has run."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -120,12 +120,17 @@ def alone_share(profile: Profile, cfg: Config, steps: int, cal: ShapeCalibration
 
 
 def make_predict(state: SweepState, configs: dict[str, Config], profiles: dict[str, Profile], *,
-                 calibration: ShapeCalibration | None = None) -> Callable[[str], dict[str, float]]:
+                 calibration: ShapeCalibration | None = None,
+                 slot_step_s: Mapping[str, float] | None = None) -> Callable[[str], dict[str, float]]:
     """Job → its candidate strategies' predicted seconds for what remains of it: its own measured median step
     time once it has run, else its calibrated time (given a calibration) or its profiled time scaled by how far
-    measured jobs ran from their profiles (so started and unstarted jobs are compared in the same units)."""
+    measured jobs ran from their profiles (so started and unstarted jobs are compared in the same units).
+    ``slot_step_s`` (sharded-lrtf): the measured seconds a job's step held slots, which stand for its measured
+    step time — there a step's wall time also holds the other jobs' tasks run between its own."""
     def step_s(job_id: str) -> tuple[float, float | None]:
         profiled = predicted_seconds(profiles[job_id], configs[job_id], 1)
+        if slot_step_s is not None:
+            return profiled, slot_step_s.get(job_id)
         recs = segment_records(configs[job_id])
         return profiled, (median(recs, "step_s") if len(recs) > 1 else None)
 

@@ -35,7 +35,7 @@ from stratum.sweep.results import makespan_line, read_makespan, results_csv, tab
 from stratum.sweep.schedulers import Policy, Start, make_policy
 from stratum.sweep.segment import POLL_S, STOP_GRACE_S, Backend, await_stop, checkpointed_values, segment_records
 from stratum.sweep.setup import Sweep, open_sweep, sweep_profiles, write_job_configs
-from stratum.sweep.shard_run import device_memory, run_sharded
+from stratum.sweep.shard_run import device_memory, run_sharded, slot_step_seconds
 from stratum.sweep.spec import job_threads
 from stratum.sweep.state import FINAL, PAUSED, PENDING, JobRow
 from stratum.sweep.sweep_calibration import PREDICTING, auto_calibration
@@ -125,7 +125,10 @@ def _predict(sweep: Sweep) -> Callable[[str], dict[str, float]] | None:
         sweep.say(f"calibration: for the predicted makespan only (scheduler {s.scheduler!r} orders by none)")
     if s.calibration.strip() == "auto" and any(r.status in (PENDING, PAUSED) for r in sweep.state.jobs()):
         sweep.calibration = auto_calibration(s, sweep.dir, sweep.configs, sweep_profiles(sweep), sweep.say)
-    return make_predict(sweep.state, sweep.configs, sweep_profiles(sweep), calibration=sweep.calibration)
+    profiles = sweep_profiles(sweep)
+    slot_s = slot_step_seconds(sweep.dir, sweep.configs, profiles, s.shard_blocks) \
+        if s.scheduler == "sharded-lrtf" else None
+    return make_predict(sweep.state, sweep.configs, profiles, calibration=sweep.calibration, slot_step_s=slot_s)
 
 
 def _planned_options(sweep: Sweep, predict: Callable[[str], dict[str, float]] | None,

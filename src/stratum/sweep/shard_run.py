@@ -37,7 +37,7 @@ from stratum.sweep.segment import (
 from stratum.sweep.shard_lrtf import tasks_per_step
 from stratum.sweep.shard_size import job_shard_blocks
 from stratum.sweep.shard_worker import ShardJob
-from stratum.sweep.slot_scheduler import DeviceMemory
+from stratum.sweep.slot_scheduler import DeviceMemory, task_seconds
 from stratum.sweep.spec import SweepSettings
 from stratum.sweep.state import DONE, FAILED, PAUSED, PENDING, RUNNING, SweepState
 from stratum.units import parse_budget
@@ -76,6 +76,24 @@ def shard_jobs(state: SweepState, configs: dict[str, Config], profiles: dict[str
         left = per_step * max(row.steps - checkpoint_step(Path(cfg.train.out_dir)), 0)
         out.append(ShardJob(id=row.id, config_path=str(Path(cfg.train.out_dir) / "job.toml"), tasks_left=left,
                             task_s=predict(row.id)["plain"] / max(left, 1), shard_blocks=blocks))
+    return out
+
+
+def slot_step_seconds(sweep_dir: Path, configs: dict[str, Config], profiles: dict[str, Profile],
+                      shard_blocks: int) -> dict[str, float]:
+    """Job → the seconds one of its steps held slots in the sweep's earlier workers (its shard tasks' median from
+    ``shard_tasks.jsonl`` × its tasks per step), for the jobs that ran at least two tasks."""
+    path = sweep_dir / "shard_tasks.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for job, seconds in task_seconds(path).items():
+        ran = sorted(t for t in seconds if t > 0)  # (a worker's last grant on a slot is closed by none: 0)
+        if job in configs and len(ran) > 1:
+            cfg, profile = configs[job], profiles[job]
+            per_step = tasks_per_step(len(profile.blocks), job_shard_blocks(profile, cfg, shard_blocks),
+                                      cfg.micro_batches_per_step)
+            out[job] = ran[len(ran) // 2] * per_step
     return out
 
 

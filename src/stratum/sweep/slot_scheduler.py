@@ -281,7 +281,12 @@ class SlotScheduler:
 def task_seconds(tasks_path: Path) -> dict[str, list[float]]:
     """Each job's shard tasks' seconds holding a slot, in its chain's order, from a ``shard_tasks.jsonl``: from a
     grant to the next grant or job end on the same slot (a task still running at the log's end is left out)."""
-    records = [json.loads(line) for line in tasks_path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in tasks_path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # (a blank line, or one a killed worker left half-written)
+            continue
     out: dict[str, list[float]] = {}
     for i, r in enumerate(records):
         if r.get("end") or "slot" not in r:  # a job's end, or a stage
